@@ -1,0 +1,272 @@
+"""``MixedPrecisionPlugin``: Lightning's precision hooks, wired to our loss scaler.
+
+The plugin is glue: numerics live in :mod:`lightning_mp.scaler`. One automatic-optimization step runs
+``forward_context`` (autocast) -> ``pre_backward`` (scale the loss) -> ``optimizer_step`` (closure, unscale,
+Lightning's hooks and clipping on unscaled grads, step only if finite, update the scale).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from collections.abc import Generator
+from functools import lru_cache
+from typing import Any, Callable, Literal, Optional, Union
+
+import torch
+from lightning.fabric.utilities.types import Optimizable
+from lightning.pytorch import LightningModule
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.utilities import GradClipAlgorithmType
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from torch import Tensor
+from torch.nn import Module
+from torch.optim import LBFGS, Optimizer
+from typing_extensions import override
+
+from lightning_mp.scaler import DynamicLossScaler
+
+PrecisionName = Literal["16-mixed", "bf16-mixed"]
+_DTYPES: dict[str, torch.dtype] = {"16-mixed": torch.float16, "bf16-mixed": torch.bfloat16}
+
+# optimizer -> whether its latest step was skipped; read by the scheduler guard below
+_LAST_STEP_SKIPPED: weakref.WeakKeyDictionary[Optimizer, bool] = weakref.WeakKeyDictionary()
+_WARNED_FP16_ON_CPU = False
+
+
+class MixedPrecisionPlugin(Precision):
+    """Mixed-precision training with a loss scaler you can tune and inspect.
+
+    Args:
+        precision: ``"16-mixed"`` (fp16 autocast, default) or ``"bf16-mixed"`` (bf16 autocast, no scaling).
+        scaler: for ``16-mixed``: ``None`` for a default :class:`~lightning_mp.DynamicLossScaler`, a
+            ``DynamicLossScaler`` you configured, or a number for a static scale (never changes; non-finite
+            steps are still skipped). For ``bf16-mixed`` only ``None`` or a disabled scaler.
+
+    The autocast device is the device the model lives on, found when Lightning connects the plugin; ``fp16``
+    is honoured on CPU too (Lightning's built-in switches to bf16 there), with a one-time warning that it is
+    slow. A step whose gradients hold inf/NaN is skipped, and LR schedulers with ``interval="step"`` do not
+    advance on it.
+    """
+
+    def __init__(
+        self,
+        precision: PrecisionName = "16-mixed",
+        scaler: Union[DynamicLossScaler, float, None] = None,
+    ) -> None:
+        if precision not in _DTYPES:
+            raise ValueError(
+                f"MixedPrecisionPlugin(precision={precision!r}) is not supported: use one of {sorted(_DTYPES)}."
+            )
+        self.precision = precision
+        self.dtype = _DTYPES[precision]
+        self.scaler: Optional[DynamicLossScaler] = self._build_scaler(precision, scaler)
+        self._device_type: Optional[str] = None
+        self._param_names: dict[int, str] = {}
+        # id(optimizer) -> found-inf flag of gradients already unscaled this step (manual `clip_gradients`)
+        self._unscaled: dict[int, Tensor] = {}
+
+    @staticmethod
+    def _build_scaler(precision: str, scaler: Union[DynamicLossScaler, float, None]) -> Optional[DynamicLossScaler]:
+        if isinstance(scaler, DynamicLossScaler):
+            if precision == "bf16-mixed" and scaler.enabled:
+                raise ValueError(
+                    f"precision='bf16-mixed' does not use loss scaling, but scaler={scaler!r} was given: "
+                    "pass scaler=None (or DynamicLossScaler(enabled=False)), or use precision='16-mixed'."
+                )
+            return scaler
+        if scaler is None:
+            return DynamicLossScaler() if precision == "16-mixed" else None
+        if isinstance(scaler, (int, float)) and not isinstance(scaler, bool):
+            if precision == "bf16-mixed":
+                raise ValueError(
+                    f"precision='bf16-mixed' does not use loss scaling, but a static scale scaler={scaler!r} was "
+                    "given: pass scaler=None, or use precision='16-mixed'."
+                )
+            return DynamicLossScaler.static(scaler)
+        raise ValueError(
+            f"scaler={scaler!r} is not supported: pass None, a lightning_mp.DynamicLossScaler, or a number > 0 "
+            "for a static scale."
+        )
+
+    @property
+    def device_type(self) -> str:
+        """The autocast device type: where the model lives once connected (before that: CUDA if present)."""
+        if self._device_type is not None:
+            return self._device_type
+        return "cuda" if torch.cuda.is_available() else "cpu"
+
+    @property
+    def _scaling(self) -> bool:
+        return self.scaler is not None and self.scaler.enabled
+
+    # ------------------------------------------------------------------ setup
+    @override
+    def connect(
+        self, model: Module, optimizers: list[Optimizer], lr_schedulers: list[Any]
+    ) -> tuple[Module, list[Optimizer], list[Any]]:
+        # Runs after the model is on its device and the optimizers exist, before checkpoint state is restored.
+        inner = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
+        self._device_type = _module_device(inner).type
+        self._param_names = {id(param): name for name, param in inner.named_parameters()}
+        self._unscaled.clear()
+        if self._device_type == "cpu" and self.dtype == torch.float16:
+            _warn_fp16_on_cpu()
+        for config in lr_schedulers:
+            if getattr(config, "interval", "step") == "step":
+                _guard_scheduler(config.scheduler)
+        return model, optimizers, lr_schedulers
+
+    # ------------------------------------------------------------------ forward and backward
+    def autocast_context_manager(self) -> torch.autocast:
+        """The ``torch.autocast`` context used for every forward (train, validation, test, predict)."""
+        return torch.autocast(self.device_type, dtype=self.dtype, cache_enabled=False)
+
+    @override
+    @contextlib.contextmanager
+    def forward_context(self) -> Generator[None, None, None]:
+        with self.autocast_context_manager():
+            yield
+
+    @override
+    def pre_backward(self, tensor: Tensor, module: LightningModule) -> Tensor:  # type: ignore[override]
+        # scale before Lightning's on_before_backward hooks, as its built-in plugin does
+        if self._scaling:
+            assert self.scaler is not None
+            tensor = self.scaler.scale_loss(tensor)
+        return super().pre_backward(tensor, module)
+
+    # ------------------------------------------------------------------ the optimizer step
+    @override
+    def optimizer_step(  # type: ignore[override]
+        self,
+        optimizer: Optimizable,
+        model: LightningModule,
+        closure: Callable[[], Any],
+        **kwargs: Any,
+    ) -> Any:
+        if not self._scaling:
+            return super().optimizer_step(optimizer, model=model, closure=closure, **kwargs)
+        assert self.scaler is not None
+        if isinstance(optimizer, LBFGS):
+            raise MisconfigurationException(
+                "MixedPrecisionPlugin with loss scaling cannot drive LBFGS: it re-evaluates the closure inside "
+                "step(), where the scaled gradients cannot be checked. Use precision='bf16-mixed' or fp32."
+            )
+        closure_result = closure()
+        if closure_result is None and model.automatic_optimization:
+            # training_step returned None: no backward ran, so nothing to unscale or step
+            self._after_closure(model, optimizer)
+            return None
+        # unscale after the closure and before on_before_optimizer_step, so hooks and clipping see true grads
+        found_inf = self._unscale_once(optimizer)
+        self._after_closure(model, optimizer)
+        self._unscaled.pop(id(optimizer), None)
+        skip = self.scaler.found_inf(found_inf)  # the step's one host synchronisation
+        _LAST_STEP_SKIPPED[optimizer] = skip  # type: ignore[index]
+        step_output = None if skip else optimizer.step(**kwargs)
+        self.scaler.update(skip)
+        return step_output
+
+    def _unscale_once(self, optimizer: Optimizable) -> Tensor:
+        """Unscale ``optimizer``'s grads unless already done this step; returns the found-inf flag tensor."""
+        assert self.scaler is not None
+        optimizer = _unwrap_optimizer(optimizer)
+        if id(optimizer) not in self._unscaled:
+            named = [
+                (self._param_names.get(id(param), f"param_groups[{g}][{i}]"), param)
+                for g, group in enumerate(optimizer.param_groups)
+                for i, param in enumerate(group["params"])
+            ]
+            self._unscaled[id(optimizer)] = self.scaler.unscale_(named)
+        return self._unscaled[id(optimizer)]
+
+    @override
+    def clip_gradients(
+        self,
+        optimizer: Optimizer,
+        clip_val: Union[int, float] = 0.0,
+        gradient_clip_algorithm: GradClipAlgorithmType = GradClipAlgorithmType.NORM,
+    ) -> None:
+        # In manual optimization `self.clip_gradients` runs inside training_step, before `opt.step()`:
+        # unscale here so clipping sees true gradients; optimizer_step then does not unscale twice.
+        # Fused optimizers need no special case: we always unscale before calling their step().
+        if clip_val > 0 and self._scaling:
+            self._unscale_once(optimizer)
+        super().clip_gradients(optimizer, clip_val=clip_val, gradient_clip_algorithm=gradient_clip_algorithm)
+
+    # ------------------------------------------------------------------ checkpointing
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {"scaler": self.scaler.state_dict()} if self.scaler is not None else {}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        if "scaler" in state_dict and self.scaler is not None:
+            self.scaler.load_state_dict(state_dict["scaler"])
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(precision={self.precision!r}, scaler={self.scaler!r})"
+
+
+def _unwrap_optimizer(optimizer: Any) -> Any:
+    # LightningOptimizer (what the user holds in manual optimization) wraps the torch optimizer
+    return getattr(optimizer, "_optimizer", optimizer)
+
+
+def _module_device(module: Module) -> torch.device:
+    for tensor in module.parameters():
+        return tensor.device
+    for tensor in module.buffers():
+        return tensor.device
+    return getattr(module, "device", torch.device("cpu"))
+
+
+def _warn_fp16_on_cpu() -> None:
+    global _WARNED_FP16_ON_CPU
+    if not _WARNED_FP16_ON_CPU:
+        _WARNED_FP16_ON_CPU = True
+        rank_zero_warn(
+            "MixedPrecisionPlugin(precision='16-mixed') runs real fp16 autocast on CPU, which is slow on CPUs "
+            "without native fp16 arithmetic (often ~1000x slower matmuls than bf16). On CPU, "
+            "precision='bf16-mixed' is the fast choice."
+        )
+
+
+# ---------------------------------------------------------------------- LR scheduler guard
+class _SkipAwareScheduler:
+    """Placed before a scheduler's own class: ``step()`` does nothing right after a skipped optimizer step.
+
+    Lightning steps ``interval="step"`` schedulers after every optimizer step, skipped or not; DeepSpeed,
+    Megatron and fairseq hold the schedule back instead, and so do we. The scheduler's ``state_dict`` and
+    ``isinstance`` checks are unchanged.
+    """
+
+    optimizer: Optimizer
+
+    def step(self, *args: Any, **kwargs: Any) -> Any:
+        if _LAST_STEP_SKIPPED.get(self.optimizer, False):
+            return None
+        return super().step(*args, **kwargs)  # type: ignore[misc]
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        # pickle and deepcopy as the scheduler's own class, which can be imported
+        return _rebuild_scheduler, (type(self).__mro__[2], self.__dict__.copy())
+
+
+def _rebuild_scheduler(cls: type, state: dict[str, Any]) -> Any:
+    scheduler = cls.__new__(cls)
+    scheduler.__dict__.update(state)
+    return scheduler
+
+
+@lru_cache(maxsize=None)
+def _skip_aware_class(cls: type) -> type:
+    return type(cls.__name__, (_SkipAwareScheduler, cls), {"__module__": __name__, "__doc__": cls.__doc__})
+
+
+def _guard_scheduler(scheduler: Any) -> None:
+    if isinstance(scheduler, _SkipAwareScheduler) or not hasattr(scheduler, "optimizer"):
+        return
+    scheduler.__class__ = _skip_aware_class(type(scheduler))

@@ -1,0 +1,153 @@
+"""Small models, data and probes shared by the tests."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from typing import Any, Optional
+
+import lightning as L
+import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.data import DataLoader, TensorDataset
+
+# Tensor methods that make the host wait for the device
+_HOST_SYNCS = {
+    torch.Tensor.item,
+    torch.Tensor.__bool__,
+    torch.Tensor.__float__,
+    torch.Tensor.__int__,
+    torch.Tensor.__index__,
+    torch.Tensor.tolist,
+    torch.Tensor.numpy,
+    torch.Tensor.nonzero,
+    torch.is_nonzero,
+}
+
+
+class HostSyncCounter(TorchFunctionMode):
+    """Counts calls that force a device->host synchronisation."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[str] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in _HOST_SYNCS:
+            self.calls.append(getattr(func, "__name__", str(func)))
+        return func(*args, **(kwargs or {}))
+
+
+class MatmulDtypes(TorchDispatchMode):
+    """Records the input dtypes of every matmul-like aten op that runs."""
+
+    MATMULS = {"mm", "addmm", "bmm", "baddbmm", "matmul", "linear"}
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.dtypes: set[torch.dtype] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket.__name__ in self.MATMULS:
+            self.dtypes.update(a.dtype for a in args if isinstance(a, torch.Tensor))
+        return func(*args, **(kwargs or {}))
+
+
+def regression_loader(n: int = 64, batch_size: int = 8, seed: int = 0) -> DataLoader:
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 4, generator=gen)
+    y = (x @ torch.tensor([[1.0], [-2.0], [0.5], [3.0]]) + 0.1 * torch.randn(n, 1, generator=gen)).float()
+    return DataLoader(TensorDataset(x, y), batch_size=batch_size, shuffle=False)
+
+
+class TinyRegressor(L.LightningModule):
+    """Linear -> Tanh -> Linear with MSE loss; hooks to inject inf gradients and record what the step saw."""
+
+    def __init__(
+        self,
+        lr: float = 0.05,
+        optimizer: str = "sgd",
+        scheduler: Optional[str] = None,
+        inject_inf_at: Sequence[int] = (),
+        inject_param: str = "net.0.weight",
+        return_none_at: Sequence[int] = (),
+        fused: bool = False,
+    ) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
+        self.lr = lr
+        self.optimizer_name = optimizer
+        self.scheduler = scheduler
+        self.inject_inf_at = set(inject_inf_at)
+        self.inject_param = inject_param
+        self.return_none_at = set(return_none_at)
+        self.fused = fused
+        self.grad_norms_seen: list[float] = []  # in on_before_optimizer_step
+        self.lrs: list[float] = []
+        self.example_input_array = torch.zeros(2, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+    def training_step(self, batch: Any, batch_idx: int) -> Optional[torch.Tensor]:
+        if self.trainer.global_step in self.return_none_at:
+            return None
+        x, y = batch
+        return nn.functional.mse_loss(self(x).float(), y)
+
+    def on_after_backward(self) -> None:
+        if self.trainer.global_step in self.inject_inf_at:
+            param = self.get_parameter(self.inject_param)
+            param.grad[0, 0] = float("inf")
+
+    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        grads = [p.grad.float() for p in self.parameters() if p.grad is not None]
+        self.grad_norms_seen.append(float(torch.linalg.vector_norm(torch.stack([g.norm() for g in grads]))))
+
+    def on_train_batch_end(self, *args: Any) -> None:
+        self.lrs.append(self.trainer.optimizers[0].param_groups[0]["lr"])
+
+    def configure_optimizers(self) -> Any:
+        if self.optimizer_name == "sgd":
+            opt = torch.optim.SGD(self.parameters(), lr=self.lr)
+        elif self.optimizer_name == "adam":
+            opt = torch.optim.Adam(self.parameters(), lr=self.lr, fused=self.fused)
+        elif self.optimizer_name == "lbfgs":
+            opt = torch.optim.LBFGS(self.parameters(), lr=self.lr)
+        else:
+            raise ValueError(self.optimizer_name)
+        if self.scheduler is None:
+            return opt
+        interval = self.scheduler
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": interval}}
+
+
+def make_trainer(plugins: Any = None, accelerator: str = "cpu", **kwargs: Any) -> L.Trainer:
+    defaults: dict[str, Any] = dict(
+        accelerator=accelerator,
+        devices=1,
+        max_epochs=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        deterministic=True,
+    )
+    defaults.update(kwargs)
+    if plugins is not None:
+        defaults["plugins"] = [plugins]
+    return L.Trainer(**defaults)
+
+
+def params_of(module: nn.Module) -> dict[str, torch.Tensor]:
+    return {name: p.detach().clone() for name, p in module.named_parameters()}
+
+
+@contextlib.contextmanager
+def seeded(seed: int = 0) -> Iterator[None]:
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        yield
