@@ -74,6 +74,7 @@ class TinyRegressor(L.LightningModule):
         inject_param: str = "net.0.weight",
         return_none_at: Sequence[int] = (),
         fused: bool = False,
+        record_grad_norms: bool = True,
     ) -> None:
         super().__init__()
         self.net = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
@@ -84,6 +85,7 @@ class TinyRegressor(L.LightningModule):
         self.inject_param = inject_param
         self.return_none_at = set(return_none_at)
         self.fused = fused
+        self.record_grad_norms = record_grad_norms
         self.grad_norms_seen: list[float] = []  # in on_before_optimizer_step
         self.lrs: list[float] = []
         self.example_input_array = torch.zeros(2, 4)
@@ -104,6 +106,8 @@ class TinyRegressor(L.LightningModule):
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         grads = [p.grad.float() for p in self.parameters() if p.grad is not None]
+        if not self.record_grad_norms or not grads:
+            return
         self.grad_norms_seen.append(float(torch.linalg.vector_norm(torch.stack([g.norm() for g in grads]))))
 
     def on_train_batch_end(self, *args: Any) -> None:
