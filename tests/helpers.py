@@ -75,6 +75,7 @@ class TinyRegressor(L.LightningModule):
         return_none_at: Sequence[int] = (),
         fused: bool = False,
         record_grad_norms: bool = True,
+        gamma: float = 0.5,
     ) -> None:
         super().__init__()
         self.net = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
@@ -86,6 +87,7 @@ class TinyRegressor(L.LightningModule):
         self.return_none_at = set(return_none_at)
         self.fused = fused
         self.record_grad_norms = record_grad_norms
+        self.gamma = gamma
         self.grad_norms_seen: list[float] = []  # in on_before_optimizer_step
         self.lrs: list[float] = []
         self.example_input_array = torch.zeros(2, 4)
@@ -125,7 +127,7 @@ class TinyRegressor(L.LightningModule):
         if self.scheduler is None:
             return opt
         interval = self.scheduler
-        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+        sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=self.gamma)
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": interval}}
 
 
