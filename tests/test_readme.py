@@ -1,0 +1,35 @@
+"""The README's commands and snippets are the ones that run."""
+
+import re
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+README = (ROOT / "README.md").read_text()
+
+
+def _code_blocks(language: str) -> list[str]:
+    return re.findall(rf"```{language}\n(.*?)```", README, flags=re.S)
+
+
+def test_ci_runs_the_readme_setup_and_test_command():
+    ci_commands = [
+        line for line in (ROOT / ".ci" / "run").read_text().splitlines() if line and not line.startswith(("#", "set ", "cd "))
+    ]
+    readme_commands = [line for block in _code_blocks("bash") for line in block.splitlines()]
+    assert ci_commands and all(command in readme_commands for command in ci_commands)
+    assert any("pytest" in command for command in ci_commands)
+
+
+def test_readme_scaler_snippet_runs():
+    snippet = next(block for block in _code_blocks("python") if "scaler.update(skip)" in block)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    before = [p.detach().clone() for p in model.parameters()]
+    namespace = {"model": model, "x": torch.randn(5, 3), "optimizer": optimizer}
+    exec(compile(snippet, "README.md", "exec"), namespace)
+    scaler = namespace["scaler"]
+    assert scaler.steps == 1 and scaler.skipped_steps == 0
+    assert any(not torch.equal(b, p) for b, p in zip(before, model.parameters()))
