@@ -206,6 +206,30 @@ class MixedPrecisionPlugin(Precision):
         if "scaler" in state_dict and self.scaler is not None:
             self.scaler.load_state_dict(state_dict["scaler"])
 
+    @override
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        # Lightning restores plugin state from the key named after this exact class. Resuming with another
+        # subclass of this plugin than the one that saved, or from Lightning's built-in MixedPrecision, would
+        # silently restart the scale at init_scale: pick up those states here instead.
+        if type(self).__qualname__ in checkpoint or self.scaler is None:
+            return
+        for state in checkpoint.values():
+            if isinstance(state, dict) and "hysteresis_tracker" in state.get("scaler", {}):
+                self.load_state_dict(state)
+                return
+        torch_state = checkpoint.get("MixedPrecision")
+        if isinstance(torch_state, dict) and "scale" in torch_state:  # a torch.amp.GradScaler state
+            settings = ("growth_factor", "backoff_factor", "growth_interval")
+            self.scaler.load_state_dict(
+                {
+                    **{key: torch_state[key] for key in settings if key in torch_state},
+                    "scale": float(torch_state["scale"]),
+                    "growth_tracker": int(torch_state.get("_growth_tracker", 0)),
+                    "hysteresis_tracker": self.scaler.hysteresis,
+                    "skipped_steps": 0,
+                }
+            )
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}(precision={self.precision!r}, scaler={self.scaler!r})"
 

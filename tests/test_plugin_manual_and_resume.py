@@ -140,3 +140,41 @@ def test_checkpoint_resume_reproduces_uninterrupted_run_bit_exactly(tmp_path, ac
     for key in full_state:
         for field in ("exp_avg", "exp_avg_sq", "step"):
             assert torch.equal(resumed_state[key][field], full_state[key][field])
+
+
+class SubclassedPlugin(MixedPrecisionPlugin):
+    pass
+
+
+def _checkpoint_after_two_epochs(tmp_path, plugin):
+    with seeded():
+        model = TinyRegressor(inject_inf_at=[3])
+    trainer = make_trainer(plugin, max_epochs=2)
+    trainer.fit(model, regression_loader())
+    path = tmp_path / "run.ckpt"
+    trainer.save_checkpoint(path)
+    return path, trainer
+
+
+def test_resume_with_a_subclass_of_the_saving_plugin_keeps_the_scaler_state(tmp_path):
+    path, saving = _checkpoint_after_two_epochs(tmp_path, MixedPrecisionPlugin(scaler=DynamicLossScaler(init_scale=1024.0)))
+    resuming = SubclassedPlugin()
+    with seeded():
+        model = TinyRegressor()
+    make_trainer(resuming, max_epochs=2).fit(model, regression_loader(), ckpt_path=path)  # restores, trains 0 steps
+    assert resuming.scaler.state_dict() == saving.scaler.state_dict()
+    assert resuming.scaler.scale == 512.0 and resuming.scaler.skipped_steps == 1
+
+
+def test_resume_from_lightnings_builtin_mixed_precision_takes_its_scale(tmp_path):
+    path, _ = _checkpoint_after_two_epochs(tmp_path, MixedPrecisionPlugin(scaler=DynamicLossScaler(init_scale=1024.0)))
+    checkpoint = torch.load(path, weights_only=False)
+    # what Lightning's MixedPrecision(16-mixed) saves: a torch.amp.GradScaler state under its class name
+    del checkpoint["MixedPrecisionPlugin"]
+    checkpoint["MixedPrecision"] = torch.amp.GradScaler("cpu", init_scale=256.0, growth_interval=7).state_dict()
+    torch.save(checkpoint, path)
+    plugin = MixedPrecisionPlugin()
+    with seeded():
+        model = TinyRegressor()
+    make_trainer(plugin, max_epochs=2).fit(model, regression_loader(), ckpt_path=path)
+    assert plugin.scaler.scale == 256.0 and plugin.scaler.growth_interval == 7
