@@ -17,6 +17,7 @@ import torch
 from lightning.fabric.utilities.types import Optimizable
 from lightning.pytorch import LightningModule
 from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies import SingleDeviceStrategy
 from lightning.pytorch.utilities import GradClipAlgorithmType
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
@@ -25,6 +26,7 @@ from torch.nn import Module
 from torch.optim import LBFGS, Optimizer
 from typing_extensions import override
 
+from lightning_mp.master import MasterWeights, is_norm
 from lightning_mp.scaler import DynamicLossScaler
 
 PrecisionName = Literal["16-mixed", "bf16-mixed"]
@@ -43,6 +45,10 @@ class MixedPrecisionPlugin(Precision):
         scaler: for ``16-mixed``: ``None`` for a default :class:`~lightning_mp.DynamicLossScaler`, a
             ``DynamicLossScaler`` you configured, or a number for a static scale (never changes; non-finite
             steps are still skipped). For ``bf16-mixed`` only ``None`` or a disabled scaler.
+        master_weights: ``True`` holds the model in fp16/bf16 and lets the optimizer update fp32 master copies
+            (see :class:`~lightning_mp.master.MasterWeights`), so updates smaller than half precision's
+            resolution are not lost. Default ``False``: the model stays fp32 and only autocast runs in half.
+        keep_norm_fp32: with master weights, normalisation layers keep fp32 parameters (default ``True``).
 
     The autocast device is the device the model lives on, found when Lightning connects the plugin; ``fp16``
     is honoured on CPU too (Lightning's built-in switches to bf16 there), with a one-time warning that it is
@@ -54,6 +60,8 @@ class MixedPrecisionPlugin(Precision):
         self,
         precision: PrecisionName = "16-mixed",
         scaler: Union[DynamicLossScaler, float, None] = None,
+        master_weights: bool = False,
+        keep_norm_fp32: bool = True,
     ) -> None:
         if precision not in _DTYPES:
             raise ValueError(
@@ -62,6 +70,13 @@ class MixedPrecisionPlugin(Precision):
         self.precision = precision
         self.dtype = _DTYPES[precision]
         self.scaler: Optional[DynamicLossScaler] = self._build_scaler(precision, scaler)
+        if not isinstance(master_weights, bool) or not isinstance(keep_norm_fp32, bool):
+            raise ValueError(
+                f"master_weights={master_weights!r}, keep_norm_fp32={keep_norm_fp32!r}: both must be True or False."
+            )
+        self.masters: Optional[MasterWeights] = None
+        if master_weights:
+            self.masters = MasterWeights(self.dtype, keep_fp32=is_norm if keep_norm_fp32 else _never)
         self._device_type: Optional[str] = None
         self._param_names: dict[int, str] = {}
         # id(optimizer) -> found-inf flag of gradients already unscaled this step (manual `clip_gradients`)
@@ -98,10 +113,30 @@ class MixedPrecisionPlugin(Precision):
         return "cuda" if torch.cuda.is_available() else "cpu"
 
     @property
+    def master_weights(self) -> bool:
+        """Whether the model is held in half precision with fp32 master weights."""
+        return self.masters is not None
+
+    @property
     def _scaling(self) -> bool:
         return self.scaler is not None and self.scaler.enabled
 
     # ------------------------------------------------------------------ setup
+    @override
+    def convert_module(self, module: Module) -> Module:
+        # Runs once per fit/validate/test/predict, before the model moves to its device and before
+        # configure_optimizers, so the optimizers are built on the half parameters and connect() swaps in masters.
+        if self.masters is None:
+            return module
+        trainer = getattr(module, "_trainer", None)
+        if trainer is not None and type(trainer.strategy) not in _MASTER_WEIGHTS_STRATEGIES:
+            supported = ", ".join(cls.__name__ for cls in _MASTER_WEIGHTS_STRATEGIES)
+            raise ValueError(
+                f"master_weights=True does not support the {type(trainer.strategy).__name__} strategy yet "
+                f"(supported: {supported}). Train on one device, or use master_weights=False."
+            )
+        return self.masters.convert(module)
+
     @override
     def connect(
         self, model: Module, optimizers: list[Optimizer], lr_schedulers: list[Any]
@@ -110,6 +145,10 @@ class MixedPrecisionPlugin(Precision):
         inner = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
         self._device_type = _module_device(inner).type
         self._param_names = {id(param): name for name, param in inner.named_parameters()}
+        if self.masters is not None:
+            self.masters.attach(optimizers)
+            for param, master in self.masters.pairs():
+                self._param_names[id(master)] = self._param_names.get(id(param), "")
         self._unscaled.clear()
         if self._device_type == "cpu" and self.dtype == torch.float16:
             _warn_fp16_on_cpu()
@@ -137,6 +176,15 @@ class MixedPrecisionPlugin(Precision):
             tensor = self.scaler.scale_loss(tensor)
         return super().pre_backward(tensor, module)
 
+    @override
+    def post_backward(self, tensor: Tensor, module: LightningModule) -> Tensor:  # type: ignore[override]
+        # on_after_backward hooks still see the half gradients; then they move to the fp32 masters (adding up
+        # across accumulated micro-batches in fp32) and the half ones are freed
+        closure_loss = super().post_backward(tensor, module)
+        if self.masters is not None:
+            self.masters.grads_to_masters()
+        return closure_loss
+
     # ------------------------------------------------------------------ the optimizer step
     @override
     def optimizer_step(  # type: ignore[override]
@@ -146,14 +194,18 @@ class MixedPrecisionPlugin(Precision):
         closure: Callable[[], Any],
         **kwargs: Any,
     ) -> Any:
-        if not self._scaling:
-            return super().optimizer_step(optimizer, model=model, closure=closure, **kwargs)
-        assert self.scaler is not None
-        if isinstance(optimizer, LBFGS):
+        if isinstance(optimizer, LBFGS) and (self._scaling or self.masters is not None):
             raise MisconfigurationException(
-                "MixedPrecisionPlugin with loss scaling cannot drive LBFGS: it re-evaluates the closure inside "
-                "step(), where the scaled gradients cannot be checked. Use precision='bf16-mixed' or fp32."
+                "MixedPrecisionPlugin with loss scaling or master weights cannot drive LBFGS: it re-evaluates the "
+                "closure inside step(), where scaled gradients cannot be checked and the half model is stale. "
+                "Use precision='bf16-mixed' without master weights, or fp32."
             )
+        if not self._scaling:
+            step_output = super().optimizer_step(optimizer, model=model, closure=closure, **kwargs)
+            if self.masters is not None:
+                self.masters.masters_to_model(_unwrap_optimizer(optimizer))
+            return step_output
+        assert self.scaler is not None
         closure_result = closure()
         if closure_result is None and model.automatic_optimization:
             # training_step returned None: no backward ran, so nothing to unscale or step
@@ -165,7 +217,11 @@ class MixedPrecisionPlugin(Precision):
         self._unscaled.pop(id(optimizer), None)
         skip = self.scaler.found_inf(found_inf)  # the step's one host synchronisation
         _LAST_STEP_SKIPPED[optimizer] = skip  # type: ignore[index]
-        step_output = None if skip else optimizer.step(**kwargs)
+        step_output = None
+        if not skip:
+            step_output = optimizer.step(**kwargs)
+            if self.masters is not None:
+                self.masters.masters_to_model(_unwrap_optimizer(optimizer))
         self.scaler.update(skip)
         return step_output
 
@@ -230,8 +286,25 @@ class MixedPrecisionPlugin(Precision):
                 }
             )
 
+    @override
+    def teardown(self) -> None:
+        # after fit/validate/test/predict the model holds its fp32 values again (the masters, after training)
+        if self.masters is not None:
+            self.masters.restore()
+        super().teardown()
+
     def __repr__(self) -> str:
-        return f"{type(self).__name__}(precision={self.precision!r}, scaler={self.scaler!r})"
+        return (
+            f"{type(self).__name__}(precision={self.precision!r}, scaler={self.scaler!r}, "
+            f"master_weights={self.master_weights})"
+        )
+
+
+_MASTER_WEIGHTS_STRATEGIES = (SingleDeviceStrategy,)
+
+
+def _never(name: str, module: Module) -> bool:
+    return False
 
 
 def _unwrap_optimizer(optimizer: Any) -> Any:

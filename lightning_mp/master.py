@@ -1,0 +1,243 @@
+"""fp32 master weights for a model held in fp16/bf16, independent of any trainer.
+
+The model's parameters become half precision; the optimizer updates fp32 *master* copies kept in one flat
+contiguous buffer per device (each master is a view into it, and so is its ``.grad``). Per step:
+``grads_to_masters`` after every backward (accumulating in fp32 and freeing the half gradients),
+``masters_to_model`` after the optimizer step. ``restore`` puts the fp32 values back into the model.
+
+Memory at rest, per half-precision parameter with Adam: 2 (half weight) + 4 (master) + 4 (master grad)
++ 8 (Adam's two moments) = 18 bytes; the half gradient (2 bytes) lives only between a backward and the
+move that follows it. Parameters kept in fp32 (normalisation layers by default) cost what they cost in fp32
+training: 4 + 4 + 8 = 16 bytes.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterable, Iterator
+from typing import Any, Callable, Optional
+
+import torch
+from torch import Tensor, nn
+from torch.optim import Optimizer
+
+#: Module classes whose parameters and buffers stay fp32 by default (and their subclasses).
+NORM_TYPES: tuple[type[nn.Module], ...] = (
+    nn.modules.batchnorm._NormBase,
+    nn.LayerNorm,
+    nn.GroupNorm,
+    nn.LocalResponseNorm,
+    nn.RMSNorm,
+)
+
+
+def is_norm(name: str, module: nn.Module) -> bool:
+    """The default ``keep_fp32`` rule: normalisation layers keep fp32 parameters and statistics."""
+    return isinstance(module, NORM_TYPES)
+
+
+class MasterWeights:
+    """Casts a module to ``dtype`` and keeps fp32 masters of the parameters its optimizers train.
+
+    Args:
+        dtype: ``torch.float16`` or ``torch.bfloat16``, the dtype the model runs in.
+        keep_fp32: ``keep_fp32(qualified_name, module)`` is true for modules whose own parameters and
+            buffers stay fp32 (default: :func:`is_norm`). Their parameters are trained as they are.
+    """
+
+    def __init__(self, dtype: torch.dtype, keep_fp32: Callable[[str, nn.Module], bool] = is_norm) -> None:
+        if dtype not in (torch.float16, torch.bfloat16):
+            raise ValueError(f"dtype={dtype} is not supported for master weights: use torch.float16 or torch.bfloat16.")
+        self.dtype = dtype
+        self.keep_fp32 = keep_fp32
+        self._reset()
+
+    def _reset(self) -> None:
+        self._module: Optional[nn.Module] = None
+        self._hook: Any = None
+        self._names: dict[int, str] = {}  # id(half model param) -> qualified name
+        self._params: dict[int, nn.Parameter] = {}  # id(half model param) -> the param, for every converted one
+        # fp32 values of the half parameters before the cast (the original tensors), until masters replace them
+        self._fp32_values: dict[int, Tensor] = {}
+        # converted buffers: (owner module, attribute name, qualified name, value before the cast, half value)
+        self._buffers: list[tuple[nn.Module, str, str, Tensor, Tensor]] = []
+        self._masters: dict[int, nn.Parameter] = {}  # id(half model param) -> its fp32 master
+        self._param_of_master: dict[int, nn.Parameter] = {}  # id(master) -> half model param
+        self._grad_views: dict[int, Tensor] = {}  # id(master) -> its slice of the flat grad buffer
+        self._flat: list[tuple[Tensor, Tensor]] = []  # one (flat masters, flat grads) per device
+        self._optimizers: list[Optimizer] = []
+
+    # ------------------------------------------------------------------ setup
+    def convert(self, module: nn.Module) -> nn.Module:
+        """Cast ``module``'s floating parameters and buffers to ``dtype`` in place, except ``keep_fp32`` ones.
+
+        Parameters keep their identity (only ``.data`` changes), so optimizers created afterwards see the half
+        parameters. The fp32 values are kept (no copy: the original tensors) until :meth:`attach` builds the
+        masters from them, or :meth:`restore` puts them back.
+        """
+        if self._module is not None:
+            self.restore()
+        self._module = module
+        for module_name, owner in module.named_modules():
+            if self.keep_fp32(module_name, owner):
+                continue
+            prefix = f"{module_name}." if module_name else ""
+            for name, param in owner.named_parameters(recurse=False):
+                if param.is_floating_point() and param.dtype != self.dtype and id(param) not in self._params:
+                    self._names[id(param)] = prefix + name
+                    self._params[id(param)] = param
+                    self._fp32_values[id(param)] = param.data
+                    param.data = param.data.to(self.dtype)
+            for name, buffer in list(owner.named_buffers(recurse=False)):
+                if buffer is not None and buffer.is_floating_point() and buffer.dtype != self.dtype:
+                    half = buffer.to(self.dtype)
+                    self._buffers.append((owner, name, prefix + name, buffer, half))
+                    owner._buffers[name] = half
+        self._hook = module._register_state_dict_hook(self._state_dict_hook)
+        return module
+
+    def attach(self, optimizers: Iterable[Optimizer]) -> None:
+        """Replace the half parameters inside each optimizer's ``param_groups`` by fp32 masters, in place.
+
+        Param-group options and any optimizer state are kept; fp32 parameters stay as they are. LR schedulers
+        keep pointing at the same optimizer objects.
+
+        Raises:
+            ValueError: an optimizer holds a parameter that is not in the converted module.
+        """
+        if self._module is None:
+            raise RuntimeError("MasterWeights.attach() needs convert(module) first.")
+        self._optimizers = list(optimizers)
+        module_params = {id(p) for p in self._module.parameters()}
+        trained: dict[int, nn.Parameter] = {}
+        for index, optimizer in enumerate(self._optimizers):
+            for g, group in enumerate(optimizer.param_groups):
+                for i, param in enumerate(group["params"]):
+                    if id(param) not in module_params and id(param) not in self._param_of_master:
+                        raise ValueError(
+                            f"master_weights=True needs every optimizer parameter to belong to the model, but "
+                            f"optimizer {index} ({type(optimizer).__name__}) param_groups[{g}]['params'][{i}] "
+                            f"(shape {tuple(param.shape)}, {param.dtype}) is not one of its parameters. Build the "
+                            "optimizer from self.parameters() in configure_optimizers, or use master_weights=False."
+                        )
+                    if id(param) in self._params and id(param) not in self._masters:
+                        trained[id(param)] = param
+        self._build_masters(list(trained.values()))
+        for optimizer in self._optimizers:
+            for group in optimizer.param_groups:
+                group["params"] = [self._masters.get(id(p), p) for p in group["params"]]
+            for param in trained.values():
+                if param in optimizer.state:
+                    optimizer.state[self._masters[id(param)]] = optimizer.state.pop(param)
+
+    def _build_masters(self, params: list[nn.Parameter]) -> None:
+        by_device: dict[torch.device, list[nn.Parameter]] = defaultdict(list)
+        for param in params:
+            by_device[param.device].append(param)
+        for device, group in by_device.items():
+            flat = torch.empty(sum(p.numel() for p in group), dtype=torch.float32, device=device)
+            flat_grad = torch.zeros_like(flat)
+            offset = 0
+            for param in group:
+                end = offset + param.numel()
+                view = flat[offset:end].view_as(param)
+                view.copy_(self._fp32_values.pop(id(param), param.data))  # exact fp32 values where we have them
+                master = nn.Parameter(view, requires_grad=param.requires_grad)
+                self._masters[id(param)] = master
+                self._param_of_master[id(master)] = param
+                self._grad_views[id(master)] = flat_grad[offset:end].view_as(param)
+                offset = end
+            self._flat.append((flat, flat_grad))
+
+    # ------------------------------------------------------------------ per step
+    def pairs(self) -> Iterator[tuple[nn.Parameter, nn.Parameter]]:
+        """``(half model parameter, fp32 master)`` for every trained half parameter."""
+        for key, master in self._masters.items():
+            yield self._params[key], master
+
+    def grads_to_masters(self) -> None:
+        """Move the half gradients into the masters' fp32 ``.grad`` (adding to what is there) and free them."""
+        for param, master in self.pairs():
+            if param.grad is None:
+                continue
+            if master.grad is None:
+                grad = self._grad_views[id(master)]
+                grad.copy_(param.grad)
+                master.grad = grad
+            else:
+                master.grad.add_(param.grad)
+            param.grad = None
+
+    def masters_to_model(self, optimizer: Optimizer) -> None:
+        """Copy the masters that ``optimizer`` updates back into the half model parameters."""
+        model_values, masters = [], []
+        for group in optimizer.param_groups:
+            for master in group["params"]:
+                param = self._param_of_master.get(id(master))
+                if param is not None:
+                    model_values.append(param.data)
+                    masters.append(master.detach())
+        if model_values:
+            torch._foreach_copy_(model_values, masters)
+
+    def master_of(self, param: Tensor) -> Optional[nn.Parameter]:
+        """The fp32 master of a half model parameter (``None`` if it has none)."""
+        return self._masters.get(id(param))
+
+    def name_of(self, tensor: Tensor) -> Optional[str]:
+        """The model's name of a converted model parameter or of a master."""
+        param = self._param_of_master.get(id(tensor), tensor)
+        return self._names.get(id(param))
+
+    @property
+    def flat_buffers(self) -> list[tuple[Tensor, Tensor]]:
+        """``(flat fp32 masters, flat fp32 grads)``, one pair per device."""
+        return list(self._flat)
+
+    # ------------------------------------------------------------------ checkpoint and teardown
+    def fp32_value(self, param: Tensor) -> Tensor:
+        """The full-precision value of a converted parameter: its master, its pre-cast value, or an upcast."""
+        if id(param) in self._masters:
+            return self._masters[id(param)].detach()
+        if id(param) in self._fp32_values:
+            return self._fp32_values[id(param)]
+        return param.detach().float()
+
+    @staticmethod
+    def _buffer_value(owner: nn.Module, name: str, original: Tensor, half: Tensor) -> Tensor:
+        current = owner._buffers[name]
+        if current is half:  # untouched since the cast: the original is exact
+            return original.to(current.device)
+        return current.to(original.dtype)
+
+    def _state_dict_hook(self, module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
+        # the model's state_dict holds fp32 values, so it loads into a plain fp32 model with nothing lost
+        for key, param in self._params.items():
+            if prefix + self._names[key] in state_dict:
+                state_dict[prefix + self._names[key]] = self.fp32_value(param)
+        for owner, name, qualified_name, original, half in self._buffers:
+            if prefix + qualified_name in state_dict and owner._buffers.get(name) is not None:
+                state_dict[prefix + qualified_name] = self._buffer_value(owner, name, original, half)
+
+    def restore(self) -> None:
+        """Give the model back its fp32 values and the optimizers back the model's parameters (with their
+        state). The masters, their flat buffers and the half copies are released."""
+        for key, param in self._params.items():
+            if key in self._masters:  # a fresh tensor, not a view that would keep the flat buffer alive
+                param.data = self._masters[key].detach().to(param.device, copy=True)
+            else:
+                param.data = self.fp32_value(param).to(param.device)
+        for owner, name, _, original, half in self._buffers:
+            owner._buffers[name] = self._buffer_value(owner, name, original, half)
+        for optimizer in self._optimizers:
+            for group in optimizer.param_groups:
+                group["params"] = [self._param_of_master.get(id(p), p) for p in group["params"]]
+            for master in [m for m in optimizer.state if id(m) in self._param_of_master]:
+                optimizer.state[self._param_of_master[id(master)]] = optimizer.state.pop(master)
+        if self._hook is not None:
+            self._hook.remove()
+        self._reset()
+
+    def __repr__(self) -> str:
+        trained = sum(m.numel() for m in self._masters.values())
+        return f"{type(self).__name__}(dtype={self.dtype}, masters={len(self._masters)} tensors / {trained} values)"
