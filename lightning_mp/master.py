@@ -83,9 +83,11 @@ class MasterWeights:
                 continue
             prefix = f"{module_name}." if module_name else ""
             for name, param in owner.named_parameters(recurse=False):
-                if param.is_floating_point() and param.dtype != self.dtype and id(param) not in self._params:
-                    self._names[id(param)] = prefix + name
-                    self._params[id(param)] = param
+                if not param.is_floating_point() or id(param) in self._params:
+                    continue
+                self._names[id(param)] = prefix + name
+                self._params[id(param)] = param  # a model that arrives in half precision gets masters too
+                if param.dtype != self.dtype:
                     self._fp32_values[id(param)] = param.data
                     param.data = param.data.to(self.dtype)
             for name, buffer in list(owner.named_buffers(recurse=False)):

@@ -467,3 +467,14 @@ def test_master_weights_without_a_trainer():
     assert all(p.dtype == torch.float32 for p in model.parameters())
     moved = [not torch.equal(p, r) for p, r in zip(model.parameters(), reference)]
     assert all(moved)  # 1e-4 updates survive in the masters; bf16 would have rounded most of them away
+
+
+def test_a_model_that_arrives_in_half_precision_still_trains_fp32_masters():
+    class Probe(ScalarWeight):
+        def on_before_optimizer_step(self, optimizer):
+            self.optimizer_dtype = optimizer.param_groups[0]["params"][0].dtype
+
+    model = Probe().half()
+    make_trainer(_plugin(), max_steps=100).fit(model, _ones_loader(100))
+    assert model.optimizer_dtype == torch.float32
+    assert model.w.dtype == torch.float32 and model.w.item() == pytest.approx(0.99, abs=100 * 2.0**-24)
