@@ -9,7 +9,7 @@ Lightning turns that into bf16, so the CPU run uses "bf16-mixed" throughout); ou
 (MixedPrecisionPlugin()); ours with fp32 master weights. Each mode runs in a fresh subprocess so that its
 peak is its own. Peak memory is torch.cuda.max_memory_allocated on CUDA and the growth of peak RSS over the
 process's RSS before the model was built on CPU. "state" counts the bytes of the tensors a step keeps between
-steps (weights, masters, gradients, optimizer state), by walking them.
+steps (weights, masters, gradients, optimizer moments; not Adam's per-tensor step counters), by walking them.
 """
 
 from __future__ import annotations
@@ -135,7 +135,9 @@ def _state_bytes(module, trainer) -> int:
     for optimizer in trainer.optimizers:
         for group in optimizer.param_groups:
             for p in group["params"]:
-                tensors += [p, p.grad, *[v for v in optimizer.state[p].values() if torch.is_tensor(v)]]
+                # Adam's "step" is one scalar per tensor, not per parameter: left out
+                state = optimizer.state[p]
+                tensors += [p, p.grad, *[v for k, v in state.items() if torch.is_tensor(v) and k != "step"]]
     for tensor in tensors:
         if tensor is not None and tensor.untyped_storage().data_ptr() not in seen:
             seen.add(tensor.untyped_storage().data_ptr())
