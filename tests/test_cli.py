@@ -1,0 +1,187 @@
+"""`python -m lightning_mp`: precision mapping, configs end to end (shortened), re-runs, logged metrics."""
+
+import csv
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import lightning_mp.cli as cli
+from lightning_mp import MixedPrecisionPlugin
+from lightning_mp.cli import main, plugin_for
+from lightning_mp.resources import SourceUnavailableError
+
+ROOT = Path(__file__).resolve().parent.parent
+CONFIGS = ROOT / "configs"
+TINY_BERT = (
+    "--model.init_args.pretrained=false",
+    "--model.init_args.config_overrides={num_hidden_layers: 1, hidden_size: 32, num_attention_heads: 2, "
+    "intermediate_size: 64}",
+)
+
+
+def _short(tmp_path, *extra, steps=2):
+    return [
+        f"--trainer.default_root_dir={tmp_path}",
+        f"--trainer.max_steps={steps}",
+        "--trainer.limit_val_batches=1",
+        "--trainer.limit_test_batches=1",
+        "--trainer.num_sanity_val_steps=0",
+        "--trainer.enable_progress_bar=false",
+        "--trainer.log_every_n_steps=1",
+        *extra,
+    ]
+
+
+def _metrics(tmp_path):
+    files = sorted(Path(tmp_path).rglob("metrics.csv"))
+    assert files, f"no metrics.csv under {tmp_path}"
+    with files[-1].open() as handle:
+        return list(csv.DictReader(handle))
+
+
+# ---------------------------------------------------------------------- trainer.precision -> plugin
+def test_mixed_precision_flags_build_our_plugin_on_gpu(monkeypatch):
+    monkeypatch.setattr(cli, "_runs_on_cpu", lambda accelerator: False)
+    plugin = plugin_for("16-mixed", "gpu", None, {"master_weights": True, "scaler": {"init_scale": 1024.0}})
+    assert isinstance(plugin, MixedPrecisionPlugin) and plugin.precision == "16-mixed"
+    assert plugin.master_weights and plugin.scaler.scale == 1024.0
+    assert plugin_for("bf16-mixed", "gpu", None, {}).precision == "bf16-mixed"
+    assert plugin_for("32-true", "gpu", None, {"master_weights": True}) is None
+    assert plugin_for(None, "gpu", None, {}) is None
+
+
+@pytest.mark.parametrize("native_bf16, expected", [(True, "bf16-mixed"), (False, None)])
+def test_16_mixed_on_cpu_falls_back_with_a_warning(monkeypatch, native_bf16, expected):
+    monkeypatch.setattr(cli, "cpu_has_native_bf16", lambda: native_bf16)
+    with pytest.warns(UserWarning, match="without a GPU"):
+        plugin = plugin_for("16-mixed", "cpu", None, {"scaler": {"init_scale": 8.0}})
+    assert (plugin.precision if plugin else None) == expected
+    if plugin is not None:
+        assert plugin.scaler is None  # bf16: the fp16 scaler settings do not apply
+
+
+def test_precision_flag_and_precision_plugin_together_are_refused():
+    with pytest.raises(ValueError, match="MixedPrecisionPlugin.*both|both.*MixedPrecisionPlugin"):
+        plugin_for("bf16-mixed", "cpu", [MixedPrecisionPlugin("bf16-mixed")], {})
+
+
+def test_cli_refuses_conflicting_flags(tmp_path):
+    with pytest.raises(ValueError, match="Drop trainer.precision"):
+        main(["fit", "--config", str(CONFIGS / "digits.yaml"), *_short(tmp_path),
+              "--trainer.precision=bf16-mixed",
+              "--trainer.plugins=lightning_mp.MixedPrecisionPlugin", "--trainer.plugins.precision=bf16-mixed"])
+
+
+# ---------------------------------------------------------------------- configs, shortened
+def test_digits_config_trains_tests_and_logs_lr(tmp_path):
+    main(["fit", "--config", str(CONFIGS / "digits.yaml"), *_short(tmp_path, steps=3)])
+    rows = _metrics(tmp_path)
+    assert any(row.get("lr") for row in rows)
+    assert any(row.get("test_acc") for row in rows)
+
+
+def test_explicit_fp16_plugin_logs_loss_scale_and_skipped_steps(tmp_path):
+    main(["fit", "--config", str(CONFIGS / "digits.yaml"), *_short(tmp_path, steps=3),
+          "--trainer.precision=null",
+          "--trainer.plugins=lightning_mp.MixedPrecisionPlugin",
+          "--trainer.plugins.precision=16-mixed",
+          "--trainer.plugins.scaler={init_scale: 1024.0}"])
+    rows = [row for row in _metrics(tmp_path) if row.get("loss_scale")]
+    assert rows and float(rows[-1]["loss_scale"]) == 1024.0
+    assert float(rows[-1]["skipped_steps"]) == 0.0
+
+
+def test_mixed_precision_section_reaches_the_plugin(tmp_path, monkeypatch):
+    monkeypatch.setattr(cli, "_runs_on_cpu", lambda accelerator: False)  # 16-mixed as on a GPU, run on CPU
+    seen = {}
+    original = cli.MixedPrecisionCLI._instantiate_trainer
+
+    def spy(self, config, callbacks):
+        trainer = original(self, config, callbacks)
+        seen["plugin"] = trainer.precision_plugin
+        return trainer
+
+    monkeypatch.setattr(cli.MixedPrecisionCLI, "_instantiate_trainer", spy)
+    main(["fit", "--config", str(CONFIGS / "digits.yaml"), *_short(tmp_path, steps=1),
+          "--trainer.accelerator=cpu", "--mixed_precision.master_weights=true",
+          "--mixed_precision.scaler={init_scale: 256.0, hysteresis: 2}"])
+    plugin = seen["plugin"]
+    assert isinstance(plugin, MixedPrecisionPlugin) and plugin.precision == "16-mixed" and plugin.master_weights
+    assert plugin.scaler.hysteresis == 2 and plugin.scaler.steps == 1
+
+
+def test_rerun_in_the_same_directory_works(tmp_path):
+    for _ in range(2):
+        main(["fit", "--config", str(CONFIGS / "digits.yaml"), *_short(tmp_path, steps=1),
+              "--test_after_fit=false"])
+    assert (tmp_path / "lightning_logs").exists() or list(tmp_path.rglob("config.yaml"))
+
+
+def test_print_config_shows_the_plugin_options(capsys):
+    with pytest.raises(SystemExit):
+        main(["fit", "--config", str(CONFIGS / "bert.yaml"), "--print_config"])
+    printed = capsys.readouterr().out
+    assert "mixed_precision:" in printed and "master_weights:" in printed and "precision: 16-mixed" in printed
+
+
+def test_bert_config_with_a_tiny_bert(tmp_path):
+    main(["fit", "--config", str(CONFIGS / "bert.yaml"), *_short(tmp_path), *TINY_BERT,
+          "--data.init_args.train_size=16", "--data.init_args.val_size=16", "--data.init_args.test_size=16",
+          "--data.init_args.batch_size=8"])
+    rows = _metrics(tmp_path)
+    assert any(row.get("test_acc") for row in rows) and any(row.get("val_f1") for row in rows)
+
+
+def test_bert_imdb_config_on_an_aclimdb_folder(tmp_path):
+    folder = tmp_path / "aclImdb"
+    for split in ("train", "test"):
+        for label, words in (("pos", "great wonderful film"), ("neg", "dull awful mess")):
+            (folder / split / label).mkdir(parents=True)
+            for i in range(6):
+                (folder / split / label / f"{i}_7.txt").write_text(f"{words} number {i}")
+    main(["fit", "--config", str(CONFIGS / "bert-imdb.yaml"), *_short(tmp_path / "run"), *TINY_BERT,
+          "--model.init_args.model_name_or_path=minilm", "--data.init_args.tokenizer=minilm",
+          f"--data.init_args.path={folder}", "--data.init_args.train_size=8", "--data.init_args.val_size=2",
+          "--data.init_args.test_size=4",
+          "--data.init_args.batch_size=4", "--data.init_args.max_length=16"])
+    assert any(row.get("test_acc") for row in _metrics(tmp_path / "run"))
+
+
+def test_bert_imdb_config_offline_fails_at_start_with_instructions(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    # jsonargparse wraps errors raised while it instantiates the model; the instructions come through
+    with pytest.raises((SourceUnavailableError, ValueError), match="'bert-base-cased' could not be loaded") as err:
+        main(["fit", "--config", str(CONFIGS / "bert-imdb.yaml"), *_short(tmp_path)])
+    assert "--model.init_args.model_name_or_path" in str(err.value)
+    assert not list(tmp_path.rglob("*.ckpt"))  # failed before any training
+
+
+def test_resnet18_mnist_config_on_idx_files(tmp_path):
+    import gzip
+    import struct
+
+    folder = tmp_path / "mnist"
+    folder.mkdir()
+    gen = torch.Generator().manual_seed(0)
+    for prefix, count in (("train", 40), ("t10k", 16)):
+        images = torch.randint(0, 256, (count, 28, 28), generator=gen, dtype=torch.uint8)
+        labels = torch.randint(0, 10, (count,), generator=gen, dtype=torch.uint8)
+        with gzip.open(folder / f"{prefix}-images-idx3-ubyte.gz", "wb") as handle:
+            handle.write(struct.pack(">IIII", 0x803, count, 28, 28) + images.numpy().tobytes())
+        with gzip.open(folder / f"{prefix}-labels-idx1-ubyte.gz", "wb") as handle:
+            handle.write(struct.pack(">II", 0x801, count) + labels.numpy().tobytes())
+    main(["fit", "--config", str(CONFIGS / "resnet18-mnist.yaml"), *_short(tmp_path / "run"),
+          f"--data.init_args.path={folder}", "--data.init_args.val_size=8", "--data.init_args.batch_size=8",
+          "--model.init_args.width=8"])
+    assert any(row.get("test_acc") for row in _metrics(tmp_path / "run"))
+
+
+def test_python_dash_m_entry_point_runs(tmp_path):
+    done = subprocess.run(
+        [sys.executable, "-m", "lightning_mp", "fit", "--config", str(CONFIGS / "digits.yaml"), *_short(tmp_path, steps=1)],
+        capture_output=True, text=True, timeout=300, cwd=ROOT,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
