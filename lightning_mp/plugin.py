@@ -333,9 +333,9 @@ def _warn_fp16_on_cpu() -> None:
     if not _WARNED_FP16_ON_CPU:
         _WARNED_FP16_ON_CPU = True
         rank_zero_warn(
-            "MixedPrecisionPlugin(precision='16-mixed') runs real fp16 autocast on CPU, which is slow on CPUs "
-            "without native fp16 arithmetic (often ~1000x slower matmuls than bf16). On CPU, "
-            "precision='bf16-mixed' is the fast choice."
+            "MixedPrecisionPlugin(precision='16-mixed') runs real fp16 autocast on CPU. CPUs have no fast fp16 "
+            "matmul kernels: expect it to be many times slower than fp32. On CPUs with native bf16 (AVX512-BF16 "
+            "or AMX), precision='bf16-mixed' is the fast choice; on others, fp32 is (see benchmarks/RESULTS.md)."
         )
 
 

@@ -15,7 +15,8 @@ import torch
 from lightning_mp.data import ImageDataModule, SentimentDataModule
 from lightning_mp.data import images as images_module
 from lightning_mp.data.images import IDX_IMAGES_MAGIC, IDX_LABELS_MAGIC, read_idx
-from lightning_mp.data.sentiment import read_rotten_tomatoes, split_indices
+from lightning_mp.data._split import split_indices
+from lightning_mp.data.sentiment import read_rotten_tomatoes
 from lightning_mp.resources import FASHION_MNIST_DIR, SourceUnavailableError
 
 
@@ -51,7 +52,7 @@ def test_split_is_deterministic_by_seed_differs_across_seeds_and_has_no_overlap(
 
 
 def test_split_is_the_same_in_another_process():
-    code = "from lightning_mp.data.sentiment import split_indices; print(split_indices(500, seed=3)['val'].tolist())"
+    code = "from lightning_mp.data._split import split_indices; print(split_indices(500, seed=3)['val'].tolist())"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=Path.cwd())
     assert json.loads(out.stdout) == split_indices(500, seed=3)["val"].tolist()
 

@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_mp.data.sentiment import check_int, check_split_args, split_indices
+from lightning_mp.data._split import check_int, check_split_args, split_indices
 from lightning_mp.resources import FASHION_MNIST_DIR, SourceUnavailableError
 
 SOURCES = ("digits", "mnist", "fashion_mnist")

@@ -44,6 +44,7 @@ class BertClassifier(L.LightningModule):
             raise ValueError(f"warmup_ratio={warmup_ratio!r} is not allowed: it must be in [0, 1).")
         self.save_hyperparameters()
         self.model = load_sequence_classifier(model_name_or_path, num_labels, pretrained, config_overrides or {})
+        self.model.train()  # from_pretrained returns eval mode; Lightning keeps each module's mode as it finds it
         self.val_acc = MulticlassAccuracy(num_labels)
         self.test_acc = MulticlassAccuracy(num_labels)
         self.val_f1 = BinaryF1Score() if num_labels == 2 else MulticlassF1Score(num_labels, average="macro")
