@@ -157,3 +157,18 @@ def seeded(seed: int = 0) -> Iterator[None]:
     with torch.random.fork_rng():
         torch.manual_seed(seed)
         yield
+
+
+class DigitsMLP(L.LightningModule):
+    """A user's own LightningModule (not one of the samples), for naming by class_path in the CLI."""
+
+    def __init__(self, hidden: int = 32) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Flatten(), nn.Linear(64, hidden), nn.ReLU(), nn.Linear(hidden, 10))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        images, labels = batch
+        return nn.functional.cross_entropy(self.net(images).float(), labels)
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.Adam(self.parameters(), lr=1e-3)

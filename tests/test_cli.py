@@ -185,3 +185,21 @@ def test_python_dash_m_entry_point_runs(tmp_path):
         capture_output=True, text=True, timeout=300, cwd=ROOT,
     )
     assert done.returncode == 0, done.stderr[-3000:]
+
+
+def test_any_lightning_module_by_class_path(tmp_path):
+    main(["fit", "--config", str(CONFIGS / "digits.yaml"), *_short(tmp_path, steps=2),
+          "--model=tests.helpers.DigitsMLP", "--model.hidden=16", "--test_after_fit=false"])
+    assert list(tmp_path.rglob("*.ckpt"))
+
+
+def test_precision_monitor_puts_scale_and_skips_in_the_progress_bar():
+    from lightning_mp import DynamicLossScaler, PrecisionMonitor
+    from tests.helpers import TinyRegressor, make_trainer, regression_loader
+
+    plugin = MixedPrecisionPlugin(scaler=DynamicLossScaler(init_scale=1024.0))
+    trainer = make_trainer(plugin, callbacks=[PrecisionMonitor()], max_steps=4)
+    trainer.fit(TinyRegressor(inject_inf_at=[1]), regression_loader())
+    assert trainer.progress_bar_metrics["loss_scale"] == 512.0
+    assert trainer.progress_bar_metrics["skipped_steps"] == 1.0
+    assert trainer.callback_metrics["lr"] == pytest.approx(0.05)
