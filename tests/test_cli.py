@@ -203,3 +203,11 @@ def test_precision_monitor_puts_scale_and_skips_in_the_progress_bar():
     assert trainer.progress_bar_metrics["loss_scale"] == 512.0
     assert trainer.progress_bar_metrics["skipped_steps"] == 1.0
     assert trainer.callback_metrics["lr"] == pytest.approx(0.05)
+
+
+def test_test_subcommand_on_the_saved_last_checkpoint(tmp_path):
+    main(["fit", "--config", str(CONFIGS / "digits.yaml"), *_short(tmp_path, steps=2), "--test_after_fit=false"])
+    last = next(tmp_path.rglob("last.ckpt"))
+    main(["test", "--config", str(CONFIGS / "digits.yaml"), f"--trainer.default_root_dir={tmp_path / 'test'}",
+          "--trainer.limit_test_batches=1", f"--ckpt_path={last}"])
+    assert any(row.get("test_acc") for row in _metrics(tmp_path / "test"))

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Any, Optional, Union
+from typing import Any, Callable, Optional, Union
 
+import lightning as L
 import torch
 from torch import Tensor
+from torch.utils.data import DataLoader, Dataset
 
 #: Test fraction of the pool when a source has no official test split and ``test_size`` is not given.
 DEFAULT_TEST_FRACTION = 0.2
@@ -73,3 +75,43 @@ def split_indices(
 def _check_available(name: str, wanted: int, available: int, where: str) -> None:
     if wanted > available:
         raise ValueError(f"{name}={wanted} is too large: only {max(available, 0)} examples are available {where}.")
+
+
+class SplitDataModule(L.LightningDataModule):
+    """Loaders shared by the sample data modules: ``setup`` fills ``self._datasets`` with ``train``/``val``/
+    ``test`` datasets; training batches are shuffled in an order drawn from ``self.seed``; predict uses test."""
+
+    _STAGES = {"train": "fit", "val": "validate", "test": "test"}
+    collate_fn: Optional[Callable[[list[Any]], Any]] = None
+    seed: int
+    batch_size: int
+    num_workers: int
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._datasets: dict[str, Dataset] = {}
+
+    def _loader(self, split: str, shuffle: bool = False) -> DataLoader:
+        if split not in self._datasets:
+            self.setup(self._STAGES[split])
+        return DataLoader(
+            self._datasets[split],
+            batch_size=self.batch_size,
+            shuffle=shuffle,
+            generator=torch.Generator().manual_seed(self.seed) if shuffle else None,
+            num_workers=self.num_workers,
+            collate_fn=self.collate_fn,
+        )
+
+    def train_dataloader(self) -> DataLoader:
+        """Shuffled training batches (order drawn from ``seed``)."""
+        return self._loader("train", shuffle=True)
+
+    def val_dataloader(self) -> DataLoader:
+        return self._loader("val")
+
+    def test_dataloader(self) -> DataLoader:
+        return self._loader("test")
+
+    def predict_dataloader(self) -> DataLoader:
+        return self._loader("test")

@@ -12,13 +12,12 @@ import gzip
 from pathlib import Path
 from typing import Optional, Union
 
-import lightning as L
 import numpy as np
 import torch
 from torch import Tensor
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import TensorDataset
 
-from lightning_mp.data._split import check_int, check_split_args, split_indices
+from lightning_mp.data._split import SplitDataModule, check_int, check_split_args, split_indices
 from lightning_mp.resources import FASHION_MNIST_DIR, SourceUnavailableError
 
 SOURCES = ("digits", "mnist", "fashion_mnist")
@@ -123,7 +122,7 @@ def load_digits() -> tuple[Tensor, Tensor]:
     return images, torch.as_tensor(digits.target, dtype=torch.int64)
 
 
-class ImageDataModule(L.LightningDataModule):
+class ImageDataModule(SplitDataModule):
     """10-class grayscale images as ``(images, labels)`` batches: float32 (B, 1, H, W) and int64 (B,).
 
     Args:
@@ -217,27 +216,3 @@ class ImageDataModule(L.LightningDataModule):
             splits = {split: ((x - self.mean) / scale, y) for split, (x, y) in splits.items()}
         self._datasets = {split: TensorDataset(*tensors) for split, tensors in splits.items()}
         self.sizes = {split: len(dataset) for split, dataset in self._datasets.items()}
-
-    def _loader(self, split: str, shuffle: bool = False) -> DataLoader:
-        if not self._datasets:
-            self.setup()
-        return DataLoader(
-            self._datasets[split],
-            batch_size=self.batch_size,
-            shuffle=shuffle,
-            generator=torch.Generator().manual_seed(self.seed) if shuffle else None,
-            num_workers=self.num_workers,
-        )
-
-    def train_dataloader(self) -> DataLoader:
-        """Shuffled training batches (order drawn from ``seed``)."""
-        return self._loader("train", shuffle=True)
-
-    def val_dataloader(self) -> DataLoader:
-        return self._loader("val")
-
-    def test_dataloader(self) -> DataLoader:
-        return self._loader("test")
-
-    def predict_dataloader(self) -> DataLoader:
-        return self._loader("test")

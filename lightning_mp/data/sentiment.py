@@ -17,12 +17,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, Union
 
-import lightning as L
 import torch
 from torch import Tensor
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import Dataset
 
-from lightning_mp.data._split import check_int, check_split_args, split_indices
+from lightning_mp.data._split import SplitDataModule, check_int, check_split_args, split_indices
 from lightning_mp.resources import SourceUnavailableError, hub_hint, resolve_model, rotten_tomatoes_file
 
 SOURCES = ("rotten_tomatoes", "imdb", "csv", "jsonl")
@@ -204,7 +203,7 @@ class PadToLongest:
 # ------------------------------------------------------------------------------------------- DataModule
 
 
-class SentimentDataModule(L.LightningDataModule):
+class SentimentDataModule(SplitDataModule):
     """Binary sentiment classification data (0 = negative, 1 = positive), tokenized for a transformer.
 
     Args:
@@ -315,31 +314,6 @@ class SentimentDataModule(L.LightningDataModule):
     def collate_fn(self) -> PadToLongest:
         """The DataLoaders' collate function: pads each batch to its longest sequence (:class:`PadToLongest`)."""
         return PadToLongest(self.tokenizer.pad_token_id, self.tokenizer.padding_side)
-
-    def _loader(self, split: str, shuffle: bool = False) -> DataLoader:
-        if split not in self._datasets:
-            self.setup({"train": "fit", "val": "validate", "test": "test"}[split])
-        return DataLoader(
-            self._datasets[split],
-            batch_size=self.batch_size,
-            shuffle=shuffle,
-            generator=torch.Generator().manual_seed(self.seed) if shuffle else None,
-            num_workers=self.num_workers,
-            collate_fn=self.collate_fn,
-        )
-
-    def train_dataloader(self) -> DataLoader:
-        """Shuffled training batches (order drawn from ``seed``)."""
-        return self._loader("train", shuffle=True)
-
-    def val_dataloader(self) -> DataLoader:
-        return self._loader("val")
-
-    def test_dataloader(self) -> DataLoader:
-        return self._loader("test")
-
-    def predict_dataloader(self) -> DataLoader:
-        return self._loader("test")
 
 
 def load_tokenizer(name: str) -> Any:
