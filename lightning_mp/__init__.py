@@ -3,7 +3,8 @@
 from lightning_mp.master import MasterWeights
 from lightning_mp.monitor import PrecisionMonitor
 from lightning_mp.plugin import MixedPrecisionPlugin
+from lightning_mp.policy import CastPolicy
 from lightning_mp.scaler import DynamicLossScaler
 
-__all__ = ["DynamicLossScaler", "MasterWeights", "MixedPrecisionPlugin", "PrecisionMonitor"]
+__all__ = ["CastPolicy", "DynamicLossScaler", "MasterWeights", "MixedPrecisionPlugin", "PrecisionMonitor"]
 __version__ = "0.1.0"

@@ -22,7 +22,7 @@ from lightning_mp.monitor import PrecisionMonitor
 from lightning_mp.plugin import MixedPrecisionPlugin
 
 _OURS = {"16-mixed": "16-mixed", "16": "16-mixed", "bf16-mixed": "bf16-mixed", "bf16": "bf16-mixed"}
-_PLUGIN_OPTIONS = ("scaler", "master_weights", "keep_norm_fp32")
+_PLUGIN_OPTIONS = ("scaler", "master_weights", "keep_norm_fp32", "policy")
 
 
 class MixedPrecisionCLI(LightningCLI):

@@ -21,13 +21,14 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import SingleDeviceStrategy
 from lightning.pytorch.utilities import GradClipAlgorithmType
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor
 from torch.nn import Module
 from torch.optim import LBFGS, Optimizer
 from typing_extensions import override
 
 from lightning_mp.master import MasterWeights, is_norm
+from lightning_mp.policy import CastPolicy, ModuleRules, override_context
 from lightning_mp.scaler import DynamicLossScaler
 
 PrecisionName = Literal["16-mixed", "bf16-mixed"]
@@ -51,6 +52,9 @@ class MixedPrecisionPlugin(Precision):
             (see :class:`~lightning_mp.master.MasterWeights`), so updates smaller than half precision's
             resolution are not lost. Default ``False``: the model stays fp32 and only autocast runs in half.
         keep_norm_fp32: with master weights, normalisation layers keep fp32 parameters (default ``True``).
+        policy: the per-op casting policy: a :class:`~lightning_mp.CastPolicy`, a preset name (``"autocast"``,
+            the default, ``"conservative"``, ``"fast"``) or a mapping (YAML). A LightningModule may declare its
+            own with ``configure_precision_policy()``; it is merged on top (the module wins).
 
     The autocast device is the device the model lives on, found when Lightning connects the plugin; ``fp16``
     is honoured on CPU too (Lightning's built-in switches to bf16 there), with a one-time warning that it is
@@ -64,6 +68,7 @@ class MixedPrecisionPlugin(Precision):
         scaler: Union[DynamicLossScaler, float, dict[str, Any], None] = None,
         master_weights: bool = False,
         keep_norm_fp32: bool = True,
+        policy: Union[CastPolicy, str, dict[str, Any], None] = None,
     ) -> None:
         if precision not in _DTYPES:
             raise ValueError(
@@ -76,9 +81,13 @@ class MixedPrecisionPlugin(Precision):
             raise ValueError(
                 f"master_weights={master_weights!r}, keep_norm_fp32={keep_norm_fp32!r}: both must be True or False."
             )
+        self.policy = CastPolicy.coerce(policy)
+        self.keep_norm_fp32 = keep_norm_fp32
         self.masters: Optional[MasterWeights] = None
         if master_weights:
-            self.masters = MasterWeights(self.dtype, keep_fp32=is_norm if keep_norm_fp32 else _never)
+            self.masters = MasterWeights(self.dtype, keep_fp32=self._params_stay_fp32)
+        self._effective_policy = self.policy
+        self._module_rules = ModuleRules()
         self._device_type: Optional[str] = None
         self._param_names: dict[int, str] = {}
         # id(optimizer) -> found-inf flag of gradients already unscaled this step (manual `clip_gradients`)
@@ -125,6 +134,31 @@ class MixedPrecisionPlugin(Precision):
         """Whether the model is held in half precision with fp32 master weights."""
         return self.masters is not None
 
+    # ------------------------------------------------------------------ the casting policy
+    def keeps_fp32(self, name: str, module: Module) -> bool:
+        """Whether module ``name`` runs in fp32 (inputs upcast, autocast off) and, with master weights, keeps fp32
+        parameters. Default: the policy's ``fp32_modules`` rules. Override this one method to decide per module."""
+        return self._effective_policy.module_in_fp32(name, module)
+
+    def _params_stay_fp32(self, name: str, module: Module) -> bool:
+        return (self.keep_norm_fp32 and is_norm(name, module)) or self.keeps_fp32(name, module)
+
+    def _resolve_policy(self, module: Module) -> None:
+        declare = getattr(module, "configure_precision_policy", None)
+        self._effective_policy = self.policy
+        if callable(declare):
+            declared = CastPolicy.coerce(declare())
+            self._effective_policy = self.policy.merged_with(declared)
+            _info_once(
+                f"lightning_mp: {type(module).__name__}.configure_precision_policy() merged on top of the "
+                f"plugin's policy: {self._effective_policy!r}"
+            )
+
+    @property
+    def effective_policy(self) -> CastPolicy:
+        """The plugin's policy merged with the LightningModule's ``configure_precision_policy()``, once connected."""
+        return self._effective_policy
+
     @property
     def _scaling(self) -> bool:
         return self.scaler is not None and self.scaler.enabled
@@ -134,6 +168,7 @@ class MixedPrecisionPlugin(Precision):
     def convert_module(self, module: Module) -> Module:
         # Runs once per fit/validate/test/predict, before the model moves to its device and before
         # configure_optimizers, so the optimizers are built on the half parameters and connect() swaps in masters.
+        self._resolve_policy(module)
         if self.masters is None:
             return module
         trainer = getattr(module, "_trainer", None)
@@ -153,6 +188,8 @@ class MixedPrecisionPlugin(Precision):
         inner = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
         self._device_type = _module_device(inner).type
         self._param_names = {id(param): name for name, param in inner.named_parameters()}
+        self._resolve_policy(inner)
+        self._module_rules.install(inner, self.keeps_fp32, self._device_type)
         if self.masters is not None:
             self.masters.attach(optimizers)
             for param, master in self.masters.pairs():
@@ -173,7 +210,8 @@ class MixedPrecisionPlugin(Precision):
     @override
     @contextlib.contextmanager
     def forward_context(self) -> Generator[None, None, None]:
-        with self.autocast_context_manager():
+        # autocast alone on the default path; the policy's op overrides add a TorchFunctionMode
+        with self.autocast_context_manager(), override_context(self._effective_policy, self.device_type, self.dtype):
             yield
 
     @override
@@ -299,20 +337,26 @@ class MixedPrecisionPlugin(Precision):
         # after fit/validate/test/predict the model holds its fp32 values again (the masters, after training)
         if self.masters is not None:
             self.masters.restore()
+        self._module_rules.remove()
         super().teardown()
 
     def __repr__(self) -> str:
         return (
             f"{type(self).__name__}(precision={self.precision!r}, scaler={self.scaler!r}, "
-            f"master_weights={self.master_weights})"
+            f"master_weights={self.master_weights}, policy={self.policy!r})"
         )
 
 
 _MASTER_WEIGHTS_STRATEGIES = (SingleDeviceStrategy,)
 
 
-def _never(name: str, module: Module) -> bool:
-    return False
+_INFO_SHOWN: set[str] = set()
+
+
+def _info_once(message: str) -> None:
+    if message not in _INFO_SHOWN:
+        _INFO_SHOWN.add(message)
+        rank_zero_info(message)
 
 
 def _unwrap_optimizer(optimizer: Any) -> Any:

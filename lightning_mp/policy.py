@@ -1,0 +1,284 @@
+"""``CastPolicy``: which ops run in half precision and which in fp32, as plain data, and the context that applies it.
+
+The default path is ``torch.autocast`` alone. A policy with overrides adds a ``TorchFunctionMode`` that handles
+only the overridden torch functions (inputs cast, autocast off for that call) and passes everything else
+through, and forward hooks that run whole modules in fp32.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import difflib
+import fnmatch
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass, replace
+from typing import Any, Callable, Optional, Union
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_map
+
+_T = torch.Tensor
+#: User-facing op names -> the torch functions that implement them (functional, torch.*, Tensor methods).
+OPS: dict[str, tuple[Callable[..., Any], ...]] = {
+    "linear": (F.linear,),
+    "matmul": (torch.matmul, _T.matmul, _T.__matmul__),
+    "mm": (torch.mm, _T.mm),
+    "bmm": (torch.bmm, _T.bmm),
+    "addmm": (torch.addmm, _T.addmm),
+    "baddbmm": (torch.baddbmm, _T.baddbmm),
+    "conv1d": (F.conv1d,),
+    "conv2d": (F.conv2d,),
+    "conv3d": (F.conv3d,),
+    "scaled_dot_product_attention": (F.scaled_dot_product_attention,),
+    "softmax": (F.softmax, torch.softmax, _T.softmax),
+    "log_softmax": (F.log_softmax, torch.log_softmax, _T.log_softmax),
+    "layer_norm": (F.layer_norm,),
+    "group_norm": (F.group_norm,),
+    "batch_norm": (F.batch_norm,),
+    "rms_norm": (F.rms_norm,),
+    "exp": (torch.exp, _T.exp),
+    "pow": (torch.pow, _T.pow, _T.__pow__),
+    "sum": (torch.sum, _T.sum),
+    "mean": (torch.mean, _T.mean),
+    "norm": (torch.norm, _T.norm, torch.linalg.vector_norm),
+    "cumsum": (torch.cumsum, _T.cumsum),
+    "cross_entropy": (F.cross_entropy,),
+    "nll_loss": (F.nll_loss,),
+    "mse_loss": (F.mse_loss,),
+    "l1_loss": (F.l1_loss,),
+    "smooth_l1_loss": (F.smooth_l1_loss,),
+    "binary_cross_entropy": (F.binary_cross_entropy,),
+    "binary_cross_entropy_with_logits": (F.binary_cross_entropy_with_logits,),
+    "kl_div": (F.kl_div,),
+}
+_MATMULS = ("linear", "matmul", "mm", "bmm", "addmm", "baddbmm", "conv1d", "conv2d", "conv3d",
+            "scaled_dot_product_attention")
+_LOSSES = ("cross_entropy", "nll_loss", "mse_loss", "l1_loss", "smooth_l1_loss", "binary_cross_entropy",
+           "binary_cross_entropy_with_logits", "kl_div")
+# What torch.autocast does with each op (measured, torch 2.13): "half" (inputs cast down), "fp32" (inputs cast
+# up), or "input" (runs in its inputs' dtype, which is half after a matmul). CPU autocast leaves the
+# softmax/norm/reduction group to its inputs, so it runs in half there, where CUDA autocast runs it in fp32.
+_CPU_HALF_CUDA_FP32 = ("softmax", "log_softmax", "layer_norm", "group_norm", "exp", "sum", "norm", "cumsum", "pow")
+AUTOCAST_DEFAULTS: dict[str, dict[str, str]] = {
+    "cuda": {
+        **{op: "half" for op in _MATMULS},
+        **{op: "fp32" for op in (*_CPU_HALF_CUDA_FP32, *_LOSSES, "rms_norm")},
+        **{op: "input" for op in ("batch_norm", "mean")},
+    },
+    "cpu": {
+        **{op: "half" for op in _MATMULS},
+        **{op: "fp32" for op in _LOSSES},
+        **{op: "input" for op in (*_CPU_HALF_CUDA_FP32, "batch_norm", "mean", "rms_norm")},
+    },
+}
+PRESETS: dict[str, dict[str, tuple[str, ...]]] = {
+    # exactly torch.autocast on the device, no overrides
+    "autocast": {},
+    # what CUDA autocast keeps in fp32 stays fp32 on every device: a CPU run reproduces GPU numerics
+    "conservative": {"fp32_ops": (*_CPU_HALF_CUDA_FP32, *_LOSSES)},
+    # for a half model with master weights: norms and softmax in half (torch's kernels accumulate in fp32);
+    # losses and large reductions stay fp32
+    "fast": {
+        "low_precision_ops": ("softmax", "layer_norm", "group_norm", "rms_norm"),
+        "fp32_ops": ("log_softmax", "sum", "norm", "cumsum", *_LOSSES),
+    },
+}
+
+
+@dataclass(frozen=True)
+class CastPolicy:
+    """Which ops run in half precision and which in fp32, on top of a named preset.
+
+    Args:
+        preset: ``"autocast"`` (default: torch.autocast's own choices), ``"conservative"`` or ``"fast"``.
+        low_precision_ops: op names (see ``OPS``) to run in fp16/bf16: inputs cast down, autocast off.
+        fp32_ops: op names to run in fp32: inputs cast up, autocast off.
+        fp32_modules: module class names (``"LayerNorm"``) or qualified-name globs (``"classifier"``,
+            ``"encoder.layer.*.attention"``): the whole module runs in fp32 with its inputs upcast, and with
+            master weights its parameters stay fp32.
+    """
+
+    preset: str = "autocast"
+    low_precision_ops: tuple[str, ...] = ()
+    fp32_ops: tuple[str, ...] = ()
+    fp32_modules: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.preset not in PRESETS:
+            raise ValueError(f"preset={self.preset!r} is not a CastPolicy preset: use one of {sorted(PRESETS)}.")
+        for name in ("low_precision_ops", "fp32_ops", "fp32_modules"):
+            value = getattr(self, name)
+            if isinstance(value, str) or not isinstance(value, Iterable):
+                raise ValueError(f"{name}={value!r} must be a list of names.")
+            object.__setattr__(self, name, tuple(value))
+        for op in (*self.low_precision_ops, *self.fp32_ops):
+            if op not in OPS:
+                close = difflib.get_close_matches(str(op), OPS, n=3)
+                hint = f" Did you mean {close}?" if close else ""
+                raise ValueError(f"unknown op {op!r} in CastPolicy.{hint} Known ops: {sorted(OPS)}.")
+        both = sorted(set(self.low_precision_ops) & set(self.fp32_ops))
+        if both:
+            raise ValueError(f"ops {both} are in both low_precision_ops and fp32_ops: each op gets one rule.")
+
+    @classmethod
+    def coerce(cls, policy: Union[CastPolicy, str, Mapping[str, Any], None]) -> CastPolicy:
+        """A ``CastPolicy`` from a policy, a preset name, a mapping (YAML), or ``None`` (the default)."""
+        if policy is None:
+            return cls()
+        if isinstance(policy, CastPolicy):
+            return policy
+        if isinstance(policy, str):
+            return cls(preset=policy)
+        if isinstance(policy, Mapping):
+            unknown = sorted(set(policy) - {"preset", "low_precision_ops", "fp32_ops", "fp32_modules"})
+            if unknown:
+                raise ValueError(
+                    f"policy keys {unknown} are not CastPolicy fields: use preset, low_precision_ops, fp32_ops, "
+                    "fp32_modules."
+                )
+            return cls(**dict(policy))
+        raise ValueError(
+            f"policy={policy!r} is not supported: pass a CastPolicy, a preset name {sorted(PRESETS)}, or a mapping."
+        )
+
+    # ------------------------------------------------------------------ decisions
+    def op_rules(self) -> dict[str, tuple[str, str]]:
+        """Op name -> (``"half"`` or ``"fp32"``, where it comes from: ``preset <name>`` or ``user``) for every
+        op the policy overrides; ops not listed follow torch.autocast."""
+        rules: dict[str, tuple[str, str]] = {}
+        preset = PRESETS[self.preset]
+        for op in preset.get("low_precision_ops", ()):
+            rules[op] = ("half", f"preset {self.preset}")
+        for op in preset.get("fp32_ops", ()):
+            rules[op] = ("fp32", f"preset {self.preset}")
+        for op in self.low_precision_ops:
+            rules[op] = ("half", "user")
+        for op in self.fp32_ops:
+            rules[op] = ("fp32", "user")
+        return rules
+
+    @property
+    def has_overrides(self) -> bool:
+        return bool(self.op_rules() or self.fp32_modules)
+
+    def module_in_fp32(self, qualified_name: str, module: nn.Module) -> bool:
+        """Whether a ``fp32_modules`` rule (class name or qualified-name glob) matches this module."""
+        return any(
+            type(module).__name__ == rule or fnmatch.fnmatchcase(qualified_name, rule) for rule in self.fp32_modules
+        )
+
+    def merged_with(self, other: CastPolicy) -> CastPolicy:
+        """This policy with ``other``'s rules on top (``other`` wins where they disagree)."""
+        preset = other.preset if other.preset != "autocast" else self.preset
+        low = [op for op in self.low_precision_ops if op not in other.fp32_ops] + list(other.low_precision_ops)
+        fp32 = [op for op in self.fp32_ops if op not in other.low_precision_ops] + list(other.fp32_ops)
+        modules = list(dict.fromkeys([*self.fp32_modules, *other.fp32_modules]))
+        return replace(
+            self, preset=preset, low_precision_ops=tuple(dict.fromkeys(low)), fp32_ops=tuple(dict.fromkeys(fp32)),
+            fp32_modules=tuple(modules),
+        )
+
+    def describe(self, device: str = "cuda", modules: Optional[nn.Module] = None) -> str:
+        """A table of the effective decision for every known op on ``device`` and where it comes from, then the
+        module rules (with the modules of ``modules`` they match, when given)."""
+        defaults = AUTOCAST_DEFAULTS["cuda" if device.startswith("cuda") else "cpu"]
+        rules = self.op_rules()
+        lines = [f"CastPolicy(preset={self.preset!r}) on {device}", f"{'op':34} {'runs in':8} from", "-" * 60]
+        for op in OPS:
+            decision, source = rules.get(op, (defaults.get(op, "input"), f"autocast default ({device})"))
+            lines.append(f"{op:34} {decision:8} {source}")
+        for rule in self.fp32_modules:
+            matched = ""
+            if modules is not None:
+                names = [n or "<root>" for n, m in modules.named_modules() if self.module_in_fp32(n, m) and
+                         (type(m).__name__ == rule or fnmatch.fnmatchcase(n, rule))]
+                matched = f" -> {len(names)} modules: {', '.join(names[:6])}{' ...' if len(names) > 6 else ''}"
+            lines.append(f"module {rule!r:27} fp32     user{matched}")
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.describe()
+
+
+# ---------------------------------------------------------------------- applying it
+class _OverrideMode(TorchFunctionMode):
+    """Intercepts only the overridden torch functions; everything else passes through untouched."""
+
+    def __init__(self, targets: dict[Callable[..., Any], torch.dtype], device_type: str) -> None:
+        super().__init__()
+        self.targets = targets
+        self.device_type = device_type
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        kwargs = kwargs or {}
+        dtype = self.targets.get(func)
+        if dtype is None:
+            return func(*args, **kwargs)
+        cast = _caster(dtype)
+        with torch.autocast(self.device_type, enabled=False):
+            return func(*tree_map(cast, args), **tree_map(cast, kwargs))
+
+
+def _caster(dtype: torch.dtype) -> Callable[[Any], Any]:
+    def cast(value: Any) -> Any:
+        if isinstance(value, Tensor) and value.is_floating_point() and value.dtype != dtype:
+            return value.to(dtype)
+        return value
+
+    return cast
+
+
+@contextlib.contextmanager
+def override_context(policy: CastPolicy, device_type: str, half_dtype: torch.dtype) -> Iterator[None]:
+    """The op overrides of ``policy`` (nothing at all when it has none: autocast alone)."""
+    rules = policy.op_rules()
+    if not rules:
+        yield
+        return
+    targets = {
+        func: (half_dtype if decision == "half" else torch.float32)
+        for op, (decision, _) in rules.items()
+        for func in OPS[op]
+    }
+    with _OverrideMode(targets, device_type):
+        yield
+
+
+class ModuleRules:
+    """Forward hooks that run the matching modules in fp32: inputs upcast, autocast off inside."""
+
+    def __init__(self) -> None:
+        self._handles: list[Any] = []
+
+    def install(self, model: nn.Module, in_fp32: Callable[[str, nn.Module], bool], device_type: str) -> list[str]:
+        """Hook every module for which ``in_fp32(name, module)`` is true (outermost only); returns their names."""
+        self.remove()
+        chosen: list[str] = []
+        for name, module in model.named_modules():
+            if any(name.startswith(parent + ".") or parent == "" for parent in chosen) or not in_fp32(name, module):
+                continue
+            chosen.append(name)
+            contexts: list[Any] = []
+            upcast = _caster(torch.float32)
+
+            def pre_hook(mod: nn.Module, args: Any, kwargs: Any, contexts: list[Any] = contexts) -> Any:
+                context = torch.autocast(device_type, enabled=False)
+                context.__enter__()
+                contexts.append(context)
+                return tree_map(upcast, args), tree_map(upcast, kwargs)
+
+            def post_hook(mod: nn.Module, args: Any, kwargs: Any, output: Any, contexts: list[Any] = contexts) -> Any:
+                contexts.pop().__exit__(None, None, None)
+                return output
+
+            self._handles.append(module.register_forward_pre_hook(pre_hook, with_kwargs=True))
+            self._handles.append(module.register_forward_hook(post_hook, with_kwargs=True, always_call=True))
+        return chosen
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
