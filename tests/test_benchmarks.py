@@ -21,3 +21,12 @@ def test_memory_benchmark_runs_and_reports_every_mode(tmp_path):
     assert fp32["state_bytes"] == 16 * fp32["params"]
     assert 16 * masters["params"] < masters["state_bytes"] < 18 * masters["params"]
     assert "| ours+masters | bf16-mixed |" in done.stdout
+
+
+def test_policy_overhead_benchmark_runs():
+    command = [sys.executable, str(ROOT / "benchmarks" / "policy_overhead.py"), "--steps", "1", "--batch", "2",
+               "--seq", "8"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    for policy in ("autocast", "passthrough", "conservative"):
+        assert f"| {policy} |" in done.stdout
