@@ -38,3 +38,10 @@ def test_master_weights_example_shows_the_lost_and_kept_updates():
     assert lines["fp16 model, no masters (16-true)"] == 1.0
     assert lines["fp16 model + fp32 masters (ours)"] == pytest.approx(lines["fp32 (32-true)"], abs=1e-6)
     assert lines["fp32 (32-true)"] == pytest.approx(0.995, abs=1e-5)
+
+
+def test_custom_policy_example_merges_the_module_declaration():
+    out = _run("custom_policy.py", "--steps", "3")
+    assert "softmax                            fp32     user" in out
+    assert "fp32_ops=('softmax',)" in out and "fp32_modules=('model.classifier',)" in out
+    assert "final training loss:" in out
