@@ -9,9 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-import weakref
 from collections.abc import Generator, Mapping
-from functools import lru_cache
 from typing import Any, Callable, Literal, Optional, Union
 
 import torch
@@ -30,12 +28,11 @@ from typing_extensions import override
 from lightning_mp.master import MasterWeights, is_norm
 from lightning_mp.policy import CastPolicy, ModuleRules, override_context
 from lightning_mp.scaler import DynamicLossScaler
+from lightning_mp.schedulers import guard_scheduler, record_step
 
 PrecisionName = Literal["16-mixed", "bf16-mixed"]
 _DTYPES: dict[str, torch.dtype] = {"16-mixed": torch.float16, "bf16-mixed": torch.bfloat16}
 
-# optimizer -> whether its latest step was skipped; read by the scheduler guard below
-_LAST_STEP_SKIPPED: weakref.WeakKeyDictionary[Optimizer, bool] = weakref.WeakKeyDictionary()
 _WARNED_FP16_ON_CPU = False
 
 
@@ -199,7 +196,7 @@ class MixedPrecisionPlugin(Precision):
             _warn_fp16_on_cpu()
         for config in lr_schedulers:
             if getattr(config, "interval", "step") == "step":
-                _guard_scheduler(config.scheduler)
+                guard_scheduler(config.scheduler)
         return model, optimizers, lr_schedulers
 
     # ------------------------------------------------------------------ forward and backward
@@ -262,7 +259,7 @@ class MixedPrecisionPlugin(Precision):
         self._after_closure(model, optimizer)
         self._unscaled.pop(id(optimizer), None)
         skip = self.scaler.found_inf(found_inf)  # the step's one host synchronisation
-        _LAST_STEP_SKIPPED[optimizer] = skip  # type: ignore[index]
+        record_step(optimizer, skipped=skip)
         step_output = None
         if not skip:
             step_output = optimizer.step(**kwargs)
@@ -381,41 +378,3 @@ def _warn_fp16_on_cpu() -> None:
             "matmul kernels: expect it to be many times slower than fp32. On CPUs with native bf16 (AVX512-BF16 "
             "or AMX), precision='bf16-mixed' is the fast choice; on others, fp32 is (see benchmarks/RESULTS.md)."
         )
-
-
-# ---------------------------------------------------------------------- LR scheduler guard
-class _SkipAwareScheduler:
-    """Placed before a scheduler's own class: ``step()`` does nothing right after a skipped optimizer step.
-
-    Lightning steps ``interval="step"`` schedulers after every optimizer step, skipped or not; DeepSpeed,
-    Megatron and fairseq hold the schedule back instead, and so do we. The scheduler's ``state_dict`` and
-    ``isinstance`` checks are unchanged.
-    """
-
-    optimizer: Optimizer
-
-    def step(self, *args: Any, **kwargs: Any) -> Any:
-        if _LAST_STEP_SKIPPED.get(self.optimizer, False):
-            return None
-        return super().step(*args, **kwargs)  # type: ignore[misc]
-
-    def __reduce_ex__(self, protocol: Any) -> Any:
-        # pickle and deepcopy as the scheduler's own class, which can be imported
-        return _rebuild_scheduler, (type(self).__mro__[2], self.__dict__.copy())
-
-
-def _rebuild_scheduler(cls: type, state: dict[str, Any]) -> Any:
-    scheduler = cls.__new__(cls)
-    scheduler.__dict__.update(state)
-    return scheduler
-
-
-@lru_cache(maxsize=None)
-def _skip_aware_class(cls: type) -> type:
-    return type(cls.__name__, (_SkipAwareScheduler, cls), {"__module__": __name__, "__doc__": cls.__doc__})
-
-
-def _guard_scheduler(scheduler: Any) -> None:
-    if isinstance(scheduler, _SkipAwareScheduler) or not hasattr(scheduler, "optimizer"):
-        return
-    scheduler.__class__ = _skip_aware_class(type(scheduler))

@@ -1,0 +1,62 @@
+"""LR schedulers that do not advance on a skipped optimizer step.
+
+Lightning steps ``interval="step"`` schedulers after every optimizer step, skipped or not (Lightning issues
+16228, 18828, 21339); DeepSpeed, Megatron and fairseq hold the schedule back instead, and so do we. The plugin
+calls :func:`record_step` after each optimizer step and :func:`guard_scheduler` on each step-interval
+scheduler; a guarded scheduler's ``step()`` does nothing right after a skipped step of its optimizer (with
+``frequency > 1``, the scheduler step that follows a skipped optimizer step is the one skipped).
+"""
+
+from __future__ import annotations
+
+import weakref
+from functools import lru_cache
+from typing import Any
+
+from torch.optim import Optimizer
+
+# optimizer -> whether its latest step was skipped
+_LAST_STEP_SKIPPED: weakref.WeakKeyDictionary[Optimizer, bool] = weakref.WeakKeyDictionary()
+
+
+def record_step(optimizer: Optimizer, skipped: bool) -> None:
+    """Remember whether ``optimizer``'s latest step was skipped."""
+    _LAST_STEP_SKIPPED[optimizer] = skipped
+
+
+class _SkipAwareScheduler:
+    """Placed before a scheduler's own class: ``step()`` does nothing right after a skipped optimizer step.
+
+    Lightning steps ``interval="step"`` schedulers after every optimizer step, skipped or not; DeepSpeed,
+    Megatron and fairseq hold the schedule back instead, and so do we. The scheduler's ``state_dict`` and
+    ``isinstance`` checks are unchanged.
+    """
+
+    optimizer: Optimizer
+
+    def step(self, *args: Any, **kwargs: Any) -> Any:
+        if _LAST_STEP_SKIPPED.get(self.optimizer, False):
+            return None
+        return super().step(*args, **kwargs)  # type: ignore[misc]
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        # pickle and deepcopy as the scheduler's own class, which can be imported
+        return _rebuild_scheduler, (type(self).__mro__[2], self.__dict__.copy())
+
+
+def _rebuild_scheduler(cls: type, state: dict[str, Any]) -> Any:
+    scheduler = cls.__new__(cls)
+    scheduler.__dict__.update(state)
+    return scheduler
+
+
+@lru_cache(maxsize=None)
+def _skip_aware_class(cls: type) -> type:
+    return type(cls.__name__, (_SkipAwareScheduler, cls), {"__module__": __name__, "__doc__": cls.__doc__})
+
+
+def guard_scheduler(scheduler: Any) -> None:
+    """Make ``scheduler.step()`` a no-op right after a skipped step of its optimizer (in place, idempotent)."""
+    if isinstance(scheduler, _SkipAwareScheduler) or not hasattr(scheduler, "optimizer"):
+        return
+    scheduler.__class__ = _skip_aware_class(type(scheduler))
