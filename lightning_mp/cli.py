@@ -23,6 +23,7 @@ from lightning_mp.plugin import MixedPrecisionPlugin
 
 _OURS = {"16-mixed": "16-mixed", "16": "16-mixed", "bf16-mixed": "bf16-mixed", "bf16": "bf16-mixed"}
 _PLUGIN_OPTIONS = ("scaler", "master_weights", "keep_norm_fp32", "policy")
+_PLUGIN_DEFAULTS = {"scaler": None, "master_weights": False, "keep_norm_fp32": True, "policy": None}
 
 
 class MixedPrecisionCLI(LightningCLI):
@@ -72,6 +73,12 @@ class MixedPrecisionCLI(LightningCLI):
         plugin = plugin_for(config.get("precision"), config.get("accelerator"), config.get("plugins"), options)
         if str(config.get("precision")) in _OURS:
             config["precision"] = None  # replaced by our plugin, or fp32 where the CPU fallback chose it
+        changed = {k: v for k, v in options.items() if v != _PLUGIN_DEFAULTS.get(k)}
+        if plugin is None and changed:
+            rank_zero_warn(
+                f"mixed_precision options {sorted(changed)} are ignored: trainer.precision="
+                f"{config.get('precision')!r} does not train with MixedPrecisionPlugin here (use 16-mixed or bf16-mixed)."
+            )
         if plugin is not None:
             plugins = config.get("plugins") or []
             config["plugins"] = [*(plugins if isinstance(plugins, list) else [plugins]), plugin]

@@ -211,3 +211,9 @@ def test_test_subcommand_on_the_saved_last_checkpoint(tmp_path):
     main(["test", "--config", str(CONFIGS / "digits.yaml"), f"--trainer.default_root_dir={tmp_path / 'test'}",
           "--trainer.limit_test_batches=1", f"--ckpt_path={last}"])
     assert any(row.get("test_acc") for row in _metrics(tmp_path / "test"))
+
+
+def test_plugin_options_without_a_mixed_precision_flag_warn_that_they_are_ignored(tmp_path):
+    with pytest.warns(UserWarning, match=r"mixed_precision options \['master_weights'\] are ignored"):
+        main(["fit", "--config", str(CONFIGS / "digits.yaml"), *_short(tmp_path, steps=1),
+              "--trainer.precision=32-true", "--mixed_precision.master_weights=true", "--test_after_fit=false"])
