@@ -1,10 +1,11 @@
 """lightning_mp: mixed-precision training for PyTorch Lightning that you can tune, inspect and trust."""
 
+from lightning_mp.audit import Census, audit
 from lightning_mp.master import MasterWeights
 from lightning_mp.monitor import PrecisionMonitor
 from lightning_mp.plugin import MixedPrecisionPlugin
 from lightning_mp.policy import CastPolicy
 from lightning_mp.scaler import DynamicLossScaler
 
-__all__ = ["CastPolicy", "DynamicLossScaler", "MasterWeights", "MixedPrecisionPlugin", "PrecisionMonitor"]
+__all__ = ["CastPolicy", "Census", "audit", "DynamicLossScaler", "MasterWeights", "MixedPrecisionPlugin", "PrecisionMonitor"]
 __version__ = "0.1.0"
