@@ -261,17 +261,18 @@ class ModuleRules:
             if any(name.startswith(parent + ".") or parent == "" for parent in chosen) or not in_fp32(name, module):
                 continue
             chosen.append(name)
-            contexts: list[Any] = []
+            previous: list[bool] = []
             upcast = _caster(torch.float32)
 
-            def pre_hook(mod: nn.Module, args: Any, kwargs: Any, contexts: list[Any] = contexts) -> Any:
-                context = torch.autocast(device_type, enabled=False)
-                context.__enter__()
-                contexts.append(context)
+            def pre_hook(mod: nn.Module, args: Any, kwargs: Any, previous: list[bool] = previous) -> Any:
+                # a plain switch rather than an autocast object entered here and left in post_hook: the
+                # object form breaks under torch.compile, the switch does not
+                previous.append(torch.is_autocast_enabled(device_type))
+                torch.set_autocast_enabled(device_type, False)
                 return tree_map(upcast, args), tree_map(upcast, kwargs)
 
-            def post_hook(mod: nn.Module, args: Any, kwargs: Any, output: Any, contexts: list[Any] = contexts) -> Any:
-                contexts.pop().__exit__(None, None, None)
+            def post_hook(mod: nn.Module, args: Any, kwargs: Any, output: Any, previous: list[bool] = previous) -> Any:
+                torch.set_autocast_enabled(device_type, previous.pop())
                 return output
 
             self._handles.append(module.register_forward_pre_hook(pre_hook, with_kwargs=True))

@@ -240,3 +240,34 @@ def test_mixed_precision_section_takes_a_policy(monkeypatch):
     monkeypatch.setattr(cli, "_runs_on_cpu", lambda accelerator: False)
     plugin = plugin_for("bf16-mixed", "gpu", None, {"policy": {"preset": "fast", "fp32_modules": ["classifier"]}})
     assert plugin.policy == CastPolicy(preset="fast", fp32_modules=["classifier"])
+
+
+def _compiled_loss(policy, compiled):
+    x, y = torch.randn(4, 8, generator=torch.Generator().manual_seed(1)), torch.tensor([0, 1, 2, 0])
+    torch.manual_seed(0)
+    model = Head()
+    plugin = MixedPrecisionPlugin("bf16-mixed", policy=policy)
+    plugin.connect(model, [], [])
+    run = torch.compile(model) if compiled else model
+    try:
+        with plugin.forward_context():
+            return run(x, y).item()
+    finally:
+        plugin.teardown()
+
+
+def test_op_rules_apply_under_torch_compile():
+    """The compiled forward gives the eager-with-policy result, not the eager-without-policy one."""
+    policy = {"fp32_ops": ["softmax", "linear", "layer_norm"]}
+    eager_policy, eager_default = _compiled_loss(policy, False), _compiled_loss(None, False)
+    compiled = _compiled_loss(policy, True)
+    assert eager_policy != eager_default  # the policy changes the arithmetic (all fp32 here)
+    assert abs(compiled - eager_policy) <= 1e-5 < abs(compiled - eager_default)
+
+
+def test_module_rules_apply_under_torch_compile():
+    policy = {"fp32_ops": ["softmax"], "fp32_modules": ["norm", "classifier"]}
+    eager_policy, eager_default = _compiled_loss(policy, False), _compiled_loss(None, False)
+    compiled = _compiled_loss(policy, True)
+    assert eager_policy != eager_default
+    assert abs(compiled - eager_policy) <= 1e-5 < abs(compiled - eager_default)
