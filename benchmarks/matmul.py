@@ -11,17 +11,12 @@ and very slow for another, so each is timed on its own (median of --repeats, aft
 from __future__ import annotations
 
 import argparse
-import os
-import platform
 import statistics
-import sys
 import time
-from datetime import datetime, timezone
-from pathlib import Path
 
 import torch
+from _report import report
 
-RESULTS = Path(__file__).resolve().parent / "RESULTS.md"
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -67,17 +62,7 @@ def main() -> None:
              "|---|" + "---:|" * len(labels)]
     for name, times in rows:
         lines.append(f"| {name} | " + " | ".join(f"{flops / times[label] / 1e9:.1f}" for label in labels) + " |")
-    device = torch.cuda.get_device_name() if args.device == "cuda" else f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores"
-    heading = (
-        f"### Matmul {args.m}x{args.k}x{args.n} per dtype and layout\n\n"
-        f"- date: {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC; machine: {args.device} ({device}); torch {torch.__version__}\n"
-        f"- command: `python benchmarks/matmul.py {' '.join(sys.argv[1:])}`\n"
-    )
-    print(heading + "\n" + "\n".join(lines))
-    if args.record:
-        with RESULTS.open("a") as results:
-            results.write("\n" + heading + "\n" + "\n".join(lines) + "\n")
-
+    report(f"Matmul {args.m}x{args.k}x{args.n} per dtype and layout", "\n".join(lines), args.device, args.record)
 
 if __name__ == "__main__":
     main()

@@ -17,16 +17,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import resource
 import statistics
 import subprocess
 import sys
 import time
-from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
+from _report import report
 from torch import nn
 
 SIZES = {
@@ -35,7 +34,6 @@ SIZES = {
     "tiny": dict(layers=2, hidden=64, heads=4, ffn=128, vocab=1000),
 }
 MODES = ["fp32", "builtin", "ours", "ours+masters"]
-RESULTS = Path(__file__).resolve().parent / "RESULTS.md"
 
 
 def build_encoder(layers: int, hidden: int, heads: int, ffn: int, vocab: int, max_len: int = 512) -> nn.Module:
@@ -186,19 +184,11 @@ def main() -> None:
             sys.exit(f"mode {mode} failed:\n{done.stderr[-4000:]}")
         rows.append(json.loads(next(l for l in done.stdout.splitlines() if l.startswith("RESULT "))[7:]))
     table = _table(rows)
-    device = torch.cuda.get_device_name() if args.device == "cuda" else f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores"
-    heading = (
-        f"### Memory, {args.size} encoder ({rows[0]['params'] / 1e6:.1f}M params), batch {args.batch} x seq {args.seq}, "
-        f"AdamW, {args.steps} steps\n\n"
-        f"- date: {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC; machine: {args.device} ({device}); "
-        f"torch {torch.__version__}\n- command: `python benchmarks/memory.py {' '.join(sys.argv[1:])}`\n"
-    )
-    print(heading + "\n" + table)
+    title = (f"Memory, {args.size} encoder ({rows[0]['params'] / 1e6:.1f}M params), batch {args.batch} x seq "
+             f"{args.seq}, AdamW, {args.steps} steps")
+    report(title, table, args.device, args.record)
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2))
-    if args.record:
-        with RESULTS.open("a") as results:
-            results.write("\n" + heading + "\n" + table + "\n")
 
 
 if __name__ == "__main__":

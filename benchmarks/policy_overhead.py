@@ -13,17 +13,12 @@ Median step time (forward + backward) over --steps steps after one warm-up step 
 from __future__ import annotations
 
 import argparse
-import os
-import platform
 import statistics
-import sys
 import time
-from datetime import datetime, timezone
-from pathlib import Path
 
 import torch
+from _report import report
 
-RESULTS = Path(__file__).resolve().parent / "RESULTS.md"
 POLICIES = {"autocast": None, "passthrough": {"fp32_ops": ["cumsum"]}, "conservative": "conservative"}
 
 
@@ -66,18 +61,9 @@ def main() -> None:
     for name, values in times.items():
         median = statistics.median(values)
         lines.append(f"| {name} | {median:.4f} | {100 * (median / base - 1):+.2f}% |")
-    heading = (
-        f"### Policy overhead, MiniLM-L6 architecture (random init), batch {args.batch} x seq {args.seq}, "
-        f"{args.precision}, {args.steps} steps each, interleaved\n\n"
-        f"- date: {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC; machine: cpu ({platform.processor() or platform.machine()}, "
-        f"{os.cpu_count()} cores); torch {torch.__version__}\n"
-        f"- command: `python benchmarks/policy_overhead.py {' '.join(sys.argv[1:])}`\n"
-    )
-    print(heading + "\n" + "\n".join(lines))
-    if args.record:
-        with RESULTS.open("a") as results:
-            results.write("\n" + heading + "\n" + "\n".join(lines) + "\n")
-
+    title = (f"Policy overhead, MiniLM-L6 architecture (random init), batch {args.batch} x seq {args.seq}, "
+             f"{args.precision}, {args.steps} steps each, interleaved")
+    report(title, "\n".join(lines), "cpu", args.record)
 
 if __name__ == "__main__":
     main()
