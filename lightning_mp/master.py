@@ -186,11 +186,6 @@ class MasterWeights:
         """The fp32 master of a half model parameter (``None`` if it has none)."""
         return self._masters.get(id(param))
 
-    def name_of(self, tensor: Tensor) -> Optional[str]:
-        """The model's name of a converted model parameter or of a master."""
-        param = self._param_of_master.get(id(tensor), tensor)
-        return self._names.get(id(param))
-
     @property
     def flat_buffers(self) -> list[tuple[Tensor, Tensor]]:
         """``(flat fp32 masters, flat fp32 grads)``, one pair per device."""

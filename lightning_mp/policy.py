@@ -160,10 +160,6 @@ class CastPolicy:
             rules[op] = ("fp32", "user")
         return rules
 
-    @property
-    def has_overrides(self) -> bool:
-        return bool(self.op_rules() or self.fp32_modules)
-
     def module_in_fp32(self, qualified_name: str, module: nn.Module) -> bool:
         """Whether a ``fp32_modules`` rule (class name or qualified-name glob) matches this module."""
         return any(
