@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import difflib
+import functools
 import fnmatch
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, replace
@@ -230,17 +231,22 @@ def _caster(dtype: torch.dtype) -> Callable[[Any], Any]:
 @contextlib.contextmanager
 def override_context(policy: CastPolicy, device_type: str, half_dtype: torch.dtype) -> Iterator[None]:
     """The op overrides of ``policy`` (nothing at all when it has none: autocast alone)."""
-    rules = policy.op_rules()
-    if not rules:
+    targets = _override_targets(policy, half_dtype)
+    if not targets:
         yield
         return
-    targets = {
-        func: (half_dtype if decision == "half" else torch.float32)
-        for op, (decision, _) in rules.items()
-        for func in OPS[op]
-    }
     with _OverrideMode(targets, device_type):
         yield
+
+
+@functools.lru_cache(maxsize=64)
+def _override_targets(policy: CastPolicy, half_dtype: torch.dtype) -> dict[Callable[..., Any], torch.dtype]:
+    # computed once per (frozen) policy and dtype, not on every forward
+    return {
+        func: (half_dtype if decision == "half" else torch.float32)
+        for op, (decision, _) in policy.op_rules().items()
+        for func in OPS[op]
+    }
 
 
 class ModuleRules:
