@@ -242,6 +242,27 @@ def test_unreachable_hub_tokenizer_raises_source_unavailable(monkeypatch):
     assert isinstance(info.value.__cause__, OSError)
 
 
+def test_pad_to_max_length_gives_every_batch_the_same_shape(tmp_path):
+    _minilm_or_skip()
+    file = tmp_path / "lengths.jsonl"
+    texts = ["ok", "a bit longer review here", "word " * 300, "short one"]
+    file.write_text("".join(json.dumps({"text": t, "label": i % 2}) + "\n" for i, t in enumerate(texts)), "utf-8")
+    dm = SentimentDataModule(source="jsonl", path=str(file), val_size=1, test_size=1, max_length=16,
+                             pad_to_max_length=True)
+    dm.setup("fit")
+    dataset = dm.train_dataloader().dataset
+    for pair in ([0], [0, 1]):
+        features = [dataset[i] for i in pair]
+        batch = dm.collate_fn(features)
+        assert batch["input_ids"].shape == batch["attention_mask"].shape == (len(pair), 16)
+        assert batch["attention_mask"].sum(1).tolist() == [len(f["input_ids"]) for f in features]
+        pad = dm.tokenizer.pad_token_id
+        for row, f in zip(batch["input_ids"].tolist(), features):
+            assert row == f["input_ids"] + [pad] * (16 - len(f["input_ids"]))
+    with pytest.raises(ValueError, match=r"pad_to_max_length='yes' is not allowed: use True or False"):
+        SentimentDataModule(pad_to_max_length="yes")
+
+
 def test_dynamic_padding_pads_each_batch_to_its_longest_sequence_only(tmp_path):
     _minilm_or_skip()
     file = tmp_path / "lengths.jsonl"

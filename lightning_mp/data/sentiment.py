@@ -175,18 +175,24 @@ class EncodedTexts(Dataset):
 
 
 class PadToLongest:
-    """Collate function: pads each batch to its own longest sequence (dynamic padding).
+    """Collate function: pads each batch to its own longest sequence (dynamic padding), or to ``pad_to`` tokens
+    when given (fixed shapes: exact tokens per batch for benchmarks, no recompiles under ``torch.compile``).
 
     Returns a dict of long tensors: ``input_ids`` (padded with ``pad_token_id``), ``attention_mask`` and, when the
     tokenizer makes them, ``token_type_ids`` (padded with 0), and ``labels``.
     """
 
-    def __init__(self, pad_token_id: int, padding_side: str = "right") -> None:
+    def __init__(self, pad_token_id: int, padding_side: str = "right", pad_to: Optional[int] = None) -> None:
         self.pad_token_id = pad_token_id
         self.padding_side = padding_side
+        self.pad_to = pad_to
 
     def __call__(self, features: list[dict[str, Any]]) -> dict[str, Tensor]:
         longest = max(len(feature["input_ids"]) for feature in features)
+        if self.pad_to is not None:
+            if longest > self.pad_to:
+                raise ValueError(f"a sequence of {longest} tokens is longer than pad_to={self.pad_to}.")
+            longest = self.pad_to
         batch = {}
         for key in features[0]:
             if key != "labels":
@@ -220,6 +226,8 @@ class SentimentDataModule(SplitDataModule):
             a test split: rotten_tomatoes, csv, jsonl).
         batch_size: examples per batch (default 32).
         max_length: truncation length in tokens, special tokens included (default 128).
+        pad_to_max_length: pad every batch to ``max_length`` tokens instead of to its longest sequence
+            (default False: dynamic padding, fastest; True: fixed shapes, as benchmarks and compiled models want).
         seed: seed of the split/subset draw and of the training shuffle (default 0).
         num_workers: DataLoader worker processes (default 0).
 
@@ -239,6 +247,7 @@ class SentimentDataModule(SplitDataModule):
         test_size: Optional[int] = None,
         batch_size: int = 32,
         max_length: int = 128,
+        pad_to_max_length: bool = False,
         seed: int = 0,
         num_workers: int = 0,
     ) -> None:
@@ -253,7 +262,10 @@ class SentimentDataModule(SplitDataModule):
         check_int("batch_size", batch_size, 1)
         check_int("max_length", max_length, 2)
         check_int("num_workers", num_workers, 0)
+        if not isinstance(pad_to_max_length, bool):
+            raise ValueError(f"pad_to_max_length={pad_to_max_length!r} is not allowed: use True or False.")
         self.save_hyperparameters()
+        self.pad_to_max_length = pad_to_max_length
         self.source, self.path, self.tokenizer_name = source, path, tokenizer
         self.train_size, self.val_size, self.test_size = train_size, val_size, test_size
         self.batch_size, self.max_length, self.seed, self.num_workers = batch_size, max_length, seed, num_workers
@@ -312,8 +324,10 @@ class SentimentDataModule(SplitDataModule):
 
     @property
     def collate_fn(self) -> PadToLongest:
-        """The DataLoaders' collate function: pads each batch to its longest sequence (:class:`PadToLongest`)."""
-        return PadToLongest(self.tokenizer.pad_token_id, self.tokenizer.padding_side)
+        """The DataLoaders' collate function: pads each batch to its longest sequence, or to ``max_length`` with
+        ``pad_to_max_length`` (:class:`PadToLongest`)."""
+        pad_to = self.max_length if self.pad_to_max_length else None
+        return PadToLongest(self.tokenizer.pad_token_id, self.tokenizer.padding_side, pad_to)
 
 
 def load_tokenizer(name: str) -> Any:

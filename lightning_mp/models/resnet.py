@@ -34,15 +34,24 @@ class BasicBlock(nn.Module):
 
 
 class ResNet(nn.Module):
-    """ResNet with a small-image stem: one 3x3 convolution, stride 1, no max-pool (28x28 or 8x8 inputs)."""
+    """ResNet with a small-image stem (``stem="small"``: one 3x3 convolution, stride 1, no max-pool; for 28x28 or
+    8x8 inputs) or the ImageNet stem (``stem="imagenet"``: 7x7 convolution with stride 2, then a 3x3 max-pool
+    with stride 2, as in He et al. and torchvision; for 224x224 inputs)."""
 
-    def __init__(self, depth: int = 18, num_classes: int = 10, in_channels: int = 1, width: int = 64) -> None:
+    def __init__(
+        self, depth: int = 18, num_classes: int = 10, in_channels: int = 1, width: int = 64, stem: str = "small"
+    ) -> None:
         super().__init__()
         if depth not in STAGES:
             raise ValueError(f"depth={depth!r} is not supported: use one of {sorted(STAGES)}.")
-        self.stem = nn.Sequential(
-            nn.Conv2d(in_channels, width, 3, padding=1, bias=False), nn.BatchNorm2d(width), nn.ReLU()
-        )
+        if stem == "small":
+            layers = [nn.Conv2d(in_channels, width, 3, padding=1, bias=False), nn.BatchNorm2d(width), nn.ReLU()]
+        elif stem == "imagenet":
+            layers = [nn.Conv2d(in_channels, width, 7, stride=2, padding=3, bias=False), nn.BatchNorm2d(width),
+                      nn.ReLU(), nn.MaxPool2d(3, stride=2, padding=1)]
+        else:
+            raise ValueError(f"stem={stem!r} is not supported: use 'small' or 'imagenet'.")
+        self.stem = nn.Sequential(*layers)
         blocks, channels = [], width
         for stage, count in enumerate(STAGES[depth]):
             out_channels = width * 2**stage
@@ -65,6 +74,8 @@ class ResNetClassifier(L.LightningModule):
         num_classes: output classes (default 10).
         in_channels: input channels (default 1: grayscale digits, MNIST, Fashion-MNIST).
         width: channels of the first stage, doubled at each of the 4 stages (default 64, as ResNet-18).
+        stem: ``"small"`` (default: 3x3 convolution, no downsampling; 8x8 or 28x28 images) or ``"imagenet"``
+            (7x7 stride-2 convolution and max-pool; 224x224 images).
         lr: peak SGD learning rate (default 0.05).
         momentum: SGD momentum (default 0.9).
         weight_decay: SGD weight decay (default 5e-4).
@@ -76,13 +87,14 @@ class ResNetClassifier(L.LightningModule):
         num_classes: int = 10,
         in_channels: int = 1,
         width: int = 64,
+        stem: str = "small",
         lr: float = 0.05,
         momentum: float = 0.9,
         weight_decay: float = 5e-4,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
-        self.model = ResNet(depth, num_classes, in_channels, width)
+        self.model = ResNet(depth, num_classes, in_channels, width, stem)
         self.val_acc = MulticlassAccuracy(num_classes)
         self.test_acc = MulticlassAccuracy(num_classes)
 
