@@ -98,7 +98,8 @@ class Census:
     ``rows``: one :class:`Row` per unique (op, dtype, phase, module), in order of first call. ``module`` is the
     qualified name from ``named_modules()`` (``""`` for the audited module itself and for code outside any
     submodule, ``"<backward>"`` for backward ops not attributable to a module). ``dtype`` is the set of floating
-    input dtypes joined by ``"+"`` (``"-"`` when the op touched no floating tensor). ``flops`` counts only
+    input dtypes joined by ``"+"`` (``"-"`` when the op touched no floating tensor; ``"float32"`` for CUDA's fused
+    fp16-in/fp32-out ``_softmax``/``_log_softmax``, which compute in float32). ``flops`` counts only
     matmul-like ops (mm/addmm/bmm/baddbmm/matmul/linear, attention, convolution; multiply-add = 2 FLOPs).
     ``risky``: :class:`Finding` per precision-sensitive op that ran in half precision.
     """
@@ -220,10 +221,19 @@ def _flops(op: str, args: tuple, out: Any) -> int:
     return 0
 
 
-def _compute_dtype(args: tuple, kwargs: dict, out: Any) -> str:
+# Ops whose ``half_to_float`` flag (args[2]) makes a float16 input compute and return float32: on CUDA,
+# ``softmax(x_fp16, dim, dtype=torch.float32)`` (what CUDA autocast calls) runs ``_softmax(x_fp16, dim, True)``
+# with no cast before it, so the input dtype alone would misreport an fp32 computation as float16.
+_HALF_TO_FLOAT_OPS = frozenset({"_softmax", "_log_softmax"})
+
+
+def _compute_dtype(op: str, args: tuple, kwargs: dict, out: Any) -> str:
     """Floating input dtypes joined by "+". 0-dim inputs are ignored when dimensioned ones exist (as in PyTorch's
     type promotion, a 0-dim float32 tensor does not make a bfloat16 op compute in float32). With no floating input,
-    the floating output dtypes; "-" when there are none either."""
+    the floating output dtypes; "-" when there are none either. ``_softmax``/``_log_softmax`` with
+    ``half_to_float=True`` compute in float32 (their output dtype) and are reported as such."""
+    if op in _HALF_TO_FLOAT_OPS and (args[2] if len(args) > 2 else kwargs.get("half_to_float")) is True:
+        return "float32"
     floats = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and t.is_floating_point()]
     chosen = [t for t in floats if t.dim() > 0] or floats
     if not chosen:
@@ -270,7 +280,7 @@ class _Recorder(TorchDispatchMode):
         out = func(*args, **kwargs)
         op = func.overloadpacket.__name__
         if op not in IGNORED_OPS:
-            dtype, module = _compute_dtype(args, kwargs, out), self.current_module()
+            dtype, module = _compute_dtype(op, args, kwargs, out), self.current_module()
             row = self.rows.setdefault((op, dtype, self.phase, module), Row(op, dtype, self.phase, module))
             row.count += 1
             row.flops += _flops(op, args, out)

@@ -142,6 +142,21 @@ def test_mse_loss_and_log_softmax_in_bf16_are_flagged_but_not_in_fp32():
     assert audit(nn.Identity(), losses(torch.float32), backward=False).risky == []
 
 
+def test_fused_half_to_float_softmax_is_reported_in_float32_and_not_flagged():
+    # CUDA autocast's softmax/log_softmax on fp16 runs _softmax(x_fp16, dim, half_to_float=True): fp32 compute and
+    # output with no cast first. The CPU kernel lacks that path; meta tensors take it, so the test runs anywhere.
+    x = torch.randn(4, 8, dtype=torch.float16, device="meta")
+
+    def fused():
+        return torch.ops.aten._softmax(x, -1, True), torch.ops.aten._log_softmax(x, -1, True)
+
+    census = audit(nn.Identity(), fused, backward=False)
+    assert census.dtypes_of("_softmax") == {"float32"} and census.dtypes_of("_log_softmax") == {"float32"}
+    assert census.risky == []
+    plain = audit(nn.Identity(), lambda: torch.ops.aten._log_softmax(x, -1, False), backward=False)
+    assert plain.dtypes_of("_log_softmax") == {"float16"} and [f.op for f in plain.risky] == ["_log_softmax"]
+
+
 def test_bf16_sum_over_large_reduction_elements_is_flagged_and_a_small_one_is_not():
     big, small = torch.ones(65536, dtype=torch.bfloat16), torch.ones(65535, dtype=torch.bfloat16)
     assert [f.op for f in audit(nn.Identity(), lambda: big.sum(), backward=False).risky] == ["sum"]
