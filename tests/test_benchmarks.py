@@ -1,9 +1,12 @@
 """The benchmark scripts run end to end (tiny sizes, CPU), so a GPU session can run them as they are."""
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -30,3 +33,57 @@ def test_policy_overhead_benchmark_runs():
     assert done.returncode == 0, done.stderr[-3000:]
     for policy in ("autocast", "passthrough", "conservative"):
         assert f"| {policy} |" in done.stdout
+
+
+def _compare(tmp_path, *extra):
+    command = [sys.executable, str(ROOT / "benchmarks" / "compare.py"), "--device", "cpu", "--preset", "tiny",
+               "--out", str(tmp_path), *extra]
+    return subprocess.run(command, capture_output=True, text=True, timeout=600)
+
+
+def test_compare_interleaves_the_modes_step_by_step_and_writes_json_markdown_and_chart(tmp_path):
+    done = _compare(tmp_path, "--workloads", "mlp", "minilm", "--modes", "fp32", "ours+masters", "--steps", "3")
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads((tmp_path / "results.json").read_text())
+    assert result["reference"] == "builtin-bf16" and set(result["ceilings_flops"]) == {"float32", "bfloat16"}
+    for workload, rows in result["results"].items():
+        fp32, masters = rows
+        assert (fp32["mode"], fp32["dtype"], masters["mode"], masters["dtype"]) == (
+            "fp32", "float32", "ours+masters", "bfloat16")
+        # one step each in turn: the global step order alternates between the two processes
+        assert fp32["order"] == [0, 2, 4] and masters["order"] == [1, 3, 5]
+        for row in rows:
+            assert row["steps"] == 3 and row["timed_steps"] == 2
+            assert row["samples_s"] == pytest.approx(row["batch"] / (row["step_ms"] / 1e3))
+            assert row["speed_vs_fp32"] == pytest.approx(row["samples_s"] / fp32["samples_s"])
+            assert row["speed_vs_builtin"] is None  # builtin-bf16 was not run
+            assert math.isfinite(row["final_loss"]) and row["nonfinite_losses"] == 0
+            assert 0.0 <= row["test_acc"] <= 1.0 and row["test_n"] > 0
+        assert fp32["speed_vs_fp32"] == 1.0
+        assert masters["skipped_steps"] is fp32["skipped_steps"] is None  # bf16 has no loss scaler to skip steps
+        # bf16 with fp32 masters trains like fp32 over a few steps (same seed, data and order)
+        assert masters["final_loss"] == pytest.approx(fp32["final_loss"], abs=0.02)
+    mlp, text = result["results"]["mlp"][0], result["results"]["minilm"][0]
+    assert mlp["tokens_s"] is None and mlp["mfu"] is None
+    assert text["tokens_s"] == pytest.approx(text["samples_s"] * 16)  # tiny preset: sequences padded to 16 tokens
+    assert text["mfu"] == pytest.approx(text["model_tflops_s"] * 1e12 / result["ceilings_flops"]["float32"])
+    assert (tmp_path / "chart.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    table = (tmp_path / "results.md").read_text()
+    assert "| ours+masters | bfloat16 |" in table and "**minilm**" in table
+    assert "| fp32 | float32 |" in done.stdout
+
+
+def test_compare_refuses_a_workload_the_preset_has_not_sized(tmp_path):
+    done = _compare(tmp_path, "--workloads", "resnet50")
+    assert done.returncode == 2
+    assert "workload(s) ['resnet50'] have no sizes in preset 'tiny'" in done.stderr
+
+
+def test_reference_experiment_runs_the_cli_once_per_precision(tmp_path):
+    command = [sys.executable, str(ROOT / "benchmarks" / "reference.py"), "--tiny", "--precisions", "32-true",
+               "bf16-mixed", "--out", str(tmp_path)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "| 32-true |" in done.stdout and "| bf16-mixed |" in done.stdout
+    for precision in ("32-true", "bf16-mixed"):
+        assert list((tmp_path / precision).glob("lightning_logs/version_*/metrics.csv"))
