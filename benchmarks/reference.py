@@ -6,7 +6,8 @@
 
 Each precision is a whole `python -m lightning_mp fit --config configs/bert-imdb.yaml --trainer.precision P`
 run in a fresh process, timed from start to exit (start-up, 10 epochs with validation, and the test after fit,
-as the reported figures were), with a CSV logger whose metrics give the test accuracy.
+as the reported figures were), with a CSV logger whose metrics give the test accuracy; its output goes to
+``<out>/<precision>/log.txt``.
 
 ``--offline`` keeps the experiment's shape (BERT-base: 12 layers, hidden 768; 800 training and 200 test
 examples; 10 epochs; batch 64; AdamW; 512 tokens per sequence) but takes what a machine without network has:
@@ -54,18 +55,21 @@ def run(precision: str, flags: list[str], root: Path) -> dict:
                "--trainer.precision", precision, *flags, "--trainer.default_root_dir", str(root),
                "--trainer.logger", "CSVLogger", "--trainer.logger.init_args.save_dir", str(root),
                "--trainer.enable_progress_bar", "false"]
+    root.mkdir(parents=True, exist_ok=True)
+    log = root / "log.txt"
     start = time.perf_counter()
-    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
+    with log.open("w") as output:
+        done = subprocess.run(command, cwd=ROOT, stdout=output, stderr=subprocess.STDOUT)
     seconds = time.perf_counter() - start
     if done.returncode != 0:
-        sys.exit(f"{precision} failed ({' '.join(command)}):\n{done.stderr[-4000:]}")
+        sys.exit(f"{precision} failed ({' '.join(command)}):\n{log.read_text()[-4000:]}")
     metrics = {}
     for path in sorted(root.glob("lightning_logs/version_*/metrics.csv")):
         with path.open() as file:
             for row in csv.DictReader(file):
                 metrics.update({k: float(v) for k, v in row.items() if v not in ("", None) and k != "epoch"})
     if "test_acc" not in metrics:
-        sys.exit(f"{precision}: no test_acc in {root}/lightning_logs/*/metrics.csv; stderr:\n{done.stderr[-3000:]}")
+        sys.exit(f"{precision}: no test_acc in {root}/lightning_logs/*/metrics.csv; output:\n{log.read_text()[-3000:]}")
     return {"precision": precision, "seconds": seconds, "test_acc": metrics["test_acc"], "val_acc": metrics.get("val_acc")}
 
 

@@ -2,6 +2,7 @@
 # Every GPU check of the project in one script, about 8 minutes on one H100 with no network:
 #
 #   bash benchmarks/run_gpu.sh [OUT_DIR]        # default OUT_DIR: benchmarks/out/gpu; PYTHON=python3 to change
+#   STAGES="compare reference" COMPARE_ARGS="--workloads bert-base" bash benchmarks/run_gpu.sh   # a part of it
 #
 # 1. the GPU tests (pytest -m gpu: CUDA fp16/bf16 Trainer tests, master weights, resume, the BERT audit);
 # 2. compare.py: every precision mode on every workload of the gpu preset, recorded in RESULTS.md;
@@ -14,17 +15,19 @@ cd "$(dirname "$0")/.."
 out=${1:-benchmarks/out/gpu}
 python=${PYTHON:-python}
 mkdir -p "$out"
+stages=" ${STAGES:-tests compare profile reference} "
 failed=()
 stage() {
     local name=$1; shift
+    [[ $stages == *" $name "* ]] || return 0
     local start=$SECONDS
     echo "=== $name"
     "$@" || failed+=("$name")
     echo "=== $name: $((SECONDS - start)) s"
 }
-stage "gpu tests" "$python" -m pytest -m gpu -q -p no:cacheprovider -rs
-stage "compare" "$python" benchmarks/compare.py --device cuda --record --out "$out/compare"
-stage "profile" "$python" benchmarks/compare.py --device cuda --workloads bert-base --modes builtin-16 \
-    ours+masters+fast --steps 15 --profile builtin-16 ours+masters+fast --out "$out/profile"
-stage "reference" "$python" benchmarks/reference.py --offline --record --out "$out/reference"
+stage tests "$python" -m pytest -m gpu -q -p no:cacheprovider -rs
+stage compare "$python" benchmarks/compare.py --device cuda --record --out "$out/compare" ${COMPARE_ARGS:-}
+stage profile "$python" benchmarks/compare.py --device cuda --workloads bert-base --modes builtin-16 \
+    ours+masters+fast --steps 13 --profile builtin-16 ours+masters+fast --out "$out/profile"
+stage reference "$python" benchmarks/reference.py --offline --record --out "$out/reference"
 if [ ${#failed[@]} -gt 0 ]; then echo "failed stages: ${failed[*]}"; exit 1; fi
