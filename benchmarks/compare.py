@@ -408,16 +408,32 @@ def main(argv: list[str] | None = None) -> None:
         print(markdown(results[workload], reference), flush=True)
 
     header = (f"Matmul ceilings ({n}x{n}x{n}, measured): "
-              + ", ".join(f"{d} {c / 1e12:.2f} TFLOP/s" for d, c in sorted(ceilings.items())))
+              + ", ".join(f"{d} {c / 1e12:.2f} TFLOP/s" for d, c in sorted(ceilings.items()))
+              + f". {_versions()}; fp32 matmul precision {torch.get_float32_matmul_precision()!r}, cuDNN TF32 "
+              f"{'on' if torch.backends.cudnn.allow_tf32 else 'off'} (the defaults: fp32 matmuls are true fp32, "
+              "fp32 convolutions may use TF32).")
     text = header + "\n\n" + "\n\n".join(
         f"**{w}** ({_describe(preset, w)})\n\n{markdown(rows, reference)}" for w, rows in results.items())
     title = f"Precision modes side by side, preset {preset}, interleaved step by step"
     (out / "results.json").write_text(json.dumps(
-        {"device": args.device, "machine": machine(args.device), "torch": torch.__version__, "preset": preset,
+        {"device": args.device, "machine": machine(args.device), "torch": torch.__version__, "versions": _versions(),
+         "preset": preset,
          "reference": reference, "ceilings_flops": ceilings, "command": sys.argv, "results": results}, indent=1))
     (out / "results.md").write_text(f"## {title}\n\n{text}\n")
     chart(results, reference, out / "chart.png", f"{title} ({machine(args.device)})")
     report(title, text + f"\n\nChart: `{out / 'chart.png'}`", args.device, args.record)
+
+
+def _versions() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    found = []
+    for name in ("lightning", "transformers"):
+        try:
+            found.append(f"{name} {version(name)}")
+        except PackageNotFoundError:
+            pass
+    return ", ".join(found)
 
 
 def _describe(preset: str, workload: str) -> str:

@@ -31,10 +31,10 @@ TINY_BERT = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, int
 PRESETS: dict[str, dict[str, dict[str, Any]]] = {
     "gpu": {
         "bert-base": dict(batch=64, seq=256, steps=100, warmup=10, lr=1e-4, train=None, test=2000),
-        "minilm": dict(batch=32, seq=128, steps=200, warmup=20, lr=5e-5, train=None, test=2000),
-        "resnet18-28": dict(batch=128, size=28, steps=200, warmup=20, lr=1e-3),
+        "minilm": dict(batch=32, seq=128, steps=150, warmup=20, lr=5e-5, train=None, test=2000),
+        "resnet18-28": dict(batch=128, size=28, steps=150, warmup=20, lr=1e-3),
         "resnet18-224": dict(batch=64, size=224, steps=100, warmup=20, lr=1e-3),
-        "mlp": dict(batch=2048, hidden=8192, depth=4, features=512, steps=150, warmup=20, lr=1e-4, train=200_000),
+        "mlp": dict(batch=2048, hidden=8192, depth=4, features=512, steps=100, warmup=20, lr=1e-4, train=200_000),
     },
     "cpu": {
         "minilm": dict(batch=8, seq=64, steps=12, warmup=2, lr=5e-5, train=None, test=500),
