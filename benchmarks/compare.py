@@ -309,8 +309,8 @@ def add_ratios(rows: list[dict[str, Any]], reference: str, ceilings: dict[str, f
 
 
 def markdown(rows: list[dict[str, Any]], reference: str) -> str:
-    def fmt(value: Any, spec: str) -> str:
-        return "-" if value is None else format(value, spec)
+    def fmt(value: Any, spec: str, unit: str = "") -> str:
+        return "-" if value is None else format(value, spec) + unit
 
     lines = [
         f"| mode | dtype | step ms (p10-p90) | samples/s | tokens/s | MFU | peak MiB | speed vs fp32 | speed vs "
@@ -321,9 +321,9 @@ def markdown(rows: list[dict[str, Any]], reference: str) -> str:
         p10, p90 = r["step_ms_p10_p90"]
         lines.append(
             f"| {r['mode']} | {r['dtype']} | {r['step_ms']:.1f} ({p10:.1f}-{p90:.1f}) | {r['samples_s']:.1f} "
-            f"| {fmt(r['tokens_s'], '.0f')} | {fmt(r['mfu'] and 100 * r['mfu'], '.1f')}{'%' if r['mfu'] else ''} "
-            f"| {r['peak_mib']:.0f} | {fmt(r['speed_vs_fp32'], '.2f')}x | {fmt(r['speed_vs_builtin'], '.2f')}x "
-            f"| {fmt(r['memory_vs_fp32'], '.2f')}x | {fmt(r['memory_vs_builtin'], '.2f')}x | {r['final_loss']:.4f} "
+            f"| {fmt(r['tokens_s'], '.0f')} | {fmt(r['mfu'] and 100 * r['mfu'], '.1f', '%')} "
+            f"| {r['peak_mib']:.0f} | {fmt(r['speed_vs_fp32'], '.2f', 'x')} | {fmt(r['speed_vs_builtin'], '.2f', 'x')} "
+            f"| {fmt(r['memory_vs_fp32'], '.2f', 'x')} | {fmt(r['memory_vs_builtin'], '.2f', 'x')} | {r['final_loss']:.4f} "
             f"| {r['test_acc']:.4f} ({r['test_n']}) | {fmt(r['skipped_steps'], 'd')} |"
         )
     return "\n".join(lines)
@@ -408,7 +408,7 @@ def main(argv: list[str] | None = None) -> None:
         print(markdown(results[workload], reference), flush=True)
 
     header = (f"Matmul ceilings ({n}x{n}x{n}, measured): "
-              + ", ".join(f"{d} {c / 1e12:.2f} TFLOP/s" for d, c in sorted(ceilings.items()))
+              + ", ".join(f"{d} {c / 1e12:.3g} TFLOP/s" for d, c in sorted(ceilings.items()))
               + f". {_versions()}; fp32 matmul precision {torch.get_float32_matmul_precision()!r}, cuDNN TF32 "
               f"{'on' if torch.backends.cudnn.allow_tf32 else 'off'} (the defaults: fp32 matmuls are true fp32, "
               "fp32 convolutions may use TF32).")
