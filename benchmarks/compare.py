@@ -415,11 +415,12 @@ def main(argv: list[str] | None = None) -> None:
 
     header = (f"Matmul ceilings ({n}x{n}x{n}, measured): "
               + ", ".join(f"{d} {c / 1e12:.3g} TFLOP/s" for d, c in sorted(ceilings.items()))
-              + f". {_versions()}; fp32 matmul precision {torch.get_float32_matmul_precision()!r}, cuDNN TF32 "
-              f"{'on' if torch.backends.cudnn.allow_tf32 else 'off'} (the defaults: fp32 matmuls are true fp32, "
-              "fp32 convolutions may use TF32).")
+              + f". {_versions()}."
+              + (f" fp32 matmul precision {torch.get_float32_matmul_precision()!r}, cuDNN TF32 "
+                 f"{'on' if torch.backends.cudnn.allow_tf32 else 'off'} (the defaults: fp32 matmuls are true fp32, "
+                 "fp32 convolutions may use TF32)." if args.device == "cuda" else ""))
     text = header + "\n\n" + "\n\n".join(
-        f"**{w}** ({_describe(preset, w)})\n\n{markdown(rows, reference)}" for w, rows in results.items())
+        f"**{w}** ({_describe(preset, w, args.steps)})\n\n{markdown(rows, reference)}" for w, rows in results.items())
     title = f"Precision modes side by side, preset {preset}, interleaved step by step"
     (out / "results.json").write_text(json.dumps(
         {"device": args.device, "machine": machine(args.device), "torch": torch.__version__, "versions": _versions(),
@@ -442,11 +443,11 @@ def _versions() -> str:
     return ", ".join(found)
 
 
-def _describe(preset: str, workload: str) -> str:
+def _describe(preset: str, workload: str, steps: int | None) -> str:
     from workloads import PRESETS
 
-    sizes = PRESETS[preset][workload]
-    return ", ".join(f"{k} {v}" for k, v in sizes.items() if k not in ("config",))
+    sizes = {**PRESETS[preset][workload], **({"steps": steps} if steps else {})}
+    return ", ".join(f"{k} {v}" for k, v in sizes.items() if k != "config")
 
 
 if __name__ == "__main__":
