@@ -283,15 +283,20 @@ def run_workload(workload: str, modes: list[str], args: dict[str, Any]) -> list[
     ]
     for process in processes:
         process.start()
-    rows = []
+    rows, deadline = [], time.monotonic() + args["timeout"]
     while len(rows) < len(modes):
         try:
             rows.append(results.get(timeout=5))
-        except Exception:  # queue.Empty: check that nobody died without reporting
+        except Exception:  # queue.Empty: check that nobody died without reporting, or hangs
             dead = [m for m, p in zip(modes, processes) if p.exitcode not in (None, 0)]
-            if dead:
+            late = time.monotonic() > deadline
+            if dead or late:
                 turns.fail()
-                raise RuntimeError(f"workload {workload!r}: the process of mode(s) {dead} died without a result")
+                for process in processes:
+                    process.terminate()
+                why = f"did not finish within --timeout {args['timeout']} s" if late else (
+                    f"the process of mode(s) {dead} died without a result")
+                raise RuntimeError(f"workload {workload!r}: {why}")
     for process in processes:
         process.join(timeout=60)
     errors = [row for row in rows if "error" in row]
@@ -380,6 +385,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--modes", nargs="+", choices=list(MODES), default=None, help="default: the device's")
     parser.add_argument("--steps", type=int, default=None, help="training steps per mode (default: the preset's)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--timeout", type=float, default=7200.0, help="seconds per workload before giving up")
     parser.add_argument("--profile", nargs="*", default=[], choices=list(MODES),
                         help="modes to trace with torch.profiler in steps 8-12 (it slows them): "
                         "<out>/profile-<workload>-<mode>.txt")
@@ -404,7 +410,7 @@ def main(argv: list[str] | None = None) -> None:
     ceilings = {str(d).replace("torch.", ""): matmul_ceiling(args.device, d, n)
                 for d in {mode_dtype(m, args.device) for m in modes}}
     shared = {"device": args.device, "preset": preset, "steps": args.steps, "seed": args.seed, "out": str(out),
-              "profile": args.profile}
+              "profile": args.profile, "timeout": args.timeout}
     results: dict[str, list[dict[str, Any]]] = {}
     for workload in workloads:
         started = time.perf_counter()

@@ -79,6 +79,13 @@ def test_compare_refuses_a_workload_the_preset_has_not_sized(tmp_path):
     assert "workload(s) ['resnet50'] have no sizes in preset 'tiny'" in done.stderr
 
 
+def test_compare_gives_up_on_a_workload_that_outlives_its_timeout(tmp_path):
+    done = _compare(tmp_path, "--workloads", "mlp", "--modes", "fp32", "ours", "--timeout", "0.5")
+    assert done.returncode != 0
+    assert "workload 'mlp': did not finish within --timeout 0.5 s" in done.stderr
+    assert not (tmp_path / "results.json").exists()
+
+
 def test_reference_experiment_runs_the_cli_once_per_precision(tmp_path):
     command = [sys.executable, str(ROOT / "benchmarks" / "reference.py"), "--tiny", "--precisions", "32-true",
                "bf16-mixed", "--out", str(tmp_path)]
