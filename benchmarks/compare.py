@@ -43,6 +43,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _report import machine, report  # noqa: E402
+from _turns import TakeTurns, Turns  # noqa: E402
 
 #: mode -> how the Trainer gets its precision: a Lightning flag, or MixedPrecisionPlugin arguments
 MODES: dict[str, dict[str, Any]] = {
@@ -85,101 +86,6 @@ def trainer_precision(mode: str, device: str) -> dict[str, Any]:
 # ------------------------------------------------------------------------------------------------ workers
 
 
-class Turns:
-    """Round-robin turns between the mode processes: a shared counter says whose step it is."""
-
-    def __init__(self, n: int) -> None:
-        context = mp.get_context("spawn")
-        self.n = n
-        self.turn = context.Value("i", 0)
-        self.steps = context.Value("i", 0)  # steps taken by all modes so far: the global order of each step
-        self.abort = context.Value("b", 0)
-        self.condition = context.Condition()
-        self.barrier = context.Barrier(n)
-
-    def gather(self) -> None:
-        """Wait until every mode gets here: no mode's timed steps overlap another's start-up or evaluation."""
-        self.barrier.wait(timeout=1800)
-
-    def fail(self) -> None:
-        """Release the others: this mode's process failed."""
-        self.abort.value = 1
-        self.barrier.abort()
-        with self.condition:
-            self.condition.notify_all()
-
-    def wait(self, index: int) -> None:
-        with self.condition:
-            while self.turn.value != index:
-                if self.abort.value:
-                    raise RuntimeError("another mode's process failed; stopping this one")
-                self.condition.wait(timeout=1.0)
-
-    def take_step(self) -> int:
-        with self.condition:
-            self.steps.value += 1
-            return self.steps.value - 1
-
-    def hand_on(self, index: int) -> None:
-        with self.condition:
-            self.turn.value = (index + 1) % self.n
-            self.condition.notify_all()
-
-
-def _make_callback(turns: Turns, index: int, device: str, profile_path: Path | None):
-    import lightning as L
-
-    def sync() -> None:
-        if device == "cuda":
-            torch.cuda.synchronize()
-
-    class TakeTurns(L.Callback):
-        """Times each training step inside this mode's turn; hands the turn on after it."""
-
-        def __init__(self) -> None:
-            self.times: list[float] = []
-            self.order: list[int] = []
-            self.peak = 0
-            self.profiler: Any = None
-
-        def on_train_start(self, trainer, module) -> None:
-            turns.gather()
-            turns.wait(index)
-            if device == "cuda":
-                torch.cuda.reset_peak_memory_stats()
-            if profile_path is not None:
-                from torch.profiler import ProfilerActivity, profile, schedule
-
-                activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device == "cuda" else [])
-                self.profiler = profile(activities=activities, schedule=schedule(wait=5, warmup=2, active=5))
-                self.profiler.start()
-
-        def on_train_batch_start(self, trainer, module, batch, batch_idx) -> None:
-            sync()
-            self.order.append(turns.take_step())
-            self._start = time.perf_counter()
-
-        def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
-            sync()
-            self.times.append(time.perf_counter() - self._start)
-            if self.profiler is not None:
-                self.profiler.step()
-            turns.hand_on(index)
-            turns.wait(index)
-
-        def on_train_end(self, trainer, module) -> None:
-            if device == "cuda":
-                self.peak = torch.cuda.max_memory_allocated()
-            if self.profiler is not None:
-                self.profiler.stop()
-                sort = "cuda_time_total" if device == "cuda" else "cpu_time_total"
-                table = self.profiler.key_averages().table(sort_by=sort, row_limit=30)
-                profile_path.write_text(table)
-            turns.hand_on(index)
-
-    return TakeTurns()
-
-
 def _worker(workload: str, mode: str, index: int, args: dict[str, Any], turns: Turns, results: Any) -> None:
     try:
         results.put(_train(workload, mode, index, args, turns))
@@ -204,7 +110,7 @@ def _train(workload: str, mode: str, index: int, args: dict[str, Any], turns: Tu
     rss_before = _rss()  # CPU peak memory: growth over this (the data, the same in every mode, included)
     work = build(workload, args["preset"], seed=args["seed"])
     profile_path = Path(args["out"]) / f"profile-{workload}-{mode}.txt" if mode in args["profile"] else None
-    timer = _make_callback(turns, index, device, profile_path)
+    timer = TakeTurns(turns, index, device, profile_path)
     trainer = L.Trainer(
         accelerator=device, devices=1, max_steps=args["steps"] or work.steps, limit_val_batches=0,
         num_sanity_val_steps=0, logger=False, enable_checkpointing=False, enable_progress_bar=False,
