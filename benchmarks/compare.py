@@ -6,20 +6,22 @@
 
 Modes (``--modes``): ``fp32`` (Trainer precision "32-true"), Lightning's built-in ``builtin-16`` ("16-mixed") and
 ``builtin-bf16`` ("bf16-mixed"), and ours: ``ours`` (``MixedPrecisionPlugin()``: fp16 autocast + our scaler on
-CUDA, bf16 on CPU), ``ours-bf16`` (not run by default), ``ours+masters`` (``master_weights=True``) and ``ours+masters+fast`` (plus the
-``fast`` policy preset). On CPU Lightning runs "16-mixed" as bf16, so the CPU default leaves out ``builtin-16``.
+CUDA, bf16 on CPU), ``ours-bf16`` (not run by default), ``ours+masters`` (``master_weights=True``) and
+``ours+masters+fast`` (plus the ``fast`` policy preset). On CPU Lightning runs "16-mixed" as bf16, so the CPU
+default leaves out ``builtin-16``.
 
 How it measures. Each mode trains in a process of its own (its own peak memory, no state shared) with a
 Lightning ``Trainer`` and the same seed, model and data order. The processes take turns, one training step at a
-time in round-robin order, so the modes are interleaved step by step and machine noise hits them alike.
-A step is timed from ``on_train_batch_start`` to ``on_train_batch_end`` with device synchronisation on both
-sides (forward, backward, unscale, optimizer step; the data loading happens while the others wait); throughput
-is the batch size over the median time of the steps after ``warmup``. Peak memory is
-``torch.cuda.max_memory_allocated`` during training on CUDA, and on CPU the growth of the peak RSS over the RSS
-before the model was built. MFU (transformers) is the model's training FLOPs per second over a matmul ceiling
-measured on the same device in the dtype the mode's matmuls run in (the best of the
-three matmul layouts of a training step). Quality is the mean training loss over the
-last 10 steps of the fixed-length run and the accuracy on held-out data, evaluated in the same mode.
+time in round-robin order (``_turns.py``), so the modes are interleaved step by step and machine noise hits them
+alike; no mode's timed steps overlap another's start-up or evaluation. A step is timed from
+``on_train_batch_start`` to ``on_train_batch_end`` with device synchronisation on both sides (forward, backward,
+unscale, optimizer step; the next batch is loaded while the others wait); throughput is the batch size over the
+median time of the steps after ``warmup``. Peak memory is ``torch.cuda.max_memory_allocated`` during training on
+CUDA, and on CPU the growth of the peak RSS over the RSS before the data and model were built. MFU
+(transformers) is the model's training FLOPs per second over a matmul ceiling measured on the same device in the
+dtype the mode's matmuls run in (the best of the three matmul layouts of a training step). Quality is the mean
+training loss over the last 10 steps of the fixed-length run and the accuracy on held-out data, evaluated in the
+same mode.
 
 Writes ``<out>/results.json``, ``<out>/results.md`` and ``<out>/chart.png`` (throughput and peak memory by mode,
 relative to fp32, with the built-in's level marked); ``--record`` appends the tables to benchmarks/RESULTS.md.
@@ -30,7 +32,7 @@ from __future__ import annotations
 import argparse
 import json
 import multiprocessing as mp
-import os
+import queue
 import resource
 import statistics
 import sys
@@ -67,7 +69,8 @@ def mode_dtype(mode: str, device: str) -> torch.dtype:
     spec = MODES[mode]
     if spec.get("precision") == "32-true":
         return torch.float32
-    precision = spec.get("precision") or spec["plugin"].get("precision") or ("16-mixed" if device == "cuda" else "bf16-mixed")
+    default = "16-mixed" if device == "cuda" else "bf16-mixed"
+    precision = spec.get("precision") or spec["plugin"].get("precision") or default
     return torch.float16 if precision == "16-mixed" and device == "cuda" else torch.bfloat16
 
 
@@ -79,7 +82,7 @@ def trainer_precision(mode: str, device: str) -> dict[str, Any]:
     if "precision" in spec:
         return {"precision": spec["precision"]}
     kwargs = dict(spec["plugin"])
-    kwargs.setdefault("precision", "16-mixed" if device == "cuda" else "bf16-mixed")
+    kwargs.setdefault("precision", "16-mixed" if device == "cuda" else "bf16-mixed")  # as mode_dtype
     return {"plugins": [MixedPrecisionPlugin(**kwargs)]}
 
 
@@ -193,7 +196,7 @@ def run_workload(workload: str, modes: list[str], args: dict[str, Any]) -> list[
     while len(rows) < len(modes):
         try:
             rows.append(results.get(timeout=5))
-        except Exception:  # queue.Empty: check that nobody died without reporting, or hangs
+        except queue.Empty:  # check that nobody died without reporting, or hangs
             dead = [m for m, p in zip(modes, processes) if p.exitcode not in (None, 0)]
             late = time.monotonic() > deadline
             if dead or late:
@@ -207,7 +210,8 @@ def run_workload(workload: str, modes: list[str], args: dict[str, Any]) -> list[
         process.join(timeout=60)
     errors = [row for row in rows if "error" in row]
     if errors:
-        first = next((r for r in errors if "another mode's process failed" not in r["error"]), errors[0])
+        knock_on = ("another mode's process failed", "BrokenBarrierError")  # what the first failure caused
+        first = next((r for r in errors if not any(text in r["error"] for text in knock_on)), errors[0])
         raise RuntimeError(f"workload {workload!r}, mode {first['mode']!r} failed:\n{first['error']}")
     return sorted(rows, key=lambda row: modes.index(row["mode"]))
 
@@ -240,7 +244,8 @@ def markdown(rows: list[dict[str, Any]], reference: str) -> str:
             f"| {r['mode']} | {r['dtype']} | {r['step_ms']:.1f} ({p10:.1f}-{p90:.1f}) | {r['samples_s']:.1f} "
             f"| {fmt(r['tokens_s'], '.0f')} | {fmt(r['mfu'] and 100 * r['mfu'], '.1f', '%')} "
             f"| {r['peak_mib']:.0f} | {fmt(r['speed_vs_fp32'], '.2f', 'x')} | {fmt(r['speed_vs_builtin'], '.2f', 'x')} "
-            f"| {fmt(r['memory_vs_fp32'], '.2f', 'x')} | {fmt(r['memory_vs_builtin'], '.2f', 'x')} | {r['final_loss']:.4f} "
+            f"| {fmt(r['memory_vs_fp32'], '.2f', 'x')} | {fmt(r['memory_vs_builtin'], '.2f', 'x')} "
+            f"| {r['final_loss']:.4f} "
             f"| {r['test_acc']:.4f} ({r['test_n']}) | {fmt(r['skipped_steps'], 'd')} |"
         )
     return "\n".join(lines)

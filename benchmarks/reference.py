@@ -70,7 +70,8 @@ def run(precision: str, flags: list[str], root: Path) -> dict:
                 metrics.update({k: float(v) for k, v in row.items() if v not in ("", None) and k != "epoch"})
     if "test_acc" not in metrics:
         sys.exit(f"{precision}: no test_acc in {root}/lightning_logs/*/metrics.csv; output:\n{log.read_text()[-3000:]}")
-    return {"precision": precision, "seconds": seconds, "test_acc": metrics["test_acc"], "val_acc": metrics.get("val_acc")}
+    return {"precision": precision, "seconds": seconds, "test_acc": metrics["test_acc"],
+            "val_acc": metrics.get("val_acc")}
 
 
 def main() -> None:

@@ -109,7 +109,8 @@ class BenchModule(L.LightningModule):
 
     def configure_optimizers(self) -> Any:
         optimizer = torch.optim.AdamW(self.parameters(), lr=self.lr, weight_decay=0.01)
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_then_cosine(self.warmup, self.trainer.max_steps))
+        factor = warmup_then_cosine(self.warmup, self.trainer.max_steps)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
 

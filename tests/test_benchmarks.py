@@ -86,6 +86,16 @@ def test_compare_gives_up_on_a_workload_that_outlives_its_timeout(tmp_path):
     assert not (tmp_path / "results.json").exists()
 
 
+def test_compare_names_the_mode_that_failed_with_its_traceback_instead_of_hanging(tmp_path):
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from compare import run_workload
+
+    args = {"device": "cpu", "preset": "no-such-preset", "steps": 2, "seed": 0, "out": str(tmp_path), "profile": [],
+            "timeout": 300}
+    with pytest.raises(RuntimeError, match=r"(?s)workload 'mlp', mode '(fp32|ours)' failed:.*preset='no-such-preset' is not"):
+        run_workload("mlp", ["fp32", "ours"], args)
+
+
 def test_reference_experiment_runs_the_cli_once_per_precision(tmp_path):
     command = [sys.executable, str(ROOT / "benchmarks" / "reference.py"), "--tiny", "--precisions", "32-true",
                "bf16-mixed", "--out", str(tmp_path)]
