@@ -64,13 +64,18 @@ DEFAULT_MODES = {
 LAST_LOSSES = 10
 
 
-def mode_dtype(mode: str, device: str) -> torch.dtype:
-    """The dtype a mode's matmuls run in."""
+def mode_precision(mode: str, device: str) -> str:
+    """The precision a mode trains with: its Lightning flag, or its plugin's (default: fp16 on CUDA, bf16 on CPU)."""
     spec = MODES[mode]
-    if spec.get("precision") == "32-true":
-        return torch.float32
     default = "16-mixed" if device == "cuda" else "bf16-mixed"
-    precision = spec.get("precision") or spec["plugin"].get("precision") or default
+    return spec.get("precision") or spec["plugin"].get("precision") or default
+
+
+def mode_dtype(mode: str, device: str) -> torch.dtype:
+    """The dtype a mode's matmuls run in (Lightning runs "16-mixed" as bf16 on CPU)."""
+    precision = mode_precision(mode, device)
+    if precision == "32-true":
+        return torch.float32
     return torch.float16 if precision == "16-mixed" and device == "cuda" else torch.bfloat16
 
 
@@ -81,9 +86,7 @@ def trainer_precision(mode: str, device: str) -> dict[str, Any]:
     spec = MODES[mode]
     if "precision" in spec:
         return {"precision": spec["precision"]}
-    kwargs = dict(spec["plugin"])
-    kwargs.setdefault("precision", "16-mixed" if device == "cuda" else "bf16-mixed")  # as mode_dtype
-    return {"plugins": [MixedPrecisionPlugin(**kwargs)]}
+    return {"plugins": [MixedPrecisionPlugin(**{**spec["plugin"], "precision": mode_precision(mode, device)})]}
 
 
 # ------------------------------------------------------------------------------------------------ workers

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import json
 import subprocess
 import sys
 import time
@@ -28,10 +29,9 @@ from pathlib import Path
 
 import torch
 from _report import report
+from workloads import BERT_BASE, TINY_BERT
 
 ROOT = Path(__file__).resolve().parent.parent
-BERT_BASE = "{hidden_size: 768, num_hidden_layers: 12, num_attention_heads: 12, intermediate_size: 3072}"
-TINY = "{hidden_size: 32, num_hidden_layers: 2, num_attention_heads: 2, intermediate_size: 64}"
 
 
 def overrides(args: argparse.Namespace) -> list[str]:
@@ -42,7 +42,7 @@ def overrides(args: argparse.Namespace) -> list[str]:
                   "--data.init_args.pad_to_max_length", "true", "--model.init_args.model_name_or_path", "minilm"]
         if not args.pretrained_minilm:
             flags += ["--model.init_args.pretrained", "false",
-                      "--model.init_args.config_overrides", TINY if args.tiny else BERT_BASE]
+                      "--model.init_args.config_overrides", json.dumps(TINY_BERT if args.tiny else BERT_BASE)]
     if args.tiny:  # seconds on a CPU: the test suite's check that this script runs
         flags += ["--trainer.max_epochs", "1", "--data.init_args.train_size", "16", "--data.init_args.val_size", "8",
                   "--data.init_args.test_size", "8", "--data.init_args.batch_size", "8",
