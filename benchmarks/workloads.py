@@ -11,7 +11,7 @@ Every workload trains on real data, so that held-out accuracy means something:
 - ``mlp``: a wide ReLU MLP on a teacher-student task: inputs N(0, 1), labels from a fixed random teacher network.
 
 Sizes come in presets: ``gpu`` (the issue's shapes), ``cpu`` (small batches and few steps: on a 2-core CPU without
-native bf16 the whole preset takes about 35 minutes, almost all of it in the bf16 modes) and ``tiny`` (seconds; the
+native bf16 the whole preset takes about 52 minutes, almost all of it in the bf16 modes) and ``tiny`` (seconds; the
 tests run it).
 """
 
