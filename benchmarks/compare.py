@@ -79,6 +79,11 @@ def mode_dtype(mode: str, device: str) -> torch.dtype:
     return torch.float16 if precision == "16-mixed" and device == "cuda" else torch.bfloat16
 
 
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.bfloat16`` -> ``"bfloat16"``: the key of the rows' dtype and of the ceilings."""
+    return str(dtype).removeprefix("torch.")
+
+
 def trainer_precision(mode: str, device: str) -> dict[str, Any]:
     """The Trainer keyword that sets ``mode``: ``precision=`` or ``plugins=[MixedPrecisionPlugin(...)]``."""
     from lightning_mp import MixedPrecisionPlugin
@@ -126,16 +131,15 @@ def _train(workload: str, mode: str, index: int, args: dict[str, Any], turns: Tu
     peak = timer.peak if device == "cuda" else _rss() - rss_before
     turns.gather()  # the modes still training are timed: evaluate once all are done
     trainer.test(work.module, work.test, verbose=False)
-    warmup = min(work.warmup, len(timer.times) - 1)
-    step_s = statistics.median(timer.times[warmup:])
+    timed = timer.times[min(work.warmup, len(timer.times) - 1):]
+    step_s = statistics.median(timed)
+    p10_p90 = statistics.quantiles(timed, n=10, method="inclusive")[::8] if len(timed) >= 2 else [step_s] * 2
     losses = torch.stack(work.module.losses).float().cpu()
-    scaler = getattr(trainer.precision_plugin, "scaler", None)
     return {
-        "workload": workload, "mode": mode, "dtype": str(mode_dtype(mode, device)).replace("torch.", ""),
-        "batch": work.batch, "steps": len(timer.times), "timed_steps": len(timer.times) - warmup,
+        "workload": workload, "mode": mode, "dtype": dtype_name(mode_dtype(mode, device)),
+        "batch": work.batch, "steps": len(timer.times), "timed_steps": len(timed),
         "step_ms": 1e3 * step_s,
-        "step_ms_p10_p90": [1e3 * q for q in statistics.quantiles(timer.times[warmup:], n=10, method="inclusive")[::8]]
-        if len(timer.times) - warmup >= 2 else [1e3 * step_s] * 2,
+        "step_ms_p10_p90": [1e3 * q for q in p10_p90],
         "samples_s": work.batch / step_s,
         "tokens_s": work.batch * work.tokens_per_sample / step_s if work.tokens_per_sample else None,
         "model_tflops_s": work.batch * work.flops_per_sample / step_s / 1e12 if work.flops_per_sample else None,
@@ -144,12 +148,12 @@ def _train(workload: str, mode: str, index: int, args: dict[str, Any], turns: Tu
         "nonfinite_losses": int((~torch.isfinite(losses)).sum()),
         "test_acc": work.module.correct / max(1, work.module.seen),
         "test_n": work.module.seen,
-        "skipped_steps": _skipped(trainer, scaler),
+        "skipped_steps": _skipped(getattr(trainer.precision_plugin, "scaler", None)),
         "order": timer.order,
     }
 
 
-def _skipped(trainer: Any, scaler: Any) -> int | None:
+def _skipped(scaler: Any) -> int | None:
     """Optimizer steps the loss scaler skipped: ours keeps a count; Lightning's GradScaler does not (None)."""
     if scaler is not None and hasattr(scaler, "skipped_steps"):
         return int(scaler.skipped_steps)
@@ -321,7 +325,7 @@ def main(argv: list[str] | None = None) -> None:
     out.mkdir(parents=True, exist_ok=True)
 
     n = 256 if preset == "tiny" else 8192 if args.device == "cuda" else 1024
-    ceilings = {str(d).replace("torch.", ""): matmul_ceiling(args.device, d, n)
+    ceilings = {dtype_name(d): matmul_ceiling(args.device, d, n)
                 for d in {mode_dtype(m, args.device) for m in modes}}
     shared = {"device": args.device, "preset": preset, "steps": args.steps, "seed": args.seed, "out": str(out),
               "profile": args.profile, "timeout": args.timeout}
