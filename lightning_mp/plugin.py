@@ -29,6 +29,7 @@ from lightning_mp.master import MasterWeights, is_norm
 from lightning_mp.policy import CastPolicy, ModuleRules, override_context
 from lightning_mp.scaler import DynamicLossScaler
 from lightning_mp.schedulers import guard_scheduler, record_step
+from lightning_mp.unscaled import UnscaledGradients
 
 PrecisionName = Literal["16-mixed", "bf16-mixed"]
 _DTYPES: dict[str, torch.dtype] = {"16-mixed": torch.float16, "bf16-mixed": torch.bfloat16}
@@ -44,7 +45,11 @@ class MixedPrecisionPlugin(Precision):
         scaler: for ``16-mixed``: ``None`` for a default :class:`~lightning_mp.DynamicLossScaler`, a
             ``DynamicLossScaler`` you configured, or a number for a static scale (never changes; non-finite
             steps are still skipped), or a mapping of ``DynamicLossScaler`` arguments (for YAML). For
-            ``bf16-mixed`` only ``None`` or a disabled scaler.
+            ``bf16-mixed``: ``None`` (default) checks every step's gradients for inf/NaN and skips a non-finite
+            step without scaling (:meth:`DynamicLossScaler.check_only`, one host sync per step, as fp16 pays);
+            ``DynamicLossScaler(enabled=False)`` or ``{"enabled": False}`` turns that check off; a
+            ``check_only(max_consecutive_skips=...)`` scaler or ``{"max_consecutive_skips": N}`` tunes it. In
+            every mode with a check, ``max_consecutive_skips`` non-finite steps in a row raise.
         master_weights: ``True`` holds the model in fp16/bf16 and lets the optimizer update fp32 master copies
             (see :class:`~lightning_mp.master.MasterWeights`), so updates smaller than half precision's
             resolution are not lost. Default ``False``: the model stays fp32 and only autocast runs in half.
@@ -87,26 +92,37 @@ class MixedPrecisionPlugin(Precision):
         self._module_rules = ModuleRules()
         self._device_type: Optional[str] = None
         self._param_names: dict[int, str] = {}
-        # id(optimizer) -> found-inf flag of gradients already unscaled this step (manual `clip_gradients`)
-        self._unscaled: dict[int, Tensor] = {}
+        # which optimizers' gradients are unscaled since their backward (the one place that decides it)
+        self._unscaled = UnscaledGradients(self.scaler) if self.scaler is not None else None
 
     @staticmethod
     def _build_scaler(precision: str, scaler: Any) -> Optional[DynamicLossScaler]:
         if isinstance(scaler, DynamicLossScaler):
-            if precision == "bf16-mixed" and scaler.enabled:
+            if precision == "bf16-mixed" and scaler.enabled and not scaler.check_only:
                 raise ValueError(
                     f"precision='bf16-mixed' does not use loss scaling, but scaler={scaler!r} was given: "
-                    "pass scaler=None (or DynamicLossScaler(enabled=False)), or use precision='16-mixed'."
+                    "pass scaler=None (skip non-finite steps, no scaling), DynamicLossScaler.check_only(...), "
+                    "DynamicLossScaler(enabled=False) (no check), or use precision='16-mixed'."
                 )
             return scaler
         if isinstance(scaler, Mapping):  # settings from YAML or the CLI
             allowed = list(inspect.signature(DynamicLossScaler).parameters)
+            if precision == "bf16-mixed":
+                allowed = ["enabled", "max_consecutive_skips"]
             unknown = sorted(set(scaler) - set(allowed))
             if unknown:
-                raise ValueError(f"scaler settings {unknown} are not DynamicLossScaler arguments: use {allowed}.")
-            return MixedPrecisionPlugin._build_scaler(precision, DynamicLossScaler(**scaler))
+                raise ValueError(
+                    f"scaler settings {unknown} are not allowed with precision={precision!r}: use {allowed}"
+                    + (" (bf16 does not scale the loss)." if precision == "bf16-mixed" else ".")
+                )
+            if precision == "bf16-mixed":
+                settings = dict(scaler)
+                if settings.pop("enabled", True) is False:
+                    return DynamicLossScaler(enabled=False)
+                return DynamicLossScaler.check_only(**settings)
+            return DynamicLossScaler(**scaler)
         if scaler is None:
-            return DynamicLossScaler() if precision == "16-mixed" else None
+            return DynamicLossScaler() if precision == "16-mixed" else DynamicLossScaler.check_only()
         if isinstance(scaler, (int, float)) and not isinstance(scaler, bool):
             if precision == "bf16-mixed":
                 raise ValueError(
@@ -157,7 +173,8 @@ class MixedPrecisionPlugin(Precision):
         return self._effective_policy
 
     @property
-    def _scaling(self) -> bool:
+    def _checking(self) -> bool:
+        """Whether gradients are unscaled and checked for inf/NaN each step (fp16 scaling, or bf16's check)."""
         return self.scaler is not None and self.scaler.enabled
 
     # ------------------------------------------------------------------ setup
@@ -191,12 +208,22 @@ class MixedPrecisionPlugin(Precision):
             self.masters.attach(optimizers)
             for param, master in self.masters.pairs():
                 self._param_names[id(master)] = self._param_names.get(id(param), "")
-        self._unscaled.clear()
+        if self._unscaled is not None:
+            self._unscaled.clear()
+        for rule, close in self._effective_policy.unmatched_module_rules(inner).items():
+            rank_zero_warn(
+                f"CastPolicy fp32_modules rule {rule!r} matches no module of {type(inner).__name__}, so it does "
+                f"nothing. Closest module names and classes: {close or 'none'}."
+            )
         if self._device_type == "cpu" and self.dtype == torch.float16:
             _warn_fp16_on_cpu()
         for config in lr_schedulers:
             if getattr(config, "interval", "step") == "step":
-                guard_scheduler(config.scheduler)
+                # the guard counts the optimizer steps that ran and applies the frequency itself, so Lightning
+                # (which counts batches) must call it after every optimizer step
+                guard_scheduler(config.scheduler, frequency=getattr(config, "frequency", 1))
+                if hasattr(config, "frequency"):
+                    config.frequency = 1
         return model, optimizers, lr_schedulers
 
     # ------------------------------------------------------------------ forward and backward
@@ -213,9 +240,11 @@ class MixedPrecisionPlugin(Precision):
 
     @override
     def pre_backward(self, tensor: Tensor, module: LightningModule) -> Tensor:  # type: ignore[override]
-        # scale before Lightning's on_before_backward hooks, as its built-in plugin does
-        if self._scaling:
-            assert self.scaler is not None
+        # scale before Lightning's on_before_backward hooks, as its built-in plugin does. A new backward ends
+        # every "already unscaled" record: gradients still unscaled are scaled back so the sum stays consistent
+        if self._checking:
+            assert self.scaler is not None and self._unscaled is not None
+            self._unscaled.new_backward()
             tensor = self.scaler.scale_loss(tensor)
         return super().pre_backward(tensor, module)
 
@@ -237,29 +266,30 @@ class MixedPrecisionPlugin(Precision):
         closure: Callable[[], Any],
         **kwargs: Any,
     ) -> Any:
-        if isinstance(optimizer, LBFGS) and (self._scaling or self.masters is not None):
+        if isinstance(optimizer, LBFGS) and (self._checking or self.masters is not None):
             raise MisconfigurationException(
                 "MixedPrecisionPlugin with loss scaling or master weights cannot drive LBFGS: it re-evaluates the "
                 "closure inside step(), where scaled gradients cannot be checked and the half model is stale. "
                 "Use precision='bf16-mixed' without master weights, or fp32."
             )
-        if not self._scaling:
+        if not self._checking:
             step_output = super().optimizer_step(optimizer, model=model, closure=closure, **kwargs)
             if self.masters is not None:
                 self.masters.masters_to_model(_unwrap_optimizer(optimizer))
             return step_output
-        assert self.scaler is not None
+        assert self.scaler is not None and self._unscaled is not None
         closure_result = closure()
         if closure_result is None and model.automatic_optimization:
-            # training_step returned None: no backward ran, so nothing to unscale or step
+            # training_step returned None: no backward ran, so nothing to unscale or step. Hooks and clipping
+            # still run, as in Lightning; whatever they unscale stays recorded until the next backward ends it
             self._after_closure(model, optimizer)
             return None
         # unscale after the closure and before on_before_optimizer_step, so hooks and clipping see true grads
         found_inf = self._unscale_once(optimizer)
         self._after_closure(model, optimizer)
-        self._unscaled.pop(id(optimizer), None)
+        self._unscaled.consumed(_unwrap_optimizer(optimizer))
         skip = self.scaler.found_inf(found_inf)  # the step's one host synchronisation
-        record_step(optimizer, skipped=skip)
+        record_step(_unwrap_optimizer(optimizer), skipped=skip)
         step_output = None
         if not skip:
             step_output = optimizer.step(**kwargs)
@@ -269,17 +299,15 @@ class MixedPrecisionPlugin(Precision):
         return step_output
 
     def _unscale_once(self, optimizer: Optimizable) -> Tensor:
-        """Unscale ``optimizer``'s grads unless already done this step; returns the found-inf flag tensor."""
-        assert self.scaler is not None
+        """Unscale ``optimizer``'s grads unless already done since their backward; the found-inf flag tensor."""
+        assert self._unscaled is not None
         optimizer = _unwrap_optimizer(optimizer)
-        if id(optimizer) not in self._unscaled:
-            named = [
-                (self._param_names.get(id(param), f"param_groups[{g}][{i}]"), param)
-                for g, group in enumerate(optimizer.param_groups)
-                for i, param in enumerate(group["params"])
-            ]
-            self._unscaled[id(optimizer)] = self.scaler.unscale_(named)
-        return self._unscaled[id(optimizer)]
+        named = [
+            (self._param_names.get(id(param), f"param_groups[{g}][{i}]"), param)
+            for g, group in enumerate(optimizer.param_groups)
+            for i, param in enumerate(group["params"])
+        ]
+        return self._unscaled.unscale(optimizer, named)
 
     @override
     def clip_gradients(
@@ -291,7 +319,7 @@ class MixedPrecisionPlugin(Precision):
         # In manual optimization `self.clip_gradients` runs inside training_step, before `opt.step()`:
         # unscale here so clipping sees true gradients; optimizer_step then does not unscale twice.
         # Fused optimizers need no special case: we always unscale before calling their step().
-        if clip_val > 0 and self._scaling:
+        if clip_val > 0 and self._checking:
             self._unscale_once(optimizer)
         super().clip_gradients(optimizer, clip_val=clip_val, gradient_clip_algorithm=gradient_clip_algorithm)
 
@@ -301,9 +329,18 @@ class MixedPrecisionPlugin(Precision):
         return {"scaler": self.scaler.state_dict()} if self.scaler is not None else {}
 
     @override
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        if "scaler" in state_dict and self.scaler is not None:
-            self.scaler.load_state_dict(state_dict["scaler"])
+    def load_state_dict(self, state_dict: dict[str, Any], source: Optional[str] = None) -> None:
+        if "scaler" not in state_dict or self.scaler is None:
+            return
+        source = source or f"checkpoint[{type(self).__qualname__!r}]"
+        saved = state_dict["scaler"]
+        if isinstance(saved, Mapping) and bool(saved.get("check_only", False)) != self.scaler.check_only:
+            rank_zero_warn(
+                f"{source}['scaler'] was written by a {'bf16 (check-only)' if saved.get('check_only') else 'fp16'} "
+                f"run; this run is {self.precision}, so its scaler keeps its own settings ({self.scaler!r})."
+            )
+            return
+        self.scaler.load_state_dict(saved, source=f"{source}['scaler']")
 
     @override
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
@@ -312,15 +349,16 @@ class MixedPrecisionPlugin(Precision):
         # silently restart the scale at init_scale: pick up those states here instead.
         if type(self).__qualname__ in checkpoint or self.scaler is None:
             return
-        for state in checkpoint.values():
+        for key, state in checkpoint.items():
             if isinstance(state, dict) and "hysteresis_tracker" in state.get("scaler", {}):
-                self.load_state_dict(state)
+                self.load_state_dict(state, source=f"checkpoint[{key!r}]")
                 return
         torch_state = checkpoint.get("MixedPrecision")
         if isinstance(torch_state, dict) and "scale" in torch_state:  # a torch.amp.GradScaler state
             settings = ("growth_factor", "backoff_factor", "growth_interval")
             self.scaler.load_state_dict(
-                {
+                source="checkpoint['MixedPrecision'] (Lightning's built-in GradScaler state)",
+                state_dict={
                     **{key: torch_state[key] for key in settings if key in torch_state},
                     "scale": float(torch_state["scale"]),
                     "growth_tracker": int(torch_state.get("_growth_tracker", 0)),

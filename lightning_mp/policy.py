@@ -120,6 +120,12 @@ class CastPolicy:
                 close = difflib.get_close_matches(str(op), OPS, n=3)
                 hint = f" Did you mean {close}?" if close else ""
                 raise ValueError(f"unknown op {op!r} in CastPolicy.{hint} Known ops: {sorted(OPS)}.")
+        bad = [rule for rule in self.fp32_modules if not isinstance(rule, str) or not rule]
+        if bad:
+            raise ValueError(
+                f"fp32_modules={list(self.fp32_modules)!r} holds {bad!r}: each rule must be a non-empty string, a "
+                "module class name ('LayerNorm') or a qualified-name glob ('classifier', 'encoder.layer.*.attention')."
+            )
         both = sorted(set(self.low_precision_ops) & set(self.fp32_ops))
         if both:
             raise ValueError(f"ops {both} are in both low_precision_ops and fp32_ops: each op gets one rule.")
@@ -166,6 +172,16 @@ class CastPolicy:
         return any(
             type(module).__name__ == rule or fnmatch.fnmatchcase(qualified_name, rule) for rule in self.fp32_modules
         )
+
+    def unmatched_module_rules(self, model: nn.Module) -> dict[str, list[str]]:
+        """``fp32_modules`` rules that match no module of ``model`` -> the closest module names and class names."""
+        modules = list(model.named_modules())
+        candidates = list(dict.fromkeys([n for n, _ in modules if n] + [type(m).__name__ for _, m in modules]))
+        unmatched: dict[str, list[str]] = {}
+        for rule in self.fp32_modules:
+            if not any(type(m).__name__ == rule or fnmatch.fnmatchcase(n, rule) for n, m in modules):
+                unmatched[rule] = difflib.get_close_matches(rule, candidates, n=3, cutoff=0.4)
+        return unmatched
 
     def merged_with(self, other: CastPolicy) -> CastPolicy:
         """This policy with ``other``'s rules on top (``other`` wins where they disagree)."""

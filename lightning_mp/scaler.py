@@ -41,8 +41,11 @@ class DynamicLossScaler:
         min_scale: the scale never goes below this (default ``1.0``). A backoff that would cross it raises
             :class:`FloatingPointError` naming the parameters whose gradients were non-finite: at that point
             the gradients overflow without any scaling and training is diverging.
-        max_scale: growth is capped here (default ``2.0**24``).
-        enabled: ``False`` makes every method a no-op (bf16 needs no scaling).
+        max_scale: growth is capped here (default ``2.0**24``; at most the largest fp32, about ``3.4e38``).
+        enabled: ``False`` makes every method a no-op: no scaling and no inf/NaN check.
+        max_consecutive_skips: a run of this many non-finite optimizer steps in a row raises
+            :class:`FloatingPointError` naming the parameters (default ``100``; ``None`` for no limit). It is what
+            stops a static scale (or a check-only scaler, see :meth:`check_only`) from skipping forever.
 
     Every count is in optimizer steps: with several optimizers in manual optimization, each ``opt.step()``
     is one step for the scaler.
@@ -58,35 +61,29 @@ class DynamicLossScaler:
         min_scale: float = 1.0,
         max_scale: float = 2.0**24,
         enabled: bool = True,
+        max_consecutive_skips: Optional[int] = 100,
     ) -> None:
-        _check_positive_finite("init_scale", init_scale)
-        _check_positive_finite("min_scale", min_scale)
-        _check_positive_finite("max_scale", max_scale)
-        if not growth_factor > 1.0 or not math.isfinite(growth_factor):
-            raise ValueError(f"growth_factor={growth_factor!r} is not allowed: it must be a finite number > 1.")
-        if not 0.0 < backoff_factor < 1.0:
-            raise ValueError(f"backoff_factor={backoff_factor!r} is not allowed: it must be in the open interval (0, 1).")
-        _check_positive_int("growth_interval", growth_interval)
-        _check_positive_int("hysteresis", hysteresis)
-        if min_scale > max_scale:
-            raise ValueError(f"min_scale={min_scale!r} is larger than max_scale={max_scale!r}: it must be <= max_scale.")
-        if not min_scale <= init_scale <= max_scale:
-            raise ValueError(
-                f"init_scale={init_scale!r} is outside [min_scale, max_scale] = [{min_scale!r}, {max_scale!r}]."
-            )
-        self.growth_factor = float(growth_factor)
-        self.backoff_factor = float(backoff_factor)
-        self.growth_interval = int(growth_interval)
-        self.hysteresis = int(hysteresis)
-        self.min_scale = float(min_scale)
-        self.max_scale = float(max_scale)
-        self.enabled = bool(enabled)
+        settings = _validated_settings(
+            init_scale=init_scale, growth_factor=growth_factor, backoff_factor=backoff_factor,
+            growth_interval=growth_interval, hysteresis=hysteresis, min_scale=min_scale, max_scale=max_scale,
+            enabled=enabled, max_consecutive_skips=max_consecutive_skips,
+        )
+        self.growth_factor: float = settings["growth_factor"]
+        self.backoff_factor: float = settings["backoff_factor"]
+        self.growth_interval: int = settings["growth_interval"]
+        self.hysteresis: int = settings["hysteresis"]
+        self.min_scale: float = settings["min_scale"]
+        self.max_scale: float = settings["max_scale"]
+        self.enabled: bool = settings["enabled"]
+        self.max_consecutive_skips: Optional[int] = settings["max_consecutive_skips"]
         self.dynamic = True
-        self._scale_value = float(init_scale)
+        self.check_only = False
+        self._scale_value: float = settings["init_scale"]
         self._growth_tracker = 0
         self._hysteresis_tracker = self.hysteresis
         self._steps = 0
         self._skipped_steps = 0
+        self._consecutive_skips = 0
         # device tensors, created lazily on the loss's device
         self._scale_tensor: Optional[Tensor] = None
         # the scale the current gradients were produced with: unscaling uses it, so an update between two
@@ -96,11 +93,23 @@ class DynamicLossScaler:
         self._last_unscaled: list[tuple[str, Tensor]] = []
 
     @classmethod
-    def static(cls, scale: float) -> DynamicLossScaler:
-        """A scaler whose scale never changes; non-finite steps are still reported (and skipped by the caller)."""
-        _check_positive_finite("scale", scale)
-        scaler = cls(init_scale=scale, min_scale=min(1.0, scale), max_scale=max(2.0**24, scale))
+    def static(cls, scale: float, max_consecutive_skips: Optional[int] = 100) -> DynamicLossScaler:
+        """A scaler whose scale never changes; non-finite steps are still reported (and skipped by the caller),
+        and ``max_consecutive_skips`` of them in a row raise."""
+        _check_number("scale", scale, low=0.0, high=FP32_MAX)
+        scaler = cls(
+            init_scale=scale, min_scale=min(1.0, scale), max_scale=max(2.0**24, scale),
+            max_consecutive_skips=max_consecutive_skips,
+        )
         scaler.dynamic = False
+        return scaler
+
+    @classmethod
+    def check_only(cls, max_consecutive_skips: Optional[int] = 100) -> DynamicLossScaler:
+        """No scaling (scale 1), only the inf/NaN check: what bf16 uses so a non-finite step is skipped and
+        reported as in fp16. Costs the one host synchronisation per step that fp16 pays."""
+        scaler = cls.static(1.0, max_consecutive_skips=max_consecutive_skips)
+        scaler.check_only = True
         return scaler
 
     # ------------------------------------------------------------------ read-only state
@@ -115,6 +124,11 @@ class DynamicLossScaler:
         return self._skipped_steps
 
     @property
+    def consecutive_skips(self) -> int:
+        """Non-finite optimizer steps in a row, up to the latest one (0 after a finite step)."""
+        return self._consecutive_skips
+
+    @property
     def steps(self) -> int:
         """Total optimizer steps seen by :meth:`update`, finite or not."""
         return self._steps
@@ -125,14 +139,20 @@ class DynamicLossScaler:
 
     # ------------------------------------------------------------------ per step
     def scale_loss(self, loss: Tensor) -> Tensor:
-        """Return ``loss * scale`` (``loss`` unchanged when disabled)."""
-        if not self.enabled:
+        """Return ``loss * scale`` (``loss`` unchanged when disabled or check-only)."""
+        if not self.enabled or self.check_only:
             return loss
         if self._scale_tensor is None or self._scale_tensor.device != loss.device:
             self._scale_tensor = torch.full((), self._scale_value, dtype=torch.float32, device=loss.device)
         self._scale_in_grads = self._scale_tensor
         # the scale is fp32: a 0-dim fp16 loss is promoted to fp32 and cannot overflow here
         return loss * self._scale_tensor
+
+    def scale_of_grads(self) -> Tensor:
+        """The scale the current gradients carry: the one of the latest :meth:`scale_loss` (a 0-dim fp32 tensor)."""
+        if self._scale_in_grads is not None:
+            return self._scale_in_grads
+        return torch.full((), self.scale, dtype=torch.float32)
 
     def unscale_(self, params: NamedOrPlainParams) -> Tensor:
         """Divide the ``.grad`` of ``params`` by the scale in place and check them for inf/NaN.
@@ -202,6 +222,7 @@ class DynamicLossScaler:
         if not found_inf:
             self._last_unscaled = []
             self._hysteresis_tracker = self.hysteresis
+            self._consecutive_skips = 0
             if not self.dynamic:
                 return
             self._growth_tracker += 1
@@ -210,6 +231,13 @@ class DynamicLossScaler:
                 self._set_scale(min(self._scale_value * self.growth_factor, self.max_scale))
             return
         self._skipped_steps += 1
+        self._consecutive_skips += 1
+        if self.max_consecutive_skips is not None and self._consecutive_skips >= self.max_consecutive_skips:
+            self._raise(
+                f"{self._consecutive_skips} optimizer steps in a row had non-finite gradients and were skipped "
+                f"(max_consecutive_skips={self.max_consecutive_skips}, scale {self._scale_value:g}"
+                f"{', static' if not self.dynamic else ''}): training is not progressing."
+            )
         if not self.dynamic:
             self._last_unscaled = []
             return
@@ -220,18 +248,22 @@ class DynamicLossScaler:
             return
         new_scale = self._scale_value * self.backoff_factor
         if new_scale < self.min_scale:
-            names = self.nonfinite_grad_names()
-            self._last_unscaled = []
-            shown = ", ".join(names[:20]) + (f", ... ({len(names)} in all)" if len(names) > 20 else "")
-            raise FloatingPointError(
+            self._raise(
                 f"Loss scale {self._scale_value:g} cannot back off below min_scale={self.min_scale:g} "
-                f"(backoff_factor={self.backoff_factor:g}): gradients are non-finite even at the minimum scale. "
-                f"Non-finite gradients in: {shown or 'unknown parameters (pass (name, param) pairs to unscale_)'}. "
-                "Look for an overflow in the forward pass of these parameters' modules (run them in fp32), "
-                "a too-large learning rate, or bad input data."
+                f"(backoff_factor={self.backoff_factor:g}): gradients are non-finite even at the minimum scale."
             )
         self._last_unscaled = []
         self._set_scale(new_scale)
+
+    def _raise(self, reason: str) -> None:
+        names = self.nonfinite_grad_names()
+        self._last_unscaled = []
+        shown = ", ".join(names[:20]) + (f", ... ({len(names)} in all)" if len(names) > 20 else "")
+        raise FloatingPointError(
+            f"{reason} Non-finite gradients in: {shown or 'unknown parameters (pass (name, param) pairs to unscale_)'}. "
+            "Look for an overflow in the forward pass of these parameters' modules (run them in fp32), "
+            "a too-large learning rate, or bad input data."
+        )
 
     def nonfinite_grad_names(self) -> list[str]:
         """Names of the parameters whose gradients, as last unscaled, hold inf or NaN (costs a sync each)."""
@@ -252,6 +284,7 @@ class DynamicLossScaler:
             "hysteresis_tracker": self._hysteresis_tracker,
             "steps": self._steps,
             "skipped_steps": self._skipped_steps,
+            "consecutive_skips": self._consecutive_skips,
             "growth_factor": self.growth_factor,
             "backoff_factor": self.backoff_factor,
             "growth_interval": self.growth_interval,
@@ -259,30 +292,61 @@ class DynamicLossScaler:
             "min_scale": self.min_scale,
             "max_scale": self.max_scale,
             "dynamic": self.dynamic,
+            "check_only": self.check_only,
             "enabled": self.enabled,
+            "max_consecutive_skips": self.max_consecutive_skips,
         }
 
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict`. The checkpoint's settings replace the constructor's, as in torch."""
+    def load_state_dict(self, state_dict: dict[str, Any], source: str = "state_dict") -> None:
+        """Restore :meth:`state_dict`. The checkpoint's settings replace the constructor's, as in torch.
+
+        Every value is checked with the constructor's rules before anything changes; ``source`` names where the
+        state came from (e.g. ``checkpoint['MixedPrecisionPlugin']['scaler']``) in the error.
+
+        Raises:
+            KeyError: a required key is missing.
+            ValueError: a value is out of range or of the wrong type (the error names the key, the value and
+                ``source``).
+        """
         missing = sorted({"scale", "growth_tracker", "hysteresis_tracker", "skipped_steps"} - set(state_dict))
         if missing:
-            raise KeyError(f"DynamicLossScaler state_dict lacks {missing}; got keys {sorted(state_dict)}.")
-        for key in ("growth_factor", "backoff_factor", "min_scale", "max_scale"):
-            setattr(self, key, float(state_dict.get(key, getattr(self, key))))
-        for key in ("growth_interval", "hysteresis"):
-            setattr(self, key, int(state_dict.get(key, getattr(self, key))))
-        self.dynamic = bool(state_dict.get("dynamic", self.dynamic))
-        self.enabled = bool(state_dict.get("enabled", self.enabled))
-        self._growth_tracker = int(state_dict["growth_tracker"])
-        self._hysteresis_tracker = int(state_dict["hysteresis_tracker"])
-        self._steps = int(state_dict.get("steps", 0))
-        self._skipped_steps = int(state_dict["skipped_steps"])
+            raise KeyError(f"{source} lacks DynamicLossScaler keys {missing}; got keys {sorted(state_dict)}.")
+        # settings absent from an older checkpoint keep the constructor's; counters absent from it start at 0
+        merged = {**self.state_dict(), "steps": 0, "consecutive_skips": 0, **state_dict}
+        try:
+            settings = _validated_settings(
+                init_scale=merged["scale"], growth_factor=merged["growth_factor"],
+                backoff_factor=merged["backoff_factor"], growth_interval=merged["growth_interval"],
+                hysteresis=merged["hysteresis"], min_scale=merged["min_scale"], max_scale=merged["max_scale"],
+                enabled=merged["enabled"], max_consecutive_skips=merged["max_consecutive_skips"],
+                dynamic=merged["dynamic"], check_only=merged["check_only"], scale_name="scale",
+            )
+            counters = {
+                "growth_tracker": _check_int("growth_tracker", merged["growth_tracker"], low=0),
+                "hysteresis_tracker": _check_int("hysteresis_tracker", merged["hysteresis_tracker"], low=0,
+                                                 high=settings["hysteresis"]),
+                "steps": _check_int("steps", merged["steps"], low=0),
+                "skipped_steps": _check_int("skipped_steps", merged["skipped_steps"], low=0),
+                "consecutive_skips": _check_int("consecutive_skips", merged["consecutive_skips"], low=0),
+            }
+        except ValueError as error:
+            raise ValueError(f"{source}: {error} The checkpoint is corrupt or was edited by hand.") from error
+        for key in ("growth_factor", "backoff_factor", "growth_interval", "hysteresis", "min_scale", "max_scale",
+                    "enabled", "max_consecutive_skips", "dynamic", "check_only"):
+            setattr(self, key, settings[key])
+        self._growth_tracker = counters["growth_tracker"]
+        self._hysteresis_tracker = counters["hysteresis_tracker"]
+        self._steps = counters["steps"]
+        self._skipped_steps = counters["skipped_steps"]
+        self._consecutive_skips = counters["consecutive_skips"]
         self._scale_in_grads = None
-        self._set_scale(float(state_dict["scale"]))
+        self._set_scale(settings["init_scale"])
 
     def __repr__(self) -> str:
         if not self.enabled:
             return f"{type(self).__name__}(enabled=False)"
+        if self.check_only:
+            return f"{type(self).__name__}.check_only(max_consecutive_skips={self.max_consecutive_skips})"
         if not self.dynamic:
             return f"{type(self).__name__}.static({self._scale_value:g})"
         return (
@@ -292,11 +356,64 @@ class DynamicLossScaler:
         )
 
 
-def _check_positive_finite(name: str, value: float) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (math.isfinite(value) and value > 0):
-        raise ValueError(f"{name}={value!r} is not allowed: it must be a finite number > 0.")
+#: The largest finite fp32 value: no scale may exceed it (the scale is held in an fp32 tensor).
+FP32_MAX = float(torch.finfo(torch.float32).max)
 
 
-def _check_positive_int(name: str, value: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name}={value!r} is not allowed: it must be an integer >= 1.")
+def _validated_settings(
+    init_scale: Any, growth_factor: Any, backoff_factor: Any, growth_interval: Any, hysteresis: Any,
+    min_scale: Any, max_scale: Any, enabled: Any, max_consecutive_skips: Any, dynamic: Any = True,
+    check_only: Any = False, scale_name: str = "init_scale",
+) -> dict[str, Any]:
+    """The constructor's rules, shared with ``load_state_dict``: every value checked, converted, returned."""
+    settings: dict[str, Any] = {
+        "init_scale": _check_number(scale_name, init_scale, low=0.0, high=FP32_MAX),
+        "min_scale": _check_number("min_scale", min_scale, low=0.0, high=FP32_MAX),
+        "max_scale": _check_number("max_scale", max_scale, low=0.0, high=FP32_MAX),
+        "growth_factor": _check_number("growth_factor", growth_factor, low=1.0, high=math.inf),
+        "backoff_factor": _check_number("backoff_factor", backoff_factor, low=0.0, high=1.0, high_open=True),
+        "growth_interval": _check_int("growth_interval", growth_interval, low=1),
+        "hysteresis": _check_int("hysteresis", hysteresis, low=1),
+        "enabled": _check_bool("enabled", enabled),
+        "dynamic": _check_bool("dynamic", dynamic),
+        "check_only": _check_bool("check_only", check_only),
+        "max_consecutive_skips": (
+            None if max_consecutive_skips is None else _check_int("max_consecutive_skips", max_consecutive_skips, low=1)
+        ),
+    }
+    if settings["min_scale"] > settings["max_scale"]:
+        raise ValueError(f"min_scale={min_scale!r} is larger than max_scale={max_scale!r}: it must be <= max_scale.")
+    if not settings["min_scale"] <= settings["init_scale"] <= settings["max_scale"]:
+        raise ValueError(
+            f"{scale_name}={init_scale!r} is outside [min_scale, max_scale] = [{min_scale!r}, {max_scale!r}]."
+        )
+    return settings
+
+
+def _check_number(name: str, value: Any, low: float, high: float, high_open: bool = False) -> float:
+    """A real number (not a bool, not a string) in ``(low, high]`` (``(low, high)`` when ``high_open``)."""
+    allowed = f"a finite number > {low:g}"
+    if math.isfinite(high):
+        allowed += f" and {'<' if high_open else '<='} {high:g}" + (" (the largest fp32)" if high == FP32_MAX else "")
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{name}={value!r} is not allowed: it must be {allowed}, not a {type(value).__name__}.")
+    try:
+        number = float(value)
+    except OverflowError:  # an int beyond any float
+        number = math.inf
+    if not (math.isfinite(number) and low < number and (number < high if high_open else number <= high)):
+        raise ValueError(f"{name}={value!r} is not allowed: it must be {allowed}.")
+    return number
+
+
+def _check_int(name: str, value: Any, low: int, high: Optional[int] = None) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low or (high is not None and value > high):
+        allowed = f"an integer >= {low}" + (f" and <= {high}" if high is not None else "")
+        raise ValueError(f"{name}={value!r} is not allowed: it must be {allowed}.")
+    return int(value)
+
+
+def _check_bool(name: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name}={value!r} is not allowed: it must be True or False.")
+    return value

@@ -25,11 +25,13 @@ def record_step(optimizer: Optimizer, skipped: bool) -> None:
 
 
 class _SkipAwareScheduler:
-    """Placed before a scheduler's own class: ``step()`` does nothing right after a skipped optimizer step.
+    """Placed before a scheduler's own class: ``step()`` does nothing right after a skipped optimizer step, and
+    advances only on every ``frequency``-th optimizer step that ran.
 
     Lightning steps ``interval="step"`` schedulers after every optimizer step, skipped or not; DeepSpeed,
-    Megatron and fairseq hold the schedule back instead, and so do we. The scheduler's ``state_dict`` and
-    ``isinstance`` checks are unchanged.
+    Megatron and fairseq hold the schedule back instead, and so do we. With ``frequency > 1`` the count of steps
+    that ran lives in the scheduler's ``__dict__``, so it is part of its ``state_dict`` and survives a resume
+    (with frequency 1 the ``state_dict`` is unchanged); ``isinstance`` checks are unchanged.
     """
 
     optimizer: Optimizer
@@ -37,6 +39,12 @@ class _SkipAwareScheduler:
     def step(self, *args: Any, **kwargs: Any) -> Any:
         if _LAST_STEP_SKIPPED.get(self.optimizer, False):
             return None
+        frequency = self.__dict__.get("_steps_per_advance", 1)
+        if frequency > 1:  # count the steps that ran; with frequency 1 there is nothing to count
+            ran = self.__dict__.get("_optimizer_steps_ran", 0) + 1
+            self.__dict__["_optimizer_steps_ran"] = ran
+            if ran % frequency:
+                return None
         return super().step(*args, **kwargs)  # type: ignore[misc]
 
     def __reduce_ex__(self, protocol: Any) -> Any:
@@ -55,8 +63,15 @@ def _skip_aware_class(cls: type) -> type:
     return type(cls.__name__, (_SkipAwareScheduler, cls), {"__module__": __name__, "__doc__": cls.__doc__})
 
 
-def guard_scheduler(scheduler: Any) -> None:
-    """Make ``scheduler.step()`` a no-op right after a skipped step of its optimizer (in place, idempotent)."""
-    if isinstance(scheduler, _SkipAwareScheduler) or not hasattr(scheduler, "optimizer"):
+def guard_scheduler(scheduler: Any, frequency: int = 1) -> None:
+    """Make ``scheduler.step()`` a no-op right after a skipped step of its optimizer, and advance it once every
+    ``frequency`` optimizer steps that ran, counting each call of ``step()`` as one such step (in place,
+    idempotent: guarding again keeps an earlier ``frequency > 1``)."""
+    if not hasattr(scheduler, "optimizer"):
         return
-    scheduler.__class__ = _skip_aware_class(type(scheduler))
+    if isinstance(frequency, bool) or not isinstance(frequency, int) or frequency < 1:
+        raise ValueError(f"frequency={frequency!r} is not allowed: it must be an integer >= 1.")
+    if not isinstance(scheduler, _SkipAwareScheduler):
+        scheduler.__class__ = _skip_aware_class(type(scheduler))
+    if frequency > 1:
+        scheduler.__dict__["_steps_per_advance"] = frequency

@@ -195,14 +195,16 @@ def test_fp16_on_cpu_really_runs_fp16_matmuls():
     assert seen.dtypes == {torch.float16}
 
 
-def test_bf16_plugin_has_no_scaler_and_runs_bf16():
+def test_bf16_plugin_checks_without_scaling_and_runs_bf16():
     plugin = MixedPrecisionPlugin("bf16-mixed")
-    assert plugin.scaler is None
+    assert plugin.scaler is not None and plugin.scaler.check_only and plugin.scaler.scale == 1.0
+    loss = torch.tensor(3.0)
+    assert plugin.scaler.scale_loss(loss) is loss  # no scaling, only the inf/NaN check
     with seeded():
         model = TinyRegressor()
     with MatmulDtypes() as seen:
         trainer = _fit(model, plugin, max_steps=2)
-    assert trainer.scaler is None
+    assert trainer.scaler is plugin.scaler and trainer.scaler.skipped_steps == 0
     assert torch.bfloat16 in seen.dtypes and torch.float16 not in seen.dtypes
 
 
