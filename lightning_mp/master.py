@@ -54,8 +54,9 @@ class MasterWeights:
 
     def _reset(self) -> None:
         self._module: Optional[nn.Module] = None
-        self._hook: Any = None
-        self._names: dict[int, str] = {}  # id(half model param) -> qualified name
+        self._hooks: list[Any] = []
+        # id(half model param) -> every qualified name it has (tied parameters have several)
+        self._names: dict[int, list[str]] = {}
         self._params: dict[int, nn.Parameter] = {}  # id(half model param) -> the param, for every converted one
         # fp32 values of the half parameters before the cast (the original tensors), until masters replace them
         self._fp32_values: dict[int, Tensor] = {}
@@ -85,7 +86,6 @@ class MasterWeights:
             for name, param in owner.named_parameters(recurse=False):
                 if not param.is_floating_point() or id(param) in self._params:
                     continue
-                self._names[id(param)] = prefix + name
                 self._params[id(param)] = param  # a model that arrives in half precision gets masters too
                 if param.dtype != self.dtype:
                     self._fp32_values[id(param)] = param.data
@@ -95,7 +95,14 @@ class MasterWeights:
                     half = buffer.to(self.dtype)
                     self._buffers.append((owner, name, prefix + name, buffer, half))
                     owner._buffers[name] = half
-        self._hook = module._register_state_dict_hook(self._state_dict_hook)
+        for name, param in module.named_parameters(remove_duplicate=False):
+            if id(param) in self._params:
+                self._names.setdefault(id(param), []).append(name)
+        self._hooks = [
+            module._register_state_dict_hook(self._state_dict_hook),
+            module.register_load_state_dict_pre_hook(self._load_state_dict_pre_hook),
+            module.register_load_state_dict_post_hook(self._load_state_dict_post_hook),
+        ]
         return module
 
     def attach(self, optimizers: Iterable[Optimizer]) -> None:
@@ -208,13 +215,43 @@ class MasterWeights:
         return current.to(original.dtype)
 
     def _state_dict_hook(self, module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
-        # the model's state_dict holds fp32 values, so it loads into a plain fp32 model with nothing lost
+        # the model's state_dict holds fp32 values under every name of a parameter (tied ones have several), so
+        # it loads into a plain fp32 model with nothing lost, whichever alias is loaded last
         for key, param in self._params.items():
-            if prefix + self._names[key] in state_dict:
-                state_dict[prefix + self._names[key]] = self.fp32_value(param)
+            value = None
+            for name in self._names.get(key, ()):
+                if prefix + name in state_dict:
+                    value = self.fp32_value(param) if value is None else value
+                    state_dict[prefix + name] = value
         for owner, name, qualified_name, original, half in self._buffers:
             if prefix + qualified_name in state_dict and owner._buffers.get(name) is not None:
                 state_dict[prefix + qualified_name] = self._buffer_value(owner, name, original, half)
+
+    def _load_state_dict_pre_hook(self, module: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
+        # Loading into the converted model (a resume after setup, or a user's load_state_dict during fit) must
+        # reach the fp32 masters, not only the half copies: take each parameter's value from the state, at full
+        # precision. Among a tied parameter's names, an fp32/fp64 value wins over a half one (older checkpoints
+        # stored the half copy under the alias).
+        with torch.no_grad():
+            for key, param in self._params.items():
+                values = [state_dict[prefix + name] for name in self._names.get(key, ()) if prefix + name in state_dict]
+                values = [v for v in values if isinstance(v, Tensor)]
+                if not values:
+                    continue
+                value = next((v for v in values if v.dtype in (torch.float32, torch.float64)), values[0])
+                if key in self._masters:
+                    self._masters[key].copy_(value)
+                else:
+                    self._fp32_values[key] = value.detach().to(param.device, torch.float32, copy=True)
+
+    def _load_state_dict_post_hook(self, module: nn.Module, incompatible_keys: Any) -> None:
+        # the half copies are the masters rounded once, whichever alias was loaded last
+        with torch.no_grad():
+            for key, param in self._params.items():
+                if key in self._masters:
+                    param.copy_(self._masters[key])
+                elif key in self._fp32_values:
+                    param.copy_(self._fp32_values[key])
 
     def restore(self) -> None:
         """Give the model back its fp32 values and the optimizers back the model's parameters (with their
@@ -231,8 +268,8 @@ class MasterWeights:
                 group["params"] = [self._param_of_master.get(id(p), p) for p in group["params"]]
             for master in [m for m in optimizer.state if id(m) in self._param_of_master]:
                 optimizer.state[self._param_of_master[id(master)]] = optimizer.state.pop(master)
-        if self._hook is not None:
-            self._hook.remove()
+        for hook in self._hooks:
+            hook.remove()
         self._reset()
 
     def __repr__(self) -> str:

@@ -319,7 +319,9 @@ class MixedPrecisionPlugin(Precision):
         # In manual optimization `self.clip_gradients` runs inside training_step, before `opt.step()`:
         # unscale here so clipping sees true gradients; optimizer_step then does not unscale twice.
         # Fused optimizers need no special case: we always unscale before calling their step().
-        if clip_val > 0 and self._checking:
+        if clip_val <= 0 or not any(p.grad is not None for g in optimizer.param_groups for p in g["params"]):
+            return  # nothing to clip (e.g. a training_step that returned None; torch's value clipping fails there)
+        if self._checking:
             self._unscale_once(optimizer)
         super().clip_gradients(optimizer, clip_val=clip_val, gradient_clip_algorithm=gradient_clip_algorithm)
 

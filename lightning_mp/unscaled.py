@@ -6,7 +6,10 @@ manual optimization, or clipping on a step whose ``training_step`` returned ``No
 consume it may never come (a batch that clips but does not step). So the record of "these gradients are
 unscaled" lives here, and a new backward ends it: gradients still unscaled are multiplied back by the scale they
 were unscaled with, so that the new, scaled gradients add up with them consistently and the next step unscales
-the sum once. A step consumes its record. No state outlives the gradients it describes.
+the sum once. What that earlier unscale found is carried too (a device tensor, no sync): value clipping can clamp
+an inf away, yet the step those gradients feed into must still be skipped. A step consumes its record. No state
+outlives the gradients it describes: if they are gone (``zero_grad()``) when the next backward starts, nothing is
+carried.
 """
 
 from __future__ import annotations
@@ -26,13 +29,19 @@ class UnscaledGradients:
         self.scaler = scaler
         # id(optimizer) -> (the optimizer, found-inf flag, scale the gradients were unscaled with)
         self._records: dict[int, tuple[Any, Tensor, Tensor]] = {}
+        # id(optimizer) -> found-inf flag of unscaled gradients that a later backward adds to
+        self._carried: dict[int, Tensor] = {}
 
     def unscale(self, optimizer: Any, named_params: list[tuple[str, Tensor]]) -> Tensor:
         """Unscale ``optimizer``'s gradients unless already done since their backward; the found-inf flag."""
         record = self._records.get(id(optimizer))
         if record is None:
             scale = self.scaler.scale_of_grads()
-            record = (optimizer, self.scaler.unscale_(named_params), scale)
+            found_inf = self.scaler.unscale_(named_params)
+            carried = self._carried.pop(id(optimizer), None)
+            if carried is not None:
+                found_inf = found_inf + carried.to(found_inf.device)
+            record = (optimizer, found_inf, scale)
             self._records[id(optimizer)] = record
         return record[1]
 
@@ -43,18 +52,22 @@ class UnscaledGradients:
     def consumed(self, optimizer: Any) -> None:
         """The step of ``optimizer`` was decided (taken or skipped): its record ends."""
         self._records.pop(id(optimizer), None)
+        self._carried.pop(id(optimizer), None)
 
     def new_backward(self) -> None:
-        """A backward is about to add scaled gradients: scale back whatever is still unscaled, end every record."""
-        for optimizer, _, scale in self._records.values():
-            if self.scaler.check_only:
+        """A backward is about to add scaled gradients: scale back whatever is still unscaled and carry what its
+        check found; end every record."""
+        for key, (optimizer, found_inf, scale) in self._records.items():
+            grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+            if not grads:  # zero_grad() since: nothing left to scale back or to carry
                 continue
-            with torch.no_grad():
-                for group in optimizer.param_groups:
-                    for param in group["params"]:
-                        if param.grad is not None:
-                            param.grad.mul_(scale.to(param.grad.device))
+            self._carried[key] = found_inf
+            if not self.scaler.check_only:
+                with torch.no_grad():
+                    for grad in grads:
+                        grad.mul_(scale.to(grad.device))
         self._records.clear()
 
     def clear(self) -> None:
         self._records.clear()
+        self._carried.clear()
