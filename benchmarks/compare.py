@@ -202,7 +202,8 @@ def run_workload(workload: str, modes: list[str], args: dict[str, Any]) -> list[
     rows, deadline = [], time.monotonic() + args["timeout"]
     while len(rows) < len(modes):
         try:
-            rows.append(results.get(timeout=5))
+            # wait at most until the deadline, so a short --timeout is noticed even while results keep coming
+            rows.append(results.get(timeout=min(5.0, max(0.05, deadline - time.monotonic()))))
         except queue.Empty:  # check that nobody died without reporting, or hangs
             dead = [m for m, p in zip(modes, processes) if p.exitcode not in (None, 0)]
             late = time.monotonic() > deadline
