@@ -8,7 +8,6 @@ Lightning's hooks and clipping on unscaled grads, step only if finite, update th
 from __future__ import annotations
 
 import contextlib
-import inspect
 from collections.abc import Generator, Mapping
 from typing import Any, Callable, Literal, Optional, Union
 
@@ -78,7 +77,7 @@ class MixedPrecisionPlugin(Precision):
             )
         self.precision = precision
         self.dtype = _DTYPES[precision]
-        self.scaler: Optional[DynamicLossScaler] = self._build_scaler(precision, scaler)
+        self.scaler: Optional[DynamicLossScaler] = DynamicLossScaler.for_precision(precision, scaler)
         if not isinstance(master_weights, bool) or not isinstance(keep_norm_fp32, bool):
             raise ValueError(
                 f"master_weights={master_weights!r}, keep_norm_fp32={keep_norm_fp32!r}: both must be True or False."
@@ -94,46 +93,6 @@ class MixedPrecisionPlugin(Precision):
         self._param_names: dict[int, str] = {}
         # which optimizers' gradients are unscaled since their backward (the one place that decides it)
         self._unscaled = UnscaledGradients(self.scaler) if self.scaler is not None else None
-
-    @staticmethod
-    def _build_scaler(precision: str, scaler: Any) -> Optional[DynamicLossScaler]:
-        if isinstance(scaler, DynamicLossScaler):
-            if precision == "bf16-mixed" and scaler.enabled and not scaler.check_only:
-                raise ValueError(
-                    f"precision='bf16-mixed' does not use loss scaling, but scaler={scaler!r} was given: "
-                    "pass scaler=None (skip non-finite steps, no scaling), DynamicLossScaler.check_only(...), "
-                    "DynamicLossScaler(enabled=False) (no check), or use precision='16-mixed'."
-                )
-            return scaler
-        if isinstance(scaler, Mapping):  # settings from YAML or the CLI
-            allowed = list(inspect.signature(DynamicLossScaler).parameters)
-            if precision == "bf16-mixed":
-                allowed = ["enabled", "max_consecutive_skips"]
-            unknown = sorted(set(scaler) - set(allowed))
-            if unknown:
-                raise ValueError(
-                    f"scaler settings {unknown} are not allowed with precision={precision!r}: use {allowed}"
-                    + (" (bf16 does not scale the loss)." if precision == "bf16-mixed" else ".")
-                )
-            if precision == "bf16-mixed":
-                settings = dict(scaler)
-                if settings.pop("enabled", True) is False:
-                    return DynamicLossScaler(enabled=False)
-                return DynamicLossScaler.check_only(**settings)
-            return DynamicLossScaler(**scaler)
-        if scaler is None:
-            return DynamicLossScaler() if precision == "16-mixed" else DynamicLossScaler.check_only()
-        if isinstance(scaler, (int, float)) and not isinstance(scaler, bool):
-            if precision == "bf16-mixed":
-                raise ValueError(
-                    f"precision='bf16-mixed' does not use loss scaling, but a static scale scaler={scaler!r} was "
-                    "given: pass scaler=None, or use precision='16-mixed'."
-                )
-            return DynamicLossScaler.static(scaler)
-        raise ValueError(
-            f"scaler={scaler!r} is not supported: pass None, a lightning_mp.DynamicLossScaler, a number > 0 "
-            "for a static scale, or a mapping of DynamicLossScaler arguments."
-        )
 
     @property
     def device_type(self) -> str:

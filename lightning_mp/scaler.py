@@ -13,13 +13,17 @@ once per step and :meth:`DynamicLossScaler.update` takes the resulting Python bo
 
 from __future__ import annotations
 
-import math
 from collections import defaultdict
 from collections.abc import Iterable
 from typing import Any, Optional, Union
 
+import inspect
+from collections.abc import Mapping
+
 import torch
 from torch import Tensor
+
+from lightning_mp.settings import FP32_MAX, check_int, check_number, validated_settings
 
 # What `unscale_` accepts: tensors whose ``.grad`` is unscaled, or ``(name, tensor)`` pairs so that errors can
 # name the parameters.
@@ -63,7 +67,7 @@ class DynamicLossScaler:
         enabled: bool = True,
         max_consecutive_skips: Optional[int] = 100,
     ) -> None:
-        settings = _validated_settings(
+        settings = validated_settings(
             init_scale=init_scale, growth_factor=growth_factor, backoff_factor=backoff_factor,
             growth_interval=growth_interval, hysteresis=hysteresis, min_scale=min_scale, max_scale=max_scale,
             enabled=enabled, max_consecutive_skips=max_consecutive_skips,
@@ -96,7 +100,7 @@ class DynamicLossScaler:
     def static(cls, scale: float, max_consecutive_skips: Optional[int] = 100) -> DynamicLossScaler:
         """A scaler whose scale never changes; non-finite steps are still reported (and skipped by the caller),
         and ``max_consecutive_skips`` of them in a row raise."""
-        _check_number("scale", scale, low=0.0, high=FP32_MAX)
+        check_number("scale", scale, low=0.0, high=FP32_MAX)
         scaler = cls(
             init_scale=scale, min_scale=min(1.0, scale), max_scale=max(2.0**24, scale),
             max_consecutive_skips=max_consecutive_skips,
@@ -111,6 +115,49 @@ class DynamicLossScaler:
         scaler = cls.static(1.0, max_consecutive_skips=max_consecutive_skips)
         scaler.check_only = True
         return scaler
+
+    @classmethod
+    def for_precision(cls, precision: str, scaler: Any) -> Optional[DynamicLossScaler]:
+        """What ``MixedPrecisionPlugin(precision, scaler=...)`` means: a scaler (or ``None`` for no check).
+
+        ``16-mixed``: ``None`` -> a default dynamic scaler; a number -> :meth:`static`; a mapping -> constructor
+        arguments; a scaler as given. ``bf16-mixed`` scales nothing: ``None`` -> :meth:`check_only`; a mapping
+        takes only ``enabled`` and ``max_consecutive_skips``; a scaler must be check-only or disabled.
+        """
+        bf16 = precision == "bf16-mixed"
+        if isinstance(scaler, DynamicLossScaler):
+            if bf16 and scaler.enabled and not scaler.check_only:
+                raise ValueError(
+                    f"precision='bf16-mixed' does not use loss scaling, but scaler={scaler!r} was given: "
+                    "pass scaler=None (skip non-finite steps, no scaling), DynamicLossScaler.check_only(...), "
+                    "DynamicLossScaler(enabled=False) (no check), or use precision='16-mixed'."
+                )
+            return scaler
+        if isinstance(scaler, Mapping):  # settings from YAML or the CLI
+            allowed = ["enabled", "max_consecutive_skips"] if bf16 else list(inspect.signature(cls).parameters)
+            unknown = sorted(set(scaler) - set(allowed))
+            if unknown:
+                raise ValueError(
+                    f"scaler settings {unknown} are not allowed with precision={precision!r}: use {allowed}"
+                    + (" (bf16 does not scale the loss)." if bf16 else ".")
+                )
+            if not bf16:
+                return cls(**scaler)
+            settings = dict(scaler)
+            return cls(enabled=False) if settings.pop("enabled", True) is False else cls.check_only(**settings)
+        if scaler is None:
+            return cls.check_only() if bf16 else cls()
+        if isinstance(scaler, (int, float)) and not isinstance(scaler, bool):
+            if bf16:
+                raise ValueError(
+                    f"precision='bf16-mixed' does not use loss scaling, but a static scale scaler={scaler!r} was "
+                    "given: pass scaler=None, or use precision='16-mixed'."
+                )
+            return cls.static(scaler)
+        raise ValueError(
+            f"scaler={scaler!r} is not supported: pass None, a lightning_mp.DynamicLossScaler, a number > 0 "
+            "for a static scale, or a mapping of DynamicLossScaler arguments."
+        )
 
     # ------------------------------------------------------------------ read-only state
     @property
@@ -314,7 +361,7 @@ class DynamicLossScaler:
         # settings absent from an older checkpoint keep the constructor's; counters absent from it start at 0
         merged = {**self.state_dict(), "steps": 0, "consecutive_skips": 0, **state_dict}
         try:
-            settings = _validated_settings(
+            settings = validated_settings(
                 init_scale=merged["scale"], growth_factor=merged["growth_factor"],
                 backoff_factor=merged["backoff_factor"], growth_interval=merged["growth_interval"],
                 hysteresis=merged["hysteresis"], min_scale=merged["min_scale"], max_scale=merged["max_scale"],
@@ -322,12 +369,12 @@ class DynamicLossScaler:
                 dynamic=merged["dynamic"], check_only=merged["check_only"], scale_name="scale",
             )
             counters = {
-                "growth_tracker": _check_int("growth_tracker", merged["growth_tracker"], low=0),
-                "hysteresis_tracker": _check_int("hysteresis_tracker", merged["hysteresis_tracker"], low=0,
+                "growth_tracker": check_int("growth_tracker", merged["growth_tracker"], low=0),
+                "hysteresis_tracker": check_int("hysteresis_tracker", merged["hysteresis_tracker"], low=0,
                                                  high=settings["hysteresis"]),
-                "steps": _check_int("steps", merged["steps"], low=0),
-                "skipped_steps": _check_int("skipped_steps", merged["skipped_steps"], low=0),
-                "consecutive_skips": _check_int("consecutive_skips", merged["consecutive_skips"], low=0),
+                "steps": check_int("steps", merged["steps"], low=0),
+                "skipped_steps": check_int("skipped_steps", merged["skipped_steps"], low=0),
+                "consecutive_skips": check_int("consecutive_skips", merged["consecutive_skips"], low=0),
             }
         except ValueError as error:
             raise ValueError(f"{source}: {error} The checkpoint is corrupt or was edited by hand.") from error
@@ -354,66 +401,3 @@ class DynamicLossScaler:
             f"backoff_factor={self.backoff_factor:g}, growth_interval={self.growth_interval}, "
             f"hysteresis={self.hysteresis}, min_scale={self.min_scale:g}, max_scale={self.max_scale:g})"
         )
-
-
-#: The largest finite fp32 value: no scale may exceed it (the scale is held in an fp32 tensor).
-FP32_MAX = float(torch.finfo(torch.float32).max)
-
-
-def _validated_settings(
-    init_scale: Any, growth_factor: Any, backoff_factor: Any, growth_interval: Any, hysteresis: Any,
-    min_scale: Any, max_scale: Any, enabled: Any, max_consecutive_skips: Any, dynamic: Any = True,
-    check_only: Any = False, scale_name: str = "init_scale",
-) -> dict[str, Any]:
-    """The constructor's rules, shared with ``load_state_dict``: every value checked, converted, returned."""
-    settings: dict[str, Any] = {
-        "init_scale": _check_number(scale_name, init_scale, low=0.0, high=FP32_MAX),
-        "min_scale": _check_number("min_scale", min_scale, low=0.0, high=FP32_MAX),
-        "max_scale": _check_number("max_scale", max_scale, low=0.0, high=FP32_MAX),
-        "growth_factor": _check_number("growth_factor", growth_factor, low=1.0, high=math.inf),
-        "backoff_factor": _check_number("backoff_factor", backoff_factor, low=0.0, high=1.0, high_open=True),
-        "growth_interval": _check_int("growth_interval", growth_interval, low=1),
-        "hysteresis": _check_int("hysteresis", hysteresis, low=1),
-        "enabled": _check_bool("enabled", enabled),
-        "dynamic": _check_bool("dynamic", dynamic),
-        "check_only": _check_bool("check_only", check_only),
-        "max_consecutive_skips": (
-            None if max_consecutive_skips is None else _check_int("max_consecutive_skips", max_consecutive_skips, low=1)
-        ),
-    }
-    if settings["min_scale"] > settings["max_scale"]:
-        raise ValueError(f"min_scale={min_scale!r} is larger than max_scale={max_scale!r}: it must be <= max_scale.")
-    if not settings["min_scale"] <= settings["init_scale"] <= settings["max_scale"]:
-        raise ValueError(
-            f"{scale_name}={init_scale!r} is outside [min_scale, max_scale] = [{min_scale!r}, {max_scale!r}]."
-        )
-    return settings
-
-
-def _check_number(name: str, value: Any, low: float, high: float, high_open: bool = False) -> float:
-    """A real number (not a bool, not a string) in ``(low, high]`` (``(low, high)`` when ``high_open``)."""
-    allowed = f"a finite number > {low:g}"
-    if math.isfinite(high):
-        allowed += f" and {'<' if high_open else '<='} {high:g}" + (" (the largest fp32)" if high == FP32_MAX else "")
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ValueError(f"{name}={value!r} is not allowed: it must be {allowed}, not a {type(value).__name__}.")
-    try:
-        number = float(value)
-    except OverflowError:  # an int beyond any float
-        number = math.inf
-    if not (math.isfinite(number) and low < number and (number < high if high_open else number <= high)):
-        raise ValueError(f"{name}={value!r} is not allowed: it must be {allowed}.")
-    return number
-
-
-def _check_int(name: str, value: Any, low: int, high: Optional[int] = None) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < low or (high is not None and value > high):
-        allowed = f"an integer >= {low}" + (f" and <= {high}" if high is not None else "")
-        raise ValueError(f"{name}={value!r} is not allowed: it must be {allowed}.")
-    return int(value)
-
-
-def _check_bool(name: str, value: Any) -> bool:
-    if not isinstance(value, bool):
-        raise ValueError(f"{name}={value!r} is not allowed: it must be True or False.")
-    return value

@@ -1,0 +1,74 @@
+"""The rules every loss-scaler setting follows, shared by the constructor and ``load_state_dict``.
+
+Each check names the bad value and what is allowed, and refuses what Python would otherwise coerce silently: a
+string where a number belongs (``"2"``), a bool where a number belongs, ``enabled="no"``, a scale beyond fp32.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Optional
+
+import torch
+
+#: The largest finite fp32 value: no scale may exceed it (the scale is held in an fp32 tensor).
+FP32_MAX = float(torch.finfo(torch.float32).max)
+
+
+def validated_settings(
+    init_scale: Any, growth_factor: Any, backoff_factor: Any, growth_interval: Any, hysteresis: Any,
+    min_scale: Any, max_scale: Any, enabled: Any, max_consecutive_skips: Any, dynamic: Any = True,
+    check_only: Any = False, scale_name: str = "init_scale",
+) -> dict[str, Any]:
+    """The constructor's rules, shared with ``load_state_dict``: every value checked, converted, returned."""
+    settings: dict[str, Any] = {
+        "init_scale": check_number(scale_name, init_scale, low=0.0, high=FP32_MAX),
+        "min_scale": check_number("min_scale", min_scale, low=0.0, high=FP32_MAX),
+        "max_scale": check_number("max_scale", max_scale, low=0.0, high=FP32_MAX),
+        "growth_factor": check_number("growth_factor", growth_factor, low=1.0, high=math.inf),
+        "backoff_factor": check_number("backoff_factor", backoff_factor, low=0.0, high=1.0, high_open=True),
+        "growth_interval": check_int("growth_interval", growth_interval, low=1),
+        "hysteresis": check_int("hysteresis", hysteresis, low=1),
+        "enabled": check_bool("enabled", enabled),
+        "dynamic": check_bool("dynamic", dynamic),
+        "check_only": check_bool("check_only", check_only),
+        "max_consecutive_skips": (
+            None if max_consecutive_skips is None else check_int("max_consecutive_skips", max_consecutive_skips, low=1)
+        ),
+    }
+    if settings["min_scale"] > settings["max_scale"]:
+        raise ValueError(f"min_scale={min_scale!r} is larger than max_scale={max_scale!r}: it must be <= max_scale.")
+    if not settings["min_scale"] <= settings["init_scale"] <= settings["max_scale"]:
+        raise ValueError(
+            f"{scale_name}={init_scale!r} is outside [min_scale, max_scale] = [{min_scale!r}, {max_scale!r}]."
+        )
+    return settings
+
+
+def check_number(name: str, value: Any, low: float, high: float, high_open: bool = False) -> float:
+    """A real number (not a bool, not a string) in ``(low, high]`` (``(low, high)`` when ``high_open``)."""
+    allowed = f"a finite number > {low:g}"
+    if math.isfinite(high):
+        allowed += f" and {'<' if high_open else '<='} {high:g}" + (" (the largest fp32)" if high == FP32_MAX else "")
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{name}={value!r} is not allowed: it must be {allowed}, not a {type(value).__name__}.")
+    try:
+        number = float(value)
+    except OverflowError:  # an int beyond any float
+        number = math.inf
+    if not (math.isfinite(number) and low < number and (number < high if high_open else number <= high)):
+        raise ValueError(f"{name}={value!r} is not allowed: it must be {allowed}.")
+    return number
+
+
+def check_int(name: str, value: Any, low: int, high: Optional[int] = None) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low or (high is not None and value > high):
+        allowed = f"an integer >= {low}" + (f" and <= {high}" if high is not None else "")
+        raise ValueError(f"{name}={value!r} is not allowed: it must be {allowed}.")
+    return int(value)
+
+
+def check_bool(name: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name}={value!r} is not allowed: it must be True or False.")
+    return value
