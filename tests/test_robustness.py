@@ -299,3 +299,20 @@ def test_bf16_refuses_a_scaling_scaler():
         MixedPrecisionPlugin("bf16-mixed", scaler=DynamicLossScaler())
     with pytest.raises(ValueError, match=r"\['init_scale'\] are not allowed with precision='bf16-mixed'"):
         MixedPrecisionPlugin("bf16-mixed", scaler={"init_scale": 8.0})
+
+
+def test_scheduler_frequency_count_survives_a_resume(tmp_path):
+    def run(epochs: int, ckpt_path: Any = None) -> L.Trainer:
+        with seeded():
+            model = Scheduled(frequency=3, inject_inf_at=[0], record_grad_norms=False)
+        trainer = make_trainer(MixedPrecisionPlugin(scaler=DynamicLossScaler(init_scale=1024.0)), max_epochs=epochs)
+        trainer.fit(model, regression_loader(), ckpt_path=ckpt_path)  # 8 steps an epoch
+        return trainer
+
+    full = run(2)
+    first = run(1)
+    first.save_checkpoint(tmp_path / "epoch1.ckpt")
+    assert first.lr_scheduler_configs[0].scheduler.state_dict()["_optimizer_steps_ran"] == 7  # step 0 skipped
+    resumed = run(2, ckpt_path=tmp_path / "epoch1.ckpt")
+    lr = [trainer.optimizers[0].param_groups[0]["lr"] for trainer in (full, resumed)]
+    assert lr[0] == lr[1] == pytest.approx(0.01 * 0.5**5)  # 15 of 16 steps ran: five advances of frequency 3
