@@ -15,7 +15,7 @@ from typing import Any, Callable, Optional
 
 import lightning as L
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from lightning_mp import MixedPrecisionPlugin
 
@@ -34,6 +34,13 @@ def trainer_with(plugin: MixedPrecisionPlugin, **kwargs: Any) -> L.Trainer:
     )
     defaults.update(kwargs)
     return L.Trainer(plugins=[plugin], **defaults)
+
+
+def on_cpu(plugin: MixedPrecisionPlugin) -> MixedPrecisionPlugin:
+    """``plugin`` connected to a CPU module, so its autocast device is the CPU on any machine (before
+    ``connect`` it would pick CUDA when present)."""
+    plugin.connect(nn.Linear(1, 1), [], [])
+    return plugin
 
 
 def plugin_of(trainer: L.Trainer) -> MixedPrecisionPlugin:

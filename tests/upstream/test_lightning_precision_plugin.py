@@ -16,7 +16,7 @@ from packaging.version import Version
 from torch import nn
 
 from lightning_mp import CastPolicy, DynamicLossScaler, MixedPrecisionPlugin
-from tests.upstream._helpers import trainer_with
+from tests.upstream._helpers import on_cpu, trainer_with
 
 PRECISIONS = [("16-mixed", torch.float16), ("bf16-mixed", torch.bfloat16)]
 _TORCH_GREATER_EQUAL_2_11 = Version(torch.__version__.split("+")[0]) >= Version("2.11")
@@ -87,7 +87,7 @@ def test_amp_with_no_grad(precision):
     """
     layer = nn.Linear(2, 1)
     x = torch.randn(1, 2)
-    amp = MixedPrecisionPlugin(precision=precision)
+    amp = on_cpu(MixedPrecisionPlugin(precision=precision))
 
     with amp.forward_context():
         with torch.no_grad():
@@ -103,7 +103,7 @@ def test_amp_with_inference_mode(precision):
     """Port of tests/tests_pytorch/plugins/precision/test_amp.py::test_amp_with_inference_mode."""
     layer = nn.Linear(2, 1)
     x = torch.randn(1, 2)
-    amp = MixedPrecisionPlugin(precision=precision)
+    amp = on_cpu(MixedPrecisionPlugin(precision=precision))
 
     with amp.forward_context():
         with torch.inference_mode():
@@ -121,7 +121,7 @@ def test_amp_forward_context_restores_grad_mode_context_managers():
     no-grad workaround) and restores them on exit. Ours runs autocast without its cache instead and never
     touches them: they are the originals inside the context and after it.
     """
-    amp = MixedPrecisionPlugin(precision="bf16-mixed")
+    amp = on_cpu(MixedPrecisionPlugin(precision="bf16-mixed"))
     original_no_grad = torch.no_grad
     original_inference_mode = torch.inference_mode
 
@@ -164,7 +164,7 @@ def test_torch_autocast_cache_behavior_with_no_grad(cache_enabled, expect_grad, 
 @pytest.mark.parametrize("precision", ["16-mixed", "bf16-mixed"])
 def test_amp_autocast_context_manager_disables_cache(precision):
     """Port of tests/tests_pytorch/plugins/precision/test_amp.py::test_amp_autocast_context_manager_disables_cache."""
-    amp = MixedPrecisionPlugin(precision=precision)
+    amp = on_cpu(MixedPrecisionPlugin(precision=precision))
 
     with amp.autocast_context_manager():
         assert not torch.is_autocast_cache_enabled()
@@ -179,7 +179,7 @@ def test_default_dtype_is_restored(precision, dtype, policy):
     (autocast runs instead, plus the policy's op overrides when there are any). Either way an exception inside
     the context leaves the default dtype, autocast and the override mode as they were.
     """
-    plugin = MixedPrecisionPlugin(precision, policy=policy)
+    plugin = on_cpu(MixedPrecisionPlugin(precision, policy=policy))
     for context in (plugin.module_init_context, plugin.forward_context):
         assert torch.get_default_dtype() is torch.float32
         with pytest.raises(RuntimeError, match="foo"), context():
