@@ -29,7 +29,11 @@ from hypothesis import strategies as st
 from lightning_mp import DynamicLossScaler
 
 # the hand-made parameters: (name, dtype, shape)
-PARAMS = [("encoder.weight", torch.float32, (3,)), ("decoder.weight", torch.float16, (2, 2)), ("head.bias", torch.bfloat16, (4,))]
+PARAMS = [
+    ("encoder.weight", torch.float32, (3,)),
+    ("decoder.weight", torch.float16, (2, 2)),
+    ("head.bias", torch.bfloat16, (4,)),
+]
 NONFINITE = {"inf": float("inf"), "-inf": float("-inf"), "nan": float("nan")}
 # the smallest positive (subnormal) value of each dtype: what an unscaled value may round to
 SMALLEST = {torch.float32: 2.0**-149, torch.float16: 2.0**-24, torch.bfloat16: 2.0**-133}

@@ -203,7 +203,9 @@ class HookedModel(BoringModel):
 @pytest.mark.parametrize("master_weights", MASTER_WEIGHTS)
 @pytest.mark.parametrize("automatic_optimization", [True, False])
 @pytest.mark.parametrize("override_on_validation_model_train", [True, False])
-def test_trainer_model_hook_system_fit(override_on_validation_model_train, automatic_optimization, master_weights, tmp_path):
+def test_trainer_model_hook_system_fit(
+    override_on_validation_model_train, automatic_optimization, master_weights, tmp_path
+):
     """Port of tests/tests_pytorch/models/test_hooks.py::test_trainer_model_hook_system_fit (its 16-mixed case).
 
     Adapted: our plugin on CPU instead of Lightning's on CUDA; the checkpoint holds our plugin's state under

@@ -31,7 +31,10 @@ def test_clip_gradients():
     layer = nn.Linear(2, 2)
     optimizer = torch.optim.SGD(layer.parameters(), lr=0.1)
     precision = MixedPrecisionPlugin(precision="16-mixed")
-    with patch.object(precision, "clip_grad_by_value") as by_value, patch.object(precision, "clip_grad_by_norm") as by_norm:
+    with (
+        patch.object(precision, "clip_grad_by_value") as by_value,
+        patch.object(precision, "clip_grad_by_norm") as by_norm,
+    ):
         precision.clip_gradients(optimizer)
         by_value.assert_not_called()
         by_norm.assert_not_called()

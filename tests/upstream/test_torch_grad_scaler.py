@@ -343,7 +343,12 @@ def test_grad_scaling_autocast(optimizer_kwargs, try_pickle, master_weights):
 
 @pytest.mark.parametrize(
     ("optimizer_ctor", "optimizer_kwargs"),
-    list(product((torch.optim.Adam, torch.optim.AdamW), ({"fused": True, "amsgrad": False}, {"fused": True, "amsgrad": True}))),
+    list(
+        product(
+            (torch.optim.Adam, torch.optim.AdamW),
+            ({"fused": True, "amsgrad": False}, {"fused": True, "amsgrad": True}),
+        )
+    ),
 )
 def test_grad_scaling_autocast_fused_optimizers(optimizer_ctor, optimizer_kwargs):
     """Port of test/test_torch.py::TestTorchDeviceType::test_grad_scaling_autocast_fused_optimizers
