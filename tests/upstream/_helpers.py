@@ -92,6 +92,10 @@ def _rank_entry(rank: int, world_size: int, port: int, fn: Callable[..., None], 
     )
     torch.set_num_threads(1)
     fn(*args)
+    # leave no gloo threads to the interpreter's shutdown (they can abort the process there)
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
 
 
 def run_in_two_processes(fn: Callable[..., None], *args: Any) -> None:
