@@ -278,11 +278,15 @@ class MixedPrecisionPlugin(Precision):
         # In manual optimization `self.clip_gradients` runs inside training_step, before `opt.step()`:
         # unscale here so clipping sees true gradients; optimizer_step then does not unscale twice.
         # Fused optimizers need no special case: we always unscale before calling their step().
-        if clip_val <= 0 or not any(p.grad is not None for g in optimizer.param_groups for p in g["params"]):
-            return  # nothing to clip (e.g. a training_step that returned None; torch's value clipping fails there)
-        if self._checking:
+        if clip_val > 0 and self._checking and _has_grads(optimizer):
             self._unscale_once(optimizer)
         super().clip_gradients(optimizer, clip_val=clip_val, gradient_clip_algorithm=gradient_clip_algorithm)
+
+    @override
+    def clip_grad_by_value(self, optimizer: Optimizer, clip_val: Union[int, float]) -> None:
+        # no gradients (a training_step that returned None): nothing to clip, and torch's value clipping fails there
+        if _has_grads(optimizer):
+            super().clip_grad_by_value(optimizer, clip_val)
 
     # ------------------------------------------------------------------ checkpointing
     @override
@@ -353,6 +357,10 @@ def _info_once(message: str) -> None:
     if message not in _INFO_SHOWN:
         _INFO_SHOWN.add(message)
         rank_zero_info(message)
+
+
+def _has_grads(optimizer: Any) -> bool:
+    return any(p.grad is not None for group in optimizer.param_groups for p in group["params"])
 
 
 def _unwrap_optimizer(optimizer: Any) -> Any:

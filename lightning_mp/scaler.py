@@ -289,7 +289,7 @@ class DynamicLossScaler:
             self._last_unscaled = []
             return
         self._growth_tracker = 0
-        self._hysteresis_tracker -= 1
+        self._hysteresis_tracker = max(self._hysteresis_tracker - 1, 0)  # once used up, every skip backs off
         if self._hysteresis_tracker > 0:
             self._last_unscaled = []
             return
