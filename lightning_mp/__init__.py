@@ -1,8 +1,7 @@
 """lightning_mp: mixed-precision training for PyTorch Lightning that you can tune, inspect and trust."""
 
-from lightning_mp.audit import Census, audit
+from lightning_mp.diagnostics import Census, PrecisionMonitor, audit
 from lightning_mp.master import MasterWeights
-from lightning_mp.monitor import PrecisionMonitor
 from lightning_mp.plugin import MixedPrecisionPlugin
 from lightning_mp.policy import CastPolicy
 from lightning_mp.scaler import DynamicLossScaler

@@ -18,7 +18,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 import lightning_mp.data  # noqa: F401  (registers the sample data modules for short class names)
 import lightning_mp.models  # noqa: F401  (registers the sample models for short class names)
-from lightning_mp.monitor import PrecisionMonitor
+from lightning_mp.diagnostics import PrecisionMonitor
 from lightning_mp.plugin import MixedPrecisionPlugin
 
 _OURS = {"16-mixed": "16-mixed", "16": "16-mixed", "bf16-mixed": "bf16-mixed", "bf16": "bf16-mixed"}

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
-from lightning_mp.audit import Census, audit
+from lightning_mp.diagnostics import Census, audit
 
 
 def _bf16():
