@@ -93,6 +93,9 @@ class MixedPrecisionPlugin(Precision):
         self._param_names: dict[int, str] = {}
         # which optimizers' gradients are unscaled since their backward (the one place that decides it)
         self._unscaled = UnscaledGradients(self.scaler) if self.scaler is not None else None
+        # --- extension point for diagnostics: called as observer(plugin=, optimizer=, model=) on every skipped
+        # step, after the inf/NaN check and before the scaler updates (PrecisionMonitor localises the overflow)
+        self.skip_observers: list[Callable[..., None]] = []
 
     @property
     def device_type(self) -> str:
@@ -254,6 +257,8 @@ class MixedPrecisionPlugin(Precision):
             step_output = optimizer.step(**kwargs)
             if self.masters is not None:
                 self.masters.masters_to_model(_unwrap_optimizer(optimizer))
+        for observer in self.skip_observers if skip else ():  # --- the diagnostics extension point (see __init__)
+            observer(plugin=self, optimizer=_unwrap_optimizer(optimizer), model=model)
         self.scaler.update(skip)
         return step_output
 

@@ -193,12 +193,12 @@ def test_any_lightning_module_by_class_path(tmp_path):
     assert list(tmp_path.rglob("*.ckpt"))
 
 
-def test_precision_monitor_puts_scale_and_skips_in_the_progress_bar():
+def test_precision_monitor_puts_scale_and_skips_in_the_progress_bar(tmp_path):
     from lightning_mp import DynamicLossScaler, PrecisionMonitor
     from tests.helpers import TinyRegressor, make_trainer, regression_loader
 
     plugin = MixedPrecisionPlugin(scaler=DynamicLossScaler(init_scale=1024.0))
-    trainer = make_trainer(plugin, callbacks=[PrecisionMonitor()], max_steps=4)
+    trainer = make_trainer(plugin, callbacks=[PrecisionMonitor()], max_steps=4, default_root_dir=tmp_path)
     trainer.fit(TinyRegressor(inject_inf_at=[1]), regression_loader())
     assert trainer.progress_bar_metrics["loss_scale"] == 512.0
     assert trainer.progress_bar_metrics["skipped_steps"] == 1.0

@@ -1,11 +1,18 @@
-"""Diagnostics: what ran in which dtype (``audit``), and what the loss scale, gradients and skipped steps said
-during training (``PrecisionMonitor``).
+"""Diagnostics: what ran in which dtype (``audit``); during training, the loss scale, where each skipped step
+overflowed and the per-layer gradient underflow and headroom (``PrecisionMonitor``); and the run report
+(``report``).
 
 Diagnostics observe the numerics parts (scaler, master weights, policy); the numerics parts never import them.
 """
 
+from lightning_mp.diagnostics.advice import Advice, advise
 from lightning_mp.diagnostics.audit import audit
 from lightning_mp.diagnostics.census import Census, Finding, Row
+from lightning_mp.diagnostics.history import LayerSample, OverflowRecord, RunHistory
 from lightning_mp.diagnostics.monitor import PrecisionMonitor
+from lightning_mp.diagnostics.run_report import ReportFiles, report
 
-__all__ = ["Census", "Finding", "PrecisionMonitor", "Row", "audit"]
+__all__ = [
+    "Advice", "Census", "Finding", "LayerSample", "OverflowRecord", "PrecisionMonitor", "ReportFiles", "Row",
+    "RunHistory", "advise", "audit", "report",
+]

@@ -1,28 +1,149 @@
-"""``PrecisionMonitor``: loss scale, skipped steps and learning rate in the progress bar and the logger."""
+"""``PrecisionMonitor``: loss scale, skipped steps and learning rate in the progress bar and the logger; where each
+skipped step overflowed; sampled per-layer underflow and headroom of the gradients; a report after ``fit``.
+
+Cost on a step that is neither skipped nor sampled: no host synchronisation and no hooks (a reference to the batch
+and a host copy of the RNG state are kept for the overflow replay). A sampled step costs a few kernels per gradient
+tensor and one host sync; a skipped step costs its replay (see :mod:`lightning_mp.diagnostics.overflow`).
+"""
 
 from __future__ import annotations
 
-from typing import Any
+from pathlib import Path
+from typing import Any, Optional
 
 import lightning as L
+import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
+
+from lightning_mp.diagnostics.history import LayerSample, OverflowRecord, RunHistory
+from lightning_mp.diagnostics.overflow import OverflowLocaliser, nonfinite_params
+from lightning_mp.diagnostics.underflow import (
+    ActivationGradStats,
+    grouped_stats,
+    names_of_params,
+    param_groups_grads,
+    read_rows,
+    reduce_rows,
+    scale_tensor,
+)
 
 
 class PrecisionMonitor(L.Callback):
-    """Logs ``loss_scale`` and ``skipped_steps`` (when the precision plugin has a scaler) and ``lr`` (the first
-    param group of each optimizer: ``lr``, ``lr-1``, ...) after every training batch.
+    """Watches a mixed-precision run; works with :class:`~lightning_mp.MixedPrecisionPlugin` (fp16 or bf16, master
+    weights, manual optimization) and, for the learning rate and the gradient statistics, with any precision.
 
     Args:
-        prog_bar: also show the scale and the skipped steps in the progress bar (default ``True``).
+        prog_bar: show ``loss_scale`` and ``skipped_steps`` in the progress bar (default ``True``); both, and ``lr``,
+            are logged every step.
+        localise_overflows: on every skipped step, replay it to find the module and operation where the inf/NaN was
+            born, forward or backward, and whether the loss scale, half precision or the model caused it (default
+            ``True``; costs nothing on other steps).
+        sample_every: every this many optimizer steps, per-layer gradient statistics: zeros, values that are fp16
+            subnormals or flush to zero after scaling, the largest magnitude and the headroom before fp16's 65504
+            (default ``100``; ``0`` turns sampling off). One host sync per sampled step.
+        activation_grads: on sampled steps, the same statistics for the gradients of every leaf module's output
+            (default ``False``: it hooks every leaf module during the sampled step's backward).
+        log_top: how many of the worst layers / most overflowing modules are logged as scalars (default ``5``).
+        report: after ``fit`` (or when it fails), rank 0 writes ``precision_diagnostics.json``, ``precision_report.md``
+            and ``precision_report.png`` into the run's log directory (default ``True``). See
+            :func:`lightning_mp.diagnostics.report`.
     """
 
-    def __init__(self, prog_bar: bool = True) -> None:
+    def __init__(
+        self,
+        prog_bar: bool = True,
+        localise_overflows: bool = True,
+        sample_every: int = 100,
+        activation_grads: bool = False,
+        log_top: int = 5,
+        report: bool = True,
+    ) -> None:
+        for name, value in (("prog_bar", prog_bar), ("localise_overflows", localise_overflows),
+                            ("activation_grads", activation_grads), ("report", report)):
+            if not isinstance(value, bool):
+                raise ValueError(f"PrecisionMonitor({name}={value!r}): must be True or False.")
+        for name, value in (("sample_every", sample_every), ("log_top", log_top)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"PrecisionMonitor({name}={value!r}): must be an integer >= 0 (0 turns it off).")
         self.prog_bar = prog_bar
+        self.localise_overflows = localise_overflows
+        self.sample_every = sample_every
+        self.activation_grads = activation_grads
+        self.log_top = log_top
+        self.write_report = report
+        self.history = RunHistory()
+        self.log_dir: Optional[Path] = None
+        self._localiser = OverflowLocaliser()
+        self._activations = ActivationGradStats()
+        self._names: dict[int, str] = {}
+        self._plugin: Any = None
+        self._sampling = False
+        self._sampled_bucket = -1
+        self._overflow_counts: dict[str, int] = {}
+
+    # ------------------------------------------------------------------ setup and teardown
+    @override
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
+        plugin = trainer.precision_plugin
+        self.history = RunHistory(precision=_precision_of(trainer), sample_every=self.sample_every)
+        self._overflow_counts, self._sampled_bucket, self._sampling = {}, -1, False
+        self._localiser.forget()
+        observers = getattr(plugin, "skip_observers", None)
+        if self.localise_overflows and isinstance(observers, list) and self._on_skip not in observers:
+            observers.append(self._on_skip)
+            self._plugin = plugin
+
+    @override
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        # after the plugin connected (masters exist); log_dir broadcasts, so every rank asks here, together
+        self._names = names_of_params(pl_module, getattr(trainer.precision_plugin, "masters", None))
+        self.log_dir = Path(trainer.log_dir or trainer.default_root_dir)
+        scaler = _our_scaler(trainer)
+        if scaler is not None:
+            state = scaler.state_dict()
+            self.history.scaler = {key: state[key] for key in (
+                "scale", "growth_factor", "backoff_factor", "growth_interval", "hysteresis", "min_scale",
+                "max_scale", "dynamic", "check_only", "max_consecutive_skips")}
+
+    @override
+    def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        self._activations.disarm()
+        self._localiser.forget()
+        if self._plugin is not None and self._on_skip in self._plugin.skip_observers:
+            self._plugin.skip_observers.remove(self._on_skip)
+        self._plugin = None
+
+    # ------------------------------------------------------------------ every step
+    @override
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
+        scaler = _our_scaler(trainer)
+        if scaler is not None:
+            self.history.record_scale(trainer.global_step, float(scaler.scale))
+        if self._plugin is not None:
+            self._localiser.remember(batch, batch_idx, pl_module.device)
+        if self.sample_every:
+            self._sampling = trainer.global_step // self.sample_every != self._sampled_bucket
+            if self._sampling and self.activation_grads:
+                self._activations.arm(pl_module)
+
+    @override
+    def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any) -> None:
+        self.history.steps += 1
+        self._localiser.step_decided()
+        if self._sampling:
+            self._sampled_bucket = trainer.global_step // self.sample_every
+            self._sample(trainer, optimizer)
 
     @override
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
-        scaler = getattr(trainer, "scaler", None)
-        if scaler is not None and hasattr(scaler, "skipped_steps") and getattr(scaler, "enabled", True):
+        self._activations.disarm()
+        self._sampling = False
+        scaler = _our_scaler(trainer)
+        if scaler is not None:
+            self._fill_scale_after(float(scaler.scale))
             pl_module.log("loss_scale", float(scaler.scale), prog_bar=self.prog_bar, on_step=True, on_epoch=False)
             pl_module.log(
                 "skipped_steps", float(scaler.skipped_steps), prog_bar=self.prog_bar, on_step=True, on_epoch=False
@@ -30,3 +151,119 @@ class PrecisionMonitor(L.Callback):
         for index, optimizer in enumerate(trainer.optimizers):
             name = "lr" if index == 0 else f"lr-{index}"
             pl_module.log(name, float(optimizer.param_groups[0]["lr"]), on_step=True, on_epoch=False)
+
+    # ------------------------------------------------------------------ sampled statistics
+    def _sample(self, trainer: L.Trainer, optimizer: Any) -> None:
+        optimizer = getattr(optimizer, "_optimizer", optimizer)
+        layers, rows = grouped_stats(param_groups_grads(optimizer, self._names), scale_tensor(_our_scaler(trainer)))
+        act_layers, act_rows = self._activations.take()
+        param_rows, activation_rows = read_rows(reduce_rows(rows), reduce_rows(act_rows))  # the one host sync
+        scaler = _our_scaler(trainer)
+        scale = float(scaler.scale) if scaler is not None and not scaler.check_only else 1.0
+        step = trainer.global_step
+        samples = [LayerSample(step, scale, "param_grads", layers, param_rows)]
+        if act_layers:
+            samples.append(LayerSample(step, 1.0, "activation_grads", act_layers, activation_rows))
+        self.history.samples.extend(samples)
+        self._log_sample(trainer, samples[0])
+
+    def _log_sample(self, trainer: L.Trainer, sample: LayerSample) -> None:
+        if not (trainer.is_global_zero and trainer.loggers and sample.layers):
+            return
+        metrics: dict[str, float] = {}
+        if self.history.precision == "fp16":
+            shares = sample.underflow_share()
+            metrics["underflow_share/max"] = max(shares)
+            for index in sorted(range(len(shares)), key=lambda i: -shares[i])[: self.log_top]:
+                metrics[f"underflow_share/{sample.layers[index]}"] = shares[index]
+            headroom = [h for h in sample.headroom() if h is not None]
+            if headroom and min(headroom) > float("-inf"):
+                metrics["headroom_bits/min"] = min(headroom)
+        zeros = sample.zero_share()
+        metrics["grad_zero_share/max"] = max(zeros)
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=sample.step)
+
+    # ------------------------------------------------------------------ skipped steps
+    def _on_skip(self, plugin: Any, optimizer: Any, model: Any) -> None:
+        """Called by the plugin on a skipped step, before the scaler updates (see ``skip_observers``)."""
+        trainer = model.trainer
+        step = trainer.global_step
+        self.history.skipped.append(step)
+        self._fill_scale_after(float(plugin.scaler.scale))
+        try:
+            record = self._localiser.localise(plugin, optimizer, model, step, self._names)
+        except Exception as error:  # a diagnostic must not end the run: the failure is reported, not hidden
+            rank_zero_warn(f"PrecisionMonitor could not localise the overflow of step {step}: {error!r}")
+            record = OverflowRecord(step=step, scale_before=float(plugin.scaler.scale), cause="failed",
+                                    note=repr(error), nonfinite_params=nonfinite_params(optimizer, self._names))
+        record = _merged_across_ranks(record)
+        self.history.overflows.append(record)
+        if record.located:
+            self._overflow_counts[record.module] = self._overflow_counts.get(record.module, 0) + 1
+            if trainer.is_global_zero and self.log_top:
+                top = sorted(self._overflow_counts.items(), key=lambda item: -item[1])[: self.log_top]
+                for logger in trainer.loggers:
+                    logger.log_metrics({f"overflows/{name or '(training_step)'}": float(count) for name, count in top},
+                                       step=step)
+
+    def _fill_scale_after(self, scale: float) -> None:
+        for record in reversed(self.history.overflows):
+            if record.scale_after is not None:
+                break
+            record.scale_after = scale
+
+    # ------------------------------------------------------------------ the end of fit
+    @override
+    def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._finish(trainer)
+
+    @override
+    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
+        self.history.error = f"{type(exception).__name__}: {exception}"
+        self._finish(trainer)
+
+    def _finish(self, trainer: L.Trainer) -> None:
+        scaler = _our_scaler(trainer)
+        if scaler is not None:
+            self._fill_scale_after(float(scaler.scale))
+        if not (self.write_report and trainer.is_global_zero and self.log_dir is not None):
+            return
+        from lightning_mp.diagnostics.run_report import write_report
+
+        self.history.save(self.log_dir)
+        write_report(self.history, self.log_dir)
+
+
+def _our_scaler(trainer: L.Trainer) -> Any:
+    scaler = getattr(trainer.precision_plugin, "scaler", None)
+    if scaler is not None and hasattr(scaler, "skipped_steps") and getattr(scaler, "enabled", True):
+        return scaler
+    return None
+
+
+def _precision_of(trainer: L.Trainer) -> str:
+    dtype = getattr(trainer.precision_plugin, "dtype", None)
+    if dtype == torch.float16 or str(trainer.precision).startswith("16"):
+        return "fp16"
+    if dtype == torch.bfloat16 or str(trainer.precision).startswith("bf16"):
+        return "bf16"
+    return "fp32"
+
+
+def _merged_across_ranks(record: OverflowRecord) -> OverflowRecord:
+    """Under DDP the gradients are all-reduced, so every rank skips, but only the rank whose micro-batch overflowed
+    can reproduce it: gather every rank's record and keep the first that located the origin, naming the ranks."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return record
+    world = torch.distributed.get_world_size()
+    if world < 2:
+        return record
+    records: list[Any] = [None] * world
+    torch.distributed.all_gather_object(records, record)
+    located = [(rank, r) for rank, r in enumerate(records) if r is not None and r.located]
+    if not located:
+        return record
+    chosen = located[0][1]
+    chosen.ranks = [rank for rank, r in located if (r.module, r.phase) == (chosen.module, chosen.phase)]
+    return chosen

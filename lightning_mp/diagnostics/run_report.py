@@ -1,0 +1,187 @@
+"""The run report: ``precision_report.md`` (summary, advice with its evidence, where skipped steps overflowed, the
+worst layers) and ``precision_report.png`` (see :mod:`lightning_mp.diagnostics.plots`), written next to the run's
+logs by :class:`~lightning_mp.PrecisionMonitor` after ``fit``, or on demand by :func:`report`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional, Union
+
+from lightning_mp.diagnostics.advice import advise
+from lightning_mp.diagnostics.history import CAUSES, HISTORY_FILE, LayerSample, RunHistory
+
+MARKDOWN_FILE = "precision_report.md"
+PNG_FILE = "precision_report.png"
+#: rows of the per-step overflow table and of the worst-layers table
+MAX_ROWS = 30
+WORST_LAYERS = 10
+
+
+@dataclass(frozen=True)
+class ReportFiles:
+    """What :func:`report` wrote: the Markdown, and the PNG (``None`` when it could not be drawn: ``png_error``)."""
+
+    markdown: Path
+    png: Optional[Path]
+    png_error: str = ""
+
+
+def report(path_or_trainer: Union[str, Path, Any], out_dir: Union[str, Path, None] = None) -> ReportFiles:
+    """Write the precision report of a run.
+
+    Args:
+        path_or_trainer: a run's log directory (holding ``precision_diagnostics.json``), that file, or a ``Trainer``
+            that ran with a :class:`~lightning_mp.PrecisionMonitor`.
+        out_dir: where to write ``precision_report.md`` and ``.png`` (default: next to the history).
+    """
+    if isinstance(path_or_trainer, (str, Path)):
+        path = Path(path_or_trainer)
+        history = RunHistory.load(path)
+        directory = path if path.is_dir() else path.parent
+    else:
+        history, directory = _from_trainer(path_or_trainer)
+    return write_report(history, Path(out_dir) if out_dir is not None else directory)
+
+
+def _from_trainer(trainer: Any) -> tuple[RunHistory, Path]:
+    from lightning_mp.diagnostics.monitor import PrecisionMonitor
+
+    monitors = [c for c in getattr(trainer, "callbacks", []) if isinstance(c, PrecisionMonitor)]
+    if monitors and monitors[0].log_dir is not None:
+        return monitors[0].history, monitors[0].log_dir
+    directory = Path(trainer.log_dir or trainer.default_root_dir)
+    if (directory / HISTORY_FILE).is_file():
+        return RunHistory.load(directory), directory
+    raise ValueError(
+        f"This Trainer has no PrecisionMonitor that ran fit, and {directory / HISTORY_FILE} does not exist: add "
+        "lightning_mp.PrecisionMonitor() to Trainer(callbacks=...) and fit, or pass the log directory of such a run."
+    )
+
+
+def write_report(history: RunHistory, directory: Path) -> ReportFiles:
+    """Write the Markdown (always) and the PNG (when matplotlib is installed) into ``directory``."""
+    directory.mkdir(parents=True, exist_ok=True)
+    png: Optional[Path] = directory / PNG_FILE
+    png_error = ""
+    try:
+        from lightning_mp.diagnostics.plots import plot_history
+
+        plot_history(history, png)
+    except ImportError as error:
+        png, png_error = None, str(error)
+    markdown = directory / MARKDOWN_FILE
+    markdown.write_text(render_markdown(history, png_error))
+    return ReportFiles(markdown, png, png_error)
+
+
+def render_markdown(history: RunHistory, png_error: str = "") -> str:
+    lines = ["# Mixed-precision report", "", _summary(history), ""]
+    if history.error:
+        lines += [f"**The run ended with an error:** `{history.error.splitlines()[0][:300]}`", ""]
+    lines += [f"![loss scale and per-layer gradient statistics]({PNG_FILE})" if not png_error
+              else f"(No figure: {png_error})", ""]
+    lines += ["## Advice", ""]
+    advice = advise(history)
+    if not advice:
+        lines += ["Nothing to change: no rule found its symptom in this run (see "
+                  "`lightning_mp/diagnostics/advice.py` for the rules and thresholds).", ""]
+    for number, item in enumerate(advice, 1):
+        lines += [f"{number}. **{item.rule}**: `{item.change}`", f"   - Evidence: {item.evidence}", ""]
+    lines += _overflow_section(history) + _layers_section(history) + _legend()
+    return "\n".join(lines) + "\n"
+
+
+def _summary(history: RunHistory) -> str:
+    skipped = len(history.skipped)
+    share = f" ({skipped / history.steps:.1%})" if history.steps else ""
+    text = f"{history.precision} run: {history.steps} optimizer steps, {skipped} skipped{share}."
+    if history.scale_changes:
+        first, final = history.scale_changes[0][1], history.scale_changes[-1][1]
+        lowest = min(scale for _, scale in history.scale_changes)
+        text += f" Loss scale {first:g} at the start, {final:g} at the end (lowest {lowest:g})."
+    if history.scaler and not history.scaler.get("check_only"):
+        settings = ("growth_interval", "hysteresis", "backoff_factor", "growth_factor", "min_scale", "max_scale")
+        text += " Scaler: " + ", ".join(f"{key}={history.scaler[key]:g}" if isinstance(history.scaler[key], float)
+                                        else f"{key}={history.scaler[key]}" for key in settings if key in history.scaler)
+        text += "" if history.scaler.get("dynamic", True) else " (static)"
+        text += "."
+    if history.sample_every:
+        text += f" Gradient statistics sampled every {history.sample_every} optimizer steps " \
+                f"({len(history.samples_of('param_grads'))} samples)."
+    return text
+
+
+def _overflow_section(history: RunHistory) -> list[str]:
+    lines = ["## Where the skipped steps overflowed", ""]
+    if not history.skipped:
+        return lines + ["No optimizer step was skipped.", ""]
+    if not history.overflows:
+        return lines + [f"{len(history.skipped)} steps were skipped (steps {history.skipped[:20]}); overflow "
+                        "localisation was off (`PrecisionMonitor(localise_overflows=True)` turns it on).", ""]
+    groups: dict[tuple[str, str, str], list[Any]] = {}
+    for record in history.overflows:
+        key = (record.where(), record.cause, record.module_class) if record.located else (record.where(), record.cause, "")
+        groups.setdefault(key, []).append(record)
+    lines += ["| where the inf/NaN was born | cause | skipped steps | first | last | largest finite input |",
+              "|---|---|---:|---:|---:|---:|"]
+    for (where, cause, _), records in sorted(groups.items(), key=lambda item: -len(item[1])):
+        amax = max((r.input_amax for r in records if r.input_amax is not None), default=None)
+        lines.append(f"| {where} | {cause} | {len(records)} | {records[0].step} | {records[-1].step} | "
+                     f"{'-' if amax is None else f'{amax:.4g}'} |")
+    lines += ["", "Every skipped step:", "",
+              "| step | scale before -> after | where | cause | non-finite gradients | replays | seconds |",
+              "|---:|---|---|---|---|---:|---:|"]
+    for record in history.overflows[:MAX_ROWS]:
+        params = ", ".join(record.nonfinite_params[:3]) + (" ..." if len(record.nonfinite_params) > 3 else "")
+        after = "-" if record.scale_after is None else f"{record.scale_after:g}"
+        lines.append(f"| {record.step} | {record.scale_before:g} -> {after} | {record.where()} | {record.cause} | "
+                     f"{params or '-'} | {record.replays} | {record.seconds:.3f} |")
+    if len(history.overflows) > MAX_ROWS:
+        lines.append(f"| ... | | {len(history.overflows) - MAX_ROWS} more in {HISTORY_FILE} | | | | |")
+    costs = [r.seconds for r in history.overflows]
+    lines += ["", f"Localisation cost: {sum(costs):.2f} s in all, {max(costs):.3f} s at most for one skipped step.", ""]
+    return lines
+
+
+def _layers_section(history: RunHistory) -> list[str]:
+    samples = history.samples_of("param_grads")
+    lines = ["## Gradient underflow and headroom per layer", ""]
+    if not samples:
+        return lines + ["No samples (`PrecisionMonitor(sample_every=N)` with N > 0 takes them).", ""]
+    last = samples[-1]
+    lines += [f"At the last sample (step {last.step}, scale {last.scale:g}), the {WORST_LAYERS} layers with the "
+              "largest share of values below fp16's normal range after scaling:", ""]
+    lines += _layer_table(last, history.precision)
+    activations = history.samples_of("activation_grads")
+    if activations:
+        lines += ["", f"Activation gradients (leaf module outputs, as autograd held them) at step "
+                  f"{activations[-1].step}:", ""] + _layer_table(activations[-1], history.precision)
+    return lines + [""]
+
+
+def _layer_table(sample: LayerSample, precision: str) -> list[str]:
+    shares, zeros, headroom = sample.underflow_share(), sample.zero_share(), sample.headroom()
+    flush, subnormal, numel = sample.column("flush"), sample.column("subnormal"), sample.column("numel")
+    order = sorted(range(len(sample.layers)), key=lambda i: (-shares[i], -zeros[i]))[:WORST_LAYERS]
+    if precision != "fp16":
+        return ["| layer | values | zeros | largest magnitude |", "|---|---:|---:|---:|"] + [
+            f"| {sample.layers[i] or '(root)'} | {numel[i]:.0f} | {zeros[i]:.2%} | {sample.column('amax')[i]:.3g} |"
+            for i in order]
+    rows = ["| layer | values | zeros | flush to zero | subnormal | largest scaled | headroom (powers of 2) |",
+            "|---|---:|---:|---:|---:|---:|---:|"]
+    for i in order:
+        room = headroom[i]
+        text = "-" if room is None else ("overflow" if room == -math.inf else f"{room:.1f}")
+        count = numel[i] or 1.0
+        rows.append(f"| {sample.layers[i] or '(root)'} | {numel[i]:.0f} | {zeros[i]:.2%} | {flush[i] / count:.2%} | "
+                    f"{subnormal[i] / count:.2%} | {sample.column('amax')[i]:.3g} | {text} |")
+    return rows
+
+
+def _legend() -> list[str]:
+    lines = ["## Causes", ""]
+    lines += [f"- `{cause}`: {text}" for cause, text in CAUSES.items()]
+    return lines
