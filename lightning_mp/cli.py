@@ -48,10 +48,12 @@ class MixedPrecisionCLI(LightningCLI):
             instantiate=False,
             help="Options of the MixedPrecisionPlugin that trainer.precision 16-mixed / bf16-mixed builds",
         )
-        parser.add_argument(
-            "--precision_monitor", type=bool, default=True,
-            help="Show loss scale / skipped steps in the progress bar and log them with the learning rate",
+        parser.add_class_arguments(
+            PrecisionMonitor, "precision_monitor", instantiate=False,
+            help="PrecisionMonitor: loss scale, skipped steps and where they overflowed, sampled gradient underflow, "
+            "the report after fit (--precision_monitor.enabled false turns it off)",
         )
+        parser.add_argument("--precision_monitor.enabled", type=bool, default=True, help="Add the PrecisionMonitor")
         parser.add_argument(
             "--test_after_fit", type=bool, default=True,
             help="After fit, run the test loop on the best checkpoint (or the last weights) if the data has a test set",
@@ -83,8 +85,9 @@ class MixedPrecisionCLI(LightningCLI):
             plugins = config.get("plugins") or []
             config["plugins"] = [*(plugins if isinstance(plugins, list) else [plugins]), plugin]
             rank_zero_info(f"lightning_mp: training with {plugin!r}")
-        if self._get(self.config, "precision_monitor", default=True):
-            callbacks = [*callbacks, PrecisionMonitor()]
+        monitor = dict(_plain(self._get(self.config, "precision_monitor") or {}))
+        if monitor.pop("enabled", True):
+            callbacks = [*callbacks, PrecisionMonitor(**monitor)]
         return super()._instantiate_trainer(config, callbacks)
 
 

@@ -1,0 +1,84 @@
+"""The run report: Markdown + PNG from a saved history, from a Trainer, after a short CLI fit; without matplotlib
+the Markdown is still written and says how to get the figure."""
+
+import math
+import sys
+
+import pytest
+
+from lightning_mp.cli import main
+from lightning_mp.diagnostics import LayerSample, OverflowRecord, PrecisionMonitor, RunHistory, report
+from lightning_mp.diagnostics.history import HISTORY_FILE
+from tests.planted import Planted, PlantedModel, fit_planted
+from tests.test_cli import CONFIGS, _short
+
+
+def _history():
+    samples = [LayerSample(step, 1024.0, "param_grads", ["a", "b"],
+                           [[100.0, 1.0, 2.0, 3.0, 0.0, 10.0], [50.0, 0.0, 0.0, 0.0, 1.0, math.inf]])
+               for step in (0, 10, 20)]
+    record = OverflowRecord(step=12, scale_before=2048.0, scale_after=1024.0, cause="half_precision",
+                            phase="forward", module="b", module_class="Linear", op="addmm", input_amax=3.5,
+                            nonfinite_params=["b.weight"], replays=2, seconds=0.01)
+    return RunHistory(precision="fp16", scaler={"scale": 2048.0, "growth_interval": 2000, "hysteresis": 1},
+                      steps=25, scale_changes=[(0, 2048.0), (13, 1024.0)], skipped=[12], overflows=[record],
+                      samples=samples, sample_every=10)
+
+
+def test_history_round_trips_through_json_with_infinite_values(tmp_path):
+    history = _history()
+    path = history.save(tmp_path)
+    assert path.name == HISTORY_FILE
+    assert RunHistory.load(tmp_path) == history
+    assert RunHistory.load(path).samples[0].headroom()[1] == -math.inf
+
+
+def test_report_of_a_saved_history_writes_markdown_with_the_overflow_and_layers_and_a_png(tmp_path):
+    _history().save(tmp_path)
+    files = report(tmp_path)
+    text = files.markdown.read_text()
+    assert "fp16 run: 25 optimizer steps, 1 skipped (4.0%)" in text
+    assert "Loss scale 2048 at the start, 1024 at the end" in text
+    assert "| b (Linear), forward, op addmm | half_precision | 1 | 12 | 12 | 3.5 |" in text
+    assert "| 12 | 2048 -> 1024 | b (Linear), forward, op addmm | half_precision | b.weight | 2 | 0.010 |" in text
+    assert "| a | 100 | 1.00% | 2.00% | 3.00% | 10 | 12.7 |" in text  # log2(65504 / 10) = 12.68
+    assert "| b | 50 | 0.00% | 0.00% | 0.00% | inf | overflow |" in text
+    assert f"![loss scale and per-layer gradient statistics]({files.png.name})" in text
+    matplotlib_image = pytest.importorskip("matplotlib.image")
+    height, width, _ = matplotlib_image.imread(files.png).shape
+    assert (width, height) == (1100, 940)  # three panels: the scale, underflow and headroom
+
+
+def test_report_without_matplotlib_still_writes_the_markdown_and_says_how_to_get_the_figure(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib raises ImportError
+    _history().save(tmp_path)
+    files = report(tmp_path / HISTORY_FILE)
+    assert files.png is None and 'pip install "lightning_mp[diagnostics]"' in files.png_error
+    assert "(No figure: The precision report's PNG needs matplotlib" in files.markdown.read_text()
+
+
+def test_report_of_a_trainer_uses_its_monitor_and_a_missing_history_is_a_clear_error(tmp_path):
+    monitor = PrecisionMonitor(sample_every=2, report=False)
+    trainer, _ = fit_planted(PlantedModel(Planted("forward", at=1)), monitor=monitor, steps=3,
+                             default_root_dir=tmp_path)
+    assert not (tmp_path / "precision_report.md").exists()  # report=False: nothing written after fit
+    files = report(trainer, out_dir=tmp_path / "out")
+    assert "net.3 (Planted), forward, op mul" in files.markdown.read_text()
+    with pytest.raises(FileNotFoundError, match="No precision diagnostics at .*: pass a run's log directory"):
+        report(tmp_path / "nowhere")
+
+
+def test_a_short_cli_fit_writes_the_report_into_the_log_dir_and_enabled_false_turns_it_off(tmp_path):
+    fp16 = ["--trainer.precision=null", "--trainer.plugins=lightning_mp.MixedPrecisionPlugin",
+            "--trainer.plugins.precision=16-mixed", "--trainer.plugins.scaler={init_scale: 2.0e+9, max_scale: 2.0e+9}",
+            "--model=tests.helpers.DigitsMLP", "--model.hidden=8", "--test_after_fit=false"]
+    main(["fit", "--config", str(CONFIGS / "digits.yaml"), *_short(tmp_path / "on", *fp16, steps=4),
+          "--precision_monitor.sample_every=2"])
+    run_dir = next((tmp_path / "on").rglob(HISTORY_FILE)).parent
+    assert (run_dir / "precision_report.md").is_file() and (run_dir / "precision_report.png").is_file()
+    history = RunHistory.load(run_dir)
+    assert history.skipped and history.overflows[0].cause == "loss_scale"  # 2e9 overflows the scaled gradients
+    assert [s.step for s in history.samples] == [0, 2]
+    main(["fit", "--config", str(CONFIGS / "digits.yaml"), *_short(tmp_path / "off", *fp16, steps=1),
+          "--precision_monitor.enabled=false"])
+    assert not list((tmp_path / "off").rglob(HISTORY_FILE))
