@@ -62,8 +62,11 @@ def test_init_scale_rule_fires_when_the_first_steps_are_skipped_while_the_scale_
     changes = [(step, 65536.0 / 2**step) for step in range(9)]
     advice = _rules(_history(skipped, scale_changes=changes))["init_scale"]
     assert advice.change == "scaler: {init_scale: 256}"
-    assert "8 of the first 50" in advice.evidence and "from 65536 to 256" in advice.evidence
+    assert "8 of the first 50" in advice.evidence and "from 2^16 to 2^8" in advice.evidence
     assert "step 8 was the first to run" in advice.evidence
+    # the same early skips from a module that overflows fp16 at any scale are not the init_scale's doing
+    records = [_record(step, scale=65536.0 / 2**step) for step in skipped]
+    assert "init_scale" not in _rules(_history(skipped, records, scale_changes=changes))
 
 
 def test_hysteresis_rule_fires_on_isolated_bursts_that_are_not_probing():

@@ -38,9 +38,9 @@ def test_report_of_a_saved_history_writes_markdown_with_the_overflow_and_layers_
     files = report(tmp_path)
     text = files.markdown.read_text()
     assert "fp16 run: 25 optimizer steps, 1 skipped (4.0%)" in text
-    assert "Loss scale 2048 at the start, 1024 at the end" in text
+    assert "Loss scale 2^11 at the start, 2^10 at the end" in text
     assert "| b (Linear), forward, op addmm | half_precision | 1 | 12 | 12 | 3.5 |" in text
-    assert "| 12 | 2048 -> 1024 | b (Linear), forward, op addmm | half_precision | b.weight | 2 | 0.010 |" in text
+    assert "| 12 | 2^11 -> 2^10 | b (Linear), forward, op addmm | half_precision | b.weight | 2 | 0.010 |" in text
     assert "| a | 100 | 1.00% | 2.00% | 3.00% | 10 | 12.7 |" in text  # log2(65504 / 10) = 12.68
     assert "| b | 50 | 0.00% | 0.00% | 0.00% | inf | overflow |" in text
     assert f"![loss scale and per-layer gradient statistics]({files.png.name})" in text

@@ -100,8 +100,8 @@ def test_activation_hooks_run_only_on_sampled_steps_and_cover_every_leaf_module(
     assert hooked == [3, 0, 0, 0, 3, 0]  # Linear, Tanh, Linear at steps 0 and 4
     activations = monitor.history.samples_of("activation_grads")
     assert [s.step for s in activations] == [0, 4]
-    assert activations[0].layers == ["net.2", "net.1", "net.0"]  # in the order backward reached them
-    assert activations[0].column("numel") == [8.0, 64.0, 64.0]  # batch 8 x (1, 8, 8)
+    assert activations[0].layers == ["net.0", "net.1", "net.2"]  # model order (the same on every rank)
+    assert activations[0].column("numel") == [64.0, 64.0, 8.0]  # batch 8 x (8, 8, 1)
 
 
 def test_master_weights_sample_the_fp32_master_gradients_named_as_the_model():

@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Optional
 
-from lightning_mp.diagnostics.history import RunHistory
+from lightning_mp.diagnostics.history import RunHistory, format_number as _number, format_scale as _scale
 
 #: the first optimizer steps, where a too-high ``init_scale`` shows
 STARTUP_STEPS = 50
@@ -82,7 +82,8 @@ def _fp32_modules(history: RunHistory) -> Optional[Advice]:
 def _init_scale(history: RunHistory) -> Optional[Advice]:
     if history.precision != "fp16" or not history.scaler.get("dynamic", False) or history.scaler.get("check_only"):
         return None
-    early = [step for step in history.skipped if step < STARTUP_STEPS]
+    unavoidable = {r.step for r in history.overflows if r.cause in ("half_precision", "model")}
+    early = [step for step in history.skipped if step < STARTUP_STEPS and step not in unavoidable]
     if len(early) < STARTUP_SKIPS:
         return None
     first_finite = next((step for step in range(STARTUP_STEPS + 1) if step not in set(history.skipped)), None)
@@ -91,9 +92,9 @@ def _init_scale(history: RunHistory) -> Optional[Advice]:
     target = settled if settled is not None else (history.scale_at(early[-1]) or start)
     return Advice(
         "init_scale",
-        f"scaler: {{init_scale: {target:g}}}",
-        f"{len(early)} of the first {STARTUP_STEPS} optimizer steps were skipped (steps {_steps(early)}) while the "
-        f"scale fell from {start:g} to {target:g}"
+        f"scaler: {{init_scale: {_number(target)}}}",
+        f"{len(early)} of the first {STARTUP_STEPS} optimizer steps were skipped for the loss scale (steps "
+        f"{_steps(early)}) while the scale fell from {_scale(start)} to {_scale(target)}"
         + (f", where step {first_finite} was the first to run" if first_finite is not None else "") + ".",
     )
 
@@ -151,15 +152,18 @@ def _growth_interval(history: RunHistory) -> Optional[Advice]:
     if history.scaler.get("dynamic", True):
         change = f"scaler: {{growth_interval: {max(1, interval // 4)}}}"
     else:
-        change = f"a static scale of {sample.scale * 2 ** int(headroom - 1):g} (now {sample.scale:g})"
+        change = f"a static scale of {_number(sample.scale * 2 ** int(headroom - 1))} (now {_number(sample.scale)})"
+    unavoidable = [r.step for r in history.overflows if r.cause in ("half_precision", "model")]
     return Advice(
         "growth_interval",
         change,
         f"in {len(hits)} of the last {len(recent)} samples a layer lost >= {UNDERFLOW_SHARE:.0%} of its gradient "
         f"values below fp16's normal range after scaling (at step {sample.step}: {sample.layers[worst]}, "
         f"{share:.1%}), while the largest scaled gradient of any layer stayed {headroom:.1f} powers of two below "
-        f"65504 (scale {sample.scale:g}, growth_interval={interval}): the scale could be about "
-        f"2^{int(headroom) - 1} times higher.",
+        f"65504 (scale {_scale(sample.scale)}, growth_interval={interval}): the scale could be about "
+        f"2^{int(headroom) - 1} times higher."
+        + (f" {len(unavoidable)} backoffs came from overflows that no scale avoids (steps {_steps(unavoidable)}): "
+           "fix those first (fp32_modules), they keep pushing the scale down." if unavoidable else ""),
     )
 
 

@@ -109,6 +109,17 @@ class LayerSample:
 FP16_MAX = 65504.0
 
 
+def format_number(value: float) -> str:
+    """A scale as YAML/Python takes it: ``1048576``, not ``1.04858e+06``."""
+    return str(int(value)) if float(value).is_integer() else f"{value:g}"
+
+
+def format_scale(value: float) -> str:
+    """``2^20`` for a power of two, else :func:`format_number`."""
+    exponent = math.log2(value) if value > 0 and math.isfinite(value) else 0.5
+    return f"2^{int(exponent)}" if float(exponent).is_integer() else format_number(value)
+
+
 def headroom_bits(amax: float) -> Optional[float]:
     """``log2(65504 / amax)``: how many doublings of the scale the largest value could take before overflowing."""
     if amax == 0.0:

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any, Optional, Union
 
 from lightning_mp.diagnostics.advice import advise
-from lightning_mp.diagnostics.history import CAUSES, HISTORY_FILE, LayerSample, RunHistory
+from lightning_mp.diagnostics.history import CAUSES, HISTORY_FILE, LayerSample, RunHistory, format_scale
 
 MARKDOWN_FILE = "precision_report.md"
 PNG_FILE = "precision_report.png"
@@ -88,6 +88,9 @@ def render_markdown(history: RunHistory, png_error: str = "") -> str:
     if not advice:
         lines += ["Nothing to change: no rule found its symptom in this run (see "
                   "`lightning_mp/diagnostics/advice.py` for the rules and thresholds).", ""]
+    if len(advice) > 1:
+        lines += ["Apply the first item, run again and read the new report: later items may be consequences of "
+                  "earlier ones (an overflowing module keeps pushing the scale down).", ""]
     for number, item in enumerate(advice, 1):
         lines += [f"{number}. **{item.rule}**: `{item.change}`", f"   - Evidence: {item.evidence}", ""]
     lines += _overflow_section(history) + _layers_section(history) + _legend()
@@ -101,17 +104,23 @@ def _summary(history: RunHistory) -> str:
     if history.scale_changes:
         first, final = history.scale_changes[0][1], history.scale_changes[-1][1]
         lowest = min(scale for _, scale in history.scale_changes)
-        text += f" Loss scale {first:g} at the start, {final:g} at the end (lowest {lowest:g})."
+        text += f" Loss scale {format_scale(first)} at the start, {format_scale(final)} at the end (lowest " \
+                f"{format_scale(lowest)})."
     if history.scaler and not history.scaler.get("check_only"):
         settings = ("growth_interval", "hysteresis", "backoff_factor", "growth_factor", "min_scale", "max_scale")
-        text += " Scaler: " + ", ".join(f"{key}={history.scaler[key]:g}" if isinstance(history.scaler[key], float)
-                                        else f"{key}={history.scaler[key]}" for key in settings if key in history.scaler)
+        text += " Scaler: " + ", ".join(_setting(key, history.scaler[key]) for key in settings if key in history.scaler)
         text += "" if history.scaler.get("dynamic", True) else " (static)"
         text += "."
     if history.sample_every:
         text += f" Gradient statistics sampled every {history.sample_every} optimizer steps " \
                 f"({len(history.samples_of('param_grads'))} samples)."
     return text
+
+
+def _setting(key: str, value: Any) -> str:
+    if key in ("min_scale", "max_scale"):
+        return f"{key}={format_scale(value)}"
+    return f"{key}={value:g}" if isinstance(value, float) else f"{key}={value}"
 
 
 def _overflow_section(history: RunHistory) -> list[str]:
@@ -136,8 +145,8 @@ def _overflow_section(history: RunHistory) -> list[str]:
               "|---:|---|---|---|---|---:|---:|"]
     for record in history.overflows[:MAX_ROWS]:
         params = ", ".join(record.nonfinite_params[:3]) + (" ..." if len(record.nonfinite_params) > 3 else "")
-        after = "-" if record.scale_after is None else f"{record.scale_after:g}"
-        lines.append(f"| {record.step} | {record.scale_before:g} -> {after} | {record.where()} | {record.cause} | "
+        after = "-" if record.scale_after is None else format_scale(record.scale_after)
+        lines.append(f"| {record.step} | {format_scale(record.scale_before)} -> {after} | {record.where()} | {record.cause} | "
                      f"{params or '-'} | {record.replays} | {record.seconds:.3f} |")
     if len(history.overflows) > MAX_ROWS:
         lines.append(f"| ... | | {len(history.overflows) - MAX_ROWS} more in {HISTORY_FILE} | | | | |")
@@ -152,7 +161,7 @@ def _layers_section(history: RunHistory) -> list[str]:
     if not samples:
         return lines + ["No samples (`PrecisionMonitor(sample_every=N)` with N > 0 takes them).", ""]
     last = samples[-1]
-    lines += [f"At the last sample (step {last.step}, scale {last.scale:g}), the {WORST_LAYERS} layers with the "
+    lines += [f"At the last sample (step {last.step}, scale {format_scale(last.scale)}), the {WORST_LAYERS} layers with the "
               "largest share of values below fp16's normal range after scaling:", ""]
     lines += _layer_table(last, history.precision)
     activations = history.samples_of("activation_grads")

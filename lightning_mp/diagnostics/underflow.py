@@ -18,7 +18,7 @@ fp32) only ``zeros`` and ``amax`` mean something; the report shows only those.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from typing import Any, Optional, Union
 
 import torch
@@ -123,6 +123,7 @@ class ActivationGradStats:
     def __init__(self) -> None:
         self._handles: list[Any] = []
         self._rows: dict[str, Tensor] = {}
+        self._order: list[str] = []  # leaf modules in model order: the same on every rank (rows are reduced)
 
     @property
     def armed(self) -> bool:
@@ -131,8 +132,10 @@ class ActivationGradStats:
     def arm(self, model: nn.Module) -> None:
         if self._handles:
             return
+        self._order = []
         for name, module in model.named_modules():
             if next(module.children(), None) is None:
+                self._order.append(name)
                 self._handles.append(module.register_forward_hook(self._forward_hook(name)))
 
     def _forward_hook(self, name: str) -> Any:
@@ -157,8 +160,9 @@ class ActivationGradStats:
         self._handles.clear()
 
     def take(self) -> tuple[list[str], Tensor]:
-        """The accumulated ``(module names, rows)`` (on the device), and start afresh."""
-        names, rows = list(self._rows), list(self._rows.values())
+        """The accumulated ``(module names, rows)`` (on the device, in model order), and start afresh."""
+        names = [name for name in self._order if name in self._rows]
+        rows = [self._rows[name] for name in names]
         self._rows = {}
         if not rows:
             return [], torch.zeros(0, 6)
@@ -194,6 +198,3 @@ def names_of_params(model: nn.Module, masters: Optional[Any] = None) -> dict[int
                 names[id(master)] = names[id(param)]
     return names
 
-
-def leaf_names(items: Iterable[tuple[str, Any]]) -> list[str]:
-    return [name for name, _ in items]
