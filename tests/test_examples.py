@@ -45,3 +45,11 @@ def test_custom_policy_example_merges_the_module_declaration():
     assert "softmax                            fp32     user" in out
     assert "fp32_ops=('softmax',)" in out and "fp32_modules=('model.classifier',)" in out
     assert "final training loss:" in out
+
+
+def test_precision_report_example_names_the_overflowing_input_layer(tmp_path):
+    out = _run("precision_report.py", "--root", str(tmp_path))  # 400 steps, ~5 s
+    assert 'advice [fp32_modules]: policy: {fp32_modules: ["encoder.0"]}' in out
+    assert "encoder.0 (Linear) was where the inf/NaN was born in 10 of 15 skipped steps" in out  # every 40th step
+    assert "advice [init_scale]: scaler: {init_scale: 1048576}" in out
+    assert list(tmp_path.rglob("precision_report.png")) and list(tmp_path.rglob("precision_report.md"))
