@@ -82,3 +82,21 @@ def test_a_short_cli_fit_writes_the_report_into_the_log_dir_and_enabled_false_tu
     main(["fit", "--config", str(CONFIGS / "digits.yaml"), *_short(tmp_path / "off", *fp16, steps=1),
           "--precision_monitor.enabled=false"])
     assert not list((tmp_path / "off").rglob(HISTORY_FILE))
+
+
+def test_a_run_that_dies_at_max_consecutive_skips_still_writes_its_report_with_the_error(tmp_path):
+    from lightning_mp import DynamicLossScaler, MixedPrecisionPlugin
+    from tests.helpers import make_trainer, regression_loader
+
+    planted = Planted("log", at=0)
+    model = PlantedModel(planted)
+    planted.step = lambda: (0 if model.trainer.global_step < 3 else -1, -1)  # NaN from the model at steps 0, 1, 2
+    plugin = MixedPrecisionPlugin(scaler=DynamicLossScaler(init_scale=1024.0, max_consecutive_skips=3))
+    trainer = make_trainer(plugin, callbacks=[PrecisionMonitor(sample_every=0)], max_steps=6, default_root_dir=tmp_path)
+    with pytest.raises(FloatingPointError, match="3 optimizer steps in a row"):
+        trainer.fit(model, regression_loader())
+    text = (tmp_path / "precision_report.md").read_text()
+    assert "**The run ended with an error:** `FloatingPointError: 3 optimizer steps in a row" in text
+    assert "1. **bf16**" in text and "2. **model**" in text  # the model rule names log in net.3
+    assert "| net.3 (Planted), forward, op log | model | 3 | 0 | 2 |" in text
+    assert (tmp_path / "precision_report.png").is_file()
