@@ -1,6 +1,6 @@
 """Where did fp16 go wrong? PrecisionMonitor on a run with the usual problems, and the report it writes.
 
-    python examples/precision_report.py                      # writes runs/precision_report/.../precision_report.{md,png}
+    python examples/precision_report.py        # writes runs/precision_report/.../precision_report.{md,png}
 
 A small MLP regresses a teacher's output from 32 features in fp16 (real fp16, on CPU too). The data has what real
 data has: every 40th batch carries an unnormalised feature of about 1e5, beyond fp16's 65504. The scaler starts

@@ -42,7 +42,8 @@ def test_overflow_in_a_backward_hook_is_localised_as_backward_in_the_hooked_modu
 def test_nan_from_log_of_a_negative_is_the_model_not_the_loss_scale():
     _, monitor = fit_planted(PlantedModel(Planted("log", at=2)))
     record = _only(monitor)
-    assert (record.step, record.phase, record.module, record.op, record.cause) == (2, "forward", "net.3", "log", "model")
+    where = (record.step, record.phase, record.module, record.op, record.cause)
+    assert where == (2, "forward", "net.3", "log", "model")
 
 
 def test_a_scale_too_large_for_the_gradients_is_the_loss_scale_not_the_model():

@@ -203,7 +203,8 @@ def _model(history: RunHistory) -> Optional[Advice]:
         "helps",
         f"{len(records)} skipped step(s) (steps {_steps([r.step for r in records])}) are non-finite even in fp32 "
         f"without the loss scale; the first inf/NaN came from {first.where()} (largest finite input "
-        f"{first.input_amax or 0.0:g}). Check that op's inputs (log/sqrt of negatives, division by zero), the data and the "
+        f"{first.input_amax or 0.0:g}). Check that op's inputs (log/sqrt of negatives, division by zero), the data "
+        "and the "
         "learning rate.",
     )
 

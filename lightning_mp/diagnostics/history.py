@@ -180,7 +180,9 @@ class RunHistory:
         known = set(cls.__dataclass_fields__)
         unknown = sorted(set(data) - known)
         if unknown:
-            raise ValueError(f"{HISTORY_FILE} has keys {unknown} that RunHistory does not know (known: {sorted(known)}).")
+            raise ValueError(
+                f"{HISTORY_FILE} has keys {unknown} that RunHistory does not know (known: {sorted(known)})."
+            )
         return cls(**data)
 
     def save(self, directory: Union[str, Path]) -> Path:

@@ -119,7 +119,9 @@ class PrecisionMonitor(L.Callback):
 
     # ------------------------------------------------------------------ every step
     @override
-    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         scaler = _our_scaler(trainer)
         if scaler is not None:
             self.history.record_scale(trainer.global_step, float(scaler.scale))

@@ -96,7 +96,8 @@ def _plot_scale(axis: Any, history: RunHistory) -> None:
                          label=f"skipped: {cause.replace('_', ' ')} ({len(steps)}{where})")
     title = f"loss scale over optimizer steps ({history.precision}, {len(history.skipped)} of {history.steps} skipped)"
     if not history.scale_changes:
-        title = f"skipped optimizer steps ({history.precision}, no loss scale: {len(history.skipped)} of {history.steps})"
+        title = (f"skipped optimizer steps ({history.precision}, no loss scale: {len(history.skipped)} of "
+                 f"{history.steps})")
     axis.set_title(title, fontsize=10)
     axis.set_xlabel("optimizer step")
     axis.set_xlim(-0.5, last + 0.5)

@@ -132,7 +132,7 @@ def _overflow_section(history: RunHistory) -> list[str]:
                         "localisation was off (`PrecisionMonitor(localise_overflows=True)` turns it on).", ""]
     groups: dict[tuple[str, str, str], list[Any]] = {}
     for record in history.overflows:
-        key = (record.where(), record.cause, record.module_class) if record.located else (record.where(), record.cause, "")
+        key = (record.where(), record.cause, record.module_class if record.located else "")
         groups.setdefault(key, []).append(record)
     lines += ["| where the inf/NaN was born | cause | skipped steps | first | last | largest finite input |",
               "|---|---|---:|---:|---:|---:|"]
@@ -146,7 +146,8 @@ def _overflow_section(history: RunHistory) -> list[str]:
     for record in history.overflows[:MAX_ROWS]:
         params = ", ".join(record.nonfinite_params[:3]) + (" ..." if len(record.nonfinite_params) > 3 else "")
         after = "-" if record.scale_after is None else format_scale(record.scale_after)
-        lines.append(f"| {record.step} | {format_scale(record.scale_before)} -> {after} | {record.where()} | {record.cause} | "
+        lines.append(f"| {record.step} | {format_scale(record.scale_before)} -> {after} | {record.where()} | "
+                     f"{record.cause} | "
                      f"{params or '-'} | {record.replays} | {record.seconds:.3f} |")
     if len(history.overflows) > MAX_ROWS:
         lines.append(f"| ... | | {len(history.overflows) - MAX_ROWS} more in {HISTORY_FILE} | | | | |")
@@ -161,7 +162,8 @@ def _layers_section(history: RunHistory) -> list[str]:
     if not samples:
         return lines + ["No samples (`PrecisionMonitor(sample_every=N)` with N > 0 takes them).", ""]
     last = samples[-1]
-    lines += [f"At the last sample (step {last.step}, scale {format_scale(last.scale)}), the {WORST_LAYERS} layers with the "
+    lines += [f"At the last sample (step {last.step}, scale {format_scale(last.scale)}), the {WORST_LAYERS} layers "
+              "with the "
               "largest share of values below fp16's normal range after scaling:", ""]
     lines += _layer_table(last, history.precision)
     activations = history.samples_of("activation_grads")
