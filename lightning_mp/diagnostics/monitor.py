@@ -4,6 +4,10 @@ skipped step overflowed; sampled per-layer underflow and headroom of the gradien
 Cost on a step that is neither skipped nor sampled: no host synchronisation and no hooks (a reference to the batch
 and a host copy of the RNG state are kept for the overflow replay). A sampled step costs a few kernels per gradient
 tensor and one host sync; a skipped step costs its replay (see :mod:`lightning_mp.diagnostics.overflow`).
+
+The loss scale the statistics divide by is read from :class:`~lightning_mp.DynamicLossScaler` on the device. With
+another precision plugin (Lightning's built-in ``16-mixed`` and its ``GradScaler``) there is no scale to read
+without a sync, so the statistics are taken at scale 1, and skipped steps are neither seen nor localised.
 """
 
 from __future__ import annotations
@@ -125,7 +129,7 @@ class PrecisionMonitor(L.Callback):
         scaler = _our_scaler(trainer)
         if scaler is not None:
             self.history.record_scale(trainer.global_step, float(scaler.scale))
-        if self._plugin is not None:
+        if self._plugin is not None and pl_module.automatic_optimization:  # manual: nothing is replayed
             self._localiser.remember(batch, batch_idx, pl_module.device)
         if self.sample_every:
             self._sampling = trainer.global_step // self.sample_every != self._sampled_bucket

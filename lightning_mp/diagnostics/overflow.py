@@ -24,7 +24,8 @@ What the replay leaves untouched: parameters and their ``.grad`` (gradients are 
 buffers (BatchNorm statistics are copied back), torchmetrics states, the RNG (saved and restored; the replay
 reuses the RNG state the micro-batch started with, so dropout draws the same masks), and Lightning's logging
 (``self.log``/``self.log_dict`` do nothing during the replay). Other side effects of a user's ``training_step``
-(appending to a list, counting calls) do happen again. In manual optimization the ``training_step`` steps the
+(appending to a list, counting calls) do happen again, and a ``training_step`` that modifies its batch in place
+is replayed on the modified batch. In manual optimization the ``training_step`` steps the
 optimizers itself and cannot be replayed: the record names the parameters with non-finite gradients only.
 """
 
