@@ -127,7 +127,7 @@ class PrecisionMonitor(L.Callback):
         self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
     ) -> None:
         scaler = _our_scaler(trainer)
-        if scaler is not None:
+        if scaler is not None and not scaler.check_only:  # bf16's check-only scaler has no scale to follow
             self.history.record_scale(trainer.global_step, float(scaler.scale))
         if self._plugin is not None and pl_module.automatic_optimization:  # manual: nothing is replayed
             self._localiser.remember(batch, batch_idx, pl_module.device)

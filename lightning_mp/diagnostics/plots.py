@@ -98,6 +98,7 @@ def _plot_scale(axis: Any, history: RunHistory) -> None:
     if not history.scale_changes:
         title = (f"skipped optimizer steps ({history.precision}, no loss scale: {len(history.skipped)} of "
                  f"{history.steps})")
+        axis.set_yticks([])
     axis.set_title(title, fontsize=10)
     axis.set_xlabel("optimizer step")
     axis.set_xlim(-0.5, last + 0.5)
