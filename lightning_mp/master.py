@@ -177,6 +177,15 @@ class MasterWeights:
                 master.grad.add_(param.grad)
             param.grad = None
 
+    def ensure_grads(self) -> None:
+        """Give every trainable master a gradient (its slice of the flat buffer, zeroed) where no backward produced
+        one, so that a collective over the flat gradient buffers (DDP) reduces defined values on every rank."""
+        for master in self._masters.values():
+            if master.requires_grad and master.grad is None:
+                grad = self._grad_views[id(master)]
+                grad.zero_()
+                master.grad = grad
+
     def masters_to_model(self, optimizer: Optimizer) -> None:
         """Copy the masters that ``optimizer`` updates back into the half model parameters."""
         model_values, masters = [], []

@@ -15,7 +15,6 @@ import torch
 from lightning.fabric.utilities.types import Optimizable
 from lightning.pytorch import LightningModule
 from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.strategies import SingleDeviceStrategy
 from lightning.pytorch.utilities import GradClipAlgorithmType
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
@@ -24,6 +23,8 @@ from torch.nn import Module
 from torch.optim import LBFGS, Optimizer
 from typing_extensions import override
 
+from lightning_mp.distributed import GradientSync, mixed_precision_policy, sync_for
+from lightning_mp.distributed.sync import reduce_dtype_of
 from lightning_mp.master import MasterWeights, is_norm
 from lightning_mp.policy import CastPolicy, ModuleRules, override_context
 from lightning_mp.scaler import DynamicLossScaler
@@ -56,6 +57,9 @@ class MixedPrecisionPlugin(Precision):
         policy: the per-op casting policy: a :class:`~lightning_mp.CastPolicy`, a preset name (``"autocast"``,
             the default, ``"conservative"``, ``"fast"``) or a mapping (YAML). A LightningModule may declare its
             own with ``configure_precision_policy()``; it is merged on top (the module wins).
+        reduce_dtype: dtype in which gradients are all-reduced across ranks (DDP, FSDP2): ``torch.float32``
+            (default, as Megatron: exact sums of half gradients), ``torch.bfloat16`` or ``torch.float16`` (half the
+            bytes); names such as ``"bf16"`` work too. No effect on one device. See README "Many devices".
 
     The autocast device is the device the model lives on, found when Lightning connects the plugin; ``fp16``
     is honoured on CPU too (Lightning's built-in switches to bf16 there), with a one-time warning that it is
@@ -70,6 +74,7 @@ class MixedPrecisionPlugin(Precision):
         master_weights: bool = False,
         keep_norm_fp32: bool = True,
         policy: Union[CastPolicy, str, dict[str, Any], None] = None,
+        reduce_dtype: Union[str, torch.dtype] = "float32",
     ) -> None:
         if precision not in _DTYPES:
             raise ValueError(
@@ -83,6 +88,9 @@ class MixedPrecisionPlugin(Precision):
                 f"master_weights={master_weights!r}, keep_norm_fp32={keep_norm_fp32!r}: both must be True or False."
             )
         self.policy = CastPolicy.coerce(policy)
+        self.reduce_dtype = reduce_dtype_of(reduce_dtype)
+        # what the strategy needs at each step (lightning_mp.distributed); set up in convert_module
+        self._sync: GradientSync = GradientSync()
         self.keep_norm_fp32 = keep_norm_fp32
         self.masters: Optional[MasterWeights] = None
         if master_weights:
@@ -139,21 +147,23 @@ class MixedPrecisionPlugin(Precision):
         """Whether gradients are unscaled and checked for inf/NaN each step (fp16 scaling, or bf16's check)."""
         return self.scaler is not None and self.scaler.enabled
 
+    def fsdp2_policy(self, name: str = "", module: Optional[Module] = None) -> Any:
+        """The FSDP2 ``MixedPrecisionPolicy`` matching this plugin, for ``fully_shard(..., mp_policy=...)`` in
+        ``configure_model``; see :func:`lightning_mp.distributed.mixed_precision_policy`."""
+        return mixed_precision_policy(self, name, module)
+
     # ------------------------------------------------------------------ setup
     @override
     def convert_module(self, module: Module) -> Module:
         # Runs once per fit/validate/test/predict, before the model moves to its device and before
         # configure_optimizers, so the optimizers are built on the half parameters and connect() swaps in masters.
+        # The conversion is in place: DDP discards the returned module. Under FSDP2 its sharded fp32 parameters are
+        # the masters, so nothing is converted (lightning_mp.distributed refuses DeepSpeed and FSDP1 here).
         self._resolve_policy(module)
-        if self.masters is None:
-            return module
         trainer = getattr(module, "_trainer", None)
-        if trainer is not None and type(trainer.strategy) not in _MASTER_WEIGHTS_STRATEGIES:
-            supported = ", ".join(cls.__name__ for cls in _MASTER_WEIGHTS_STRATEGIES)
-            raise ValueError(
-                f"master_weights=True does not support the {type(trainer.strategy).__name__} strategy yet "
-                f"(supported: {supported}). Train on one device, or use master_weights=False."
-            )
+        self._sync = sync_for(trainer.strategy if trainer is not None else None, self)
+        if self.masters is None or self._sync.owns_masters:
+            return module
         return self.masters.convert(module)
 
     @override
@@ -166,10 +176,13 @@ class MixedPrecisionPlugin(Precision):
         self._param_names = {id(param): name for name, param in inner.named_parameters()}
         self._resolve_policy(inner)
         self._module_rules.install(inner, self.keeps_fp32, self._device_type)
-        if self.masters is not None:
+        if self.masters is not None and not self._sync.owns_masters:
             self.masters.attach(optimizers)
             for param, master in self.masters.pairs():
                 self._param_names[id(master)] = self._param_names.get(id(param), "")
+        self._sync.connect(model, self)  # DDP: comm hooks, masters broadcast from rank 0; FSDP2: policy checks
+        if self.scaler is not None:
+            self.scaler.gather_names = self._sync.gather_names  # culprits at min_scale, from every rank
         if self._unscaled is not None:
             self._unscaled.clear()
         for rule, close in self._effective_policy.unmatched_module_rules(inner).items():
@@ -217,6 +230,7 @@ class MixedPrecisionPlugin(Precision):
         closure_loss = super().post_backward(tensor, module)
         if self.masters is not None:
             self.masters.grads_to_masters()
+        self._sync.after_backward()  # DDP with masters: reduce the fp32 master gradients once DDP would have
         return closure_loss
 
     # ------------------------------------------------------------------ the optimizer step
@@ -247,7 +261,7 @@ class MixedPrecisionPlugin(Precision):
             self._after_closure(model, optimizer)
             return None
         # unscale after the closure and before on_before_optimizer_step, so hooks and clipping see true grads
-        found_inf = self._unscale_once(optimizer)
+        found_inf = self._sync.agree(self._unscale_once(optimizer))  # every rank takes the same decision
         self._after_closure(model, optimizer)
         self._unscaled.consumed(_unwrap_optimizer(optimizer))
         skip = self.scaler.found_inf(found_inf)  # the step's one host synchronisation
@@ -350,9 +364,6 @@ class MixedPrecisionPlugin(Precision):
             f"{type(self).__name__}(precision={self.precision!r}, scaler={self.scaler!r}, "
             f"master_weights={self.master_weights}, policy={self.policy!r})"
         )
-
-
-_MASTER_WEIGHTS_STRATEGIES = (SingleDeviceStrategy,)
 
 
 _INFO_SHOWN: set[str] = set()

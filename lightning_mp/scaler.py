@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Iterable
-from typing import Any, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 import inspect
 from collections.abc import Mapping
@@ -95,6 +95,9 @@ class DynamicLossScaler:
         self._scale_in_grads: Optional[Tensor] = None
         # gradients checked by the last `unscale_`, kept until `update` to name the non-finite ones on error
         self._last_unscaled: list[tuple[str, Tensor]] = []
+        #: ``gather_names(local_names) -> names`` from every rank, for the error at ``min_scale``; under a distributed
+        #: strategy the plugin sets it to a collective (all ranks raise together, their decisions being agreed)
+        self.gather_names: Callable[[list[str]], list[str]] = list
 
     @classmethod
     def static(cls, scale: float, max_consecutive_skips: Optional[int] = 100) -> DynamicLossScaler:
@@ -208,6 +211,10 @@ class DynamicLossScaler:
         tensors or ``(name, tensor)`` pairs; names are used in the :class:`FloatingPointError` of
         :meth:`update`. Returns a 1-element fp32 tensor, ``> 0`` if a non-finite gradient was found, on the
         device of the first gradient; it does not synchronise.
+
+        Sharded (``DTensor``) gradients are unscaled and checked through their local shards: no collective and no
+        DTensor dispatch happen here, so the flag is this rank's; a caller on several ranks sums it over them before
+        deciding (``lightning_mp.distributed``; the plugin does).
         """
         named = [item if isinstance(item, tuple) else (f"<unnamed #{i}>", item) for i, item in enumerate(params)]
         self._last_unscaled = []
@@ -226,6 +233,7 @@ class DynamicLossScaler:
                     if not grad.is_coalesced():
                         param.grad = grad = grad.coalesce()
                     grad = grad._values()
+                grad = _local_shard(grad)
                 self._last_unscaled.append((name, grad))
                 if first_device is None:
                     first_device = grad.device
@@ -303,7 +311,7 @@ class DynamicLossScaler:
         self._set_scale(new_scale)
 
     def _raise(self, reason: str) -> None:
-        names = self.nonfinite_grad_names()
+        names = self.gather_names(self.nonfinite_grad_names())
         self._last_unscaled = []
         shown = ", ".join(names[:20]) + (f", ... ({len(names)} in all)" if len(names) > 20 else "")
         raise FloatingPointError(
@@ -401,3 +409,9 @@ class DynamicLossScaler:
             f"backoff_factor={self.backoff_factor:g}, growth_interval={self.growth_interval}, "
             f"hysteresis={self.hysteresis}, min_scale={self.min_scale:g}, max_scale={self.max_scale:g})"
         )
+
+
+def _local_shard(grad: Tensor) -> Tensor:
+    """A ``DTensor`` gradient's local shard (same storage, so unscaling it in place unscales the DTensor)."""
+    to_local = getattr(grad, "to_local", None)
+    return to_local() if to_local is not None else grad

@@ -433,13 +433,6 @@ def test_optimizer_with_a_parameter_outside_the_model_is_refused():
         make_trainer(_plugin()).fit(model, regression_loader())
 
 
-def test_unsupported_strategy_is_refused_by_name():
-    with seeded():
-        model = TinyRegressor()
-    trainer = make_trainer(_plugin(), strategy="ddp", devices=1)
-    with pytest.raises(ValueError, match="DDPStrategy"):
-        trainer.fit(model, regression_loader())
-
 
 def test_master_weights_argument_must_be_bool():
     with pytest.raises(ValueError, match="master_weights='yes'"):

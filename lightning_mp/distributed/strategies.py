@@ -1,0 +1,70 @@
+"""Which Lightning strategy the plugin runs under, and the :class:`GradientSync` that serves it.
+
+=====================================  ===========================================================================
+strategy                               what the plugin does
+=====================================  ===========================================================================
+``SingleDeviceStrategy``               nothing more (:class:`~lightning_mp.distributed.sync.GradientSync`)
+``DDPStrategy`` (``ddp``,              agreed skips; with masters, fp32 master gradients reduced once per step
+``ddp_spawn``, ``ddp_fork``, ...)      (:class:`~lightning_mp.distributed.ddp.DDPSync`)
+``ModelParallelStrategy`` (FSDP2)      agreed skips; FSDP2's sharded fp32 parameters are the masters
+                                       (:class:`~lightning_mp.distributed.fsdp2.FSDP2Sync`)
+``DeepSpeedStrategy``                  refused: DeepSpeed has its own scaler and masters (:mod:`.deepspeed`)
+``FSDPStrategy`` (FSDP1)               refused: see :mod:`.fsdp1`
+other parallel strategies              agreed skips over the default process group; master weights refused
+=====================================  ===========================================================================
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lightning.pytorch.strategies import (
+    DDPStrategy,
+    DeepSpeedStrategy,
+    FSDPStrategy,
+    ModelParallelStrategy,
+    ParallelStrategy,
+    SingleDeviceStrategy,
+)
+
+from lightning_mp.distributed.ddp import DDPSync
+from lightning_mp.distributed.deepspeed import refuse_deepspeed
+from lightning_mp.distributed.fsdp1 import refuse_fsdp1
+from lightning_mp.distributed.fsdp2 import FSDP2Sync
+from lightning_mp.distributed.sync import GradientSync, ProcessGroupSync
+
+#: Strategies under which ``master_weights=True`` is supported.
+MASTER_WEIGHTS_STRATEGIES = (SingleDeviceStrategy, DDPStrategy, ModelParallelStrategy)
+
+
+def sync_for(strategy: Any, plugin: Any) -> GradientSync:
+    """The :class:`GradientSync` for ``strategy`` (``None``: the plugin is used without a Trainer).
+
+    Raises:
+        ValueError: DeepSpeed or FSDP1 (with what to use instead), or ``master_weights=True`` under a strategy
+            not in :data:`MASTER_WEIGHTS_STRATEGIES`.
+    """
+    if strategy is None:
+        return GradientSync()
+    if isinstance(strategy, DeepSpeedStrategy):
+        refuse_deepspeed(strategy)
+    if isinstance(strategy, FSDPStrategy):
+        refuse_fsdp1(strategy)
+    known = isinstance(strategy, MASTER_WEIGHTS_STRATEGIES) and type(strategy).__name__ not in _NOT_DDP
+    if plugin.master_weights and not known:
+        supported = ", ".join(cls.__name__ for cls in MASTER_WEIGHTS_STRATEGIES)
+        raise ValueError(
+            f"master_weights=True does not support the {type(strategy).__name__} strategy (supported: {supported}). "
+            "Use one of those, or master_weights=False."
+        )
+    if isinstance(strategy, ModelParallelStrategy):
+        return FSDP2Sync(strategy)
+    if known and isinstance(strategy, DDPStrategy):
+        return DDPSync(strategy, plugin.reduce_dtype)
+    if isinstance(strategy, ParallelStrategy):
+        return ProcessGroupSync(strategy.root_device)
+    return GradientSync()
+
+
+# DDPStrategy subclasses that are not DDP underneath (DeepSpeed is refused before this is read)
+_NOT_DDP = {"XLAStrategy"}

@@ -1,0 +1,142 @@
+"""The model, data and recorder shared by the 2-rank scripts and their single-process references."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+import lightning as L
+import torch
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from torch import nn
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+from lightning_mp import DynamicLossScaler, MixedPrecisionPlugin
+
+SAMPLES = 32  # global batch 8: 4 optimizer steps per epoch, 2 epochs
+GLOBAL_BATCH = 8
+EPOCHS = 2
+INJECT_AT = 2  # the optimizer step whose gradient gets an inf on rank 0 only
+CLIP = 0.3  # gradient norm clip (the gradients' norm is above it for most steps: recorded and asserted)
+
+
+def loader(batch_size: int, rank: int = 0, world_size: int = 1) -> DataLoader:
+    """The same 32 samples in order; with ``world_size > 1`` rank ``r`` reads samples ``r, r + world_size, ...``, so
+    that the ranks' batches of one step together are the single-process batch of that step (Lightning's own
+    distributed sampler shuffles training data)."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(SAMPLES, 4, generator=gen)
+    y = x @ torch.tensor([[1.0], [-2.0], [0.5], [3.0]]) + 0.1 * torch.randn(SAMPLES, 1, generator=gen)
+    dataset = TensorDataset(x, y)
+    sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=False)
+    return DataLoader(dataset, batch_size=batch_size, sampler=sampler)
+
+
+def _full(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor's whole value (a collective), a plain tensor as it is."""
+    full = getattr(tensor, "full_tensor", None)
+    return (full() if full is not None else tensor).detach().float().clone()
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    to_local = getattr(tensor, "to_local", None)
+    return to_local() if to_local is not None else tensor
+
+
+class Net(L.LightningModule):
+    """Linear -> LayerNorm -> Tanh -> Linear, MSE; SGD with momentum; an inf on rank 0 at step INJECT_AT.
+
+    ``shard``: a function ``(module, plugin) -> None`` that applies FSDP2 in ``configure_model``.
+    """
+
+    def __init__(self, inject: bool = True, shard: Any = None) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(4, 16), nn.LayerNorm(16), nn.Tanh(), nn.Linear(16, 1))
+        self.inject = inject
+        self.shard = shard
+        self.record: dict[str, Any] = {"norms": [], "clipped": [], "steps": [], "local_grads": None, "grads": None}
+
+    def on_train_start(self) -> None:
+        self.record["param_dtype"] = self.net[0].weight.dtype  # the half model, with master weights
+
+    def configure_model(self) -> None:
+        if self.shard is not None:
+            self.shard(self, self.trainer.precision_plugin)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return nn.functional.mse_loss(self.net(x).float(), y)
+
+    def on_after_backward(self) -> None:
+        weight = self.net[0].weight
+        if self.trainer.global_step == 0 and self.record["local_grads"] is None:
+            # what this rank's backward produced, before any reduction we do (DDP with masters) or FSDP2's
+            self.record["local_grads"] = _local(weight.grad).detach().float().clone()
+        if self.inject and self.trainer.global_step == INJECT_AT and self.global_rank == 0:
+            _local(weight.grad)[0, 0] = float("inf")
+
+    def configure_gradient_clipping(self, optimizer: Any, gradient_clip_val: Any = None,
+                                    gradient_clip_algorithm: Optional[str] = None) -> None:
+        params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+        if self.trainer.global_step == 0:
+            self.record["grads"] = _full(params[0].grad)  # the (unscaled, reduced) gradient the optimizer sees
+        self.record["norms"].append(float(_full(torch.nn.utils.get_total_norm([p.grad for p in params]))))
+        self.clip_gradients(optimizer, gradient_clip_val, gradient_clip_algorithm)
+        self.record["clipped"].append(float(_full(torch.nn.utils.get_total_norm([p.grad for p in params]))))
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+
+
+class StepRecorder(Callback):
+    """After every batch: (global step, loss scale, skipped steps so far)."""
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: Net, *args: Any) -> None:
+        scaler = trainer.precision_plugin.scaler
+        pl_module.record["steps"].append((trainer.global_step, scaler.scale, scaler.skipped_steps))
+
+
+def make_plugin(precision: str, masters: bool, reduce_dtype: str = "float32") -> MixedPrecisionPlugin:
+    scaler = DynamicLossScaler(init_scale=1024.0, growth_interval=3) if precision == "16-mixed" else None
+    return MixedPrecisionPlugin(precision, scaler=scaler, master_weights=masters, reduce_dtype=reduce_dtype)
+
+
+def fit(
+    precision: str,
+    masters: bool,
+    strategy: Any = "ddp",
+    devices: int = 2,
+    accumulate: int = 1,
+    reduce_dtype: str = "float32",
+    checkpoint_dir: Optional[Path] = None,
+    resume_from: Optional[Path] = None,
+    inject: bool = True,
+    shard: Any = None,
+) -> dict[str, Any]:
+    """One run; what it recorded, the final fp32 weights (whole, on every rank) and the scaler state."""
+    torch.manual_seed(0)
+    model = Net(inject=inject, shard=shard)
+    plugin = make_plugin(precision, masters, reduce_dtype)
+    callbacks: list[Callback] = [StepRecorder()]
+    if checkpoint_dir is not None:
+        callbacks.append(ModelCheckpoint(dirpath=checkpoint_dir, filename="{epoch}", save_top_k=-1,
+                                         every_n_epochs=1, save_on_train_epoch_end=True))
+    trainer = L.Trainer(
+        accelerator="cpu", devices=devices, strategy=strategy, plugins=[plugin], max_epochs=EPOCHS,
+        accumulate_grad_batches=accumulate, gradient_clip_val=CLIP, logger=False, enable_progress_bar=False,
+        enable_model_summary=False, enable_checkpointing=checkpoint_dir is not None, callbacks=callbacks,
+        deterministic=True, use_distributed_sampler=False,
+    )
+    per_rank_batch = GLOBAL_BATCH // devices // accumulate
+    trainer.fit(model, loader(per_rank_batch, trainer.global_rank, devices), ckpt_path=resume_from)
+    weights = {name: _full(param) for name, param in model.named_parameters()}
+    return {**model.record, "weights": weights, "scaler": plugin.scaler.state_dict(), "rank": trainer.global_rank}
+
+
+def save(results: Any, out: Path, rank: int) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    torch.save(results, out / f"rank{rank}.pt")
+
+
+def load_ranks(out: Path, ranks: Sequence[int] = (0, 1)) -> list[Any]:
+    return [torch.load(out / f"rank{rank}.pt", weights_only=False) for rank in ranks]

@@ -1,0 +1,33 @@
+"""2-rank DDP checks (run by tests/test_distributed_ddp.py through tests/distributed/launch.py).
+
+    python tests/distributed/ddp_checks.py OUT PRECISION [--masters off,on]
+
+For each masters setting: the uninterrupted run (inf on rank 0 at step INJECT_AT, norm clipping, a checkpoint after
+epoch 0), the run resumed from that checkpoint, gradient accumulation (2 micro-batches of half the size), and with
+masters a run with bf16 gradient reduction. Each rank saves what it saw to OUT/<masters>/rank<r>.pt.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from tests.distributed.common import fit, save
+
+
+def main() -> None:
+    out, precision = Path(sys.argv[1]), sys.argv[2]
+    settings = sys.argv[3].split(",") if len(sys.argv) > 3 else ["off", "on"]
+    for setting in settings:
+        masters = setting == "on"
+        ckpt = out / f"ckpt-{setting}"
+        results = {"full": fit(precision, masters, checkpoint_dir=ckpt)}
+        results["resumed"] = fit(precision, masters, resume_from=ckpt / "epoch=0.ckpt")
+        results["accumulated"] = fit(precision, masters, accumulate=2)
+        if masters:
+            results["bf16_reduce"] = fit(precision, masters, reduce_dtype="bf16", inject=False)
+        save(results, out / setting, results["full"]["rank"])
+
+
+if __name__ == "__main__":
+    main()

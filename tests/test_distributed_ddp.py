@@ -1,0 +1,134 @@
+"""DDP on 2 real CPU processes (gloo): agreed skips, masters, accumulation, clipping, reduction dtype, resume.
+
+One launch per precision runs every check for masters off and on (tests/distributed/ddp_checks.py); the
+single-process references run here, in-process, on the same 32 samples with the whole global batch.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.distributed.common import CLIP, INJECT_AT, fit, load_ranks
+from tests.distributed.launch import launch
+
+PRECISIONS = ["16-mixed", "bf16-mixed"]
+MASTERS = ["off", "on"]
+_DTYPE = {"16-mixed": torch.float16, "bf16-mixed": torch.bfloat16}
+
+
+@pytest.fixture(scope="module", params=PRECISIONS)
+def ddp_run(request, tmp_path_factory) -> tuple[str, Path]:
+    out = tmp_path_factory.mktemp(f"ddp-{request.param}")
+    launch("ddp_checks.py", str(out), request.param, timeout=240)
+    return request.param, out
+
+
+_REFERENCES: dict[tuple[str, str], dict] = {}
+
+
+def reference(precision: str, masters: str) -> dict:
+    """One process, the whole global batch, same plugin settings (computed once per setting)."""
+    if (precision, masters) not in _REFERENCES:
+        _REFERENCES[precision, masters] = fit(precision, masters == "on", strategy="auto", devices=1)
+    return _REFERENCES[precision, masters]
+
+
+def _tolerance(precision: str) -> float:
+    # weights are O(1); 8 clipped SGD steps whose half-precision rounding differs with the batch split
+    return 0.5 * torch.finfo(_DTYPE[precision]).eps
+
+
+@pytest.mark.parametrize("masters", MASTERS)
+def test_two_ranks_with_half_batches_match_one_process_with_the_whole_batch(ddp_run, masters):
+    precision, out = ddp_run
+    ranks = load_ranks(out / masters)
+    ref = reference(precision, masters)
+    expected_dtype = _DTYPE[precision] if masters == "on" else torch.float32
+    assert ranks[0]["full"]["param_dtype"] == ref["param_dtype"] == expected_dtype
+    for name, value in ref["weights"].items():
+        torch.testing.assert_close(ranks[0]["full"]["weights"][name], value, rtol=0, atol=_tolerance(precision))
+
+
+@pytest.mark.parametrize("masters", MASTERS)
+def test_inf_on_one_rank_makes_every_rank_skip_that_step_with_equal_scales(ddp_run, masters):
+    precision, out = ddp_run
+    rank0, rank1 = (ranks["full"] for ranks in load_ranks(out / masters))
+    # (global step after the batch, scale, skipped steps so far), batch after batch, on each rank
+    assert rank0["steps"] == rank1["steps"]
+    skipped = [step for step, (_, _, count) in enumerate(rank0["steps"]) if count > (rank0["steps"][step - 1][2] if step else 0)]
+    assert skipped == [INJECT_AT]
+    assert rank0["steps"] == reference(precision, masters)["steps"]
+    if precision == "16-mixed":
+        assert rank0["steps"][INJECT_AT][1] == rank0["steps"][INJECT_AT - 1][1] / 2  # backed off once, everywhere
+    assert rank0["scaler"] == rank1["scaler"]
+
+
+@pytest.mark.parametrize("masters", MASTERS)
+def test_weights_and_masters_are_bitwise_equal_across_ranks(ddp_run, masters):
+    _, out = ddp_run
+    rank0, rank1 = load_ranks(out / masters)
+    for run in rank0:  # after fit the model holds the fp32 masters (when there are masters)
+        for name, value in rank0[run]["weights"].items():
+            assert torch.equal(value, rank1[run]["weights"][name]), (run, name)
+
+
+@pytest.mark.parametrize("masters", MASTERS)
+def test_gradient_accumulation_matches_the_large_batch_reference(ddp_run, masters):
+    """2 ranks x 2 micro-batches of 2 samples == 1 process x 8 samples per step (DDP reduces only the last one)."""
+    precision, out = ddp_run
+    accumulated = load_ranks(out / masters)[0]["accumulated"]
+    ref = reference(precision, masters)
+    assert len(accumulated["norms"]) == len(ref["norms"])  # one record per optimizer step
+    for name, value in ref["weights"].items():
+        torch.testing.assert_close(accumulated["weights"][name], value, rtol=0, atol=_tolerance(precision))
+
+
+@pytest.mark.parametrize("masters", MASTERS)
+def test_norm_clipping_equals_single_process_clipping(ddp_run, masters):
+    precision, out = ddp_run
+    run = load_ranks(out / masters)[0]["full"]
+    ref = reference(precision, masters)
+    finite = [step for step, norm in enumerate(ref["norms"]) if math.isfinite(norm)]
+    assert finite == [step for step, norm in enumerate(run["norms"]) if math.isfinite(norm)]
+    assert all(ref["norms"][step] > CLIP for step in finite), "every step must clip for the test to mean anything"
+    for step in finite:
+        assert run["norms"][step] == pytest.approx(ref["norms"][step], rel=10 * torch.finfo(_DTYPE[precision]).eps)
+        assert run["clipped"][step] == pytest.approx(ref["clipped"][step], rel=1e-5)
+        assert run["clipped"][step] == pytest.approx(CLIP, rel=1e-5)
+
+
+@pytest.mark.parametrize("masters", MASTERS)
+def test_resumed_run_continues_as_the_uninterrupted_one(ddp_run, masters):
+    """Resumed on 2 ranks from the checkpoint written after epoch 0: same weights (bitwise), scaler, steps."""
+    _, out = ddp_run
+    for rank in load_ranks(out / masters):
+        full, resumed = rank["full"], rank["resumed"]
+        assert resumed["steps"] == full["steps"][len(full["steps"]) - len(resumed["steps"]):]
+        assert resumed["scaler"] == full["scaler"]
+        for name, value in full["weights"].items():
+            assert torch.equal(resumed["weights"][name], value), name
+
+
+def test_fp32_reduction_of_master_gradients_matches_an_fp32_reduced_reference(ddp_run):
+    """Masters: the gradient the optimizer sees is the fp32 mean of the ranks' half gradients, exactly; with
+    reduce_dtype=bf16 it is that mean rounded to bf16."""
+    precision, out = ddp_run
+    rank0, rank1 = load_ranks(out / "on")
+    scale = 1024.0 if precision == "16-mixed" else 1.0  # the first step's scale (a power of 2: unscaling is exact)
+    for run, exact in (("full", True), ("bf16_reduce", False)):
+        local0, local1 = rank0[run]["local_grads"], rank1[run]["local_grads"]
+        fp32_mean = (local0.double() + local1.double()) / 2 / scale
+        seen = rank0[run]["grads"].double()
+        assert torch.equal(seen, rank1[run]["grads"].double())
+        if exact:
+            assert torch.equal(seen, fp32_mean)
+        else:
+            assert not torch.equal(seen, fp32_mean)
+            # each rank's halved gradient is rounded to bf16, then their sum is: relative rounding 2**-8 each time
+            magnitude = (local0.double().abs() + local1.double().abs()) / 2 / scale
+            bound = 2.0**-8 * (magnitude + fp32_mean.abs()) + torch.finfo(torch.bfloat16).tiny
+            assert bool(((seen - fp32_mean).abs() <= bound).all())

@@ -1,0 +1,65 @@
+"""Strategy checks made before training: DeepSpeed refused with how to configure its own fp16/bf16; reduce_dtype."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.strategies import DeepSpeedStrategy
+
+from lightning_mp import MixedPrecisionPlugin
+from lightning_mp.distributed import sync_for
+from tests.helpers import TinyRegressor, regression_loader
+
+CUDA_AND_DEEPSPEED = pytest.mark.skipif(
+    not torch.cuda.is_available() or importlib.util.find_spec("deepspeed") is None,
+    reason="needs a CUDA device and the deepspeed package (Lightning's DeepSpeedStrategy runs only there)",
+)
+
+
+def test_deepspeed_is_refused_with_how_to_configure_its_own_fp16_and_bf16():
+    # deepspeed is not installed here, so DeepSpeedStrategy.__init__ cannot run; the check only reads the type
+    strategy = DeepSpeedStrategy.__new__(DeepSpeedStrategy)
+    with pytest.raises(ValueError) as error:
+        sync_for(strategy, MixedPrecisionPlugin(master_weights=True))
+    message = str(error.value)
+    for fragment in ("DeepSpeedStrategy", "own loss scaler", "precision='16-mixed'", "precision='bf16-mixed'",
+                     '"fp16": {"enabled": true', '"bf16": {"enabled": true}', "initial_scale_power"):
+        assert fragment in message, fragment
+
+
+@pytest.mark.gpu
+@CUDA_AND_DEEPSPEED
+def test_deepspeed_trainer_is_refused_before_the_first_step():
+    model = TinyRegressor()
+    trainer = L.Trainer(accelerator="cuda", devices=1, strategy="deepspeed_stage_2", max_steps=1, logger=False,
+                        enable_checkpointing=False, plugins=[MixedPrecisionPlugin()])
+    with pytest.raises(ValueError, match="DeepSpeed runs its own loss scaler"):
+        trainer.fit(model, regression_loader())
+    assert trainer.global_step == 0
+
+
+@pytest.mark.parametrize("value, expected", [
+    ("float32", torch.float32), (torch.bfloat16, torch.bfloat16), ("bf16", torch.bfloat16), ("torch.float16", torch.float16),
+])
+def test_reduce_dtype_accepts_dtypes_and_their_names(value, expected):
+    assert MixedPrecisionPlugin(reduce_dtype=value).reduce_dtype == expected
+
+
+@pytest.mark.parametrize("value", ["float64", torch.int8, 16, None])
+def test_reduce_dtype_rejects_anything_else_naming_the_allowed_values(value):
+    with pytest.raises(ValueError, match=r"reduce_dtype=.* is not supported: use torch.float32 \(the default\)"):
+        MixedPrecisionPlugin(reduce_dtype=value)
+
+
+def test_fsdp1_strategy_is_refused_with_what_to_use_instead():
+    from lightning.pytorch.strategies import FSDPStrategy
+
+    with pytest.raises(ValueError) as error:
+        sync_for(FSDPStrategy(), MixedPrecisionPlugin())
+    message = str(error.value)
+    for fragment in ("FSDPStrategy (FSDP1, strategy='fsdp')", "ModelParallelStrategy(data_parallel_size=",
+                     "fsdp2_policy()", "fully_shard(block", "strategy='ddp'"):
+        assert fragment in message, fragment
