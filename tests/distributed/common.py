@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
@@ -49,15 +50,23 @@ class Net(L.LightningModule):
     ``shard``: a function ``(module, plugin) -> None`` that applies FSDP2 in ``configure_model``.
     """
 
-    def __init__(self, inject: bool = True, shard: Any = None) -> None:
+    # the user's side of FSDP2: the LayerNorm on its own (the plugin keeps norms in fp32), then the whole net
+
+    def __init__(self, inject: bool = True, shard: Any = None, inject_rank: int = 0, inject_every: bool = False) -> None:
         super().__init__()
         self.net = nn.Sequential(nn.Linear(4, 16), nn.LayerNorm(16), nn.Tanh(), nn.Linear(16, 1))
         self.inject = inject
+        self.inject_rank = inject_rank
+        self.inject_every = inject_every
         self.shard = shard
         self.record: dict[str, Any] = {"norms": [], "clipped": [], "steps": [], "local_grads": None, "grads": None}
 
-    def on_train_start(self) -> None:
-        self.record["param_dtype"] = self.net[0].weight.dtype  # the half model, with master weights
+        self.net[0].register_forward_pre_hook(self._record_compute_dtype)
+
+    def _record_compute_dtype(self, module: nn.Module, args: Any) -> None:
+        # the dtype the first layer's weight has while it computes: half with master weights (our half model, or
+        # FSDP2's all-gathered parameters), fp32 without
+        self.record.setdefault("param_dtype", module.weight.dtype)
 
     def configure_model(self) -> None:
         if self.shard is not None:
@@ -72,7 +81,8 @@ class Net(L.LightningModule):
         if self.trainer.global_step == 0 and self.record["local_grads"] is None:
             # what this rank's backward produced, before any reduction we do (DDP with masters) or FSDP2's
             self.record["local_grads"] = _local(weight.grad).detach().float().clone()
-        if self.inject and self.trainer.global_step == INJECT_AT and self.global_rank == 0:
+        at_step = self.inject_every or self.trainer.global_step == INJECT_AT
+        if self.inject and at_step and self.global_rank == self.inject_rank:
             _local(weight.grad)[0, 0] = float("inf")
 
     def configure_gradient_clipping(self, optimizer: Any, gradient_clip_val: Any = None,
@@ -96,8 +106,19 @@ class StepRecorder(Callback):
         pl_module.record["steps"].append((trainer.global_step, scaler.scale, scaler.skipped_steps))
 
 
-def make_plugin(precision: str, masters: bool, reduce_dtype: str = "float32") -> MixedPrecisionPlugin:
-    scaler = DynamicLossScaler(init_scale=1024.0, growth_interval=3) if precision == "16-mixed" else None
+def shard_net(module: Net, plugin: MixedPrecisionPlugin) -> None:
+    """What a user writes in ``configure_model``: the norm on its own with its policy, then the network."""
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = module.device_mesh["data_parallel"]
+    fully_shard(module.net[1], mesh=mesh, mp_policy=plugin.fsdp2_policy("net.1", module.net[1]))
+    fully_shard(module.net, mesh=mesh, mp_policy=plugin.fsdp2_policy())
+
+
+def make_plugin(precision: str, masters: bool, reduce_dtype: str = "float32",
+                scaler: Optional[DynamicLossScaler] = None) -> MixedPrecisionPlugin:
+    if scaler is None and precision == "16-mixed":
+        scaler = DynamicLossScaler(init_scale=1024.0, growth_interval=3)
     return MixedPrecisionPlugin(precision, scaler=scaler, master_weights=masters, reduce_dtype=reduce_dtype)
 
 
@@ -112,11 +133,13 @@ def fit(
     resume_from: Optional[Path] = None,
     inject: bool = True,
     shard: Any = None,
+    scaler: Optional[DynamicLossScaler] = None,
+    **model_kwargs: Any,
 ) -> dict[str, Any]:
     """One run; what it recorded, the final fp32 weights (whole, on every rank) and the scaler state."""
     torch.manual_seed(0)
-    model = Net(inject=inject, shard=shard)
-    plugin = make_plugin(precision, masters, reduce_dtype)
+    model = Net(inject=inject, shard=shard, **model_kwargs)
+    plugin = make_plugin(precision, masters, reduce_dtype, scaler)
     callbacks: list[Callback] = [StepRecorder()]
     if checkpoint_dir is not None:
         callbacks.append(ModelCheckpoint(dirpath=checkpoint_dir, filename="{epoch}", save_top_k=-1,
@@ -128,7 +151,10 @@ def fit(
         deterministic=True, use_distributed_sampler=False,
     )
     per_rank_batch = GLOBAL_BATCH // devices // accumulate
-    trainer.fit(model, loader(per_rank_batch, trainer.global_rank, devices), ckpt_path=resume_from)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(model, loader(per_rank_batch, trainer.global_rank, devices), ckpt_path=resume_from)
+    model.record["warnings"] = sorted({str(w.message) for w in caught})
     weights = {name: _full(param) for name, param in model.named_parameters()}
     return {**model.record, "weights": weights, "scaler": plugin.scaler.state_dict(), "rank": trainer.global_rank}
 
@@ -136,6 +162,13 @@ def fit(
 def save(results: Any, out: Path, rank: int) -> None:
     out.mkdir(parents=True, exist_ok=True)
     torch.save(results, out / f"rank{rank}.pt")
+
+
+def finish() -> None:
+    """Both ranks done before either tears the process group down (an exit mid-collective can abort the other)."""
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
 
 
 def load_ranks(out: Path, ranks: Sequence[int] = (0, 1)) -> list[Any]:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from tests.distributed.common import fit, save
+from tests.distributed.common import finish, fit, save
 
 
 def main() -> None:
@@ -27,6 +27,7 @@ def main() -> None:
         if masters:
             results["bf16_reduce"] = fit(precision, masters, reduce_dtype="bf16", inject=False)
         save(results, out / setting, results["full"]["rank"])
+    finish()
 
 
 if __name__ == "__main__":

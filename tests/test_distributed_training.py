@@ -1,6 +1,7 @@
-"""DDP on 2 real CPU processes (gloo): agreed skips, masters, accumulation, clipping, reduction dtype, resume.
+"""DDP and FSDP2 on 2 real CPU processes (gloo): agreed skips, masters, accumulation, clipping, resume, reduction.
 
-One launch per precision runs every check for masters off and on (tests/distributed/ddp_checks.py); the
+One launch per strategy and precision runs every check for masters off and on (tests/distributed/ddp_checks.py,
+tests/distributed/fsdp2_checks.py: ModelParallelStrategy with fully_shard on Lightning's CPU device mesh); the
 single-process references run here, in-process, on the same 32 samples with the whole global batch.
 """
 
@@ -20,11 +21,32 @@ MASTERS = ["off", "on"]
 _DTYPE = {"16-mixed": torch.float16, "bf16-mixed": torch.bfloat16}
 
 
+RUNS = [(strategy, precision) for strategy in ("ddp", "fsdp2") for precision in PRECISIONS]
+_LAUNCHED: dict[tuple[str, str], Path] = {}
+
+
+def _launched(strategy: str, precision: str, tmp_path_factory) -> tuple[str, Path]:
+    """Launch tests/distributed/<strategy>_checks.py once per strategy and precision; (precision, output folder)."""
+    if (strategy, precision) not in _LAUNCHED:
+        out = tmp_path_factory.mktemp(f"{strategy}-{precision}")
+        launch(f"{strategy}_checks.py", str(out), precision, timeout=240)
+        _LAUNCHED[strategy, precision] = out
+    return precision, _LAUNCHED[strategy, precision]
+
+
+@pytest.fixture(scope="module", params=RUNS, ids=[f"{s}-{p}" for s, p in RUNS])
+def launched(request, tmp_path_factory) -> tuple[str, Path]:
+    return _launched(*request.param, tmp_path_factory)
+
+
 @pytest.fixture(scope="module", params=PRECISIONS)
 def ddp_run(request, tmp_path_factory) -> tuple[str, Path]:
-    out = tmp_path_factory.mktemp(f"ddp-{request.param}")
-    launch("ddp_checks.py", str(out), request.param, timeout=240)
-    return request.param, out
+    return _launched("ddp", request.param, tmp_path_factory)
+
+
+@pytest.fixture(scope="module", params=PRECISIONS)
+def fsdp2_run(request, tmp_path_factory) -> tuple[str, Path]:
+    return _launched("fsdp2", request.param, tmp_path_factory)
 
 
 _REFERENCES: dict[tuple[str, str], dict] = {}
@@ -43,8 +65,8 @@ def _tolerance(precision: str) -> float:
 
 
 @pytest.mark.parametrize("masters", MASTERS)
-def test_two_ranks_with_half_batches_match_one_process_with_the_whole_batch(ddp_run, masters):
-    precision, out = ddp_run
+def test_two_ranks_with_half_batches_match_one_process_with_the_whole_batch(launched, masters):
+    precision, out = launched
     ranks = load_ranks(out / masters)
     ref = reference(precision, masters)
     expected_dtype = _DTYPE[precision] if masters == "on" else torch.float32
@@ -54,8 +76,8 @@ def test_two_ranks_with_half_batches_match_one_process_with_the_whole_batch(ddp_
 
 
 @pytest.mark.parametrize("masters", MASTERS)
-def test_inf_on_one_rank_makes_every_rank_skip_that_step_with_equal_scales(ddp_run, masters):
-    precision, out = ddp_run
+def test_inf_on_one_rank_makes_every_rank_skip_that_step_with_equal_scales(launched, masters):
+    precision, out = launched
     rank0, rank1 = (ranks["full"] for ranks in load_ranks(out / masters))
     # (global step after the batch, scale, skipped steps so far), batch after batch, on each rank
     assert rank0["steps"] == rank1["steps"]
@@ -68,18 +90,20 @@ def test_inf_on_one_rank_makes_every_rank_skip_that_step_with_equal_scales(ddp_r
 
 
 @pytest.mark.parametrize("masters", MASTERS)
-def test_weights_and_masters_are_bitwise_equal_across_ranks(ddp_run, masters):
-    _, out = ddp_run
+def test_weights_and_masters_are_bitwise_equal_across_ranks(launched, masters):
+    _, out = launched
     rank0, rank1 = load_ranks(out / masters)
-    for run in rank0:  # after fit the model holds the fp32 masters (when there are masters)
+    runs = [name for name, result in rank0.items() if isinstance(result, dict)]
+    assert {"full", "resumed", "accumulated"} <= set(runs)
+    for run in runs:  # after fit the model holds the fp32 masters (when there are masters)
         for name, value in rank0[run]["weights"].items():
             assert torch.equal(value, rank1[run]["weights"][name]), (run, name)
 
 
 @pytest.mark.parametrize("masters", MASTERS)
-def test_gradient_accumulation_matches_the_large_batch_reference(ddp_run, masters):
+def test_gradient_accumulation_matches_the_large_batch_reference(launched, masters):
     """2 ranks x 2 micro-batches of 2 samples == 1 process x 8 samples per step (DDP reduces only the last one)."""
-    precision, out = ddp_run
+    precision, out = launched
     accumulated = load_ranks(out / masters)[0]["accumulated"]
     ref = reference(precision, masters)
     assert len(accumulated["norms"]) == len(ref["norms"])  # one record per optimizer step
@@ -88,8 +112,8 @@ def test_gradient_accumulation_matches_the_large_batch_reference(ddp_run, master
 
 
 @pytest.mark.parametrize("masters", MASTERS)
-def test_norm_clipping_equals_single_process_clipping(ddp_run, masters):
-    precision, out = ddp_run
+def test_norm_clipping_equals_single_process_clipping(launched, masters):
+    precision, out = launched
     run = load_ranks(out / masters)[0]["full"]
     ref = reference(precision, masters)
     finite = [step for step, norm in enumerate(ref["norms"]) if math.isfinite(norm)]
@@ -102,9 +126,9 @@ def test_norm_clipping_equals_single_process_clipping(ddp_run, masters):
 
 
 @pytest.mark.parametrize("masters", MASTERS)
-def test_resumed_run_continues_as_the_uninterrupted_one(ddp_run, masters):
+def test_resumed_run_continues_as_the_uninterrupted_one(launched, masters):
     """Resumed on 2 ranks from the checkpoint written after epoch 0: same weights (bitwise), scaler, steps."""
-    _, out = ddp_run
+    _, out = launched
     for rank in load_ranks(out / masters):
         full, resumed = rank["full"], rank["resumed"]
         assert resumed["steps"] == full["steps"][len(full["steps"]) - len(resumed["steps"]):]
@@ -132,3 +156,24 @@ def test_fp32_reduction_of_master_gradients_matches_an_fp32_reduced_reference(dd
             magnitude = (local0.double().abs() + local1.double().abs()) / 2 / scale
             bound = 2.0**-8 * (magnitude + fp32_mean.abs()) + torch.finfo(torch.bfloat16).tiny
             assert bool(((seen - fp32_mean).abs() <= bound).all())
+
+
+def test_no_per_step_warnings_from_the_scalers_tensors_on_sharded_gradients(fsdp2_run):
+    """The scaler unscales DTensor gradients through their local shards: DTensor never sees its one-element
+    tensors (it warned "non-scalar tensor with numel=1" on every rank at every step)."""
+    _, out = fsdp2_run
+    for masters in MASTERS:
+        for rank in load_ranks(out / masters):
+            for run_name in ("full", "resumed", "accumulated"):
+                dtensor_warnings = [w for w in rank[run_name]["warnings"] if "DTensor" in w or "non-scalar" in w]
+                assert dtensor_warnings == [], (masters, run_name)
+
+
+def test_min_scale_error_names_the_culprit_from_the_rank_whose_shard_holds_it(fsdp2_run):
+    """The inf is in rank 1's shard only; both ranks stop together, and rank 0's error names the parameter too."""
+    precision, out = fsdp2_run
+    errors = [rank["min_scale_error"] for rank in load_ranks(out / MASTERS[-1])]
+    reason = "cannot back off below min_scale" if precision == "16-mixed" else "optimizer steps in a row"
+    for error in errors:
+        assert error is not None and reason in error
+        assert "Non-finite gradients in: net.0.weight." in error
