@@ -177,3 +177,45 @@ def test_min_scale_error_names_the_culprit_from_the_rank_whose_shard_holds_it(fs
     for error in errors:
         assert error is not None and reason in error
         assert "Non-finite gradients in: net.0.weight." in error
+
+
+def test_fsdp2_run_resumed_from_a_full_single_file_checkpoint_continues_as_the_uninterrupted_one(fsdp2_run):
+    """ModelParallelStrategy(save_distributed_checkpoint=False): one file, the plugin state written by rank 0."""
+    _, out = fsdp2_run
+    for rank in load_ranks(out / "on"):
+        full, resumed = rank["full"], rank["resumed_from_file"]
+        assert resumed["scaler"] == full["scaler"]
+        assert resumed["steps"] == full["steps"][len(full["steps"]) - len(resumed["steps"]):]
+        for name, value in full["weights"].items():
+            assert torch.equal(resumed["weights"][name], value), name
+
+
+def test_casting_policy_module_rule_composes_with_fsdp2_casting(fsdp2_run):
+    """fp32_modules=['net.3'] with the head sharded on its own by plugin.fsdp2_policy('net.3', head): the head
+    computes in fp32 with fp32 weights while the first layer computes in half, as on one device."""
+    precision, out = fsdp2_run
+    policy_run = load_ranks(out / "on")[0]["policy"]
+    ref = fit(precision, True, strategy="auto", devices=1, policy={"fp32_modules": ["net.3"]})
+    assert policy_run["head_dtypes"] == ref["head_dtypes"] == (torch.float32, torch.float32)
+    assert policy_run["param_dtype"] == ref["param_dtype"] == _DTYPE[precision]
+    for name, value in ref["weights"].items():
+        torch.testing.assert_close(policy_run["weights"][name], value, rtol=0, atol=_tolerance(precision))
+
+
+def test_fp32_module_left_in_a_half_fsdp2_group_is_refused_at_setup_naming_it(fsdp2_run):
+    precision, out = fsdp2_run
+    error = load_ranks(out / "on")[0]["policy_error"]
+    assert error is not None
+    dtype = _DTYPE[precision]
+    assert f"net.3.weight ({dtype}, want torch.float32)" in error
+    assert "plugin.fsdp2_policy(name, module)" in error
+
+
+def test_ddp_spawn_with_masters_gives_the_ddp_run_weights(tmp_path_factory):
+    """strategy='ddp_spawn' (processes started by Lightning from here): the weights that come back to this process
+    are the fp32 masters of the 2-rank run, bitwise those of the same run under strategy='ddp' (bf16 only: one
+    spawn run shows the mechanism, and fp16 on CPU is slow)."""
+    precision, out = _launched("ddp", "bf16-mixed", tmp_path_factory)
+    spawned = fit(precision, True, strategy="ddp_spawn")
+    for name, value in load_ranks(out / "on")[0]["full"]["weights"].items():
+        assert torch.equal(spawned["weights"][name], value), name

@@ -52,8 +52,10 @@ class Net(L.LightningModule):
 
     # the user's side of FSDP2: the LayerNorm on its own (the plugin keeps norms in fp32), then the whole net
 
-    def __init__(self, inject: bool = True, shard: Any = None, inject_rank: int = 0, inject_every: bool = False) -> None:
+    def __init__(self, inject: bool = True, shard: Any = None, inject_rank: int = 0, inject_every: bool = False,
+                 per_rank_batch: int = GLOBAL_BATCH) -> None:
         super().__init__()
+        self.per_rank_batch = per_rank_batch
         self.net = nn.Sequential(nn.Linear(4, 16), nn.LayerNorm(16), nn.Tanh(), nn.Linear(16, 1))
         self.inject = inject
         self.inject_rank = inject_rank
@@ -62,11 +64,19 @@ class Net(L.LightningModule):
         self.record: dict[str, Any] = {"norms": [], "clipped": [], "steps": [], "local_grads": None, "grads": None}
 
         self.net[0].register_forward_pre_hook(self._record_compute_dtype)
+        self.net[3].register_forward_hook(self._record_head_dtypes)
 
     def _record_compute_dtype(self, module: nn.Module, args: Any) -> None:
         # the dtype the first layer's weight has while it computes: half with master weights (our half model, or
         # FSDP2's all-gathered parameters), fp32 without
         self.record.setdefault("param_dtype", module.weight.dtype)
+
+    def _record_head_dtypes(self, module: nn.Module, args: Any, output: torch.Tensor) -> None:
+        self.record.setdefault("head_dtypes", (module.weight.dtype, output.dtype))
+
+    def train_dataloader(self) -> DataLoader:
+        # built in each process (ddp_spawn starts them after fit() is called), for this rank
+        return loader(self.per_rank_batch, self.global_rank, self.trainer.world_size)
 
     def configure_model(self) -> None:
         if self.shard is not None:
@@ -116,10 +126,11 @@ def shard_net(module: Net, plugin: MixedPrecisionPlugin) -> None:
 
 
 def make_plugin(precision: str, masters: bool, reduce_dtype: str = "float32",
-                scaler: Optional[DynamicLossScaler] = None) -> MixedPrecisionPlugin:
+                scaler: Optional[DynamicLossScaler] = None, policy: Any = None) -> MixedPrecisionPlugin:
     if scaler is None and precision == "16-mixed":
         scaler = DynamicLossScaler(init_scale=1024.0, growth_interval=3)
-    return MixedPrecisionPlugin(precision, scaler=scaler, master_weights=masters, reduce_dtype=reduce_dtype)
+    return MixedPrecisionPlugin(precision, scaler=scaler, master_weights=masters, reduce_dtype=reduce_dtype,
+                                policy=policy)
 
 
 def fit(
@@ -134,12 +145,13 @@ def fit(
     inject: bool = True,
     shard: Any = None,
     scaler: Optional[DynamicLossScaler] = None,
+    policy: Any = None,
     **model_kwargs: Any,
 ) -> dict[str, Any]:
     """One run; what it recorded, the final fp32 weights (whole, on every rank) and the scaler state."""
     torch.manual_seed(0)
-    model = Net(inject=inject, shard=shard, **model_kwargs)
-    plugin = make_plugin(precision, masters, reduce_dtype, scaler)
+    model = Net(inject=inject, shard=shard, per_rank_batch=GLOBAL_BATCH // devices // accumulate, **model_kwargs)
+    plugin = make_plugin(precision, masters, reduce_dtype, scaler, policy)
     callbacks: list[Callback] = [StepRecorder()]
     if checkpoint_dir is not None:
         callbacks.append(ModelCheckpoint(dirpath=checkpoint_dir, filename="{epoch}", save_top_k=-1,
@@ -150,10 +162,9 @@ def fit(
         enable_model_summary=False, enable_checkpointing=checkpoint_dir is not None, callbacks=callbacks,
         deterministic=True, use_distributed_sampler=False,
     )
-    per_rank_batch = GLOBAL_BATCH // devices // accumulate
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        trainer.fit(model, loader(per_rank_batch, trainer.global_rank, devices), ckpt_path=resume_from)
+        trainer.fit(model, ckpt_path=resume_from)
     model.record["warnings"] = sorted({str(w.message) for w in caught})
     weights = {name: _full(param) for name, param in model.named_parameters()}
     return {**model.record, "weights": weights, "scaler": plugin.scaler.state_dict(), "rank": trainer.global_rank}
