@@ -19,11 +19,12 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 import lightning_mp.data  # noqa: F401  (registers the sample data modules for short class names)
 import lightning_mp.models  # noqa: F401  (registers the sample models for short class names)
 from lightning_mp.diagnostics import PrecisionMonitor
+from lightning_mp.distributed.strategies import check_strategy_name
 from lightning_mp.plugin import MixedPrecisionPlugin
 
 _OURS = {"16-mixed": "16-mixed", "16": "16-mixed", "bf16-mixed": "bf16-mixed", "bf16": "bf16-mixed"}
-_PLUGIN_OPTIONS = ("scaler", "master_weights", "keep_norm_fp32", "policy")
-_PLUGIN_DEFAULTS = {"scaler": None, "master_weights": False, "keep_norm_fp32": True, "policy": None}
+_PLUGIN_OPTIONS = ("scaler", "master_weights", "keep_norm_fp32", "policy", "reduce_dtype")
+_PLUGIN_DEFAULTS = {"scaler": None, "master_weights": False, "keep_norm_fp32": True, "policy": None, "reduce_dtype": "float32"}
 
 
 class MixedPrecisionCLI(LightningCLI):
@@ -82,6 +83,7 @@ class MixedPrecisionCLI(LightningCLI):
                 f"{config.get('precision')!r} does not train with MixedPrecisionPlugin here (use 16-mixed or bf16-mixed)."
             )
         if plugin is not None:
+            check_strategy_name(config.get("strategy"))  # issue 11: our error for FSDP1/DeepSpeed, not Lightning's
             plugins = config.get("plugins") or []
             config["plugins"] = [*(plugins if isinstance(plugins, list) else [plugins]), plugin]
             rank_zero_info(f"lightning_mp: training with {plugin!r}")

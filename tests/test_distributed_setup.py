@@ -60,6 +60,6 @@ def test_fsdp1_strategy_is_refused_with_what_to_use_instead():
     with pytest.raises(ValueError) as error:
         sync_for(FSDPStrategy(), MixedPrecisionPlugin())
     message = str(error.value)
-    for fragment in ("FSDPStrategy (FSDP1, strategy='fsdp')", "ModelParallelStrategy(data_parallel_size=",
+    for fragment in ("Lightning's FSDPStrategy (FSDP1)", "ModelParallelStrategy(data_parallel_size=",
                      "fsdp2_policy()", "fully_shard(block", "strategy='ddp'"):
         assert fragment in message, fragment

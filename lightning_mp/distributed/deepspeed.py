@@ -27,9 +27,10 @@ DEEPSPEED_REFUSAL = (
 
 
 def refuse_deepspeed(strategy: Any) -> None:
-    """Raise the :data:`DEEPSPEED_REFUSAL` error for ``strategy`` (a ``DeepSpeedStrategy``).
+    """Raise the :data:`DEEPSPEED_REFUSAL` error for ``strategy`` (a ``DeepSpeedStrategy`` or its name).
 
     Raises:
         ValueError: always.
     """
-    raise ValueError(DEEPSPEED_REFUSAL.format(strategy=type(strategy).__name__))
+    name = repr(strategy) if isinstance(strategy, str) else type(strategy).__name__
+    raise ValueError(DEEPSPEED_REFUSAL.format(strategy=name))

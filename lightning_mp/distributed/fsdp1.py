@@ -15,7 +15,7 @@ from typing import Any
 
 #: The message raised when :class:`~lightning_mp.MixedPrecisionPlugin` meets Lightning's FSDP1 strategy.
 FSDP1_REFUSAL = (
-    "MixedPrecisionPlugin does not support {strategy} (FSDP1, strategy='fsdp'): Lightning's FSDPStrategy takes only "
+    "MixedPrecisionPlugin does not support the strategy {strategy}, Lightning's FSDPStrategy (FSDP1), which takes only "
     "its own FSDPPrecision plugin. Use FSDP2 instead, which the plugin supports with loss scaling, sharded fp32 "
     "master weights and whole-model norm clipping:\n"
     "  Trainer(strategy=ModelParallelStrategy(data_parallel_size=<devices>, tensor_parallel_size=1), "
@@ -34,5 +34,5 @@ def refuse_fsdp1(strategy: Any) -> None:
     Raises:
         ValueError: always.
     """
-    name = strategy if isinstance(strategy, str) else type(strategy).__name__
+    name = repr(strategy) if isinstance(strategy, str) else type(strategy).__name__
     raise ValueError(FSDP1_REFUSAL.format(strategy=name))

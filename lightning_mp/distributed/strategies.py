@@ -68,3 +68,20 @@ def sync_for(strategy: Any, plugin: Any) -> GradientSync:
 
 # DDPStrategy subclasses that are not DDP underneath (DeepSpeed is refused before this is read)
 _NOT_DDP = {"XLAStrategy"}
+
+
+def check_strategy_name(strategy: Any) -> None:
+    """Refuse, before a Trainer is built, a strategy the plugin cannot run under: ``trainer.strategy`` as a name
+    (``"fsdp"``, ``"deepspeed_stage_2"``, ...) or an instance. Lightning's own ``TypeError`` for FSDP1 would
+    otherwise come first, without saying what to use instead.
+
+    Raises:
+        ValueError: an FSDP1 or DeepSpeed strategy (see :func:`sync_for`).
+    """
+    if isinstance(strategy, DeepSpeedStrategy) or (isinstance(strategy, str) and strategy.startswith("deepspeed")):
+        refuse_deepspeed(strategy)
+    if isinstance(strategy, FSDPStrategy) or (
+        isinstance(strategy, str) and strategy in FSDPStrategy.get_registered_strategies()
+    ):
+        refuse_fsdp1(strategy)
+
