@@ -1,4 +1,4 @@
-"""The CLI on 2 DDP CPU processes (fp16/bf16, master weights), and its strategy refusals before any Trainer."""
+"""The CLI and examples/ddp.py on 2 DDP / FSDP2 CPU processes, and the CLI's strategy refusals before any Trainer."""
 
 from __future__ import annotations
 
@@ -50,3 +50,15 @@ def test_cli_refuses_fsdp1_and_deepspeed_with_what_to_use_instead(tmp_path, stra
             "--trainer.precision", "bf16-mixed", f"--trainer.default_root_dir={tmp_path}"]
     with pytest.raises(ValueError, match=fragment.replace("(", r"\(").replace(")", r"\)")):
         main(args)
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
+def test_ddp_example_runs_on_two_cpu_processes_as_written(tmp_path, strategy):
+    command = [sys.executable, str(ROOT / "examples" / "ddp.py"), "--strategy", strategy, "--max-epochs", "1"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    assert f"{strategy} on 2 processes" in done.stdout and "master_weights=True" in done.stdout
+    assert "held-out accuracy:" in done.stdout and "after 16 optimizer steps, 0 skipped" in done.stdout
+    if strategy == "ddp":
+        assert "fp32 weights bitwise identical on all 2 ranks: True" in done.stdout

@@ -219,3 +219,24 @@ def test_ddp_spawn_with_masters_gives_the_ddp_run_weights(tmp_path_factory):
     spawned = fit(precision, True, strategy="ddp_spawn")
     for name, value in load_ranks(out / "on")[0]["full"]["weights"].items():
         assert torch.equal(spawned["weights"][name], value), name
+
+
+@pytest.mark.parametrize("masters", MASTERS)
+def test_bf16_gradient_reduction_trains_like_the_reference_within_bf16_rounding(ddp_run, masters):
+    """reduce_dtype=bf16 (DDP's buckets cast to bf16 without masters; the flat master gradients with them):
+    same skipped step, weights within bf16's resolution of the fp32-reduced single-process run, not equal to it."""
+    precision, out = ddp_run
+    run = load_ranks(out / masters)[0]["bf16_reduce"]
+    ref = reference(precision, masters)
+    assert run["steps"] == ref["steps"]
+    differences = [(run["weights"][name] - value).abs().max().item() for name, value in ref["weights"].items()]
+    assert max(differences) > 0
+    assert max(differences) <= torch.finfo(torch.bfloat16).eps
+
+
+def test_fsdp2_norm_left_in_a_half_group_warns_once_at_setup_and_trains(fsdp2_run):
+    precision, out = fsdp2_run
+    run = load_ranks(out / "on")[0]["norm_in_half"]
+    warned = [w for w in run["warnings"] if "normalisation-layer parameters compute in" in w]
+    assert len(warned) == 1 and "net.1.weight" in warned[0]
+    assert run["steps"] == reference(precision, "on")["steps"]

@@ -3,8 +3,8 @@
     python tests/distributed/ddp_checks.py OUT PRECISION [--masters off,on]
 
 For each masters setting: the uninterrupted run (inf on rank 0 at step INJECT_AT, norm clipping, a checkpoint after
-epoch 0), the run resumed from that checkpoint, gradient accumulation (2 micro-batches of half the size), and with
-masters a run with bf16 gradient reduction. Each rank saves what it saw to OUT/<masters>/rank<r>.pt.
+epoch 0), the run resumed from that checkpoint, gradient accumulation (2 micro-batches of half the size), and a
+run with bf16 gradient reduction. Each rank saves what it saw to OUT/<masters>/rank<r>.pt.
 """
 
 from __future__ import annotations
@@ -24,8 +24,7 @@ def main() -> None:
         results = {"full": fit(precision, masters, checkpoint_dir=ckpt)}
         results["resumed"] = fit(precision, masters, resume_from=ckpt / "epoch=0.ckpt")
         results["accumulated"] = fit(precision, masters, accumulate=2)
-        if masters:
-            results["bf16_reduce"] = fit(precision, masters, reduce_dtype="bf16", inject=False)
+        results["bf16_reduce"] = fit(precision, masters, reduce_dtype="bf16")
         save(results, out / setting, results["full"]["rank"])
     finish()
 

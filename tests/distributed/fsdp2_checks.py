@@ -27,6 +27,13 @@ def strategy(**kwargs: object) -> ModelParallelStrategy:
 POLICY = {"fp32_modules": ["net.3"]}  # the head in fp32: a module rule of the casting policy
 
 
+def shard_net_whole(module: Net, plugin: MixedPrecisionPlugin) -> None:
+    """One group for the whole net, norm included."""
+    from torch.distributed.fsdp import fully_shard
+
+    fully_shard(module.net, mesh=module.device_mesh["data_parallel"], mp_policy=plugin.fsdp2_policy())
+
+
 def shard_with_fp32_head(module: Net, plugin: MixedPrecisionPlugin) -> None:
     """The user shards what the plugin keeps in fp32 on its own (norm, head), each with its policy, then the net."""
     from torch.distributed.fsdp import fully_shard
@@ -62,6 +69,8 @@ def main() -> None:
                 results["policy_error"] = None
             except ValueError as error:
                 results["policy_error"] = str(error)
+            # the norm left in the half-precision group: a warning at setup, and training goes on
+            results["norm_in_half"] = fit(precision, masters, strategy=strategy(), shard=shard_net_whole)
         if setting == settings[-1]:
             # every step non-finite in rank 1's shard only, at the minimum scale: both ranks raise, naming it
             at_min = DynamicLossScaler(init_scale=1.0, min_scale=1.0) if precision == "16-mixed" else (
