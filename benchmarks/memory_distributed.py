@@ -135,7 +135,8 @@ def main() -> None:
         now = datetime.datetime.now(datetime.timezone.utc)
         section = (
             f"\n### Memory per parameter under DDP and FSDP2 (2 CPU processes, MLP {numel / 1e6:.2f}M params)\n\n"
-            f"- date: {now:%Y-%m-%d %H:%M} UTC; machine: cpu ({platform.machine()}, 2 ranks); torch {torch.__version__}\n"
+            f"- date: {now:%Y-%m-%d %H:%M} UTC; machine: cpu ({platform.machine()}, 2 ranks); "
+            f"torch {torch.__version__}\n"
             "- command: `python -m torch.distributed.run --nproc_per_node 2 benchmarks/memory_distributed.py "
             "--record`\n\n" + table + "\n"
         )

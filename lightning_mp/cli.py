@@ -24,7 +24,9 @@ from lightning_mp.plugin import MixedPrecisionPlugin
 
 _OURS = {"16-mixed": "16-mixed", "16": "16-mixed", "bf16-mixed": "bf16-mixed", "bf16": "bf16-mixed"}
 _PLUGIN_OPTIONS = ("scaler", "master_weights", "keep_norm_fp32", "policy", "reduce_dtype")
-_PLUGIN_DEFAULTS = {"scaler": None, "master_weights": False, "keep_norm_fp32": True, "policy": None, "reduce_dtype": "float32"}
+_PLUGIN_DEFAULTS = {
+    "scaler": None, "master_weights": False, "keep_norm_fp32": True, "policy": None, "reduce_dtype": "float32",
+}
 
 
 class MixedPrecisionCLI(LightningCLI):

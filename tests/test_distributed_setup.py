@@ -42,7 +42,8 @@ def test_deepspeed_trainer_is_refused_before_the_first_step():
 
 
 @pytest.mark.parametrize("value, expected", [
-    ("float32", torch.float32), (torch.bfloat16, torch.bfloat16), ("bf16", torch.bfloat16), ("torch.float16", torch.float16),
+    ("float32", torch.float32), (torch.bfloat16, torch.bfloat16), ("bf16", torch.bfloat16),
+    ("torch.float16", torch.float16),
 ])
 def test_reduce_dtype_accepts_dtypes_and_their_names(value, expected):
     assert MixedPrecisionPlugin(reduce_dtype=value).reduce_dtype == expected

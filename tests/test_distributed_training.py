@@ -81,7 +81,8 @@ def test_inf_on_one_rank_makes_every_rank_skip_that_step_with_equal_scales(launc
     rank0, rank1 = (ranks["full"] for ranks in load_ranks(out / masters))
     # (global step after the batch, scale, skipped steps so far), batch after batch, on each rank
     assert rank0["steps"] == rank1["steps"]
-    skipped = [step for step, (_, _, count) in enumerate(rank0["steps"]) if count > (rank0["steps"][step - 1][2] if step else 0)]
+    counts = [0] + [count for _, _, count in rank0["steps"]]
+    skipped = [step for step in range(len(rank0["steps"])) if counts[step + 1] > counts[step]]
     assert skipped == [INJECT_AT]
     assert rank0["steps"] == reference(precision, masters)["steps"]
     if precision == "16-mixed":
@@ -240,3 +241,25 @@ def test_fsdp2_norm_left_in_a_half_group_warns_once_at_setup_and_trains(fsdp2_ru
     warned = [w for w in run["warnings"] if "normalisation-layer parameters compute in" in w]
     assert len(warned) == 1 and "net.1.weight" in warned[0]
     assert run["steps"] == reference(precision, "on")["steps"]
+
+
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (NCCL process group)")
+
+
+@pytest.mark.gpu
+@CUDA
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_world_size_one_on_cuda_matches_one_device(strategy, precision):
+    """The DDP and FSDP2 paths on CUDA (NCCL, world size 1) with masters: the single-device result, same skips."""
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    from tests.distributed.common import shard_net
+
+    parallel = "ddp" if strategy == "ddp" else ModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=1)
+    run = fit(precision, True, strategy=parallel, devices=1, accelerator="cuda",
+              shard=shard_net if strategy == "fsdp2" else None)
+    ref = fit(precision, True, strategy="auto", devices=1, accelerator="cuda")
+    assert run["steps"] == ref["steps"] and run["param_dtype"] == _DTYPE[precision]
+    for name, value in ref["weights"].items():
+        torch.testing.assert_close(run["weights"][name], value, rtol=0, atol=_tolerance(precision))

@@ -146,6 +146,7 @@ def fit(
     shard: Any = None,
     scaler: Optional[DynamicLossScaler] = None,
     policy: Any = None,
+    accelerator: str = "cpu",
     **model_kwargs: Any,
 ) -> dict[str, Any]:
     """One run; what it recorded, the final fp32 weights (whole, on every rank) and the scaler state."""
@@ -157,7 +158,7 @@ def fit(
         callbacks.append(ModelCheckpoint(dirpath=checkpoint_dir, filename="{epoch}", save_top_k=-1,
                                          every_n_epochs=1, save_on_train_epoch_end=True))
     trainer = L.Trainer(
-        accelerator="cpu", devices=devices, strategy=strategy, plugins=[plugin], max_epochs=EPOCHS,
+        accelerator=accelerator, devices=devices, strategy=strategy, plugins=[plugin], max_epochs=EPOCHS,
         accumulate_grad_batches=accumulate, gradient_clip_val=CLIP, logger=False, enable_progress_bar=False,
         enable_model_summary=False, enable_checkpointing=checkpoint_dir is not None, callbacks=callbacks,
         deterministic=True, use_distributed_sampler=False,
@@ -166,7 +167,7 @@ def fit(
         warnings.simplefilter("always")
         trainer.fit(model, ckpt_path=resume_from)
     model.record["warnings"] = sorted({str(w.message) for w in caught})
-    weights = {name: _full(param) for name, param in model.named_parameters()}
+    weights = {name: _full(param).cpu() for name, param in model.named_parameters()}
     return {**model.record, "weights": weights, "scaler": plugin.scaler.state_dict(), "rank": trainer.global_rank}
 
 
