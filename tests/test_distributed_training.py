@@ -263,3 +263,11 @@ def test_world_size_one_on_cuda_matches_one_device(strategy, precision):
     assert run["steps"] == ref["steps"] and run["param_dtype"] == _DTYPE[precision]
     for name, value in ref["weights"].items():
         torch.testing.assert_close(run["weights"][name], value, rtol=0, atol=_tolerance(precision))
+
+
+def test_plugin_still_pickles_after_a_distributed_run(launched):
+    """The process-group references the plugin takes at setup do not stop a user from pickling it afterwards."""
+    _, out = launched
+    for masters in MASTERS:
+        for rank in load_ranks(out / masters):
+            assert rank["full"]["plugin_pickles"] is True

@@ -36,13 +36,13 @@ class DDPSync(ProcessGroupSync):
     """The plugin's side of a DDP strategy: comm hooks, the masters' gradient reduction, agreed skips.
 
     Args:
-        strategy: Lightning's ``DDPStrategy`` (its root device and any user communication hook are read).
+        strategy: Lightning's ``DDPStrategy`` (its root device and any user communication hook are read, not kept).
         reduce_dtype: dtype of the gradient all-reduce (``torch.float32``, ``torch.bfloat16`` or ``torch.float16``).
     """
 
     def __init__(self, strategy: Any, reduce_dtype: torch.dtype) -> None:
         super().__init__(strategy.root_device)
-        self.strategy = strategy
+        self.user_hook = getattr(strategy, "_ddp_comm_hook", None)  # DDPStrategy(ddp_comm_hook=...)
         self.reduce_dtype = reduce_dtype
         self._masters: Any = None
         self._hook_state: Optional[_HookState] = None
@@ -54,7 +54,7 @@ class DDPSync(ProcessGroupSync):
         masters = plugin.masters if plugin.master_weights else None
         if masters is None and self.reduce_dtype == torch.float32:
             return  # fp32 model: DDP's own fp32 all-reduce is the one we want
-        user_hook = getattr(self.strategy, "_ddp_comm_hook", None)
+        user_hook = self.user_hook
         if user_hook is not None:
             raise ValueError(
                 f"DDPStrategy(ddp_comm_hook={getattr(user_hook, '__name__', user_hook)!r}) cannot be combined with "
@@ -108,6 +108,9 @@ class _HookState:
         self.deferred_dtype = deferred_dtype  # buckets of this dtype (the half parameters with masters) stay local
         self.reduce_dtype = reduce_dtype
         self.synced = False
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "group": None}  # a process group does not pickle
 
 
 def _reduce_hook(state: _HookState, bucket: torch.distributed.GradBucket) -> torch.futures.Future[torch.Tensor]:

@@ -57,6 +57,11 @@ class ProcessGroupSync(GradientSync):
         self.device = device
         self.group = group
 
+    def __getstate__(self) -> dict[str, Any]:
+        # a process group does not pickle (the scaler holds our gather_names; users pickle plugins): a copy
+        # reduces over the default group
+        return {**self.__dict__, "group": None}
+
     def agree(self, found_inf: Tensor) -> Tensor:
         return agree_found_inf(found_inf, self.device, self.group)
 

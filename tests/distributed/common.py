@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pickle
 import warnings
 from pathlib import Path
 from typing import Any, Optional, Sequence
@@ -168,6 +169,7 @@ def fit(
         trainer.fit(model, ckpt_path=resume_from)
     model.record["warnings"] = sorted({str(w.message) for w in caught})
     weights = {name: _full(param).cpu() for name, param in model.named_parameters()}
+    model.record["plugin_pickles"] = pickle.loads(pickle.dumps(plugin)).scaler.state_dict() == plugin.scaler.state_dict()
     return {**model.record, "weights": weights, "scaler": plugin.scaler.state_dict(), "rank": trainer.global_rank}
 
 
