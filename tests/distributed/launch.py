@@ -21,14 +21,32 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def launch(script: str, *args: str, nprocs: int = 2, timeout: float = 120.0) -> list[str]:
+# set by a launcher or by Lightning in an earlier run of this process: they would change how Lightning sees the ranks
+_LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "TORCHELASTIC_RUN_ID",
+                       "PL_GLOBAL_SEED", "PL_TRAINER_GPUS", "SLURM_NTASKS", "SLURM_JOB_NAME")
+_PORT_TAKEN = ("Address already in use", "EADDRINUSE")
+
+
+def launch(script: str, *args: str, nprocs: int = 2, timeout: float = 120.0, attempts: int = 3) -> list[str]:
     """Run ``tests/distributed/<script>`` on ``nprocs`` ranks; every rank's output. Raises with all of them if one
-    rank fails."""
+    rank fails. The port is picked free just before the start; if another process takes it in between (this
+    machine is shared), the run starts again on a new one, up to ``attempts`` times."""
+    for attempt in range(attempts):
+        outputs, failed = _run_once(script, args, nprocs, timeout)
+        if not failed:
+            return outputs
+        if not any(taken in output for output in outputs for taken in _PORT_TAKEN) or attempt == attempts - 1:
+            raise RuntimeError("distributed run failed:\n" + "\n".join(outputs))
+    raise AssertionError("unreachable")
+
+
+def _run_once(script: str, args: tuple[str, ...], nprocs: int, timeout: float) -> tuple[list[str], bool]:
     port = str(free_port())
+    base = {key: value for key, value in os.environ.items() if key not in _LAUNCHER_VARIABLES}
     procs = []
     for rank in range(nprocs):
         env = {
-            **os.environ,
+            **base,
             "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
             "MASTER_ADDR": "127.0.0.1",
             "MASTER_PORT": port,
@@ -51,6 +69,4 @@ def launch(script: str, *args: str, nprocs: int = 2, timeout: float = 120.0) -> 
             proc.returncode = -1
         outputs.append(f"--- rank {rank} (exit {proc.returncode}) ---\n{out[-6000:]}")
         failed = failed or proc.returncode != 0
-    if failed:
-        raise RuntimeError("distributed run failed:\n" + "\n".join(outputs))
-    return outputs
+    return outputs, failed
