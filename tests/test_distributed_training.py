@@ -271,3 +271,10 @@ def test_plugin_still_pickles_after_a_distributed_run(launched):
     for masters in MASTERS:
         for rank in load_ranks(out / masters):
             assert rank["full"]["plugin_pickles"] is True
+
+
+def test_a_users_ddp_comm_hook_with_master_weights_is_refused_at_setup(ddp_run):
+    _, out = ddp_run
+    error = load_ranks(out / "on")[0]["user_hook_error"]
+    assert error is not None
+    assert "DDPStrategy(ddp_comm_hook='allreduce_hook') cannot be combined" in error and "Drop ddp_comm_hook" in error

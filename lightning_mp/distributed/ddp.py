@@ -83,7 +83,7 @@ class DDPSync(ProcessGroupSync):
             all_reduce_mean(flat_grad, self.reduce_dtype, self.group)
 
     def __repr__(self) -> str:
-        mode = "fp32 master gradients reduced by us" if self._hook_state is not None else "DDP reduces"
+        mode = "master gradients reduced by the plugin" if self._hook_state is not None else "DDP reduces"
         return f"{type(self).__name__}(world_size={world_size(self.group)}, reduce_dtype={self.reduce_dtype}, {mode})"
 
 

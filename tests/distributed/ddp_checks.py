@@ -12,6 +12,9 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from lightning.pytorch.strategies import DDPStrategy
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
 from tests.distributed.common import finish, fit, save
 
 
@@ -25,6 +28,12 @@ def main() -> None:
         results["resumed"] = fit(precision, masters, resume_from=ckpt / "epoch=0.ckpt")
         results["accumulated"] = fit(precision, masters, accumulate=2)
         results["bf16_reduce"] = fit(precision, masters, reduce_dtype="bf16")
+        if masters:  # a communication hook of the user's own: refused at setup (DDP takes one, ours is needed)
+            try:
+                fit(precision, masters, strategy=DDPStrategy(ddp_comm_hook=default_hooks.allreduce_hook))
+                results["user_hook_error"] = None
+            except ValueError as error:
+                results["user_hook_error"] = str(error)
         save(results, out / setting, results["full"]["rank"])
     finish()
 
