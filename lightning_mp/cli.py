@@ -13,7 +13,6 @@ from pathlib import Path
 from typing import Any, Optional
 
 import torch
-import yaml
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
@@ -29,7 +28,7 @@ from lightning_mp.cli_checks import (
     class_spec,
     import_class,
 )
-from lightning_mp.cli_summary import fit_summary
+from lightning_mp.cli_report import effective_config_yaml, fit_summary, pop_print_config
 from lightning_mp.monitor import PrecisionMonitor
 from lightning_mp.plugin import MixedPrecisionPlugin
 from lightning_mp.resources import SourceUnavailableError
@@ -76,7 +75,7 @@ class MixedPrecisionCLI(LightningCLI):
 
     def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
         """Parse, then check what can be checked before any work; ``--print_config`` prints what will train."""
-        args, print_flags = _pop_print_config(args)
+        args, print_flags = pop_print_config(args)
         if print_flags is None:
             super().parse_arguments(parser, args)
         else:
@@ -91,7 +90,9 @@ class MixedPrecisionCLI(LightningCLI):
             model = class_spec(self._get(self.config, "model"))
             check_checkpoint_class(self.config[self.subcommand].get("ckpt_path"), model[0] if model else None)
         if print_flags is not None:
-            print(effective_config_yaml(parser, self.config, self.precision_choice, skip_none="skip_null" in print_flags))
+            dumped = parser.dump(self.config, skip_link_targets=False, skip_none=False, format="yaml")
+            print(effective_config_yaml(dumped, self.subcommand, self.precision_choice, _PLUGIN_DEFAULTS,
+                                        skip_none="skip_null" in print_flags))
             sys.exit(0)
 
     def _plugin_options(self) -> dict[str, Any]:
@@ -189,7 +190,7 @@ class PrecisionChoice:
         if self.plugin is not None:
             return f"{verb} in {self.trains} with {self.plugin!r}" if full else f"{verb} in {self.trains} with MixedPrecisionPlugin"
         if self.trains == "trainer.plugins":
-            return f"{verb} with the precision plugin given in trainer.plugins"
+            return f"{verb} with the precision plugin in trainer.plugins"
         return f"{verb} in {self.trains} without MixedPrecisionPlugin"
 
     def describe(self, verb: str = "trains") -> str:
@@ -217,10 +218,11 @@ def choose_precision(
     _validate_options(requested or "16-mixed", options, precision)
     if requested is None:
         if given:
-            trains, reason = "trainer.plugins", f"{', '.join(given)} in trainer.plugins is used as configured there"
+            trains, reason = "trainer.plugins", f"{', '.join(given)}, used as configured there"
         else:
             trains = precision or "32-true"
-            reason = f"trainer.precision={precision!r} trains without the plugin (16-mixed or bf16-mixed build it)"
+            flag = f"trainer.precision={precision!r}" if precision is not None else "trainer.precision not set"
+            reason = f"{flag}: the CLI adds MixedPrecisionPlugin only for 16-mixed or bf16-mixed"
         warning = (
             f"mixed_precision options {changed} are valid but not used: {reason}." if changed else None
         )
@@ -266,7 +268,8 @@ def _validate_options(precision: str, options: dict[str, Any], flag: Optional[st
         MixedPrecisionPlugin(precision, **options)
     except (ValueError, TypeError) as err:
         given = f"trainer.precision={flag!r}" if flag in _OURS else f"MixedPrecisionPlugin(precision={precision!r})"
-        raise CLIConfigError(f"mixed_precision options {options} are refused with {given}: {err}") from err
+        changed = {key: value for key, value in options.items() if value != _PLUGIN_DEFAULTS.get(key)}
+        raise CLIConfigError(f"mixed_precision options {changed} are refused with {given}: {err}") from err
 
 
 def _precision_plugins(plugins: Any) -> list[str]:
@@ -335,57 +338,6 @@ def _has_test_data(datamodule: Any) -> bool:
     from lightning.pytorch import LightningDataModule
 
     return type(datamodule).test_dataloader is not LightningDataModule.test_dataloader
-
-
-def _pop_print_config(args: Any) -> tuple[Any, Optional[str]]:
-    """``args`` without ``--print_config[=flags]`` (from ``sys.argv`` when ``args`` is None), and the flags given
-    (``""`` for none), or ``None`` when it was not given."""
-    argv = sys.argv[1:] if args is None else args
-    if not isinstance(argv, (list, tuple)):
-        return args, None
-    flags = [a.partition("=")[2] for a in argv if a == "--print_config" or a.startswith("--print_config=")]
-    if not flags:
-        return args, None
-    return [a for a in argv if not (a == "--print_config" or a.startswith("--print_config="))], ",".join(flags)
-
-
-def effective_config_yaml(
-    parser: LightningArgumentParser, config: Any, choice: PrecisionChoice, skip_none: bool = False
-) -> str:
-    """The parsed config as YAML, with ``trainer.precision`` and ``mixed_precision`` replaced by what trains here:
-    ``MixedPrecisionPlugin`` and its settings in ``trainer.plugins``, or ``precision: 32-true`` for the fp32
-    fallback. A comment at the top says what was translated and why."""
-    dumped = yaml.safe_load(parser.dump(config, skip_link_targets=False, skip_none=False, format="yaml"))
-    if "subcommand" in config and config.get("subcommand"):
-        dumped = dumped[config.subcommand]
-    section = dumped.pop("mixed_precision", None)
-    trainer = dumped.setdefault("trainer", {})
-    if choice.plugin is not None:
-        init_args = {"precision": choice.plugin.precision, **_PLUGIN_DEFAULTS, **(section or {})}
-        if "scaler" in choice.unused:
-            init_args["scaler"] = None
-        trainer["precision"] = None
-        trainer["plugins"] = [*as_list(trainer.get("plugins")),
-                              {"class_path": "lightning_mp.MixedPrecisionPlugin", "init_args": init_args}]
-    elif choice.requested in _OURS:
-        trainer["precision"] = choice.trains
-    if skip_none:
-        dumped = _drop_none(dumped)
-    header = [f"# lightning_mp: {choice.describe('trains')}."]
-    if choice.unused:
-        header.append(f"# mixed_precision options not used here: {list(choice.unused)}.")
-    if choice.requested in _OURS:
-        header.append(f"# What trains on this machine; trainer.precision={choice.requested!r} in the config you gave "
-                      "chooses again on another one.")
-    return "\n".join(header) + "\n" + yaml.safe_dump(dumped, sort_keys=False)
-
-
-def _drop_none(value: Any) -> Any:
-    if isinstance(value, dict):
-        return {k: _drop_none(v) for k, v in value.items() if v is not None}
-    if isinstance(value, list):
-        return [_drop_none(v) for v in value]
-    return value
 
 
 def main(args: Optional[list[str]] = None) -> None:

@@ -1,15 +1,19 @@
-"""The paragraph that ends every CLI ``fit``: what the precision machinery did, and where the results are."""
+"""What the CLI shows about precision: ``--print_config`` of what will train, and the paragraph that ends every
+``fit`` (what the precision machinery did, and where the checkpoints and logs are)."""
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Optional
 
 import lightning as L
+import yaml
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_mp.checkpoints import LastCheckpoint
+from lightning_mp.cli_checks import as_list
 from lightning_mp.plugin import MixedPrecisionPlugin
 
 
@@ -31,7 +35,7 @@ def fit_summary(
     """
     steps = trainer.global_step
     ending = " (interrupted)" if trainer.interrupted else ""
-    sentences = [f"lightning_mp: fit ran {steps} optimizer steps over {trainer.current_epoch} epochs{ending}.",
+    sentences = [f"lightning_mp: fit ran {steps} optimizer steps{ending}.",
                  _sentence(precision)]
     sentences.append(_numerics(trainer.precision_plugin, steps))
     sentences.extend(_checkpoints(trainer))
@@ -86,3 +90,58 @@ def _logs(trainer: L.Trainer) -> str:
             metrics = Path(folder) / "metrics.csv"
             folders.append(str(metrics) if metrics.is_file() else str(folder))
     return f"Logs: {', '.join(folders)}." if folders else ""
+
+
+# ------------------------------------------------------------------------------------------ --print_config
+
+
+def pop_print_config(args: Any) -> tuple[Any, Optional[str]]:
+    """``args`` without ``--print_config[=flags]`` (from ``sys.argv`` when ``args`` is None), and the flags given
+    (``""`` for none), or ``None`` when it was not given."""
+    argv = sys.argv[1:] if args is None else args
+    if not isinstance(argv, (list, tuple)):
+        return args, None
+    flags = [a.partition("=")[2] for a in argv if a == "--print_config" or a.startswith("--print_config=")]
+    if not flags:
+        return args, None
+    return [a for a in argv if not (a == "--print_config" or a.startswith("--print_config="))], ",".join(flags)
+
+
+def effective_config_yaml(
+    dumped_yaml: str, subcommand: Optional[str], choice: Any, plugin_defaults: dict[str, Any], skip_none: bool = False
+) -> str:
+    """The parsed config (``dumped_yaml``, the parser's dump) with ``trainer.precision`` and ``mixed_precision``
+    replaced by what trains here (``choice``, a ``PrecisionChoice``): ``MixedPrecisionPlugin`` and its settings in
+    ``trainer.plugins``, or ``precision: 32-true`` for the fp32 fallback. A comment at the top says what was
+    translated and why."""
+    dumped = yaml.safe_load(dumped_yaml)
+    if subcommand:
+        dumped = dumped[subcommand]
+    dumped.pop("mixed_precision", None)  # shown as the plugin it builds, with its options as given
+    trainer = dumped.setdefault("trainer", {})
+    if choice.plugin is not None:
+        init_args = {"precision": choice.plugin.precision, **plugin_defaults, **choice.options}
+        if "scaler" in choice.unused:
+            init_args["scaler"] = None
+        trainer["precision"] = None
+        trainer["plugins"] = [*as_list(trainer.get("plugins")),
+                              {"class_path": "lightning_mp.MixedPrecisionPlugin", "init_args": init_args}]
+    elif choice.trains == "32-true" and choice.requested != choice.trains:
+        trainer["precision"] = choice.trains
+    if skip_none:
+        dumped = _drop_none(dumped)
+    header = [f"# lightning_mp: {choice.describe('trains')}."]
+    if choice.unused:
+        header.append(f"# mixed_precision options not used here: {list(choice.unused)}.")
+    if choice.requested != choice.trains and choice.trains != "trainer.plugins":
+        header.append(f"# What trains on this machine; trainer.precision={choice.requested!r} in the config you gave "
+                      "chooses again on another one.")
+    return "\n".join(header) + "\n" + yaml.safe_dump(dumped, sort_keys=False)
+
+
+def _drop_none(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _drop_none(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [_drop_none(v) for v in value]
+    return value
