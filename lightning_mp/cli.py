@@ -88,7 +88,11 @@ class MixedPrecisionCLI(LightningCLI):
         )
         if self.subcommand:
             model = class_spec(self._get(self.config, "model"))
-            check_checkpoint_class(self.config[self.subcommand].get("ckpt_path"), model[0] if model else None)
+            ckpt_path = self.config[self.subcommand].get("ckpt_path")
+            differ = check_checkpoint_class(ckpt_path, *(model if model else (None, None)))
+            if differ:  # LightningCLI builds the model with the checkpoint's settings: say so
+                shown = ", ".join(f"{key}={saved!r} (config: {given!r})" for key, (saved, given) in differ.items())
+                rank_zero_info(f"lightning_mp: the model is built with the settings saved in {ckpt_path}: {shown}.")
         if print_flags is not None:
             dumped = parser.dump(self.config, skip_link_targets=False, skip_none=False, format="yaml")
             print(effective_config_yaml(dumped, self.subcommand, self.precision_choice, _PLUGIN_DEFAULTS,

@@ -77,25 +77,29 @@ def checkpoint_model_class(ckpt_path: str) -> tuple[Optional[str], dict[str, Any
     return hparams.pop("_class_path", None), hparams
 
 
-def check_checkpoint_class(ckpt_path: Optional[str], config_class_path: Optional[str]) -> None:
+def check_checkpoint_class(
+    ckpt_path: Optional[str], config_class_path: Optional[str], config_init_args: Optional[dict[str, Any]] = None
+) -> dict[str, tuple[Any, Any]]:
     """Refuse a checkpoint written by another LightningModule class than the one the config trains.
 
     LightningCLI (2.6) replaces the config's model with the one recorded in the checkpoint, so a checkpoint of
-    another model otherwise crashes in the first step (the other model gets batches it cannot read).
+    another model otherwise crashes in the first step (the other model gets batches it cannot read). For the same
+    class it takes the checkpoint's settings over the config's: those that differ are returned as
+    ``{name: (checkpoint value, config value)}``, for the CLI to say so.
 
     Raises:
         CLIConfigError: naming both classes and the checkpoint.
     """
     if not ckpt_path or not Path(ckpt_path).is_file() or not config_class_path:
-        return
+        return {}
     saved_path, hparams = checkpoint_model_class(ckpt_path)
     if saved_path is None:
-        return
+        return {}
     saved, configured = import_class(saved_path), import_class(config_class_path)
-    if saved is not None and configured is not None and saved is configured:
-        return
-    if saved is None and configured is not None and saved_path.rpartition(".")[2] == configured.__name__:
-        return
+    same = saved is not None and saved is configured
+    if same or (saved is None and configured is not None and saved_path.rpartition(".")[2] == configured.__name__):
+        given = config_init_args or {}
+        return {key: (value, given[key]) for key, value in hparams.items() if key in given and given[key] != value}
     settings = ", ".join(f"{key}={value!r}" for key, value in hparams.items())
     raise CLIConfigError(
         f"--ckpt_path {ckpt_path} was saved from a {saved_path.rpartition('.')[2]} ({settings}), but this run's "

@@ -275,3 +275,11 @@ def test_every_cli_fit_ends_with_the_summary_paragraph(tmp_path, lightning_log):
     assert f"Last checkpoint (resume with --ckpt_path): {last}." in summary
     assert "Best checkpoint (max val_acc, val_acc=" in summary and "Test set evaluated on the best checkpoint" in summary
     assert f"Logs: {next(tmp_path.rglob('metrics.csv'))}." in summary
+
+
+def test_a_checkpoint_of_the_same_model_with_other_settings_says_whose_settings_are_used(tmp_path, lightning_log):
+    checkpoint = _digits_checkpoint(tmp_path, "--model.init_args.width=4")
+    main(["test", "--config", DIGITS, f"--trainer.default_root_dir={tmp_path / 'test'}",
+          "--trainer.limit_test_batches=1", "--trainer.enable_progress_bar=false", f"--ckpt_path={checkpoint}"])
+    assert f"lightning_mp: the model is built with the settings saved in {checkpoint}: width=4 (config: 16)." \
+        in lightning_log
