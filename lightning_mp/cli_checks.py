@@ -69,9 +69,19 @@ def check_plugin_specs(plugins: Any) -> None:
 # ------------------------------------------------------------------------------------------- --ckpt_path
 
 
+def _load(ckpt_path: str) -> Optional[dict[str, Any]]:
+    """The checkpoint, memory-mapped; ``None`` when it cannot be read that way (Lightning's own load then reports
+    what is wrong with it)."""
+    try:
+        checkpoint = torch.load(ckpt_path, map_location="cpu", weights_only=True, mmap=True)
+    except Exception:  # noqa: BLE001 - not ours to report: the Trainer loads it next and raises its own error
+        return None
+    return checkpoint if isinstance(checkpoint, dict) else None
+
+
 def checkpoint_model_class(ckpt_path: str) -> tuple[Optional[str], dict[str, Any]]:
     """``(class path, hyperparameters)`` of the LightningModule that wrote the checkpoint (``None`` if not recorded)."""
-    checkpoint = torch.load(ckpt_path, map_location="cpu", weights_only=True, mmap=True)
+    checkpoint = _load(ckpt_path) or {}
     hparams = dict(checkpoint.get("hyper_parameters") or {})
     hparams.pop("_instantiator", None)
     return hparams.pop("_class_path", None), hparams
@@ -121,7 +131,9 @@ def check_checkpoint_weights(ckpt_path: Optional[str], model: LightningModule, l
         return
     if type(model).configure_model is not LightningModule.configure_model:
         return
-    checkpoint = torch.load(ckpt_path, map_location="cpu", weights_only=True, mmap=True)
+    checkpoint = _load(ckpt_path)
+    if checkpoint is None:
+        return
     saved = checkpoint.get("state_dict")
     if not isinstance(saved, dict):
         raise CLIConfigError(f"--ckpt_path {ckpt_path} holds no model state_dict: it is not a Lightning checkpoint.")
