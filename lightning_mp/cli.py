@@ -179,6 +179,8 @@ class PrecisionChoice:
         options: the ``mixed_precision`` options as given (plain values).
         unused: the options that were set but do not apply to what trains.
         warning: what the CLI warns about at start-up (a fallback, unused options), or ``None``.
+        fallback: whether the CPU fallback chose ``trains`` instead of ``requested`` (another machine may choose
+            otherwise).
     """
 
     requested: Optional[str]
@@ -188,6 +190,7 @@ class PrecisionChoice:
     options: dict[str, Any] = field(default_factory=dict)
     unused: tuple[str, ...] = ()
     warning: Optional[str] = None
+    fallback: bool = False
 
     def what(self, verb: str = "trains", full: bool = False) -> str:
         """``"<verb> in bf16-mixed with MixedPrecisionPlugin"`` and the like (``full``: the plugin's settings too)."""
@@ -257,14 +260,14 @@ def _cpu_fallback(precision: Optional[str], options: dict[str, Any], changed: li
         )
         note = "; mixed_precision.scaler is valid but not used (bf16 needs no loss scaling)" if unused else ""
         plugin = MixedPrecisionPlugin("bf16-mixed", **{k: v for k, v in options.items() if k != "scaler"})
-        return PrecisionChoice(precision, "bf16-mixed", reason, plugin, options, unused, f"{reason}{note}.")
+        return PrecisionChoice(precision, "bf16-mixed", reason, plugin, options, unused, f"{reason}{note}.", True)
     reason = (
         f"trainer.precision={precision!r} without a GPU, on a CPU with no native bf16 (no AVX512-BF16 or AMX), "
         "where bf16 and fp16 run many times slower than fp32: the CPU fallback chose fp32 (32-true); set "
         "trainer.precision=bf16-mixed, or put MixedPrecisionPlugin in trainer.plugins, to train in half precision"
     )
     note = f"; mixed_precision options {changed} are valid but not used in fp32" if changed else ""
-    return PrecisionChoice(precision, "32-true", reason, None, options, tuple(changed), f"{reason}{note}.")
+    return PrecisionChoice(precision, "32-true", reason, None, options, tuple(changed), f"{reason}{note}.", True)
 
 
 def _validate_options(precision: str, options: dict[str, Any], flag: Optional[str]) -> None:

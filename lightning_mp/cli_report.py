@@ -126,14 +126,14 @@ def effective_config_yaml(
         trainer["precision"] = None
         trainer["plugins"] = [*as_list(trainer.get("plugins")),
                               {"class_path": "lightning_mp.MixedPrecisionPlugin", "init_args": init_args}]
-    elif choice.trains == "32-true" and choice.requested != choice.trains:
-        trainer["precision"] = choice.trains
+    elif choice.fallback:
+        trainer["precision"] = choice.trains  # 32-true
     if skip_none:
         dumped = _drop_none(dumped)
     header = [f"# lightning_mp: {choice.describe('trains')}."]
     if choice.unused:
         header.append(f"# mixed_precision options not used here: {list(choice.unused)}.")
-    if choice.requested != choice.trains and choice.trains != "trainer.plugins":
+    if choice.fallback:
         header.append(f"# What trains on this machine; trainer.precision={choice.requested!r} in the config you gave "
                       "chooses again on another one.")
     return "\n".join(header) + "\n" + yaml.safe_dump(dumped, sort_keys=False)

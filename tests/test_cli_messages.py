@@ -283,3 +283,11 @@ def test_a_checkpoint_of_the_same_model_with_other_settings_says_whose_settings_
           "--trainer.limit_test_batches=1", "--trainer.enable_progress_bar=false", f"--ckpt_path={checkpoint}"])
     assert f"lightning_mp: the model is built with the settings saved in {checkpoint}: width=4 (config: 16)." \
         in lightning_log
+
+
+def test_print_config_of_an_fp32_run_changes_nothing_but_says_so(capsys, machine):
+    machine("cpu")
+    comments, config = _printed(capsys, "--trainer.precision=32-true")
+    assert config["trainer"]["precision"] == "32-true" and not config["trainer"].get("plugins")
+    assert comments == ["# lightning_mp: trains in 32-true without MixedPrecisionPlugin: trainer.precision='32-true': "
+                        "the CLI adds MixedPrecisionPlugin only for 16-mixed or bf16-mixed."]
