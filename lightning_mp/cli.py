@@ -157,7 +157,7 @@ class MixedPrecisionCLI(LightningCLI):
             plugins = config.get("plugins") or []
             config["plugins"] = [*(plugins if isinstance(plugins, list) else [plugins]), plugin]
         reason = "" if choice.warning else f": {choice.reason}"  # the warning gave the reason already
-        rank_zero_info(f"lightning_mp: {choice.what('training', full=True)}{reason}")
+        rank_zero_info(f"lightning_mp: {choice.what('running', full=True)}{reason}")
         if self._get(self.config, "precision_monitor", default=True):
             callbacks = [*callbacks, PrecisionMonitor()]
         return super()._instantiate_trainer(config, callbacks)

@@ -17,6 +17,8 @@ from lightning_mp.resources import MODEL_ARCHITECTURES, SourceUnavailableError, 
 
 #: Top-level modules of a sequence-classification head that a pretrained encoder checkpoint does not hold.
 _HEAD_MODULES = ("classifier", "score")
+#: transformers' loggers that report on weight loading (the load report; the tensor-parallel plan check).
+_LOAD_LOGGERS = ("transformers.modeling_utils", "transformers.distributed.tensor_parallel")
 
 
 class BertClassifier(L.LightningModule):
@@ -159,17 +161,23 @@ def load_sequence_classifier(
 
 @contextlib.contextmanager
 def _quiet_load_report() -> Iterator[None]:
-    """transformers' weight-loading progress bar and load report off, for one ``from_pretrained`` call."""
+    """transformers' weight-loading progress bar and load report off, for one ``from_pretrained`` call.
+
+    transformers 5 checks a tensor-parallel plan whenever its loading logger is at WARNING or above, and then
+    warns that every layer was "not sharded" (no tensor parallelism is used here): that logger is quieted too.
+    """
     from transformers.utils import logging as hf_logging
 
-    logger = hf_logging.get_logger("transformers.modeling_utils")
-    level, bar = logger.level, hf_logging.is_progress_bar_enabled()
-    logger.setLevel(logging.ERROR)
+    loggers = [hf_logging.get_logger(name) for name in _LOAD_LOGGERS]
+    levels, bar = [logger.level for logger in loggers], hf_logging.is_progress_bar_enabled()
+    for logger in loggers:
+        logger.setLevel(logging.ERROR)
     hf_logging.disable_progress_bar()
     try:
         yield
     finally:
-        logger.setLevel(level)
+        for logger, level in zip(loggers, levels):
+            logger.setLevel(level)
         if bar:
             hf_logging.enable_progress_bar()
 
@@ -186,8 +194,8 @@ def _report_loading(name: str, num_labels: int, info: dict[str, Any]) -> None:
     }
     if head:
         rank_zero_info(
-            f"BertClassifier: the encoder's weights come from {name!r}; the classification head ({', '.join(head)}) "
-            f"is new, randomly initialised for {num_labels} labels, and is trained from scratch."
+            f"BertClassifier: the encoder's weights come from {name!r}, which has no classification head: "
+            f"{', '.join(head)} start from random values ({num_labels} labels)."
         )
     for what, keys in problems.items():
         if keys:
