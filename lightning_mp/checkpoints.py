@@ -24,7 +24,8 @@ class LastCheckpoint(ModelCheckpoint):
     It also puts the states of the random number generators (torch, CUDA, numpy, Python) and of resumable
     training loaders (``state_dict``/``load_state_dict``, such as the sample data modules') in every checkpoint the
     Trainer writes while it is attached, and restores them on resume, so that a resumed run draws the dropout
-    masks and the batches the uninterrupted run drew, from mid-epoch checkpoints too. Add a ``ModelCheckpoint(monitor=...)`` next to it to keep the best checkpoint.
+    masks and the batches the uninterrupted run drew, from mid-epoch checkpoints too. Add a
+    ``ModelCheckpoint(monitor=...)`` next to it to keep the best checkpoint.
 
     Args:
         dirpath: folder of ``last.ckpt`` (default ``None``: the logger's ``checkpoints/`` folder, as
@@ -35,7 +36,9 @@ class LastCheckpoint(ModelCheckpoint):
 
     def __init__(self, dirpath: Optional[str] = None, every_n_train_steps: int = 0) -> None:
         if isinstance(every_n_train_steps, bool) or not isinstance(every_n_train_steps, int) or every_n_train_steps < 0:
-            raise ValueError(f"every_n_train_steps={every_n_train_steps!r} is not allowed: use an int >= 0 (0: epoch ends only).")
+            raise ValueError(
+                f"every_n_train_steps={every_n_train_steps!r} is not allowed: use an int >= 0 (0: epoch ends only)."
+            )
         super().__init__(
             dirpath=dirpath, save_top_k=0, save_last=True, every_n_train_steps=every_n_train_steps,
             save_on_train_epoch_end=True,

@@ -195,7 +195,8 @@ class PrecisionChoice:
     def what(self, verb: str = "trains", full: bool = False) -> str:
         """``"<verb> in bf16-mixed with MixedPrecisionPlugin"`` and the like (``full``: the plugin's settings too)."""
         if self.plugin is not None:
-            return f"{verb} in {self.trains} with {self.plugin!r}" if full else f"{verb} in {self.trains} with MixedPrecisionPlugin"
+            shown = repr(self.plugin) if full else "MixedPrecisionPlugin"
+            return f"{verb} in {self.trains} with {shown}"
         if self.trains == "trainer.plugins":
             return f"{verb} with the precision plugin in trainer.plugins"
         return f"{verb} in {self.trains} without MixedPrecisionPlugin"

@@ -61,7 +61,8 @@ def _numerics(plugin: Any, steps: int) -> str:
     if scaler is None or not scaler.enabled:
         scaling = "no loss scaling (bf16 needs none)" if plugin.precision == "bf16-mixed" else "loss scaling off"
     else:
-        scaling = f"final loss scale {scaler.scale:g}, {scaler.skipped_steps} of {steps} steps skipped for inf/NaN gradients"
+        skipped = f"{scaler.skipped_steps} of {steps} steps skipped for inf/NaN gradients"
+        scaling = f"final loss scale {scaler.scale:g}, {skipped}"
     return f"Plugin numerics: {scaling}; master weights {masters}."
 
 

@@ -63,9 +63,9 @@ def resolve_model(name_or_path: str) -> str:
     path = os.path.expanduser(name_or_path)
     if looks_like_path(name_or_path) and not os.path.isdir(path):
         raise SourceUnavailableError(
-            f"model folder {name_or_path!r} does not exist (looked in {os.path.abspath(path)!r}): pass a folder holding "
-            "config.json and the weights/tokenizer files, a Hugging Face name such as 'bert-base-cased', or "
-            f"{sorted(MODEL_PACKAGES)[0]!r}."
+            f"model folder {name_or_path!r} does not exist (looked in {os.path.abspath(path)!r}): pass a folder "
+            "holding config.json and the weights/tokenizer files, a Hugging Face name such as 'bert-base-cased', "
+            f"or {sorted(MODEL_PACKAGES)[0]!r}."
         )
     return path
 

@@ -209,7 +209,8 @@ def test_resnet18_mnist_config_on_idx_files(tmp_path):
 
 def test_python_dash_m_entry_point_runs_without_the_args_warning_and_ends_with_the_summary(tmp_path):
     done = subprocess.run(
-        [sys.executable, "-m", "lightning_mp", "fit", "--config", str(CONFIGS / "digits.yaml"), *_short(tmp_path, steps=1)],
+        [sys.executable, "-m", "lightning_mp", "fit", "--config", str(CONFIGS / "digits.yaml"),
+         *_short(tmp_path, steps=1)],
         capture_output=True, text=True, timeout=300, cwd=ROOT,
         env={**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])},
     )

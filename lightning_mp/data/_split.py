@@ -105,7 +105,8 @@ class SplitDataModule(L.LightningDataModule):
         if not shuffle:
             return DataLoader(dataset, batch_size=self.batch_size, **common)
         sampler = EpochShuffleSampler(dataset, seed=self.seed)
-        return ResumableDataLoader(dataset, batch_sampler=ResumableBatchSampler(sampler, self.batch_size, False), **common)
+        batches = ResumableBatchSampler(sampler, self.batch_size, drop_last=False)
+        return ResumableDataLoader(dataset, batch_sampler=batches, **common)
 
     def train_dataloader(self) -> DataLoader:
         """Shuffled training batches: epoch ``e`` in the order drawn from ``seed + e``; resumable mid-epoch."""
