@@ -8,6 +8,7 @@ live in the ``mixed_precision`` section. ``32-true`` trains with no plugin (the 
 from __future__ import annotations
 
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
@@ -18,9 +19,20 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 import lightning_mp.data  # noqa: F401  (registers the sample data modules for short class names)
 import lightning_mp.models  # noqa: F401  (registers the sample models for short class names)
+from lightning_mp.cli_checks import (
+    CLIConfigError,
+    as_list,
+    check_checkpoint_class,
+    check_checkpoint_weights,
+    check_plugin_specs,
+    class_spec,
+    import_class,
+)
+from lightning_mp.cli_report import effective_config_yaml, fit_summary, pop_print_config
 from lightning_mp.diagnostics import PrecisionMonitor
 from lightning_mp.distributed.strategies import check_strategy_name
 from lightning_mp.plugin import MixedPrecisionPlugin
+from lightning_mp.resources import SourceUnavailableError
 
 _OURS = {"16-mixed": "16-mixed", "16": "16-mixed", "bf16-mixed": "bf16-mixed", "bf16": "bf16-mixed"}
 _PLUGIN_OPTIONS = ("scaler", "master_weights", "keep_norm_fp32", "policy", "reduce_dtype")
@@ -34,13 +46,17 @@ class MixedPrecisionCLI(LightningCLI):
 
     Any LightningModule / LightningDataModule can be named by ``class_path``; the samples by short name
     (``BertClassifier``, ``ResNetClassifier``, ``SentimentDataModule``, ``ImageDataModule``). Re-running a
-    command in the same directory overwrites its saved ``config.yaml``.
+    command in the same directory overwrites its saved ``config.yaml``. Configuration errors found before any work
+    (plugin options, ``trainer.plugins``, a ``--ckpt_path`` of another model) raise :class:`CLIConfigError`;
+    every ``fit`` ends with a one-paragraph summary (:func:`lightning_mp.cli_summary.fit_summary`).
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         kwargs.setdefault("subclass_mode_model", True)
         kwargs.setdefault("subclass_mode_data", True)
         kwargs.setdefault("save_config_kwargs", {"overwrite": True})
+        self.precision_choice: Optional[PrecisionChoice] = None
+        self.tested_on: Optional[str] = None
         super().__init__(*args, **kwargs)
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
@@ -62,37 +78,266 @@ class MixedPrecisionCLI(LightningCLI):
             help="After fit, run the test loop on the best checkpoint (or the last weights) if the data has a test set",
         )
 
+    def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
+        """Parse, then check what can be checked before any work; ``--print_config`` prints what will train."""
+        args, print_flags = pop_print_config(args)
+        if print_flags is None:
+            super().parse_arguments(parser, args)
+        else:
+            self.config = parser.parse_args(args)  # our own print: the parser's would show the flag, not the plugin
+        self.subcommand = self.config.get("subcommand")  # what self._get needs; LightningCLI sets it again after
+        trainer = self._get(self.config, "trainer") or {}
+        check_plugin_specs(trainer.get("plugins"))
+        self.precision_choice = choose_precision(
+            trainer.get("precision"), trainer.get("accelerator"), trainer.get("plugins"), self._plugin_options()
+        )
+        if self.subcommand:
+            model = class_spec(self._get(self.config, "model"))
+            ckpt_path = self.config[self.subcommand].get("ckpt_path")
+            differ = check_checkpoint_class(ckpt_path, *(model if model else (None, None)))
+            if differ:  # LightningCLI builds the model with the checkpoint's settings: say so
+                shown = ", ".join(f"{key}={saved!r} (config: {given!r})" for key, (saved, given) in differ.items())
+                rank_zero_info(f"lightning_mp: the model is built with the settings saved in {ckpt_path}: {shown}.")
+        if print_flags is not None:
+            dumped = parser.dump(self.config, skip_link_targets=False, skip_none=False, format="yaml")
+            print(effective_config_yaml(dumped, self.subcommand, self.precision_choice, _PLUGIN_DEFAULTS,
+                                        skip_none="skip_null" in print_flags))
+            sys.exit(0)
+
+    def _plugin_options(self) -> dict[str, Any]:
+        section = self._get(self.config, "mixed_precision") or {}
+        return {key: _plain(section[key]) for key in _PLUGIN_OPTIONS if key in section}
+
+    def _check_ckpt_path(self) -> None:
+        # after the model is built, before the Trainer does any work with the checkpoint
+        ckpt_path = self.config_init[self.subcommand].get("ckpt_path") if self.subcommand else None
+        if ckpt_path not in (None, "last", "best", "hpc", "registry"):
+            check_checkpoint_weights(ckpt_path, self.model)
+
+    def before_fit(self) -> None:
+        self._check_ckpt_path()
+
+    def before_validate(self) -> None:
+        self._check_ckpt_path()
+
+    def before_test(self) -> None:
+        self._check_ckpt_path()
+
+    def before_predict(self) -> None:
+        self._check_ckpt_path()
+
     def after_fit(self) -> None:
-        if not self._get(self.config, "test_after_fit", default=True) or self.trainer.interrupted:
-            return
+        self.tested_on = None
+        if self._get(self.config, "test_after_fit", default=True) and not self.trainer.interrupted:
+            self._test_after_fit()
+        choice = self.precision_choice
+        rank_zero_info(fit_summary(self.trainer, choice.describe("Trained") if choice else "", self.tested_on,
+                                   self.summary_extras()))
+
+    def summary_extras(self) -> list[str]:
+        """More sentences for the end-of-fit summary (e.g. where a diagnostics report was written); none here."""
+        return []
+
+    def _test_after_fit(self) -> None:
         datamodule = self.datamodule
         if datamodule is None or not _has_test_data(datamodule):
             return
-        checkpoint = getattr(self.trainer.checkpoint_callback, "best_model_path", "") or None
+        best = [cb.best_model_path for cb in self.trainer.checkpoint_callbacks
+                if getattr(cb, "monitor", None) and getattr(cb, "best_model_path", "")]
+        checkpoint = best[0] if best else None
         self.trainer.test(self.model, datamodule=datamodule, ckpt_path=checkpoint)
+        self.tested_on = f"the best checkpoint {checkpoint}" if checkpoint else "the final weights"
 
     def _instantiate_trainer(self, config: dict[str, Any], callbacks: list[Any]) -> Any:
-        section = self._get(self.config, "mixed_precision") or {}
-        options = {key: _plain(section[key]) for key in _PLUGIN_OPTIONS if key in section}
+        choice = self.precision_choice or choose_precision(
+            config.get("precision"), config.get("accelerator"), config.get("plugins"), self._plugin_options()
+        )
         config = dict(config)
-        plugin = plugin_for(config.get("precision"), config.get("accelerator"), config.get("plugins"), options)
         if str(config.get("precision")) in _OURS:
             config["precision"] = None  # replaced by our plugin, or fp32 where the CPU fallback chose it
-        changed = {k: v for k, v in options.items() if v != _PLUGIN_DEFAULTS.get(k)}
-        if plugin is None and changed:
-            rank_zero_warn(
-                f"mixed_precision options {sorted(changed)} are ignored: trainer.precision="
-                f"{config.get('precision')!r} does not train with MixedPrecisionPlugin here (use 16-mixed or bf16-mixed)."
-            )
+        if choice.warning:
+            rank_zero_warn(choice.warning)
+        plugin = choice.plugin
         if plugin is not None:
             check_strategy_name(config.get("strategy"))  # issue 11: our error for FSDP1/DeepSpeed, not Lightning's
             plugins = config.get("plugins") or []
             config["plugins"] = [*(plugins if isinstance(plugins, list) else [plugins]), plugin]
-            rank_zero_info(f"lightning_mp: training with {plugin!r}")
+        reason = "" if choice.warning else f": {choice.reason}"  # the warning gave the reason already
+        rank_zero_info(f"lightning_mp: {choice.what('running', full=True)}{reason}")
         monitor = dict(_plain(self._get(self.config, "precision_monitor") or {}))
         if monitor.pop("enabled", True):
             callbacks = [*callbacks, PrecisionMonitor(**monitor)]
         return super()._instantiate_trainer(config, callbacks)
+
+
+# ------------------------------------------------------------------------------------ trainer.precision
+
+
+@dataclass(frozen=True)
+class PrecisionChoice:
+    """What ``trainer.precision``, ``trainer.plugins`` and the ``mixed_precision`` section train with here.
+
+    Attributes:
+        requested: ``trainer.precision`` as given (``None``: not given).
+        trains: what trains: ``"16-mixed"``, ``"bf16-mixed"``, ``"32-true"``, another Lightning precision, or
+            ``"trainer.plugins"`` (a precision plugin given there, used as configured).
+        reason: why, in one sentence.
+        plugin: the plugin the CLI adds to the Trainer (``None``: it adds none).
+        options: the ``mixed_precision`` options as given (plain values).
+        unused: the options that were set but do not apply to what trains.
+        warning: what the CLI warns about at start-up (a fallback, unused options), or ``None``.
+        fallback: whether the CPU fallback chose ``trains`` instead of ``requested`` (another machine may choose
+            otherwise).
+    """
+
+    requested: Optional[str]
+    trains: str
+    reason: str
+    plugin: Optional[MixedPrecisionPlugin] = None
+    options: dict[str, Any] = field(default_factory=dict)
+    unused: tuple[str, ...] = ()
+    warning: Optional[str] = None
+    fallback: bool = False
+
+    def what(self, verb: str = "trains", full: bool = False) -> str:
+        """``"<verb> in bf16-mixed with MixedPrecisionPlugin"`` and the like (``full``: the plugin's settings too)."""
+        if self.plugin is not None:
+            shown = repr(self.plugin) if full else "MixedPrecisionPlugin"
+            return f"{verb} in {self.trains} with {shown}"
+        if self.trains == "trainer.plugins":
+            return f"{verb} with the precision plugin in trainer.plugins"
+        return f"{verb} in {self.trains} without MixedPrecisionPlugin"
+
+    def describe(self, verb: str = "trains") -> str:
+        """One sentence starting with ``verb``: what trains and why."""
+        return f"{self.what(verb)}: {self.reason}"
+
+
+def choose_precision(
+    precision: Optional[str], accelerator: Optional[str], plugins: Any, options: dict[str, Any]
+) -> PrecisionChoice:
+    """Decide what trains, validating every ``mixed_precision`` option whatever is chosen.
+
+    The options are checked by building ``MixedPrecisionPlugin(<requested precision>, **options)`` (the default
+    precision when ``trainer.precision`` is not a mixed one), so the CLI refuses exactly what the API refuses,
+    also where the CPU fallback then trains in bf16 or fp32 and some options do not apply.
+
+    Raises:
+        CLIConfigError: a mixed ``precision`` together with a precision plugin in ``trainer.plugins``, or an option
+            that ``MixedPrecisionPlugin`` refuses (the message is the plugin's own).
+    """
+    precision = None if precision is None else str(precision)
+    changed = sorted(key for key, value in options.items() if value != _PLUGIN_DEFAULTS.get(key))
+    given = _precision_plugins(plugins)
+    requested = _OURS.get(precision or "")
+    _validate_options(requested or "16-mixed", options, precision)
+    if requested is None:
+        if given:
+            trains, reason = "trainer.plugins", f"{', '.join(given)}, used as configured there"
+        else:
+            trains = precision or "32-true"
+            flag = f"trainer.precision={precision!r}" if precision is not None else "trainer.precision not set"
+            reason = f"{flag}: the CLI adds MixedPrecisionPlugin only for 16-mixed or bf16-mixed"
+        warning = (
+            f"mixed_precision options {changed} are valid but not used: {reason}." if changed else None
+        )
+        return PrecisionChoice(precision, trains, reason, None, options, tuple(changed), warning)
+    if given:
+        raise CLIConfigError(
+            f"trainer.precision={precision!r} and a precision plugin in trainer.plugins ({', '.join(given)}) were "
+            "both given: Lightning accepts only one. Drop trainer.precision to use the plugin as configured, or "
+            "drop the plugin and set its options under mixed_precision."
+        )
+    if requested == "16-mixed" and _runs_on_cpu(accelerator):
+        return _cpu_fallback(precision, options, changed)
+    where = "on CPU" if _runs_on_cpu(accelerator) else "on the GPU"
+    reason = f"trainer.precision={precision!r} {where}"
+    return PrecisionChoice(precision, requested, reason, MixedPrecisionPlugin(requested, **options), options)
+
+
+def _cpu_fallback(precision: Optional[str], options: dict[str, Any], changed: list[str]) -> PrecisionChoice:
+    # 16-mixed without a GPU: bf16 (Lightning's convention) on CPUs with native bf16, else fp32. fp16 and bf16
+    # matmuls on CPUs without AVX512-BF16 or AMX run on fallback kernels far slower than fp32 (see
+    # benchmarks/RESULTS.md). An explicit MixedPrecisionPlugin in trainer.plugins is honoured as given.
+    if cpu_has_native_bf16():
+        unused = ("scaler",) if "scaler" in changed else ()
+        reason = (
+            f"trainer.precision={precision!r} without a GPU, on a CPU with native bf16 (AVX512-BF16 or AMX): "
+            "bf16-mixed instead, as Lightning does (fp16 has no fast CPU kernels); for real fp16, put "
+            "MixedPrecisionPlugin in trainer.plugins"
+        )
+        note = "; mixed_precision.scaler is valid but not used (bf16 needs no loss scaling)" if unused else ""
+        plugin = MixedPrecisionPlugin("bf16-mixed", **{k: v for k, v in options.items() if k != "scaler"})
+        return PrecisionChoice(precision, "bf16-mixed", reason, plugin, options, unused, f"{reason}{note}.", True)
+    reason = (
+        f"trainer.precision={precision!r} without a GPU, on a CPU with no native bf16 (no AVX512-BF16 or AMX), "
+        "where bf16 and fp16 run many times slower than fp32: the CPU fallback chose fp32 (32-true); set "
+        "trainer.precision=bf16-mixed, or put MixedPrecisionPlugin in trainer.plugins, to train in half precision"
+    )
+    note = f"; mixed_precision options {changed} are valid but not used in fp32" if changed else ""
+    return PrecisionChoice(precision, "32-true", reason, None, options, tuple(changed), f"{reason}{note}.", True)
+
+
+def _validate_options(precision: str, options: dict[str, Any], flag: Optional[str]) -> None:
+    try:
+        MixedPrecisionPlugin(precision, **options)
+    except (ValueError, TypeError) as err:
+        given = f"trainer.precision={flag!r}" if flag in _OURS else f"MixedPrecisionPlugin(precision={precision!r})"
+        changed = {key: value for key, value in options.items() if value != _PLUGIN_DEFAULTS.get(key)}
+        raise CLIConfigError(f"mixed_precision options {changed} are refused with {given}: {err}") from err
+
+
+def _precision_plugins(plugins: Any) -> list[str]:
+    """Names of the precision plugins in ``trainer.plugins`` (instances or class specs not yet instantiated)."""
+    names = []
+    for value in as_list(plugins):
+        if isinstance(value, Precision):
+            names.append(type(value).__name__)
+        elif (spec := class_spec(value)) is not None:
+            cls = import_class(spec[0])
+            if cls is not None and issubclass(cls, Precision):
+                names.append(cls.__name__)
+    return names
+
+
+def plugin_for(
+    precision: Optional[str], accelerator: Optional[str], plugins: Any, options: dict[str, Any]
+) -> Optional[MixedPrecisionPlugin]:
+    """The plugin that ``trainer.precision`` asks for, or ``None`` (fp32 and other precisions pass through).
+
+    Warns about a CPU fallback or unused options (see :func:`choose_precision`).
+
+    Raises:
+        CLIConfigError: see :func:`choose_precision`.
+    """
+    choice = choose_precision(precision, accelerator, plugins, options)
+    if choice.warning:
+        rank_zero_warn(choice.warning)
+    return choice.plugin
+
+
+def _runs_on_cpu(accelerator: Optional[str]) -> bool:
+    name = str(accelerator or "auto").lower()
+    if name == "cpu":
+        return True
+    if name in ("auto", "gpu", "cuda"):
+        return not torch.cuda.is_available() and not (name == "auto" and torch.backends.mps.is_available())
+    return False
+
+
+def cpu_has_native_bf16() -> bool:
+    """Whether the CPU has bf16 matmul instructions (x86: AVX512-BF16 or AMX-BF16; Arm: BF16)."""
+    cpuinfo = Path("/proc/cpuinfo")
+    if not cpuinfo.is_file():
+        return True  # not Linux: assume Lightning's convention holds
+    flags = set()
+    for line in cpuinfo.read_text(errors="ignore").splitlines():
+        if line.startswith(("flags", "Features")):
+            flags.update(line.split(":", 1)[1].split())
+    return bool(flags & {"avx512_bf16", "amx_bf16", "bf16"})
+
+
+# ------------------------------------------------------------------------------------------ helpers
 
 
 def _plain(value: Any) -> Any:
@@ -110,79 +355,30 @@ def _has_test_data(datamodule: Any) -> bool:
     return type(datamodule).test_dataloader is not LightningDataModule.test_dataloader
 
 
-def plugin_for(
-    precision: Optional[str], accelerator: Optional[str], plugins: Any, options: dict[str, Any]
-) -> Optional[MixedPrecisionPlugin]:
-    """The plugin that ``trainer.precision`` asks for, or ``None`` (fp32 and other precisions pass through).
-
-    Raises:
-        ValueError: a mixed ``precision`` together with a precision plugin in ``trainer.plugins``.
-    """
-    precision = None if precision is None else str(precision)
-    if precision not in _OURS:
-        return None
-    plugin_list = plugins if isinstance(plugins, list) else [plugins] if plugins is not None else []
-    given = [type(p).__name__ for p in plugin_list if isinstance(p, Precision)]
-    if given:
-        raise ValueError(
-            f"trainer.precision={precision!r} and a precision plugin in trainer.plugins ({', '.join(given)}) were "
-            "both given: Lightning accepts only one. Drop trainer.precision to use the plugin as configured, or "
-            "drop the plugin and set its options under mixed_precision."
-        )
-    resolved = _OURS[precision]
-    if resolved == "16-mixed" and _runs_on_cpu(accelerator):
-        resolved = cpu_fallback()
-        if resolved is None:
-            return None
-    return MixedPrecisionPlugin(resolved, **{k: v for k, v in options.items() if resolved == "16-mixed" or k != "scaler"})
-
-
-def _runs_on_cpu(accelerator: Optional[str]) -> bool:
-    name = str(accelerator or "auto").lower()
-    if name == "cpu":
-        return True
-    if name in ("auto", "gpu", "cuda"):
-        return not torch.cuda.is_available() and not (name == "auto" and torch.backends.mps.is_available())
-    return False
-
-
-def cpu_fallback() -> Optional[str]:
-    """``16-mixed`` on a CPU-only machine: bf16 (Lightning's convention) where the CPU has native bf16, else fp32.
-
-    fp16 and bf16 matmuls on CPUs without AVX512-BF16 or AMX run on fallback kernels far slower than fp32
-    (measured on a Zen 3 CPU: 20x slower forward, ~200x slower input gradient; see benchmarks/RESULTS.md), so
-    there we train in fp32 and say so. An explicit ``MixedPrecisionPlugin`` in ``trainer.plugins`` is honoured
-    as given, fp16 included.
-    """
-    if cpu_has_native_bf16():
-        rank_zero_warn(
-            "trainer.precision='16-mixed' on a machine without a GPU: training in bf16-mixed instead, as Lightning "
-            "does (fp16 on CPU is slow). For real fp16, put MixedPrecisionPlugin in trainer.plugins."
-        )
-        return "bf16-mixed"
-    rank_zero_warn(
-        "trainer.precision='16-mixed' on a machine without a GPU, and this CPU has no native bf16 (no AVX512-BF16 "
-        "or AMX): bf16 and fp16 would be many times slower than fp32 here, so training in fp32 (32-true). Set "
-        "trainer.precision=bf16-mixed, or put MixedPrecisionPlugin in trainer.plugins, to force half precision."
-    )
-    return None
-
-
-def cpu_has_native_bf16() -> bool:
-    """Whether the CPU has bf16 matmul instructions (x86: AVX512-BF16 or AMX-BF16; Arm: BF16)."""
-    cpuinfo = Path("/proc/cpuinfo")
-    if not cpuinfo.is_file():
-        return True  # not Linux: assume Lightning's convention holds
-    flags = set()
-    for line in cpuinfo.read_text(errors="ignore").splitlines():
-        if line.startswith(("flags", "Features")):
-            flags.update(line.split(":", 1)[1].split())
-    return bool(flags & {"avx512_bf16", "amx_bf16", "bf16"})
-
-
 def main(args: Optional[list[str]] = None) -> None:
-    """Entry point of ``python -m lightning_mp``."""
-    MixedPrecisionCLI(args=args if args is not None else sys.argv[1:])
+    """Entry point of ``python -m lightning_mp`` (``args``: the command line without the program name; ``None``
+    reads ``sys.argv``). A configuration error or a missing sample source is printed alone, exit status 2."""
+    try:
+        MixedPrecisionCLI(args=args)
+    except (CLIConfigError, SourceUnavailableError) as err:
+        print(f"lightning_mp: error: {err}", file=sys.stderr)
+        raise SystemExit(2) from err
+    except ValueError as err:  # jsonargparse wraps errors raised while it builds the model or data
+        cause = _cause_of_type(err, SourceUnavailableError)
+        if cause is None:
+            raise
+        print(f"lightning_mp: error: {cause}", file=sys.stderr)
+        raise SystemExit(2) from err
+
+
+def _cause_of_type(err: BaseException, kind: type) -> Optional[BaseException]:
+    seen = set()
+    while err is not None and id(err) not in seen:
+        if isinstance(err, kind):
+            return err
+        seen.add(id(err))
+        err = err.__cause__ or err.__context__  # type: ignore[assignment]
+    return None
 
 
 if __name__ == "__main__":

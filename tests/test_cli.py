@@ -1,17 +1,23 @@
-"""`python -m lightning_mp`: precision mapping, configs end to end (shortened), re-runs, logged metrics."""
+"""`python -m lightning_mp`: precision mapping, configs end to end (shortened), re-runs, logged metrics.
+
+The messages a user meets (refused options, fallbacks, --print_config, refused checkpoints, the end-of-fit
+summary) are in tests/test_cli_messages.py; the kill -9 and resume test is in tests/test_cli_resume.py.
+"""
 
 import csv
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 import lightning_mp.cli as cli
 from lightning_mp import MixedPrecisionPlugin
 from lightning_mp.cli import main, plugin_for
-from lightning_mp.resources import SourceUnavailableError
+from lightning_mp.cli_checks import CLIConfigError
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = ROOT / "configs"
@@ -64,15 +70,18 @@ def test_16_mixed_on_cpu_falls_back_with_a_warning(monkeypatch, native_bf16, exp
 
 
 def test_precision_flag_and_precision_plugin_together_are_refused():
-    with pytest.raises(ValueError, match="MixedPrecisionPlugin.*both|both.*MixedPrecisionPlugin"):
+    with pytest.raises(CLIConfigError, match="MixedPrecisionPlugin.*both|both.*MixedPrecisionPlugin"):
         plugin_for("bf16-mixed", "cpu", [MixedPrecisionPlugin("bf16-mixed")], {})
 
 
-def test_cli_refuses_conflicting_flags(tmp_path):
-    with pytest.raises(ValueError, match="Drop trainer.precision"):
+def test_cli_refuses_conflicting_flags(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exited:
         main(["fit", "--config", str(CONFIGS / "digits.yaml"), *_short(tmp_path),
               "--trainer.precision=bf16-mixed",
               "--trainer.plugins=lightning_mp.MixedPrecisionPlugin", "--trainer.plugins.precision=bf16-mixed"])
+    assert exited.value.code == 2
+    assert "Drop trainer.precision" in capsys.readouterr().err
+    assert not list(tmp_path.rglob("*.ckpt"))
 
 
 # ---------------------------------------------------------------------- configs, shortened
@@ -81,6 +90,26 @@ def test_digits_config_trains_tests_and_logs_lr(tmp_path):
     rows = _metrics(tmp_path)
     assert any(row.get("lr") for row in rows)
     assert any(row.get("test_acc") for row in rows)
+
+
+def test_digits_config_logs_a_training_curve_within_each_epoch():
+    from lightning_mp.data import ImageDataModule
+
+    config = yaml.safe_load((CONFIGS / "digits.yaml").read_text())
+    data = ImageDataModule(**config["data"]["init_args"])
+    data.setup("fit")
+    batches_per_epoch = len(data.train_dataloader())
+    assert config["trainer"]["log_every_n_steps"] * 3 <= batches_per_epoch  # >= 3 points per epoch
+
+
+@pytest.mark.parametrize("config", ["digits.yaml", "bert.yaml", "bert-imdb.yaml", "resnet18-mnist.yaml"])
+def test_every_config_keeps_a_true_last_checkpoint(config):
+    callbacks = yaml.safe_load((CONFIGS / config).read_text())["trainer"]["callbacks"]
+    last = [cb for cb in callbacks if cb["class_path"] == "lightning_mp.checkpoints.LastCheckpoint"]
+    assert len(last) == 1
+    assert not any((cb.get("init_args") or {}).get("save_last") for cb in callbacks)  # Lightning's best-copy last.ckpt
+    if config != "digits.yaml":  # runs of more than a few minutes also write it every N steps
+        assert last[0]["init_args"]["every_n_train_steps"] > 0
 
 
 def test_explicit_fp16_plugin_logs_loss_scale_and_skipped_steps(tmp_path):
@@ -120,11 +149,6 @@ def test_rerun_in_the_same_directory_works(tmp_path):
     assert (tmp_path / "lightning_logs").exists() or list(tmp_path.rglob("config.yaml"))
 
 
-def test_print_config_shows_the_plugin_options(capsys):
-    with pytest.raises(SystemExit):
-        main(["fit", "--config", str(CONFIGS / "bert.yaml"), "--print_config"])
-    printed = capsys.readouterr().out
-    assert "mixed_precision:" in printed and "master_weights:" in printed and "precision: 16-mixed" in printed
 
 
 def test_bert_config_with_a_tiny_bert(tmp_path):
@@ -150,12 +174,16 @@ def test_bert_imdb_config_on_an_aclimdb_folder(tmp_path):
     assert any(row.get("test_acc") for row in _metrics(tmp_path / "run"))
 
 
-def test_bert_imdb_config_offline_fails_at_start_with_instructions(tmp_path, monkeypatch):
+def test_bert_imdb_config_offline_fails_at_start_with_instructions(tmp_path, monkeypatch, capsys):
+    import huggingface_hub.constants
+
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    # jsonargparse wraps errors raised while it instantiates the model; the instructions come through
-    with pytest.raises((SourceUnavailableError, ValueError), match="'bert-base-cased' could not be loaded") as err:
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)  # read at import: no network retries
+    with pytest.raises(SystemExit) as exited:
         main(["fit", "--config", str(CONFIGS / "bert-imdb.yaml"), *_short(tmp_path)])
-    assert "--model.init_args.model_name_or_path" in str(err.value)
+    err = capsys.readouterr().err
+    assert exited.value.code == 2 and "lightning_mp: error: model 'bert-base-cased' could not be loaded" in err
+    assert "--model.init_args.model_name_or_path" in err and "Traceback" not in err
     assert not list(tmp_path.rglob("*.ckpt"))  # failed before any training
 
 
@@ -179,12 +207,17 @@ def test_resnet18_mnist_config_on_idx_files(tmp_path):
     assert any(row.get("test_acc") for row in _metrics(tmp_path / "run"))
 
 
-def test_python_dash_m_entry_point_runs(tmp_path):
+def test_python_dash_m_entry_point_runs_without_the_args_warning_and_ends_with_the_summary(tmp_path):
     done = subprocess.run(
-        [sys.executable, "-m", "lightning_mp", "fit", "--config", str(CONFIGS / "digits.yaml"), *_short(tmp_path, steps=1)],
+        [sys.executable, "-m", "lightning_mp", "fit", "--config", str(CONFIGS / "digits.yaml"),
+         *_short(tmp_path, steps=1)],
         capture_output=True, text=True, timeout=300, cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])},
     )
     assert done.returncode == 0, done.stderr[-3000:]
+    assert "LightningCLI's args parameter" not in done.stderr
+    summary = next(line for line in done.stderr.splitlines() if line.startswith("lightning_mp: fit ran"))
+    assert "fit ran 1 optimizer steps" in summary and "last.ckpt" in summary and "metrics.csv" in summary
 
 
 def test_any_lightning_module_by_class_path(tmp_path):
@@ -208,12 +241,14 @@ def test_precision_monitor_puts_scale_and_skips_in_the_progress_bar(tmp_path):
 def test_test_subcommand_on_the_saved_last_checkpoint(tmp_path):
     main(["fit", "--config", str(CONFIGS / "digits.yaml"), *_short(tmp_path, steps=2), "--test_after_fit=false"])
     last = next(tmp_path.rglob("last.ckpt"))
+    assert torch.load(last, weights_only=True)["global_step"] == 2  # the final state, not a copy of the best
     main(["test", "--config", str(CONFIGS / "digits.yaml"), f"--trainer.default_root_dir={tmp_path / 'test'}",
           "--trainer.limit_test_batches=1", f"--ckpt_path={last}"])
     assert any(row.get("test_acc") for row in _metrics(tmp_path / "test"))
 
 
-def test_plugin_options_without_a_mixed_precision_flag_warn_that_they_are_ignored(tmp_path):
-    with pytest.warns(UserWarning, match=r"mixed_precision options \['master_weights'\] are ignored"):
+def test_plugin_options_without_a_mixed_precision_flag_warn_that_they_are_not_used(tmp_path):
+    with pytest.warns(UserWarning, match=r"mixed_precision options \['master_weights'\] are valid but not used: "
+                                         r"trainer.precision='32-true'"):
         main(["fit", "--config", str(CONFIGS / "digits.yaml"), *_short(tmp_path, steps=1),
               "--trainer.precision=32-true", "--mixed_precision.master_weights=true", "--test_after_fit=false"])

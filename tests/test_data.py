@@ -242,6 +242,13 @@ def test_unreachable_hub_tokenizer_raises_source_unavailable(monkeypatch):
     assert isinstance(info.value.__cause__, OSError)
 
 
+def test_a_missing_local_tokenizer_folder_is_reported_as_missing_not_as_no_network(tmp_path):
+    folder = tmp_path / "my-tokenizer"
+    with pytest.raises(SourceUnavailableError, match=f"model folder '{folder}' does not exist") as info:
+        SentimentDataModule(tokenizer=str(folder)).prepare_data()
+    assert "network" not in str(info.value)
+
+
 def test_pad_to_max_length_gives_every_batch_the_same_shape(tmp_path):
     _minilm_or_skip()
     file = tmp_path / "lengths.jsonl"
@@ -426,3 +433,80 @@ def test_debian_fashion_mnist_folder_loads():
     images, labels = next(iter(dm.train_dataloader()))
     assert images.shape == (64, 1, 28, 28) and set(labels.tolist()) <= set(range(10))
     assert 0.2 < dm.mean < 0.4  # Fashion-MNIST's mean pixel is about 0.286
+
+
+# ------------------------------------------------------------------------- training order and resuming
+
+
+def _order(loader) -> list[int]:
+    return [int(i) for batch in loader for i in batch[1]]
+
+
+def _indexed_digits(**kwargs) -> ImageDataModule:
+    """Digits whose labels are replaced by the example's index, so batches show which examples they hold."""
+    dm = ImageDataModule(train_size=40, batch_size=8, **kwargs)
+    dm.setup("fit")
+    images = dm._datasets["train"].tensors[0]
+    dm._datasets["train"] = torch.utils.data.TensorDataset(images, torch.arange(len(images)))
+    return dm
+
+
+def test_each_epoch_has_its_own_order_drawn_from_seed_and_epoch_the_same_in_a_new_loader():
+    first, fresh = _indexed_digits().train_dataloader(), _indexed_digits().train_dataloader()
+    epochs = []
+    for epoch in range(3):
+        first.batch_sampler.sampler.set_epoch(epoch)  # what Lightning does at each epoch start
+        epochs.append(_order(first))
+    assert all(sorted(order) == list(range(40)) for order in epochs)
+    assert epochs[0] != epochs[1] != epochs[2] and _order(first) == epochs[2]
+    fresh.batch_sampler.sampler.set_epoch(2)  # a resumed run's new loader, in epoch 2
+    assert _order(fresh) == epochs[2]
+    assert _order(_indexed_digits(seed=1).train_dataloader()) != epochs[0]
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_train_loader_resumes_after_the_batches_it_delivered_in_that_epoch_only(num_workers):
+    loader = _indexed_digits(num_workers=num_workers).train_dataloader()
+    loader.batch_sampler.sampler.set_epoch(1)
+    whole = _order(loader)
+    iterator = iter(loader)
+    seen = [int(i) for _ in range(2) for i in next(iterator)[1]]
+    state = loader.state_dict()
+    assert state == {"epoch": 1, "batches": 2}
+    resumed = _indexed_digits(num_workers=num_workers).train_dataloader()
+    resumed.load_state_dict(state)
+    resumed.batch_sampler.sampler.set_epoch(1)
+    assert seen + _order(resumed) == whole and resumed.state_dict() == {"epoch": 1, "batches": 5}
+    assert _order(resumed) == whole  # the resume point is used once
+    other_epoch = _indexed_digits().train_dataloader()
+    other_epoch.load_state_dict({"epoch": 1, "batches": 5})  # saved after the last batch of epoch 1
+    other_epoch.batch_sampler.sampler.set_epoch(2)
+    assert len(_order(other_epoch)) == 40
+
+
+def test_train_loader_resumes_around_a_distributed_sampler_too():
+    from torch.utils.data.distributed import DistributedSampler
+
+    from lightning_mp.data._resumable import ResumableBatchSampler, ResumableDataLoader
+
+    dataset = torch.utils.data.TensorDataset(torch.zeros(40, 1), torch.arange(40))
+
+    def loader():  # what Lightning builds under DDP: our batch sampler around its DistributedSampler
+        sampler = DistributedSampler(dataset, num_replicas=2, rank=1, shuffle=True, seed=0)
+        return ResumableDataLoader(dataset, batch_sampler=ResumableBatchSampler(sampler, 4, False))
+
+    first = loader()
+    first.batch_sampler.sampler.set_epoch(3)
+    whole = _order(first)
+    resumed = loader()
+    resumed.load_state_dict({"epoch": 3, "batches": 2})
+    resumed.batch_sampler.sampler.set_epoch(3)
+    assert _order(resumed) == whole[8:]
+
+
+def test_iterating_a_loader_leaves_the_global_random_state_alone():
+    dm = _indexed_digits()
+    state = torch.get_rng_state()
+    for loader in (dm.train_dataloader(), dm.val_dataloader()):
+        _order(loader)
+    assert torch.equal(state, torch.get_rng_state())

@@ -9,6 +9,8 @@ import torch
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 
+from lightning_mp.data._resumable import EpochShuffleSampler, ResumableBatchSampler, ResumableDataLoader
+
 #: Test fraction of the pool when a source has no official test split and ``test_size`` is not given.
 DEFAULT_TEST_FRACTION = 0.2
 
@@ -79,7 +81,8 @@ def _check_available(name: str, wanted: int, available: int, where: str) -> None
 
 class SplitDataModule(L.LightningDataModule):
     """Loaders shared by the sample data modules: ``setup`` fills ``self._datasets`` with ``train``/``val``/
-    ``test`` datasets; training batches are shuffled in an order drawn from ``self.seed``; predict uses test."""
+    ``test`` datasets; training batches are shuffled in an order drawn from ``self.seed`` and the epoch, and a run
+    resumed from a checkpoint sees the batches the uninterrupted run would have seen; predict uses test."""
 
     _STAGES = {"train": "fit", "val": "validate", "test": "test"}
     collate_fn: Optional[Callable[[list[Any]], Any]] = None
@@ -94,17 +97,19 @@ class SplitDataModule(L.LightningDataModule):
     def _loader(self, split: str, shuffle: bool = False) -> DataLoader:
         if split not in self._datasets:
             self.setup(self._STAGES[split])
-        return DataLoader(
-            self._datasets[split],
-            batch_size=self.batch_size,
-            shuffle=shuffle,
-            generator=torch.Generator().manual_seed(self.seed) if shuffle else None,
-            num_workers=self.num_workers,
-            collate_fn=self.collate_fn,
-        )
+        dataset = self._datasets[split]
+        # Each loader has its own generator: iterating a DataLoader draws a worker seed from its generator, or from
+        # the global RNG without one, which would change the random stream (dropout) the model sees after a resume.
+        common = {"num_workers": self.num_workers, "collate_fn": self.collate_fn,
+                  "generator": torch.Generator().manual_seed(self.seed)}
+        if not shuffle:
+            return DataLoader(dataset, batch_size=self.batch_size, **common)
+        sampler = EpochShuffleSampler(dataset, seed=self.seed)
+        batches = ResumableBatchSampler(sampler, self.batch_size, drop_last=False)
+        return ResumableDataLoader(dataset, batch_sampler=batches, **common)
 
     def train_dataloader(self) -> DataLoader:
-        """Shuffled training batches (order drawn from ``seed``)."""
+        """Shuffled training batches: epoch ``e`` in the order drawn from ``seed + e``; resumable mid-epoch."""
         return self._loader("train", shuffle=True)
 
     def val_dataloader(self) -> DataLoader:

@@ -344,4 +344,4 @@ def load_tokenizer(name: str) -> Any:
     except (OSError, ValueError) as err:  # huggingface_hub's HFValidationError is a ValueError
         if os.path.isdir(resolved):
             raise  # a local folder: its own error is the informative one
-        raise SourceUnavailableError(hub_hint("tokenizer", name)) from err
+        raise SourceUnavailableError(hub_hint("tokenizer", name, err)) from err

