@@ -135,8 +135,15 @@ class MixedPrecisionCLI(LightningCLI):
                                    self.summary_extras()))
 
     def summary_extras(self) -> list[str]:
-        """More sentences for the end-of-fit summary (e.g. where a diagnostics report was written); none here."""
-        return []
+        """More sentences for the end-of-fit summary: where the precision report was written."""
+        extras = []
+        for callback in self.trainer.callbacks:
+            files = getattr(callback, "report_files", None) if isinstance(callback, PrecisionMonitor) else None
+            if files is not None:
+                figure = f" and {files.png}" if files.png is not None else f" (no figure: {files.png_error})"
+                extras.append(f"The precision report (where fp16 went wrong, and what to change) is {files.markdown}"
+                              f"{figure}")
+        return extras
 
     def _test_after_fit(self) -> None:
         datamodule = self.datamodule

@@ -78,6 +78,7 @@ class PrecisionMonitor(L.Callback):
         self.write_report = report
         self.history = RunHistory()
         self.log_dir: Optional[Path] = None
+        self.report_files: Any = None  # the ReportFiles written after fit (rank 0), for the CLI's summary
         self._localiser = OverflowLocaliser()
         self._activations = ActivationGradStats()
         self._names: dict[int, str] = {}
@@ -245,7 +246,7 @@ class PrecisionMonitor(L.Callback):
         from lightning_mp.diagnostics.run_report import write_report
 
         self.history.save(self.log_dir)
-        write_report(self.history, self.log_dir)
+        self.report_files = write_report(self.history, self.log_dir)
 
 
 def _our_scaler(trainer: L.Trainer) -> Any:
