@@ -112,6 +112,8 @@ def main() -> None:
               f"{plugin.scaler.skipped_steps} skipped")
         if same is not None:
             print(f"fp32 weights bitwise identical on all {trainer.world_size} ranks: {same}")
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()  # the gloo threads end before the interpreter does
 
 
 if __name__ == "__main__":

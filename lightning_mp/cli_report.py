@@ -59,10 +59,11 @@ def _numerics(plugin: Any, steps: int) -> str:
     masters = "on (fp32 masters, half-precision model)" if plugin.master_weights else "off"
     scaler = plugin.scaler
     if scaler is None or not scaler.enabled:
-        scaling = "no loss scaling (bf16 needs none)" if plugin.precision == "bf16-mixed" else "loss scaling off"
+        scaling = "no inf/NaN check (scaler disabled)"
     else:
         skipped = f"{scaler.skipped_steps} of {steps} steps skipped for inf/NaN gradients"
-        scaling = f"final loss scale {scaler.scale:g}, {skipped}"
+        scale = "no loss scaling (bf16 needs none)" if scaler.check_only else f"final loss scale {scaler.scale:g}"
+        scaling = f"{scale}, {skipped}"
     return f"Plugin numerics: {scaling}; master weights {masters}."
 
 

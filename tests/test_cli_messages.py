@@ -103,7 +103,8 @@ def test_options_the_api_accepts_are_kept_and_those_that_do_not_apply_are_named(
         assert choice.plugin is None and choice.unused == ("master_weights", "scaler")
     else:
         assert choice.plugin.master_weights and choice.plugin.precision == trains
-        assert (choice.plugin.scaler.scale if choice.plugin.scaler else None) == plugin_scaler
+        scaler = choice.plugin.scaler  # bf16: the check-only scaler (no scale), whatever the fp16 settings said
+        assert (None if scaler.check_only else scaler.scale) == plugin_scaler
         assert choice.unused == (() if kind == "gpu" else ("scaler",))
 
 
@@ -139,7 +140,7 @@ def test_the_same_command_on_a_cpu_with_bf16_trains_bf16_with_master_weights_and
               "--mixed_precision.master_weights=true", "--mixed_precision.scaler={init_scale: 1024}"])
     summary = next(line for line in lightning_log if line.startswith("lightning_mp: fit ran"))
     assert "Trained in bf16-mixed with MixedPrecisionPlugin" in summary
-    assert "no loss scaling (bf16 needs none); master weights on" in summary
+    assert "no loss scaling (bf16 needs none), 0 of 1 steps skipped for inf/NaN gradients; master weights on" in summary
 
 
 # --------------------------------------------------------------------- errors shown first and plainly
@@ -154,7 +155,8 @@ def test_a_bad_trainer_plugins_value_shows_our_message_first_and_plainly(tmp_pat
     lines = [line for line in done.stderr.splitlines() if line.strip()]
     assert done.returncode == 2
     assert lines[0] == ("lightning_mp: error: trainer.plugins[0] (lightning_mp.MixedPrecisionPlugin): scale=-1.0 is "
-                        "not allowed: it must be a finite number > 0."), done.stderr
+                        "not allowed: it must be a finite number > 0 and <= 3.40282e+38 (the largest fp32)."),\
+        done.stderr
     assert len(lines) == 1 and "Traceback" not in done.stderr and "CheckpointIO" not in done.stderr
 
 
