@@ -41,13 +41,13 @@ def test_amp_ddp(strategy, devices, plugin_cls):
     assert isinstance(trainer.precision_plugin, plugin_cls)
 
 
-class TestClippingOptimizer(torch.optim.SGD):
+class ClippingOptimizer(torch.optim.SGD):
     def step(self, *args, pl_module=None):
         pl_module.check_grads_clipped()
         return super().step(*args)
 
 
-class TestPrecisionModel(BoringModel):
+class PrecisionModel(BoringModel):
     # sister test: test_lightning_manual_optimization.py::test_multiple_optimizers_step
     def on_after_backward(self) -> None:
         # check grads are scaled
@@ -91,7 +91,7 @@ class TestPrecisionModel(BoringModel):
         optimizer.step(closure, pl_module=self)
 
     def configure_optimizers(self):
-        return TestClippingOptimizer(self.layer.parameters(), lr=0.1)
+        return ClippingOptimizer(self.layer.parameters(), lr=0.1)
 
 
 @pytest.mark.parametrize("master_weights", MASTER_WEIGHTS)
@@ -104,7 +104,7 @@ def test_amp_gradient_unscale(tmp_path, accum: int, master_weights):
     instead of two GPUs under ddp_spawn; torch's per-optimizer "UNSCALED" stage (a GradScaler internal) is not
     asserted; with master weights the gradients are read on the fp32 masters.
     """
-    model = TestPrecisionModel()
+    model = PrecisionModel()
 
     trainer = trainer_with(
         MixedPrecisionPlugin("16-mixed", master_weights=master_weights),
