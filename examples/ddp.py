@@ -112,8 +112,12 @@ def main() -> None:
               f"{plugin.scaler.skipped_steps} skipped")
         if same is not None:
             print(f"fp32 weights bitwise identical on all {trainer.world_size} ranks: {same}")
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()  # the gloo threads end before the interpreter does
+    if torch.distributed.is_initialized():  # both ranks done, then the gloo threads end before the interpreter does
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
+    # rank 0 hosts the rendezvous store; exiting while the ranks it launched are still connected can abort it
+    for child in getattr(getattr(trainer.strategy, "launcher", None), "procs", []):
+        child.wait()
 
 
 if __name__ == "__main__":

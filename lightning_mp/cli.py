@@ -366,7 +366,7 @@ def main(args: Optional[list[str]] = None) -> None:
     """Entry point of ``python -m lightning_mp`` (``args``: the command line without the program name; ``None``
     reads ``sys.argv``). A configuration error or a missing sample source is printed alone, exit status 2."""
     try:
-        MixedPrecisionCLI(args=args)
+        cli = MixedPrecisionCLI(args=args)
     except (CLIConfigError, SourceUnavailableError) as err:
         print(f"lightning_mp: error: {err}", file=sys.stderr)
         raise SystemExit(2) from err
@@ -376,6 +376,19 @@ def main(args: Optional[list[str]] = None) -> None:
             raise
         print(f"lightning_mp: error: {cause}", file=sys.stderr)
         raise SystemExit(2) from err
+    _end_distributed(getattr(cli, "trainer", None))
+
+
+def _end_distributed(trainer: Any) -> None:
+    """Both ranks done, the process group down, and (on the launching rank, which hosts the rendezvous store) the
+    ranks it launched exited, before this process exits: exiting first can abort it ("terminate called ...")."""
+    if trainer is None:
+        return
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
+    for child in getattr(getattr(trainer.strategy, "launcher", None), "procs", []):
+        child.wait()
 
 
 def _cause_of_type(err: BaseException, kind: type) -> Optional[BaseException]:
