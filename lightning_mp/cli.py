@@ -30,7 +30,7 @@ from lightning_mp.cli_checks import (
 )
 from lightning_mp.cli_report import effective_config_yaml, fit_summary, pop_print_config
 from lightning_mp.diagnostics import PrecisionMonitor
-from lightning_mp.distributed.strategies import check_strategy_name
+from lightning_mp.distributed.strategies import check_strategy_name, end_distributed_run
 from lightning_mp.plugin import MixedPrecisionPlugin
 from lightning_mp.resources import SourceUnavailableError
 
@@ -376,19 +376,7 @@ def main(args: Optional[list[str]] = None) -> None:
             raise
         print(f"lightning_mp: error: {cause}", file=sys.stderr)
         raise SystemExit(2) from err
-    _end_distributed(getattr(cli, "trainer", None))
-
-
-def _end_distributed(trainer: Any) -> None:
-    """Both ranks done, the process group down, and (on the launching rank, which hosts the rendezvous store) the
-    ranks it launched exited, before this process exits: exiting first can abort it ("terminate called ...")."""
-    if trainer is None:
-        return
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        torch.distributed.barrier()
-        torch.distributed.destroy_process_group()
-    for child in getattr(getattr(trainer.strategy, "launcher", None), "procs", []):
-        child.wait()
+    end_distributed_run(getattr(cli, "trainer", None))
 
 
 def _cause_of_type(err: BaseException, kind: type) -> Optional[BaseException]:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from lightning.pytorch.strategies import (
     DDPStrategy,
     DeepSpeedStrategy,
@@ -84,4 +85,16 @@ def check_strategy_name(strategy: Any) -> None:
         isinstance(strategy, str) and strategy in FSDPStrategy.get_registered_strategies()
     ):
         refuse_fsdp1(strategy)
+
+
+def end_distributed_run(trainer: Any) -> None:
+    """Both ranks done, the process group down, and (on the launching rank, which hosts the rendezvous store) the
+    ranks it launched exited, before this process exits: exiting first can abort it ("terminate called ...")."""
+    if trainer is None:
+        return
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
+    for child in getattr(getattr(trainer.strategy, "launcher", None), "procs", []):
+        child.wait()
 
