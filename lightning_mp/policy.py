@@ -169,9 +169,7 @@ class CastPolicy:
 
     def module_in_fp32(self, qualified_name: str, module: nn.Module) -> bool:
         """Whether a ``fp32_modules`` rule (class name or qualified-name glob) matches this module."""
-        return any(
-            type(module).__name__ == rule or fnmatch.fnmatchcase(qualified_name, rule) for rule in self.fp32_modules
-        )
+        return any(_rule_matches(rule, qualified_name, module) for rule in self.fp32_modules)
 
     def unmatched_module_rules(self, model: nn.Module) -> dict[str, list[str]]:
         """``fp32_modules`` rules that match no module of ``model`` -> the closest module names and class names."""
@@ -179,7 +177,7 @@ class CastPolicy:
         candidates = list(dict.fromkeys([n for n, _ in modules if n] + [type(m).__name__ for _, m in modules]))
         unmatched: dict[str, list[str]] = {}
         for rule in self.fp32_modules:
-            if not any(type(m).__name__ == rule or fnmatch.fnmatchcase(n, rule) for n, m in modules):
+            if not any(_rule_matches(rule, n, m) for n, m in modules):
                 unmatched[rule] = difflib.get_close_matches(rule, candidates, n=3, cutoff=0.4)
         return unmatched
 
@@ -206,8 +204,7 @@ class CastPolicy:
         for rule in self.fp32_modules:
             matched = ""
             if modules is not None:
-                names = [n or "<root>" for n, m in modules.named_modules() if self.module_in_fp32(n, m) and
-                         (type(m).__name__ == rule or fnmatch.fnmatchcase(n, rule))]
+                names = [n or "<root>" for n, m in modules.named_modules() if _rule_matches(rule, n, m)]
                 matched = f" -> {len(names)} modules: {', '.join(names[:6])}{' ...' if len(names) > 6 else ''}"
             lines.append(f"module {rule!r:27} fp32     user{matched}")
         return "\n".join(lines)
@@ -217,6 +214,11 @@ class CastPolicy:
 
 
 # ---------------------------------------------------------------------- applying it
+def _rule_matches(rule: str, qualified_name: str, module: nn.Module) -> bool:
+    """An ``fp32_modules`` rule matches a module by its class name or by a glob over its qualified name."""
+    return type(module).__name__ == rule or fnmatch.fnmatchcase(qualified_name, rule)
+
+
 class _OverrideMode(TorchFunctionMode):
     """Intercepts only the overridden torch functions; everything else passes through untouched."""
 
