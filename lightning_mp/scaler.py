@@ -198,11 +198,12 @@ class DynamicLossScaler:
         # the scale is fp32: a 0-dim fp16 loss is promoted to fp32 and cannot overflow here
         return loss * self._scale_tensor
 
-    def scale_of_grads(self) -> Tensor:
-        """The scale the current gradients carry: the one of the latest :meth:`scale_loss` (a 0-dim fp32 tensor)."""
+    def scale_of_grads(self, device: Optional[torch.device] = None) -> Tensor:
+        """The scale the current gradients carry: the one of the latest :meth:`scale_loss` (a 0-dim fp32 tensor),
+        or, without one, the current scale (made on ``device``)."""
         if self._scale_in_grads is not None:
             return self._scale_in_grads
-        return torch.full((), self.scale, dtype=torch.float32)
+        return torch.full((), self.scale, dtype=torch.float32, device=device)
 
     def unscale_(self, params: NamedOrPlainParams) -> Tensor:
         """Divide the ``.grad`` of ``params`` by the scale in place and check them for inf/NaN.
@@ -240,9 +241,7 @@ class DynamicLossScaler:
                 per_device_dtype[grad.device][grad.dtype].append(grad)
             if first_device is None:
                 return torch.zeros(1, dtype=torch.float32)
-            scale = self._scale_in_grads
-            if scale is None:  # unscale_ without scale_loss: the grads carry the current scale
-                scale = torch.full((), self._scale_value, dtype=torch.float32, device=first_device)
+            scale = self.scale_of_grads(first_device)  # unscale_ without scale_loss: the current scale
             found_inf_total = torch.zeros(1, dtype=torch.float32, device=first_device)
             for device, per_dtype in per_device_dtype.items():
                 inv_scale = scale.to(device).reciprocal().reshape(1)
