@@ -260,19 +260,20 @@ class MixedPrecisionPlugin(Precision):
             # still run, as in Lightning; whatever they unscale stays recorded until the next backward ends it
             self._after_closure(model, optimizer)
             return None
+        torch_optimizer = _unwrap_optimizer(optimizer)
         # unscale after the closure and before on_before_optimizer_step, so hooks and clipping see true grads
         found_inf = self._sync.agree(self._unscale_once(optimizer))  # every rank takes the same decision
         self._after_closure(model, optimizer)
-        self._unscaled.consumed(_unwrap_optimizer(optimizer))
+        self._unscaled.consumed(torch_optimizer)
         skip = self.scaler.found_inf(found_inf)  # the step's one host synchronisation
-        record_step(_unwrap_optimizer(optimizer), skipped=skip)
+        record_step(torch_optimizer, skipped=skip)
         step_output = None
         if not skip:
             step_output = optimizer.step(**kwargs)
             if self.masters is not None:
-                self.masters.masters_to_model(_unwrap_optimizer(optimizer))
+                self.masters.masters_to_model(torch_optimizer)
         for observer in self.skip_observers if skip else ():  # --- the diagnostics extension point (see __init__)
-            observer(plugin=self, optimizer=_unwrap_optimizer(optimizer), model=model)
+            observer(plugin=self, optimizer=torch_optimizer, model=model)
         self.scaler.update(skip)
         return step_output
 
