@@ -104,7 +104,7 @@ class _MLP(L.LightningModule):
 def _workload(name: str, steps: int, plant: int) -> tuple[L.LightningModule, DataLoader, list[Any]]:
     torch.manual_seed(0)
     if name == "minilm-fp32":
-        from lightning_mp.models import BertClassifier
+        from lightning_mp.samples.models import BertClassifier
 
         model = BertClassifier("minilm", pretrained=False, lr=1e-4)
         ids = torch.randint(1000, 5000, (steps * 16, 64))

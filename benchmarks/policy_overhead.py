@@ -24,7 +24,7 @@ POLICIES = {"autocast": None, "passthrough": {"fp32_ops": ["cumsum"]}, "conserva
 
 def main() -> None:
     from lightning_mp import MixedPrecisionPlugin
-    from lightning_mp.models import BertClassifier
+    from lightning_mp.samples.models import BertClassifier
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--precision", choices=["bf16-mixed", "16-mixed"], default="bf16-mixed")

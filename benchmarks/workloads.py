@@ -166,8 +166,8 @@ def build(name: str, preset: str, seed: int = 0) -> Workload:
 
 
 def _text(name: str, sizes: dict[str, Any], seed: int) -> Workload:
-    from lightning_mp.data import SentimentDataModule
-    from lightning_mp.models.bert import load_sequence_classifier
+    from lightning_mp.samples.data import SentimentDataModule
+    from lightning_mp.samples.models.bert import load_sequence_classifier
 
     data = SentimentDataModule(
         "rotten_tomatoes", train_size=sizes["train"], val_size=1, test_size=sizes["test"], batch_size=sizes["batch"],
@@ -183,8 +183,8 @@ def _text(name: str, sizes: dict[str, Any], seed: int) -> Workload:
 
 
 def _images(sizes: dict[str, Any], seed: int) -> Workload:
-    from lightning_mp.data import ImageDataModule
-    from lightning_mp.models.resnet import ResNet
+    from lightning_mp.samples.data import ImageDataModule
+    from lightning_mp.samples.models.resnet import ResNet
 
     data = ImageDataModule("digits", val_size=1, test_size=sizes.get("test"), batch_size=sizes["batch"], seed=seed)
     data.setup()

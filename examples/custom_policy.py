@@ -16,7 +16,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_mp import CastPolicy, MixedPrecisionPlugin
-from lightning_mp.models import BertClassifier
+from lightning_mp.samples.models import BertClassifier
 
 TINY_BERT = {"num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 2, "intermediate_size": 128}
 

@@ -28,6 +28,7 @@ from lightning_mp.distributed.sync import reduce_dtype_of
 from lightning_mp.master import MasterWeights, is_norm
 from lightning_mp.policy import CastPolicy, ModuleRules, override_context
 from lightning_mp.scaler import DynamicLossScaler
+from lightning_mp.settings import foreign_scaler_state
 from lightning_mp.schedulers import guard_scheduler, record_step
 from lightning_mp.unscaled import UnscaledGradients
 
@@ -100,7 +101,7 @@ class MixedPrecisionPlugin(Precision):
         self._device_type: Optional[str] = None
         self._param_names: dict[int, str] = {}
         # which optimizers' gradients are unscaled since their backward (the one place that decides it)
-        self._unscaled = UnscaledGradients(self.scaler) if self.scaler is not None else None
+        self._unscaled = UnscaledGradients()
         # --- extension point for diagnostics: called as observer(plugin=, optimizer=, model=) on every skipped
         # step, after the inf/NaN check and before the scaler updates (PrecisionMonitor localises the overflow)
         self.skip_observers: list[Callable[..., None]] = []
@@ -183,8 +184,7 @@ class MixedPrecisionPlugin(Precision):
         self._sync.connect(model, self)  # DDP: comm hooks, masters broadcast from rank 0; FSDP2: policy checks
         if self.scaler is not None:
             self.scaler.gather_names = self._sync.gather_names  # culprits at min_scale, from every rank
-        if self._unscaled is not None:
-            self._unscaled.clear()
+        self._unscaled.clear()
         for rule, close in self._effective_policy.unmatched_module_rules(inner).items():
             rank_zero_warn(
                 f"CastPolicy fp32_modules rule {rule!r} matches no module of {type(inner).__name__}, so it does "
@@ -218,8 +218,8 @@ class MixedPrecisionPlugin(Precision):
         # scale before Lightning's on_before_backward hooks, as its built-in plugin does. A new backward ends
         # every "already unscaled" record: gradients still unscaled are scaled back so the sum stays consistent
         if self._checking:
-            assert self.scaler is not None and self._unscaled is not None
-            self._unscaled.new_backward()
+            assert self.scaler is not None
+            self._unscaled.new_backward(self.scaler)
             tensor = self.scaler.scale_loss(tensor)
         return super().pre_backward(tensor, module)
 
@@ -253,7 +253,7 @@ class MixedPrecisionPlugin(Precision):
             if self.masters is not None:
                 self.masters.masters_to_model(_unwrap_optimizer(optimizer))
             return step_output
-        assert self.scaler is not None and self._unscaled is not None
+        assert self.scaler is not None
         closure_result = closure()
         if closure_result is None and model.automatic_optimization:
             # training_step returned None: no backward ran, so nothing to unscale or step. Hooks and clipping
@@ -279,14 +279,14 @@ class MixedPrecisionPlugin(Precision):
 
     def _unscale_once(self, optimizer: Optimizable) -> Tensor:
         """Unscale ``optimizer``'s grads unless already done since their backward; the found-inf flag tensor."""
-        assert self._unscaled is not None
         optimizer = _unwrap_optimizer(optimizer)
         named = [
             (self._param_names.get(id(param), f"param_groups[{g}][{i}]"), param)
             for g, group in enumerate(optimizer.param_groups)
             for i, param in enumerate(group["params"])
         ]
-        return self._unscaled.unscale(optimizer, named)
+        assert self.scaler is not None
+        return self._unscaled.unscale(self.scaler, optimizer, named)
 
     @override
     def clip_gradients(
@@ -334,23 +334,9 @@ class MixedPrecisionPlugin(Precision):
         # silently restart the scale at init_scale: pick up those states here instead.
         if type(self).__qualname__ in checkpoint or self.scaler is None:
             return
-        for key, state in checkpoint.items():
-            if isinstance(state, dict) and "hysteresis_tracker" in state.get("scaler", {}):
-                self.load_state_dict(state, source=f"checkpoint[{key!r}]")
-                return
-        torch_state = checkpoint.get("MixedPrecision")
-        if isinstance(torch_state, dict) and "scale" in torch_state:  # a torch.amp.GradScaler state
-            settings = ("growth_factor", "backoff_factor", "growth_interval")
-            self.scaler.load_state_dict(
-                source="checkpoint['MixedPrecision'] (Lightning's built-in GradScaler state)",
-                state_dict={
-                    **{key: torch_state[key] for key in settings if key in torch_state},
-                    "scale": float(torch_state["scale"]),
-                    "growth_tracker": int(torch_state.get("_growth_tracker", 0)),
-                    "hysteresis_tracker": self.scaler.hysteresis,
-                    "skipped_steps": 0,
-                }
-            )
+        found = foreign_scaler_state(checkpoint, hysteresis=self.scaler.hysteresis)
+        if found is not None:
+            self.load_state_dict(found[0], source=found[1])
 
     @override
     def teardown(self) -> None:

@@ -13,17 +13,15 @@ once per step and :meth:`DynamicLossScaler.update` takes the resulting Python bo
 
 from __future__ import annotations
 
-from collections import defaultdict
-from collections.abc import Iterable
-from typing import Any, Callable, Optional, Union
-
 import inspect
-from collections.abc import Mapping
+from collections import defaultdict
+from collections.abc import Iterable, Mapping
+from typing import Any, Callable, Optional, Union
 
 import torch
 from torch import Tensor
 
-from lightning_mp.settings import FP32_MAX, check_int, check_number, validated_settings
+from lightning_mp.settings import FP32_MAX, check_int, check_number, validated_settings, validated_state
 
 # What `unscale_` accepts: tensors whose ``.grad`` is unscaled, or ``(name, tensor)`` pairs so that errors can
 # name the parameters.
@@ -362,29 +360,7 @@ class DynamicLossScaler:
             ValueError: a value is out of range or of the wrong type (the error names the key, the value and
                 ``source``).
         """
-        missing = sorted({"scale", "growth_tracker", "hysteresis_tracker", "skipped_steps"} - set(state_dict))
-        if missing:
-            raise KeyError(f"{source} lacks DynamicLossScaler keys {missing}; got keys {sorted(state_dict)}.")
-        # settings absent from an older checkpoint keep the constructor's; counters absent from it start at 0
-        merged = {**self.state_dict(), "steps": 0, "consecutive_skips": 0, **state_dict}
-        try:
-            settings = validated_settings(
-                init_scale=merged["scale"], growth_factor=merged["growth_factor"],
-                backoff_factor=merged["backoff_factor"], growth_interval=merged["growth_interval"],
-                hysteresis=merged["hysteresis"], min_scale=merged["min_scale"], max_scale=merged["max_scale"],
-                enabled=merged["enabled"], max_consecutive_skips=merged["max_consecutive_skips"],
-                dynamic=merged["dynamic"], check_only=merged["check_only"], scale_name="scale",
-            )
-            counters = {
-                "growth_tracker": check_int("growth_tracker", merged["growth_tracker"], low=0),
-                "hysteresis_tracker": check_int("hysteresis_tracker", merged["hysteresis_tracker"], low=0,
-                                                 high=settings["hysteresis"]),
-                "steps": check_int("steps", merged["steps"], low=0),
-                "skipped_steps": check_int("skipped_steps", merged["skipped_steps"], low=0),
-                "consecutive_skips": check_int("consecutive_skips", merged["consecutive_skips"], low=0),
-            }
-        except ValueError as error:
-            raise ValueError(f"{source}: {error} The checkpoint is corrupt or was edited by hand.") from error
+        settings, counters = validated_state(state_dict, defaults=self.state_dict(), source=source)
         for key in ("growth_factor", "backoff_factor", "growth_interval", "hysteresis", "min_scale", "max_scale",
                     "enabled", "max_consecutive_skips", "dynamic", "check_only"):
             setattr(self, key, settings[key])

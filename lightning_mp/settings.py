@@ -72,3 +72,58 @@ def check_bool(name: str, value: Any) -> bool:
     if not isinstance(value, bool):
         raise ValueError(f"{name}={value!r} is not allowed: it must be True or False.")
     return value
+
+
+def validated_state(state_dict: Any, defaults: dict[str, Any], source: str) -> tuple[dict[str, Any], dict[str, int]]:
+    """A saved ``DynamicLossScaler`` state checked with the constructor's rules: ``(settings, counters)``.
+
+    ``defaults`` (the scaler's own ``state_dict()``) fills settings an older checkpoint lacks; counters it lacks
+    start at 0. Raises ``KeyError`` for a missing required key, ``ValueError`` naming key, value and ``source``.
+    """
+    if not isinstance(state_dict, dict):
+        raise ValueError(f"{source} is a {type(state_dict).__name__}, not a DynamicLossScaler state (a dict).")
+    missing = sorted({"scale", "growth_tracker", "hysteresis_tracker", "skipped_steps"} - set(state_dict))
+    if missing:
+        raise KeyError(f"{source} lacks DynamicLossScaler keys {missing}; got keys {sorted(state_dict)}.")
+    merged = {**defaults, "steps": 0, "consecutive_skips": 0, **state_dict}
+    try:
+        settings = validated_settings(
+            init_scale=merged["scale"], growth_factor=merged["growth_factor"],
+            backoff_factor=merged["backoff_factor"], growth_interval=merged["growth_interval"],
+            hysteresis=merged["hysteresis"], min_scale=merged["min_scale"], max_scale=merged["max_scale"],
+            enabled=merged["enabled"], max_consecutive_skips=merged["max_consecutive_skips"],
+            dynamic=merged["dynamic"], check_only=merged["check_only"], scale_name="scale",
+        )
+        counters = {
+            "growth_tracker": check_int("growth_tracker", merged["growth_tracker"], low=0),
+            "hysteresis_tracker": check_int("hysteresis_tracker", merged["hysteresis_tracker"], low=0,
+                                             high=settings["hysteresis"]),
+            "steps": check_int("steps", merged["steps"], low=0),
+            "skipped_steps": check_int("skipped_steps", merged["skipped_steps"], low=0),
+            "consecutive_skips": check_int("consecutive_skips", merged["consecutive_skips"], low=0),
+        }
+    except ValueError as error:
+        raise ValueError(f"{source}: {error} The checkpoint is corrupt or was edited by hand.") from error
+    return settings, counters
+
+
+def foreign_scaler_state(checkpoint: dict[str, Any], hysteresis: int) -> Optional[tuple[dict[str, Any], str]]:
+    """A plugin state in a checkpoint written by another plugin class: ``({"scaler": state}, source)``, or ``None``.
+
+    Either a subclass of ``MixedPrecisionPlugin`` (a key whose value holds our scaler state) or Lightning's
+    built-in ``MixedPrecision`` (a ``torch.amp.GradScaler`` state, converted to ours).
+    """
+    for key, state in checkpoint.items():
+        if isinstance(state, dict) and "hysteresis_tracker" in state.get("scaler", {}):
+            return state, f"checkpoint[{key!r}]"
+    torch_state = checkpoint.get("MixedPrecision")
+    if isinstance(torch_state, dict) and "scale" in torch_state:
+        kept = ("growth_factor", "backoff_factor", "growth_interval")
+        return {"scaler": {
+            **{key: torch_state[key] for key in kept if key in torch_state},
+            "scale": float(torch_state["scale"]),
+            "growth_tracker": int(torch_state.get("_growth_tracker", 0)),
+            "hysteresis_tracker": hysteresis,
+            "skipped_steps": 0,
+        }}, "checkpoint['MixedPrecision'] (Lightning's built-in GradScaler state)"
+    return None

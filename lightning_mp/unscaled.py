@@ -23,21 +23,24 @@ from lightning_mp.scaler import DynamicLossScaler
 
 
 class UnscaledGradients:
-    """Per-optimizer record of gradients unscaled since their backward, for one :class:`DynamicLossScaler`."""
+    """Per-optimizer record of gradients unscaled since their backward.
 
-    def __init__(self, scaler: DynamicLossScaler) -> None:
-        self.scaler = scaler
+    It holds no scaler: the plugin owns the one :class:`DynamicLossScaler` and passes it to each call, so a scaler
+    replaced on the plugin (or spied on by a test) is the one used.
+    """
+
+    def __init__(self) -> None:
         # id(optimizer) -> (the optimizer, found-inf flag, scale the gradients were unscaled with)
         self._records: dict[int, tuple[Any, Tensor, Tensor]] = {}
         # id(optimizer) -> found-inf flag of unscaled gradients that a later backward adds to
         self._carried: dict[int, Tensor] = {}
 
-    def unscale(self, optimizer: Any, named_params: list[tuple[str, Tensor]]) -> Tensor:
+    def unscale(self, scaler: DynamicLossScaler, optimizer: Any, named_params: list[tuple[str, Tensor]]) -> Tensor:
         """Unscale ``optimizer``'s gradients unless already done since their backward; the found-inf flag."""
         record = self._records.get(id(optimizer))
         if record is None:
-            scale = self.scaler.scale_of_grads()
-            found_inf = self.scaler.unscale_(named_params)
+            scale = scaler.scale_of_grads()
+            found_inf = scaler.unscale_(named_params)
             carried = self._carried.pop(id(optimizer), None)
             if carried is not None:
                 found_inf = found_inf + carried.to(found_inf.device)
@@ -54,7 +57,7 @@ class UnscaledGradients:
         self._records.pop(id(optimizer), None)
         self._carried.pop(id(optimizer), None)
 
-    def new_backward(self) -> None:
+    def new_backward(self, scaler: DynamicLossScaler) -> None:
         """A backward is about to add scaled gradients: scale back whatever is still unscaled and carry what its
         check found; end every record."""
         for key, (optimizer, found_inf, scale) in self._records.items():
@@ -62,7 +65,7 @@ class UnscaledGradients:
             if not grads:  # zero_grad() since: nothing left to scale back or to carry
                 continue
             self._carried[key] = found_inf
-            if not self.scaler.check_only:
+            if not scaler.check_only:
                 with torch.no_grad():
                     for grad in grads:
                         grad.mul_(scale.to(grad.device))

@@ -5,7 +5,7 @@ import torch
 
 from lightning_mp import MixedPrecisionPlugin
 from lightning_mp.diagnostics import audit
-from lightning_mp.models import BertClassifier
+from lightning_mp.samples.models import BertClassifier
 
 TINY_BERT = dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=2, intermediate_size=128)
 

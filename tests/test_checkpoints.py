@@ -12,7 +12,7 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_mp.checkpoints import LastCheckpoint, rng_states, set_rng_states
+from lightning_mp.cli.checkpoints import LastCheckpoint, rng_states, set_rng_states
 
 
 class GetsWorse(L.LightningModule):

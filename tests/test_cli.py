@@ -14,10 +14,10 @@ import pytest
 import torch
 import yaml
 
-import lightning_mp.cli as cli
+import lightning_mp.cli.app as cli
 from lightning_mp import MixedPrecisionPlugin
 from lightning_mp.cli import main, plugin_for
-from lightning_mp.cli_checks import CLIConfigError
+from lightning_mp.cli.checks import CLIConfigError
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = ROOT / "configs"
@@ -93,7 +93,7 @@ def test_digits_config_trains_tests_and_logs_lr(tmp_path):
 
 
 def test_digits_config_logs_a_training_curve_within_each_epoch():
-    from lightning_mp.data import ImageDataModule
+    from lightning_mp.samples.data import ImageDataModule
 
     config = yaml.safe_load((CONFIGS / "digits.yaml").read_text())
     data = ImageDataModule(**config["data"]["init_args"])
@@ -105,7 +105,7 @@ def test_digits_config_logs_a_training_curve_within_each_epoch():
 @pytest.mark.parametrize("config", ["digits.yaml", "bert.yaml", "bert-imdb.yaml", "resnet18-mnist.yaml"])
 def test_every_config_keeps_a_true_last_checkpoint(config):
     callbacks = yaml.safe_load((CONFIGS / config).read_text())["trainer"]["callbacks"]
-    last = [cb for cb in callbacks if cb["class_path"] == "lightning_mp.checkpoints.LastCheckpoint"]
+    last = [cb for cb in callbacks if cb["class_path"] == "lightning_mp.cli.checkpoints.LastCheckpoint"]
     assert len(last) == 1
     assert not any((cb.get("init_args") or {}).get("save_last") for cb in callbacks)  # Lightning's best-copy last.ckpt
     if config != "digits.yaml":  # runs of more than a few minutes also write it every N steps

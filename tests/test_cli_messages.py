@@ -13,11 +13,11 @@ import pytest
 import torch
 import yaml
 
-import lightning_mp.cli as cli
+import lightning_mp.cli.app as cli
 from lightning_mp import DynamicLossScaler, MixedPrecisionPlugin
 from lightning_mp.cli import choose_precision, main
-from lightning_mp.cli_checks import CLIConfigError, check_checkpoint_weights
-from lightning_mp.cli_report import fit_summary
+from lightning_mp.cli.checks import CLIConfigError, check_checkpoint_weights
+from lightning_mp.cli.report import fit_summary
 
 ROOT = Path(__file__).resolve().parent.parent
 DIGITS = str(ROOT / "configs" / "digits.yaml")
@@ -178,7 +178,7 @@ def test_a_checkpoint_of_another_model_is_refused_before_training_naming_both(tm
     err = _refused(capsys, "fit", "--config", BERT, *_short(tmp_path / "bert"), *TINY_BERT,
                    "--data.init_args.train_size=16", f"--ckpt_path={checkpoint}")
     assert f"lightning_mp: error: --ckpt_path {checkpoint} was saved from a ResNetClassifier (depth=10" in err
-    assert "but this run's model is lightning_mp.models.BertClassifier" in err or "model is BertClassifier" in err
+    assert "but this run's model is lightning_mp.samples.models.BertClassifier" in err or "model is BertClassifier" in err
     assert "'list' object has no attribute" not in err
     assert not (tmp_path / "bert").exists() or not list((tmp_path / "bert").rglob("*.ckpt"))
 

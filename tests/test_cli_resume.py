@@ -67,7 +67,7 @@ class DropoutDigits(L.LightningModule):
 CALLBACKS = """\
 trainer:
   callbacks:
-    - class_path: lightning_mp.checkpoints.LastCheckpoint
+    - class_path: lightning_mp.cli.checkpoints.LastCheckpoint
       init_args: {every_n_train_steps: 5}
     - class_path: lightning.pytorch.callbacks.ModelCheckpoint
       init_args: {monitor: val_acc, mode: max, filename: "best-{epoch}-{step}"}

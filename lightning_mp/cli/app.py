@@ -17,9 +17,8 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
-import lightning_mp.data  # noqa: F401  (registers the sample data modules for short class names)
-import lightning_mp.models  # noqa: F401  (registers the sample models for short class names)
-from lightning_mp.cli_checks import (
+import lightning_mp.samples  # noqa: F401  (registers the sample models and data modules for short class names)
+from lightning_mp.cli.checks import (
     CLIConfigError,
     as_list,
     check_checkpoint_class,
@@ -28,11 +27,11 @@ from lightning_mp.cli_checks import (
     class_spec,
     import_class,
 )
-from lightning_mp.cli_report import effective_config_yaml, fit_summary, pop_print_config
+from lightning_mp.cli.report import effective_config_yaml, fit_summary, pop_print_config
 from lightning_mp.diagnostics import PrecisionMonitor
 from lightning_mp.distributed.strategies import check_strategy_name, end_distributed_run
 from lightning_mp.plugin import MixedPrecisionPlugin
-from lightning_mp.resources import SourceUnavailableError
+from lightning_mp.samples.resources import SourceUnavailableError
 
 _OURS = {"16-mixed": "16-mixed", "16": "16-mixed", "bf16-mixed": "bf16-mixed", "bf16": "bf16-mixed"}
 _PLUGIN_OPTIONS = ("scaler", "master_weights", "keep_norm_fp32", "policy", "reduce_dtype")

@@ -13,7 +13,7 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torchmetrics.classification import BinaryF1Score, MulticlassAccuracy, MulticlassF1Score
 
-from lightning_mp.resources import MODEL_ARCHITECTURES, SourceUnavailableError, hub_hint, resolve_model
+from lightning_mp.samples.resources import MODEL_ARCHITECTURES, SourceUnavailableError, hub_hint, resolve_model
 
 #: Top-level modules of a sequence-classification head that a pretrained encoder checkpoint does not hold.
 _HEAD_MODULES = ("classifier", "score")
@@ -124,7 +124,7 @@ def load_sequence_classifier(
     """``AutoModelForSequenceClassification`` from a short name, a folder or a hub name, with a clear error.
 
     ``pretrained=False`` with a short name (``minilm``) builds the architecture from
-    :data:`lightning_mp.resources.MODEL_ARCHITECTURES` with random weights: no wheel, folder or network needed.
+    :data:`lightning_mp.samples.resources.MODEL_ARCHITECTURES` with random weights: no wheel, folder or network needed.
     A pretrained encoder gets a new classification head: that is said once, in our words, instead of transformers'
     load report; anything else missing, unexpected or mis-shaped in the weights is warned about by name.
     """

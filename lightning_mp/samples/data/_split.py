@@ -9,7 +9,7 @@ import torch
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 
-from lightning_mp.data._resumable import EpochShuffleSampler, ResumableBatchSampler, ResumableDataLoader
+from lightning_mp.samples.data._resumable import EpochShuffleSampler, ResumableBatchSampler, ResumableDataLoader
 
 #: Test fraction of the pool when a source has no official test split and ``test_size`` is not given.
 DEFAULT_TEST_FRACTION = 0.2

@@ -17,8 +17,8 @@ import torch
 from torch import Tensor
 from torch.utils.data import TensorDataset
 
-from lightning_mp.data._split import SplitDataModule, check_int, check_split_args, split_indices
-from lightning_mp.resources import FASHION_MNIST_DIR, SourceUnavailableError
+from lightning_mp.samples.data._split import SplitDataModule, check_int, check_split_args, split_indices
+from lightning_mp.samples.resources import FASHION_MNIST_DIR, SourceUnavailableError
 
 SOURCES = ("digits", "mnist", "fashion_mnist")
 IDX_IMAGES_MAGIC = 0x00000803  # unsigned bytes, 3 dimensions

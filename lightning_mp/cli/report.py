@@ -12,8 +12,8 @@ import lightning as L
 import yaml
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from lightning_mp.checkpoints import LastCheckpoint
-from lightning_mp.cli_checks import as_list
+from lightning_mp.cli.checkpoints import LastCheckpoint
+from lightning_mp.cli.checks import as_list
 from lightning_mp.plugin import MixedPrecisionPlugin
 
 

@@ -1,0 +1,14 @@
+"""The command line: ``python -m lightning_mp fit --config configs/bert.yaml``.
+
+- :mod:`lightning_mp.cli.app`: :class:`MixedPrecisionCLI` (a ``LightningCLI``) and :func:`main`;
+- :mod:`lightning_mp.cli.checks`: option and checkpoint checks that fail in one line before any work;
+- :mod:`lightning_mp.cli.report`: the end-of-fit summary and ``--print_config``;
+- :mod:`lightning_mp.cli.checkpoints`: :class:`LastCheckpoint`, the ``last.ckpt`` that resumes exactly.
+
+An application of the library: nothing in the library imports it.
+"""
+
+from lightning_mp.cli.app import MixedPrecisionCLI, choose_precision, cpu_has_native_bf16, main, plugin_for
+from lightning_mp.cli.checkpoints import LastCheckpoint
+
+__all__ = ["LastCheckpoint", "MixedPrecisionCLI", "choose_precision", "cpu_has_native_bf16", "main", "plugin_for"]
