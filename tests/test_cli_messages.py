@@ -178,7 +178,7 @@ def test_a_checkpoint_of_another_model_is_refused_before_training_naming_both(tm
     err = _refused(capsys, "fit", "--config", BERT, *_short(tmp_path / "bert"), *TINY_BERT,
                    "--data.init_args.train_size=16", f"--ckpt_path={checkpoint}")
     assert f"lightning_mp: error: --ckpt_path {checkpoint} was saved from a ResNetClassifier (depth=10" in err
-    assert "but this run's model is lightning_mp.samples.models.BertClassifier" in err or "model is BertClassifier" in err
+    assert "but this run's model is lightning_mp.samples.BertClassifier" in err or "model is BertClassifier" in err
     assert "'list' object has no attribute" not in err
     assert not (tmp_path / "bert").exists() or not list((tmp_path / "bert").rglob("*.ckpt"))
 
