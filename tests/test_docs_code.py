@@ -19,7 +19,6 @@ import builtins
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
 
 import lightning as L
 import pytest
@@ -39,8 +38,8 @@ class Block:
     line: int  # 1-based line of the opening fence
     lang: str
     source: str
-    directive: Optional[tuple[str, str]] = None
-    chain: list["Block"] = field(default_factory=list)  # blocks to run first (``continue``)
+    directive: tuple[str, str] | None = None
+    chain: list[Block] = field(default_factory=list)  # blocks to run first (``continue``)
 
     @property
     def name(self) -> str:
@@ -61,16 +60,20 @@ def code_blocks(page: Path) -> list[Block]:
         end = index + 1
         while end < len(lines) and not close.match(lines[end]):
             end += 1
-        body = [line[len(indent):] if line.startswith(indent) else line.lstrip() for line in lines[index + 1:end]]
+        body = [line[len(indent) :] if line.startswith(indent) else line.lstrip() for line in lines[index + 1 : end]]
         before = next((lines[i] for i in range(index - 1, -1, -1) if lines[i].strip()), "")
         found = _DIRECTIVE.match(before)
         info = opened["info"].strip()
-        blocks.append(Block(
-            page=page, line=index + 1, lang=info.split()[0].lower() if info else "",
-            # blank lines first, so that tracebacks show the page's own line numbers
-            source="\n" * (index + 1) + "\n".join(body) + "\n",
-            directive=(found["kind"], found["arg"]) if found else None,
-        ))
+        blocks.append(
+            Block(
+                page=page,
+                line=index + 1,
+                lang=info.split()[0].lower() if info else "",
+                # blank lines first, so that tracebacks show the page's own line numbers
+                source="\n" * (index + 1) + "\n".join(body) + "\n",
+                directive=(found["kind"], found["arg"]) if found else None,
+            )
+        )
         index = end + 1
     return blocks
 
@@ -113,20 +116,20 @@ def docs_sandbox(tmp_path, monkeypatch):
 def test_docs_code_block_runs(block: Block, docs_sandbox):
     namespace = {"__name__": "__docs__", **standins()}
     for earlier in block.chain:
-        exec(compile(earlier.source, str(earlier.page), "exec"), namespace)
+        exec(compile(earlier.source, str(earlier.page), "exec"), namespace)  # noqa: S102  (running it is the test)
     code = compile(block.source, str(block.page), "exec")
     if block.directive and block.directive[0] == "raises":
         with pytest.raises(getattr(builtins, block.directive[1])):
-            exec(code, namespace)
+            exec(code, namespace)  # noqa: S102
     else:
-        exec(code, namespace)
+        exec(code, namespace)  # noqa: S102
 
 
 def test_every_python_fence_of_the_docs_is_collected():
     # an independent count of opening fences, so that a fence the parser misreads cannot drop out silently
     for page in PAGES:
         text = page.read_text(encoding="utf-8")
-        fences = re.findall(r"^[ \t]*(?:```|~~~)[ \t]*(?:python3?|py)\b", text, flags=re.M | re.I)
+        fences = re.findall(r"^[ \t]*(?:```|~~~)[ \t]*(?:python3?|py)\b", text, flags=re.MULTILINE | re.IGNORECASE)
         assert len(fences) == len(python_blocks(page)), page
 
 
@@ -142,3 +145,20 @@ def test_every_directive_is_attached_to_a_python_block():
         for block in python_blocks(page):
             if block.directive and block.directive[0] in ("skip", "raises"):
                 assert block.directive[1], f"{block.name}: '{block.directive[0]}' needs a reason / exception name"
+
+
+def test_the_parser_reads_directives_chains_and_indented_fences(tmp_path):
+    page = tmp_path / "page.md"
+    page.write_text(
+        "Intro\n\n```python\na = 1\n```\n\n<!-- docs-test: continue -->\n```python\nb = a + 1\n```\n\n"
+        "- a list item:\n\n    ```py\n    if True:\n        c = 3\n    ```\n\n"
+        "<!-- docs-test: skip needs a GPU -->\n```python\nimport cuda_only\n```\n\n```bash\nls\n```\n"
+    )
+    first, second, third, fourth = python_blocks(page)
+    assert [b.line for b in (first, second, third, fourth)] == [3, 8, 14, 20]
+    assert second.chain == [first] and second.directive == ("continue", "")
+    assert fourth.directive == ("skip", "needs a GPU")
+    namespace: dict = {}
+    exec(compile(third.source, "page.md", "exec"), namespace)  # noqa: S102  (dedented out of the list item)
+    assert namespace["c"] == 3
+    assert [b.lang for b in code_blocks(page)] == ["python", "python", "py", "python", "bash"]
