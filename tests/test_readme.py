@@ -1,4 +1,5 @@
-"""The README's commands and snippets are the ones that run."""
+"""The README's commands and snippets are the ones that run (every Python block of the README and docs/ also runs in
+tests/test_docs_code.py; the scaler snippet, now in docs/loss-scaling.md, is checked here for what it does)."""
 
 import re
 from pathlib import Path
@@ -9,8 +10,13 @@ ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text()
 
 
-def _code_blocks(language: str) -> list[str]:
-    return re.findall(rf"```{language}\n(.*?)```", README, flags=re.S)
+def _code_blocks(language: str, text: str = README) -> list[str]:
+    return re.findall(rf"```{language}\n(.*?)```", text, flags=re.S)
+
+
+def _docs_python_blocks() -> list[tuple[str, str]]:
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+    return [(page.name, block) for page in pages for block in _code_blocks("python", page.read_text())]
 
 
 def test_ci_runs_the_readme_setup_and_test_command():
@@ -23,13 +29,13 @@ def test_ci_runs_the_readme_setup_and_test_command():
 
 
 def test_readme_scaler_snippet_runs():
-    snippet = next(block for block in _code_blocks("python") if "scaler.update(skip)" in block)
+    page, snippet = next((page, block) for page, block in _docs_python_blocks() if "scaler.update(skip)" in block)
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 1))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     before = [p.detach().clone() for p in model.parameters()]
     namespace = {"model": model, "x": torch.randn(5, 3), "optimizer": optimizer}
-    exec(compile(snippet, "README.md", "exec"), namespace)
+    exec(compile(snippet, page, "exec"), namespace)
     scaler = namespace["scaler"]
     assert scaler.steps == 1 and scaler.skipped_steps == 0
     assert any(not torch.equal(b, p) for b, p in zip(before, model.parameters()))
