@@ -357,7 +357,13 @@ def _has_test_data(datamodule: Any) -> bool:
 
 def main(args: Optional[list[str]] = None) -> None:
     """Entry point of ``python -m lightning_mp`` (``args``: the command line without the program name; ``None``
-    reads ``sys.argv``). A configuration error or a missing sample source is printed alone, exit status 2."""
+    reads ``sys.argv``). A configuration error or a missing sample source is printed alone, exit status 2.
+    ``consolidate CHECKPOINT OUT.pt`` runs :func:`lightning_mp.cli.consolidate.main` (one fp32 state dict)."""
+    argv = sys.argv[1:] if args is None else args
+    if argv and argv[0] == "consolidate":  # not a Trainer method like fit/test: its own small command
+        from lightning_mp.cli.consolidate import main as consolidate
+
+        return consolidate(list(argv[1:]))
     try:
         cli = MixedPrecisionCLI(args=args)
     except (CLIConfigError, SourceUnavailableError) as err:
