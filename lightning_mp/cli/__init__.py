@@ -5,7 +5,8 @@
 - :mod:`lightning_mp.cli.errors`: command-line parse errors said in one line, with the bad key and what is allowed;
 - :mod:`lightning_mp.cli.choice`: ``PrecisionChoice``, what trains and why;
 - :mod:`lightning_mp.cli.report`: the end-of-fit summary and ``--print_config``;
-- :mod:`lightning_mp.cli.checkpoints`: :class:`LastCheckpoint`, the ``last.ckpt`` that resumes exactly.
+- :mod:`lightning_mp.cli.checkpoints`: :class:`LastCheckpoint`, the ``last.ckpt`` that resumes exactly;
+- :mod:`lightning_mp.cli.consolidate`: ``python -m lightning_mp consolidate``, a (sharded) checkpoint as one fp32 file.
 
 An application of the library: nothing in the library imports it.
 """
