@@ -142,3 +142,21 @@ def test_any_precision_flag_next_to_a_precision_plugin_is_refused_naming_both(pr
         choose_precision(None, "cpu", [MixedPrecisionPlugin(), {"class_path": "lightning.pytorch.plugins."
                                                                 "precision.MixedPrecision", "init_args": {
                                                                     "precision": "bf16-mixed", "device": "cpu"}}], {})
+
+
+@pytest.mark.parametrize("argument, expected", [
+    ("--model.init_args.widht=3", "--model: lightning_mp.samples.ResNetClassifier: Option 'widht' is not accepted "
+                                  "(did you mean 'width'?); ResNetClassifier takes depth, num_classes, in_channels, "
+                                  "width, stem, lr, momentum, weight_decay."),
+    ("--data.init_args.batch_size=abc", "--data: lightning_mp.samples.ImageDataModule: Parser key \"batch_size\": "
+                                        "Expected a <class 'int'>. Got value: abc"),
+    ("--trainer.max_stepz=3", "unrecognized arguments: --trainer.max_stepz=3"),
+])
+def test_a_mistyped_model_or_data_argument_is_one_line_naming_the_class_and_its_arguments(
+    tmp_path, capsys, argument, expected
+):
+    with pytest.raises(SystemExit) as exited:
+        main(["fit", "--config", DIGITS, f"--trainer.default_root_dir={tmp_path}", argument])
+    err = capsys.readouterr().err
+    assert exited.value.code == 2 and err == f"lightning_mp: error: {expected}\n"
+    assert not any(tmp_path.iterdir())

@@ -30,7 +30,8 @@ def explain_parse_error(message: str) -> Optional[str]:
     """One line for a jsonargparse error ``message``, or ``None`` when it cannot be said better than it is.
 
     ``trainer.plugins``: the first plugin that is wrong, by index, with the bad class path or argument and what is
-    allowed (the plugin's arguments, close names). Any key whose error is one line: ``--key: reason``.
+    allowed (the plugin's arguments, close names). A class given for another key (``model``, ``data``) that refused
+    an argument: the class, the reason, and its arguments. Any key whose error is one line: ``--key: reason``.
     """
     found = re.match(r'Parser key "([^"]+)":\s*\n(.*)', message, flags=re.S)
     if found is None:
@@ -41,8 +42,38 @@ def explain_parse_error(message: str) -> Optional[str]:
         explained = explain_plugins(given) if given is not None else None
         if explained is not None:
             return explained
+    problems = set(_class_problems(details))
+    if len(problems) == 1:  # a class given for a key (model, data, ...) that refused what it was given
+        path, reason = problems.pop()
+        return f"--{key}: {path}: {reason.strip()}{_accepted_hint(path, reason)}"
     lines = [line.strip() for line in details.splitlines() if line.strip()]
     return f"--{key}: {lines[0]}" if len(lines) == 1 else None
+
+
+def _class_problems(details: str) -> list[tuple[str, str]]:
+    """``(class path, reason)`` for each "Problem with given class_path" in a jsonargparse union error; the reason
+    is every line indented under it, joined."""
+    lines, found = details.splitlines(), []
+    for index, line in enumerate(lines):
+        problem = re.search(r"Problem with given class_path '([^']+)':\s*$", line)
+        if problem is None:
+            continue
+        depth, reason = len(line) - len(line.lstrip()), []
+        for after in lines[index + 1:]:
+            if len(after) - len(after.lstrip()) <= depth:
+                break
+            reason.append(after)
+        found.append((problem.group(1), one_line("\n".join(reason))))
+    return found
+
+
+def _accepted_hint(path: str, reason: str) -> str:
+    option, cls = re.match(r"Option '([^']+)' is not accepted", reason.strip()), import_class(path)
+    accepted = _arguments(cls) if option is not None and cls is not None else None
+    if not accepted:
+        return ""
+    close = difflib.get_close_matches(option.group(1), accepted, n=1)
+    return f"{f' (did you mean {close[0]!r}?)' if close else ''}; {cls.__name__} takes {', '.join(accepted)}."
 
 
 def one_line(message: str) -> str:
