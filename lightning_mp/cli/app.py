@@ -52,8 +52,9 @@ class MixedPrecisionCLI(LightningCLI):
     Any LightningModule / LightningDataModule can be named by ``class_path``; the samples by short name
     (``BertClassifier``, ``ResNetClassifier``, ``SentimentDataModule``, ``ImageDataModule``). Re-running a
     command in the same directory overwrites its saved ``config.yaml``. Configuration errors found before any work
-    (plugin options, ``trainer.plugins``, a ``--ckpt_path`` of another model) raise :class:`CLIConfigError`;
-    every ``fit`` ends with a one-paragraph summary (:func:`lightning_mp.cli_summary.fit_summary`).
+    (parse errors, plugin and monitor options, ``trainer.plugins``, the strategy, a ``--ckpt_path`` that cannot be
+    loaded or is of another model) raise :class:`CLIConfigError` with a one-line message; every ``fit`` ends with a
+    one-paragraph summary (:func:`lightning_mp.cli.report.fit_summary`).
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
