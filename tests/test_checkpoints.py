@@ -79,3 +79,13 @@ def test_rng_states_round_trip_through_a_weights_only_checkpoint(tmp_path):
 def test_bad_every_n_train_steps_is_refused_naming_the_value(bad):
     with pytest.raises(ValueError, match=rf"every_n_train_steps={bad!r} is not allowed: use an int >= 0"):
         LastCheckpoint(every_n_train_steps=bad)
+
+
+def test_a_second_run_into_the_same_dirpath_overwrites_last_ckpt_instead_of_writing_last_v1(tmp_path):
+    folder = tmp_path / "checkpoints"
+    _fit(tmp_path, [LastCheckpoint(dirpath=str(folder))], max_epochs=1)  # 4 steps
+    first = torch.load(folder / "last.ckpt", weights_only=True)["global_step"]
+    _fit(tmp_path, [LastCheckpoint(dirpath=str(folder))], max_epochs=2)  # a new run, 8 steps, same folder
+    assert first == 4
+    assert sorted(path.name for path in folder.iterdir()) == ["last.ckpt"]  # no last-v1.ckpt beside an old one
+    assert torch.load(folder / "last.ckpt", weights_only=True)["global_step"] == 8  # the second run's state

@@ -297,3 +297,35 @@ def test_print_config_of_an_fp32_run_changes_nothing_but_says_so(capsys, machine
     assert config["trainer"]["precision"] == "32-true" and not config["trainer"].get("plugins")
     assert comments == ["# lightning_mp: trains in 32-true without MixedPrecisionPlugin: trainer.precision='32-true': "
                         "the CLI adds MixedPrecisionPlugin only for 16-mixed or bf16-mixed."]
+
+
+# ------------------------------------------------------------------------- words that match the run
+def test_the_summary_counts_this_runs_steps_after_a_resume_and_says_when_nothing_was_left(tmp_path, lightning_log):
+    mlp = ("--model=tests.helpers.DigitsMLP", "--model.hidden=16", "--test_after_fit=false",
+           "--precision_monitor.enabled=false")
+    main(["fit", "--config", DIGITS, *_short(tmp_path / "first", steps=2), *mlp])
+    last = next((tmp_path / "first").rglob("last.ckpt"))
+    assert torch.load(last, weights_only=True)["global_step"] == 2
+    main(["fit", "--config", DIGITS, *_short(tmp_path / "more", steps=3), *mlp, f"--ckpt_path={last}"])
+    main(["fit", "--config", DIGITS, *_short(tmp_path / "nothing", steps=2), *mlp, f"--ckpt_path={last}"])
+    summaries = [line for line in lightning_log if line.startswith("lightning_mp: fit ran")]
+    assert summaries[0].startswith("lightning_mp: fit ran 2 optimizer steps. ")
+    assert summaries[1].startswith("lightning_mp: fit ran 1 optimizer steps, resuming at step 2 (3 in all). ")
+    assert summaries[2].startswith("lightning_mp: fit ran no optimizer step: it resumed at step 2, where max_steps=2 "
+                                   "was already reached. ")
+    assert "fit ran 2 optimizer steps" not in summaries[2]
+
+
+@pytest.mark.parametrize("precision, scales", [("bf16-mixed", False), ("16-mixed", True)])
+def test_loss_scale_is_shown_and_logged_only_when_the_run_scales_the_loss(tmp_path, precision, scales):
+    cli_run = cli.MixedPrecisionCLI(args=[
+        "fit", "--config", DIGITS, *_short(tmp_path, steps=2), "--model=tests.helpers.DigitsMLP", "--model.hidden=16",
+        "--test_after_fit=false", "--trainer.log_every_n_steps=1", "--trainer.precision=null",
+        f"--trainer.plugins={{class_path: lightning_mp.MixedPrecisionPlugin, init_args: {{precision: {precision}}}}}",
+    ])
+    trainer = cli_run.trainer
+    assert trainer.precision_plugin.scaler.check_only is not scales
+    assert ("loss_scale" in trainer.progress_bar_metrics) is scales
+    assert trainer.progress_bar_metrics["skipped_steps"] == 0.0  # the inf/NaN check runs in bf16 too
+    header = next(tmp_path.rglob("metrics.csv")).read_text().splitlines()[0].split(",")
+    assert ("loss_scale" in header) is scales and "skipped_steps" in header

@@ -43,13 +43,22 @@ def test_cli_trains_digits_on_two_ddp_cpu_processes_with_master_weights(tmp_path
 
 @pytest.mark.parametrize("strategy, fragment", [
     ("fsdp", "Lightning's FSDPStrategy (FSDP1)"),
+    ("fsdp_cpu_offload", "Lightning's FSDPStrategy (FSDP1)"),
+    ("{class_path: lightning.pytorch.strategies.FSDPStrategy}", "Lightning's FSDPStrategy (FSDP1)"),
     ("deepspeed_stage_2", "DeepSpeed runs its own loss scaler"),
 ])
-def test_cli_refuses_fsdp1_and_deepspeed_with_what_to_use_instead(tmp_path, strategy, fragment):
-    args = ["fit", "--config", str(ROOT / "configs" / "digits.yaml"), "--trainer.strategy", strategy,
-            "--trainer.precision", "bf16-mixed", f"--trainer.default_root_dir={tmp_path}"]
-    with pytest.raises(ValueError, match=fragment.replace("(", r"\(").replace(")", r"\)")):
+@pytest.mark.parametrize("plugin", ["trainer.precision", "trainer.plugins"])
+def test_cli_refuses_fsdp1_and_deepspeed_with_what_to_use_instead(tmp_path, capsys, strategy, fragment, plugin):
+    precision = ["--trainer.precision", "bf16-mixed"] if plugin == "trainer.precision" else [
+        "--trainer.precision", "null", "--trainer.plugins", "lightning_mp.MixedPrecisionPlugin"]
+    args = ["fit", "--config", str(ROOT / "configs" / "digits.yaml"), "--trainer.strategy", strategy, *precision,
+            f"--trainer.default_root_dir={tmp_path}"]
+    with pytest.raises(SystemExit) as exited:
         main(args)
+    err = capsys.readouterr().err
+    assert exited.value.code == 2 and err.startswith("lightning_mp: error: trainer.strategy=") and fragment in err
+    assert f"with MixedPrecisionPlugin (from {plugin}" in err and "--trainer.strategy ddp" in err
+    assert not tmp_path.exists() or not any(tmp_path.iterdir())
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
@@ -62,3 +71,46 @@ def test_ddp_example_runs_on_two_cpu_processes_as_written(tmp_path, strategy):
     assert "held-out accuracy:" in done.stdout and "after 16 optimizer steps, 0 skipped" in done.stdout
     if strategy == "ddp":
         assert "fp32 weights bitwise identical on all 2 ranks: True" in done.stdout
+
+
+def test_cli_test_loss_on_two_ddp_processes_is_the_mean_over_both_ranks_shards(tmp_path):
+    import csv
+
+    from torch.utils.data import DistributedSampler
+
+    from lightning_mp.samples import ImageDataModule, ResNetClassifier
+
+    config = str(ROOT / "configs" / "digits.yaml")
+    main(["fit", "--config", config, "--trainer.precision=32-true", f"--trainer.default_root_dir={tmp_path / 'fit'}",
+          "--model.init_args.width=8", "--trainer.max_steps=15", "--trainer.limit_val_batches=0", "--trainer.enable_progress_bar=false",
+          "--test_after_fit=false", "--precision_monitor.enabled=false"])
+    checkpoint = next((tmp_path / "fit").rglob("last.ckpt"))
+    command = [
+        sys.executable, "-m", "lightning_mp", "test", "--config", config, "--trainer.strategy", "ddp",
+        "--trainer.devices", "2", "--trainer.accelerator", "cpu", "--trainer.precision", "32-true",
+        f"--trainer.default_root_dir={tmp_path / 'test'}", "--trainer.limit_test_batches=2",
+        "--trainer.enable_progress_bar=false", f"--ckpt_path={checkpoint}",
+    ]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    with next((tmp_path / "test").rglob("metrics.csv")).open() as handle:
+        logged = float(next(row for row in csv.DictReader(handle) if row.get("test_loss"))["test_loss"])
+
+    # the same weights and data here, in one process: each rank's shard as Lightning's DistributedSampler cuts it
+    saved = torch.load(checkpoint, weights_only=True)
+    hparams = {k: v for k, v in saved["hyper_parameters"].items() if not k.startswith("_")}  # _class_path, ...
+    model = ResNetClassifier(**hparams).eval()
+    model.load_state_dict(saved["state_dict"])
+    data = ImageDataModule(source="digits", batch_size=64)
+    data.setup("test")
+    dataset = data.test_dataloader().dataset
+    losses = []
+    for rank in range(2):
+        indices = list(DistributedSampler(dataset, num_replicas=2, rank=rank, shuffle=False))[:2 * 64]
+        images, labels = (torch.stack(items) for items in zip(*(dataset[i] for i in indices)))
+        with torch.no_grad():
+            losses.append(torch.nn.functional.cross_entropy(model(images), labels, reduction="none"))
+    both, rank0 = torch.cat(losses).mean().item(), losses[0].mean().item()
+    assert abs(both - rank0) > 1e-2  # the two shards differ: rank 0's alone would be a different figure
+    assert logged == pytest.approx(both, rel=1e-5), (logged, both, rank0)

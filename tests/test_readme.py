@@ -39,3 +39,38 @@ def test_readme_scaler_snippet_runs():
     scaler = namespace["scaler"]
     assert scaler.steps == 1 and scaler.skipped_steps == 0
     assert any(not torch.equal(b, p) for b, p in zip(before, model.parameters()))
+
+
+def _extra_requirements(extra: str, optional: dict[str, list[str]]) -> set[str]:
+    """The distribution names an extra installs, nested ``lightning_mp[a,b]`` extras included."""
+    names: set[str] = set()
+    for requirement in optional[extra]:
+        name, _, nested = re.match(r"([A-Za-z0-9_.-]+)(\[([^\]]*)\])?", requirement).groups()
+        if name == "lightning_mp":
+            for inner in (nested or "").split(","):
+                names |= _extra_requirements(inner.strip(), optional)
+        else:
+            names.add(name.lower())
+    return names
+
+
+def test_the_readme_first_command_installs_what_the_precision_report_figure_needs():
+    import ast
+    import sys
+    import tomllib
+
+    first = next(line for block in _code_blocks("bash") for line in block.splitlines() if "pip install -e" in line)
+    extras = re.search(r'pip install -e "\.\[([^\]]*)\]"', first).group(1).split(",")
+    assert "python -m lightning_mp fit --config configs/bert.yaml" in first  # the main job writes the report
+    optional = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    installed = set().union(*(_extra_requirements(extra, optional) for extra in extras))
+    # what the report's PNG imports: the third-party packages named in lightning_mp/diagnostics/plots.py
+    tree = ast.parse((ROOT / "lightning_mp" / "diagnostics" / "plots.py").read_text())
+    imported = {alias.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import)
+                for alias in node.names}
+    imported |= {node.module.split(".")[0] for node in ast.walk(tree)
+                 if isinstance(node, ast.ImportFrom) and node.module and node.level == 0}
+    third_party = imported - set(sys.stdlib_module_names) - {"lightning_mp", "torch", "numpy"}
+    assert third_party == {"matplotlib"}
+    assert third_party <= installed, f"README's first command installs {sorted(installed)}"
+    assert third_party <= _extra_requirements("diagnostics", optional)

@@ -8,7 +8,7 @@ live in the ``mixed_precision`` section. ``32-true`` trains with no plugin (the 
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass, field
+from argparse import ArgumentError
 from pathlib import Path
 from typing import Any, Optional
 
@@ -19,17 +19,23 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 import lightning_mp.samples  # noqa: F401  (registers the sample models and data modules for short class names)
 from lightning_mp.cli.checks import (
+    SPECIAL_CKPT_PATHS,
     CLIConfigError,
     as_list,
     check_checkpoint_class,
+    check_checkpoint_file,
     check_checkpoint_weights,
+    check_monitor_options,
     check_plugin_specs,
+    check_strategy,
     class_spec,
     import_class,
 )
-from lightning_mp.cli.report import effective_config_yaml, fit_summary, pop_print_config
+from lightning_mp.cli.choice import PrecisionChoice
+from lightning_mp.cli.errors import explain_parse_error, one_line
+from lightning_mp.cli.report import StepsThisRun, effective_config_yaml, fit_summary, pop_print_config
 from lightning_mp.diagnostics import PrecisionMonitor
-from lightning_mp.distributed.strategies import check_strategy_name, end_distributed_run
+from lightning_mp.distributed.strategies import end_distributed_run
 from lightning_mp.plugin import MixedPrecisionPlugin
 from lightning_mp.samples.resources import SourceUnavailableError
 
@@ -46,8 +52,9 @@ class MixedPrecisionCLI(LightningCLI):
     Any LightningModule / LightningDataModule can be named by ``class_path``; the samples by short name
     (``BertClassifier``, ``ResNetClassifier``, ``SentimentDataModule``, ``ImageDataModule``). Re-running a
     command in the same directory overwrites its saved ``config.yaml``. Configuration errors found before any work
-    (plugin options, ``trainer.plugins``, a ``--ckpt_path`` of another model) raise :class:`CLIConfigError`;
-    every ``fit`` ends with a one-paragraph summary (:func:`lightning_mp.cli_summary.fit_summary`).
+    (parse errors, plugin and monitor options, ``trainer.plugins``, the strategy, a ``--ckpt_path`` that cannot be
+    loaded or is of another model) raise :class:`CLIConfigError` with a one-line message; every ``fit`` ends with a
+    one-paragraph summary (:func:`lightning_mp.cli.report.fit_summary`).
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -80,19 +87,28 @@ class MixedPrecisionCLI(LightningCLI):
     def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
         """Parse, then check what can be checked before any work; ``--print_config`` prints what will train."""
         args, print_flags = pop_print_config(args)
-        if print_flags is None:
-            super().parse_arguments(parser, args)
-        else:
-            self.config = parser.parse_args(args)  # our own print: the parser's would show the flag, not the plugin
+        try:
+            if print_flags is None:
+                super().parse_arguments(parser, args)
+            else:
+                self.config = parser.parse_args(args)  # our own print: the parser's would show the flag, not the plugin
+        except ArgumentError as err:  # the parsers do not exit (init_parser): the error is said in one line here
+            raise CLIConfigError(explain_parse_error(str(err)) or str(err)) from err
         self.subcommand = self.config.get("subcommand")  # what self._get needs; LightningCLI sets it again after
         trainer = self._get(self.config, "trainer") or {}
         check_plugin_specs(trainer.get("plugins"))
-        self.precision_choice = choose_precision(
+        choice = self.precision_choice = choose_precision(
             trainer.get("precision"), trainer.get("accelerator"), trainer.get("plugins"), self._plugin_options()
         )
+        if choice.plugin is not None or _has_our_plugin(trainer.get("plugins")):
+            asked = f"trainer.precision={choice.requested!r}" if choice.plugin is not None else "trainer.plugins"
+            check_strategy(trainer.get("strategy"), asked)
+        check_monitor_options({k: v for k, v in self._monitor_options().items() if k != "enabled"})
         if self.subcommand:
             model = class_spec(self._get(self.config, "model"))
             ckpt_path = self.config[self.subcommand].get("ckpt_path")
+            scaler = choice.plugin.scaler if choice.plugin is not None else None
+            check_checkpoint_file(ckpt_path, scaler.state_dict() if scaler is not None else None)
             differ = check_checkpoint_class(ckpt_path, *(model if model else (None, None)))
             if differ:  # LightningCLI builds the model with the checkpoint's settings: say so
                 shown = ", ".join(f"{key}={saved!r} (config: {given!r})" for key, (saved, given) in differ.items())
@@ -103,6 +119,13 @@ class MixedPrecisionCLI(LightningCLI):
                                         skip_none="skip_null" in print_flags))
             sys.exit(0)
 
+    def init_parser(self, **kwargs: Any) -> LightningArgumentParser:
+        kwargs.setdefault("exit_on_error", False)  # parse errors come back to parse_arguments, to be said plainly
+        return super().init_parser(**kwargs)
+
+    def _monitor_options(self) -> dict[str, Any]:
+        return dict(_plain(self._get(self.config, "precision_monitor") or {}))
+
     def _plugin_options(self) -> dict[str, Any]:
         section = self._get(self.config, "mixed_precision") or {}
         return {key: _plain(section[key]) for key in _PLUGIN_OPTIONS if key in section}
@@ -110,7 +133,7 @@ class MixedPrecisionCLI(LightningCLI):
     def _check_ckpt_path(self) -> None:
         # after the model is built, before the Trainer does any work with the checkpoint
         ckpt_path = self.config_init[self.subcommand].get("ckpt_path") if self.subcommand else None
-        if ckpt_path not in (None, "last", "best", "hpc", "registry"):
+        if ckpt_path is not None and ckpt_path not in SPECIAL_CKPT_PATHS:
             check_checkpoint_weights(ckpt_path, self.model)
 
     def before_fit(self) -> None:
@@ -164,59 +187,18 @@ class MixedPrecisionCLI(LightningCLI):
         if choice.warning:
             rank_zero_warn(choice.warning)
         plugin = choice.plugin
-        if plugin is not None:
-            check_strategy_name(config.get("strategy"))  # issue 11: our error for FSDP1/DeepSpeed, not Lightning's
+        if plugin is not None:  # the strategy was checked in parse_arguments
             plugins = config.get("plugins") or []
             config["plugins"] = [*(plugins if isinstance(plugins, list) else [plugins]), plugin]
         reason = "" if choice.warning else f": {choice.reason}"  # the warning gave the reason already
         rank_zero_info(f"lightning_mp: {choice.what('running', full=True)}{reason}")
-        monitor = dict(_plain(self._get(self.config, "precision_monitor") or {}))
+        monitor = self._monitor_options()
         if monitor.pop("enabled", True):
             callbacks = [*callbacks, PrecisionMonitor(**monitor)]
-        return super()._instantiate_trainer(config, callbacks)
+        return super()._instantiate_trainer(config, [*callbacks, StepsThisRun()])
 
 
 # ------------------------------------------------------------------------------------ trainer.precision
-
-
-@dataclass(frozen=True)
-class PrecisionChoice:
-    """What ``trainer.precision``, ``trainer.plugins`` and the ``mixed_precision`` section train with here.
-
-    Attributes:
-        requested: ``trainer.precision`` as given (``None``: not given).
-        trains: what trains: ``"16-mixed"``, ``"bf16-mixed"``, ``"32-true"``, another Lightning precision, or
-            ``"trainer.plugins"`` (a precision plugin given there, used as configured).
-        reason: why, in one sentence.
-        plugin: the plugin the CLI adds to the Trainer (``None``: it adds none).
-        options: the ``mixed_precision`` options as given (plain values).
-        unused: the options that were set but do not apply to what trains.
-        warning: what the CLI warns about at start-up (a fallback, unused options), or ``None``.
-        fallback: whether the CPU fallback chose ``trains`` instead of ``requested`` (another machine may choose
-            otherwise).
-    """
-
-    requested: Optional[str]
-    trains: str
-    reason: str
-    plugin: Optional[MixedPrecisionPlugin] = None
-    options: dict[str, Any] = field(default_factory=dict)
-    unused: tuple[str, ...] = ()
-    warning: Optional[str] = None
-    fallback: bool = False
-
-    def what(self, verb: str = "trains", full: bool = False) -> str:
-        """``"<verb> in bf16-mixed with MixedPrecisionPlugin"`` and the like (``full``: the plugin's settings too)."""
-        if self.plugin is not None:
-            shown = repr(self.plugin) if full else "MixedPrecisionPlugin"
-            return f"{verb} in {self.trains} with {shown}"
-        if self.trains == "trainer.plugins":
-            return f"{verb} with the precision plugin in trainer.plugins"
-        return f"{verb} in {self.trains} without MixedPrecisionPlugin"
-
-    def describe(self, verb: str = "trains") -> str:
-        """One sentence starting with ``verb``: what trains and why."""
-        return f"{self.what(verb)}: {self.reason}"
 
 
 def choose_precision(
@@ -229,7 +211,8 @@ def choose_precision(
     also where the CPU fallback then trains in bf16 or fp32 and some options do not apply.
 
     Raises:
-        CLIConfigError: a mixed ``precision`` together with a precision plugin in ``trainer.plugins``, or an option
+        CLIConfigError: any ``precision`` together with a precision plugin in ``trainer.plugins``, two precision
+            plugins there, or an option
             that ``MixedPrecisionPlugin`` refuses (the message is the plugin's own).
     """
     precision = None if precision is None else str(precision)
@@ -237,6 +220,15 @@ def choose_precision(
     given = _precision_plugins(plugins)
     requested = _OURS.get(precision or "")
     _validate_options(requested or "16-mixed", options, precision)
+    if len(given) > 1:
+        raise CLIConfigError(f"trainer.plugins holds {len(given)} precision plugins ({', '.join(given)}): Lightning "
+                             "takes one. Keep the one that should train.")
+    if given and precision is not None:  # any precision flag: Lightning refuses it next to a precision plugin
+        raise CLIConfigError(
+            f"trainer.precision={precision!r} and a precision plugin in trainer.plugins ({', '.join(given)}) were "
+            "both given: Lightning accepts only one. Drop trainer.precision (--trainer.precision null) to use the "
+            "plugin as configured, or drop the plugin (MixedPrecisionPlugin's options go under mixed_precision)."
+        )
     if requested is None:
         if given:
             trains, reason = "trainer.plugins", f"{', '.join(given)}, used as configured there"
@@ -248,12 +240,6 @@ def choose_precision(
             f"mixed_precision options {changed} are valid but not used: {reason}." if changed else None
         )
         return PrecisionChoice(precision, trains, reason, None, options, tuple(changed), warning)
-    if given:
-        raise CLIConfigError(
-            f"trainer.precision={precision!r} and a precision plugin in trainer.plugins ({', '.join(given)}) were "
-            "both given: Lightning accepts only one. Drop trainer.precision to use the plugin as configured, or "
-            "drop the plugin and set its options under mixed_precision."
-        )
     if requested == "16-mixed" and _runs_on_cpu(accelerator):
         return _cpu_fallback(precision, options, changed)
     where = "on CPU" if _runs_on_cpu(accelerator) else "on the GPU"
@@ -291,6 +277,15 @@ def _validate_options(precision: str, options: dict[str, Any], flag: Optional[st
         given = f"trainer.precision={flag!r}" if flag in _OURS else f"MixedPrecisionPlugin(precision={precision!r})"
         changed = {key: value for key, value in options.items() if value != _PLUGIN_DEFAULTS.get(key)}
         raise CLIConfigError(f"mixed_precision options {changed} are refused with {given}: {err}") from err
+
+
+def _has_our_plugin(plugins: Any) -> bool:
+    """Whether ``trainer.plugins`` holds a MixedPrecisionPlugin (an instance, or a class spec of it or a subclass)."""
+    for value in as_list(plugins):
+        cls = type(value) if isinstance(value, Precision) else import_class((class_spec(value) or ("",))[0])
+        if cls is not None and issubclass(cls, MixedPrecisionPlugin):
+            return True
+    return False
 
 
 def _precision_plugins(plugins: Any) -> list[str]:
@@ -363,11 +358,21 @@ def _has_test_data(datamodule: Any) -> bool:
 
 def main(args: Optional[list[str]] = None) -> None:
     """Entry point of ``python -m lightning_mp`` (``args``: the command line without the program name; ``None``
-    reads ``sys.argv``). A configuration error or a missing sample source is printed alone, exit status 2."""
+    reads ``sys.argv``). A configuration error or a missing sample source is printed alone, exit status 2.
+    ``consolidate CHECKPOINT OUT.pt`` runs :func:`lightning_mp.cli.consolidate.main` (one fp32 state dict)."""
+    argv = sys.argv[1:] if args is None else args
+    if argv and argv[0] == "consolidate":  # not a Trainer method like fit/test: its own small command
+        from lightning_mp.cli.consolidate import main as consolidate
+
+        return consolidate(list(argv[1:]))
     try:
         cli = MixedPrecisionCLI(args=args)
     except (CLIConfigError, SourceUnavailableError) as err:
         print(f"lightning_mp: error: {err}", file=sys.stderr)
+        raise SystemExit(2) from err
+    except ArgumentError as err:  # LightningCLI re-parsing the hyperparameters saved in --ckpt_path
+        print(f"lightning_mp: error: the settings saved in --ckpt_path do not parse: {one_line(str(err))}",
+              file=sys.stderr)
         raise SystemExit(2) from err
     except ValueError as err:  # jsonargparse wraps errors raised while it builds the model or data
         cause = _cause_of_type(err, SourceUnavailableError)

@@ -19,7 +19,9 @@ from typing_extensions import override
 
 class LastCheckpoint(ModelCheckpoint):
     """Writes ``last.ckpt`` every ``every_n_train_steps`` optimizer steps, at the end of every training epoch and
-    when ``fit`` ends (``max_steps`` in mid-epoch included), overwriting the previous one.
+    when ``fit`` ends (``max_steps`` in mid-epoch included), overwriting the previous one, also one that an earlier
+    run left in the same ``dirpath`` (Lightning's ``ModelCheckpoint`` would write ``last-v1.ckpt`` beside it, and a
+    resume from ``last.ckpt`` would then silently restore the older run).
 
     It also puts the states of the random number generators (torch, CUDA, numpy, Python) and of resumable
     training loaders (``state_dict``/``load_state_dict``, such as the sample data modules') in every checkpoint the
@@ -41,7 +43,7 @@ class LastCheckpoint(ModelCheckpoint):
             )
         super().__init__(
             dirpath=dirpath, save_top_k=0, save_last=True, every_n_train_steps=every_n_train_steps,
-            save_on_train_epoch_end=True,
+            save_on_train_epoch_end=True, enable_version_counter=False,  # overwrite: never a last-v1.ckpt
         )
         self._train_loaders: list[Any] = []  # the resumable training loaders of the running fit
         self._pending_loader_states: Optional[list[dict[str, Any]]] = None

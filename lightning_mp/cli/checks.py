@@ -1,4 +1,5 @@
-"""Checks the CLI runs before any work: precision plugins given in ``trainer.plugins``, and ``--ckpt_path``.
+"""Checks the CLI runs before any work: precision plugins given in ``trainer.plugins``, the strategy, the
+``precision_monitor`` options, and ``--ckpt_path`` (the file, its loss-scaler state, its model class and weights).
 
 Each failure is a :class:`CLIConfigError` whose message names the bad value and what would be accepted;
 ``python -m lightning_mp`` prints it alone (no traceback), before a model is built or a step is trained.
@@ -7,12 +8,16 @@ Each failure is a :class:`CLIConfigError` whose message names the bad value and 
 from __future__ import annotations
 
 import importlib
+import zipfile
 from pathlib import Path
 from typing import Any, Optional
 
 import torch
 from jsonargparse import ArgumentParser
 from lightning.pytorch import LightningModule
+from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy
+
+from lightning_mp.settings import validated_state
 
 
 class CLIConfigError(ValueError):
@@ -66,14 +71,139 @@ def check_plugin_specs(plugins: Any) -> None:
             raise CLIConfigError(f"trainer.plugins[{index}] ({spec[0]}): {err}") from err
 
 
+def check_strategy(strategy: Any, plugin_from: str) -> None:
+    """Refuse, right after parsing, a ``trainer.strategy`` that cannot run ``MixedPrecisionPlugin`` (``plugin_from``
+    says what asked for the plugin: ``"trainer.precision='bf16-mixed'"`` or ``"trainer.plugins"``).
+
+    Raises:
+        CLIConfigError: FSDP1 (``fsdp``, ``fsdp_cpu_offload``, an ``FSDPStrategy``) or DeepSpeed, with what to use.
+    """
+    spec = class_spec(strategy)
+    cls = import_class(spec[0]) if spec is not None else type(strategy) if not isinstance(strategy, str) else None
+    name = repr(strategy) if isinstance(strategy, str) else spec[0] if spec is not None else type(strategy).__name__
+    if (cls is not None and issubclass(cls, DeepSpeedStrategy)) or str(strategy).startswith("deepspeed"):
+        raise CLIConfigError(
+            f"trainer.strategy={name} with MixedPrecisionPlugin (from {plugin_from}): DeepSpeed runs its own loss "
+            "scaler, fp32 master weights and clipping, and a second scaler on top would scale the loss twice. Use "
+            "--trainer.strategy ddp with the plugin, or let DeepSpeed do it: --trainer.precision null and "
+            "--trainer.plugins '{class_path: lightning.pytorch.plugins.precision.DeepSpeedPrecision, init_args: "
+            "{precision: 16-mixed}}' (or bf16-mixed)."
+        )
+    if (cls is not None and issubclass(cls, FSDPStrategy)) or (
+        isinstance(strategy, str) and strategy in FSDPStrategy.get_registered_strategies()
+    ):
+        raise CLIConfigError(
+            f"trainer.strategy={name} with MixedPrecisionPlugin (from {plugin_from}): Lightning's FSDPStrategy "
+            "(FSDP1) takes only its own FSDPPrecision plugin. Use --trainer.strategy ddp with the plugin, or FSDP2 "
+            "(ModelParallelStrategy, with a model whose configure_model calls fully_shard with "
+            "trainer.precision_plugin.fsdp2_policy(); see 'Many devices'), or keep fsdp without the plugin: "
+            "--trainer.precision null and --trainer.plugins '{class_path: "
+            "lightning.pytorch.plugins.precision.FSDPPrecision, init_args: {precision: 16-mixed}}'."
+        )
+
+
+def check_monitor_options(options: dict[str, Any]) -> None:
+    """Build ``PrecisionMonitor(**options)`` once, so a bad ``--precision_monitor.*`` value is refused at start.
+
+    Raises:
+        CLIConfigError: the monitor's own message (the argument, the value, what is allowed).
+    """
+    from lightning_mp.diagnostics import PrecisionMonitor
+
+    try:
+        PrecisionMonitor(**options)
+    except (ValueError, TypeError) as err:
+        raise CLIConfigError(f"precision_monitor options refused: {err}") from err
+
+
 # ------------------------------------------------------------------------------------------- --ckpt_path
+#: ``--ckpt_path`` values that Lightning resolves itself (not files)
+SPECIAL_CKPT_PATHS = ("last", "best", "hpc", "registry")
+_META = "meta.pt"  # what Lightning writes beside the shards of a distributed checkpoint
+
+
+def check_checkpoint_file(ckpt_path: Optional[str], scaler_defaults: Optional[dict[str, Any]] = None) -> None:
+    """Refuse a ``--ckpt_path`` that is not a checkpoint this run can load, naming the file and what is wrong with it
+    (missing, a folder, empty, unreadable, not a Lightning checkpoint, or a loss-scaler state out of range), before
+    any model is built. A distributed checkpoint (a folder with ``meta.pt``) is checked through its ``meta.pt``.
+
+    Args:
+        ckpt_path: the path given (``None``, ``"last"``, ``"best"`` and URLs are left to Lightning).
+        scaler_defaults: ``DynamicLossScaler.state_dict()`` of this run's scaler: settings an older checkpoint lacks.
+
+    Raises:
+        CLIConfigError: one sentence naming ``ckpt_path``.
+    """
+    if not ckpt_path or ckpt_path in SPECIAL_CKPT_PATHS or "://" in str(ckpt_path):
+        return
+    path, where = Path(ckpt_path), f"--ckpt_path {ckpt_path}"
+    if not path.exists():
+        raise CLIConfigError(f"{where}: no such file (relative paths start from {Path.cwd()}).")
+    if path.is_dir():
+        if not (path / _META).is_file():
+            inside = sorted(p.name for p in path.iterdir() if p.name.endswith(".ckpt"))[:5]
+            shown = f" ({', '.join(inside)} in it)" if inside else ""
+            raise CLIConfigError(f"{where} is a folder{shown}, not a checkpoint: pass a .ckpt file, or a distributed "
+                                 f"checkpoint folder (one with {_META} in it).")
+        path, where = path / _META, f"{where} ({_META})"
+    size = path.stat().st_size
+    if size == 0:
+        raise CLIConfigError(f"{where} is an empty file (0 bytes), as a save cut short leaves it: pass another "
+                             "checkpoint.")
+    try:
+        checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(path))
+    except Exception as err:  # noqa: BLE001 - every way torch.load fails is reported, with its reason
+        raise CLIConfigError(f"{where} is not a checkpoint torch.load can read ({size} bytes): {_load_error(path, err)}."
+                             ) from err
+    if not isinstance(checkpoint, dict):
+        raise CLIConfigError(f"{where} holds a {type(checkpoint).__name__}, not a Lightning checkpoint (a dict with "
+                             "'state_dict', 'global_step', ...).")
+    if "state_dict" not in checkpoint and path.name != _META:
+        bare = checkpoint and all(isinstance(value, torch.Tensor) for value in checkpoint.values())
+        what = f"a bare state dict ({len(checkpoint)} tensors)" if bare else f"keys {sorted(checkpoint)[:8]}"
+        raise CLIConfigError(f"{where} holds {what} and no 'state_dict': it is not a checkpoint the Trainer wrote "
+                             "(load a bare state dict with model.load_state_dict(torch.load(path)) instead).")
+    check_scaler_states(checkpoint, where, scaler_defaults)
+
+
+def check_scaler_states(checkpoint: dict[str, Any], where: str, defaults: Optional[dict[str, Any]] = None) -> None:
+    """Check every ``DynamicLossScaler`` state in ``checkpoint`` (``checkpoint[<plugin class>]['scaler']``) with the
+    scaler's own rules (:func:`lightning_mp.settings.validated_state`), so that a hand-edited or corrupt one is
+    refused at start rather than when the Trainer restores it.
+
+    Raises:
+        CLIConfigError: naming ``where``, the key, the value and what is allowed.
+    """
+    if defaults is None:
+        from lightning_mp.scaler import DynamicLossScaler
+
+        defaults = DynamicLossScaler().state_dict()
+    for key, state in checkpoint.items():
+        scaler = state.get("scaler") if isinstance(state, dict) else None
+        if isinstance(scaler, dict) and "hysteresis_tracker" in scaler:
+            try:
+                validated_state(scaler, defaults=defaults, source=f"{where}: [{key!r}]['scaler']")
+            except (KeyError, ValueError) as err:
+                raise CLIConfigError(str(err.args[0]) if err.args else repr(err)) from err
+
+
+def _load_error(path: Path, err: Exception) -> str:
+    if not zipfile.is_zipfile(path):
+        with path.open("rb") as handle:
+            head = handle.read(16)
+        return f"it is not a file torch.save wrote (no zip archive; it starts with {head!r})"
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    detail = next((line for line in lines if "WeightsUnpickler error" in line), lines[0] if lines else "")
+    return f"{type(err).__name__}: {detail}"
+
+
 
 
 def _load(ckpt_path: str) -> Optional[dict[str, Any]]:
     """The checkpoint, memory-mapped; ``None`` when it cannot be read that way (Lightning's own load then reports
     what is wrong with it)."""
     try:
-        checkpoint = torch.load(ckpt_path, map_location="cpu", weights_only=True, mmap=True)
+        checkpoint = torch.load(ckpt_path, map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(ckpt_path))
     except Exception:  # noqa: BLE001 - not ours to report: the Trainer loads it next and raises its own error
         return None
     return checkpoint if isinstance(checkpoint, dict) else None

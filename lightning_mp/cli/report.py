@@ -10,7 +10,7 @@ from typing import Any, Optional
 
 import lightning as L
 import yaml
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
 from lightning_mp.cli.checkpoints import LastCheckpoint
 from lightning_mp.cli.checks import as_list
@@ -23,8 +23,9 @@ def fit_summary(
     tested_on: Optional[str] = None,
     extra: Sequence[str] = (),
 ) -> str:
-    """One paragraph: steps trained, the precision used and why (``precision``), the loss scale and skipped steps,
-    master weights on/off, the checkpoints (last and best) and the logs.
+    """One paragraph: the optimizer steps this run trained (counted from where a resume started, when the CLI's
+    :class:`StepsThisRun` is attached), the precision used and why (``precision``), the loss scale and skipped
+    steps (of the whole run, resumes included), master weights on/off, the checkpoints (last and best), the logs.
 
     Args:
         trainer: the Trainer after ``fit``.
@@ -34,9 +35,7 @@ def fit_summary(
         extra: more sentences to append (e.g. where a diagnostics report was written).
     """
     steps = trainer.global_step
-    ending = " (interrupted)" if trainer.interrupted else ""
-    sentences = [f"lightning_mp: fit ran {steps} optimizer steps{ending}.",
-                 _sentence(precision)]
+    sentences = [_steps_sentence(trainer), _sentence(precision)]
     sentences.append(_numerics(trainer.precision_plugin, steps))
     sentences.extend(_checkpoints(trainer))
     if tested_on is not None:
@@ -46,6 +45,34 @@ def fit_summary(
         sentences.append(logs)
     sentences.extend(_sentence(line) for line in extra)
     return " ".join(sentences)
+
+
+class StepsThisRun(Callback):
+    """Records the optimizer step ``fit`` starts from, after a resume restored it, so that the summary counts this
+    run's steps (``trainer.global_step`` counts those of the runs it resumed too)."""
+
+    def __init__(self) -> None:
+        self.first_step: Optional[int] = None  # None: training never started (a resume with nothing left to do)
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.first_step = trainer.global_step
+
+
+def _steps_sentence(trainer: L.Trainer) -> str:
+    total = trainer.global_step
+    ending = " (interrupted)" if trainer.interrupted else ""
+    counters = [callback for callback in trainer.callbacks if isinstance(callback, StepsThisRun)]
+    if not counters:  # not run by the CLI: the Trainer's count
+        return f"lightning_mp: fit ran {total} optimizer steps{ending}."
+    first = counters[0].first_step
+    if first is None and total > 0:
+        reached = f"max_steps={trainer.max_steps}" if 0 <= trainer.max_steps <= total else \
+            f"max_epochs={trainer.max_epochs}"
+        return (f"lightning_mp: fit ran no optimizer step: it resumed at step {total}, where {reached} was already "
+                f"reached{ending}.")
+    first = first or 0
+    resumed = f", resuming at step {first} ({total} in all)" if first else ""
+    return f"lightning_mp: fit ran {total - first} optimizer steps{resumed}{ending}."
 
 
 def _sentence(text: str) -> str:

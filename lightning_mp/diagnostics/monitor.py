@@ -39,7 +39,7 @@ class PrecisionMonitor(L.Callback):
 
     Args:
         prog_bar: show ``loss_scale`` and ``skipped_steps`` in the progress bar (default ``True``); both, and ``lr``,
-            are logged every step.
+            are logged every step (``loss_scale`` only when the run scales the loss: not in bf16).
         localise_overflows: on every skipped step, replay it to find the module and operation where the inf/NaN was
             born, forward or backward, and whether the loss scale, half precision or the model caused it (default
             ``True``; costs nothing on other steps).
@@ -153,7 +153,8 @@ class PrecisionMonitor(L.Callback):
         values: dict[str, tuple[float, bool]] = {}
         if scaler is not None:
             self._fill_scale_after(float(scaler.scale))
-            values["loss_scale"] = (float(scaler.scale), self.prog_bar)
+            if not scaler.check_only:  # bf16 checks for inf/NaN but scales nothing: no loss_scale to show
+                values["loss_scale"] = (float(scaler.scale), self.prog_bar)
             values["skipped_steps"] = (float(scaler.skipped_steps), self.prog_bar)
         for index, optimizer in enumerate(trainer.optimizers):
             values["lr" if index == 0 else f"lr-{index}"] = (float(optimizer.param_groups[0]["lr"]), False)

@@ -89,7 +89,7 @@ class BertClassifier(L.LightningModule):
         acc(predictions, batch["labels"])
         f1(predictions, batch["labels"])
         size = len(batch["labels"])
-        self.log(f"{stage}_loss", loss, batch_size=size)
+        self.log(f"{stage}_loss", loss, batch_size=size, sync_dist=True)  # all ranks' shards (metrics sync themselves)
         self.log(f"{stage}_acc", acc, prog_bar=True, batch_size=size)
         self.log(f"{stage}_f1", f1, batch_size=size)
 

@@ -121,7 +121,9 @@ class ResNetClassifier(L.LightningModule):
         images, labels = batch
         logits = self(images)
         acc(logits.argmax(dim=-1), labels)
-        self.log(f"{stage}_loss", nn.functional.cross_entropy(logits.float(), labels))
+        # sync_dist: under DDP the epoch's loss is the mean over every rank's shard, not rank 0's (the accuracy, a
+        # torchmetrics metric, syncs itself)
+        self.log(f"{stage}_loss", nn.functional.cross_entropy(logits.float(), labels), sync_dist=True)
         self.log(f"{stage}_acc", acc, prog_bar=True)
 
     def configure_optimizers(self) -> Any:
