@@ -266,8 +266,10 @@ def _precision_of(trainer: L.Trainer) -> str:
 
 
 def _merged_across_ranks(record: OverflowRecord) -> OverflowRecord:
-    """Under DDP the gradients are all-reduced, so every rank skips, but only the rank whose micro-batch overflowed
-    can reproduce it: gather every rank's record and keep the first that located the origin, naming the ranks."""
+    """Every rank skips the same step (the decision is agreed), but only the ranks whose micro-batch overflowed can
+    reproduce it: gather every rank's record and keep the first that located the origin, naming the ranks that found
+    the same place; otherwise rank 0's. Every rank ends with the same record. The non-finite gradients are the union
+    of the ranks' lists (under FSDP2 each rank reads its own shards)."""
     if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
         return record
     world = torch.distributed.get_world_size()
@@ -276,8 +278,8 @@ def _merged_across_ranks(record: OverflowRecord) -> OverflowRecord:
     records: list[Any] = [None] * world
     torch.distributed.all_gather_object(records, record)
     located = [(rank, r) for rank, r in enumerate(records) if r is not None and r.located]
-    if not located:
-        return record
-    chosen = located[0][1]
+    chosen = located[0][1] if located else records[0]
     chosen.ranks = [rank for rank, r in located if (r.module, r.phase) == (chosen.module, chosen.phase)]
+    params = [name for r in records if r is not None for name in r.nonfinite_params]
+    chosen.nonfinite_params = list(dict.fromkeys(params))
     return chosen
