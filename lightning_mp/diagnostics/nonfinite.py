@@ -12,9 +12,10 @@ softmax (or ``where``) that follows and never reach the loss. So an origin is de
 given the *roots* (the loss, or the gradients), :meth:`~NonFiniteTrace.origin` walks back from the non-finite roots
 through the operations whose outputs were non-finite, and returns the first (in execution order) of those
 operations that created a kind of non-finite value its inputs did not hold (``x * 1e5`` overflowing to ``inf``;
-``inf - inf`` making NaN; ``softmax`` of a row that is ``-inf`` everywhere making NaN). An operation that writes a
-non-finite constant on purpose (``masked_fill(mask, -inf)``) is chosen only when nothing else explains the roots.
-Non-finite values that never reach a root are by design and are never an origin.
+``inf - inf`` making NaN; ``softmax`` of a row that is ``-inf`` everywhere making NaN), or read one from outside the
+trace (data, parameters). Operations of the roots' own phase come first (for gradients: the backward), and an
+operation that writes a non-finite constant on purpose (``masked_fill(mask, -inf)``) is chosen only when nothing
+else explains the roots. Non-finite values that never reach a root are by design and are never an origin.
 
 Each operation is credited to a module: in forward, the innermost module running (forward pre/post hooks); in
 backward, the module whose forward created the autograd node being run (``torch._C._current_autograd_node()``,
@@ -28,14 +29,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from functools import partial
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any, Optional
 
 import torch
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakTensorKeyDictionary
 
 from lightning_mp.diagnostics.aten_ops import IGNORED_OPS
@@ -58,29 +58,49 @@ class Origin:
     input_amax: float
 
 
+def _leaves(value: Any) -> Iterator[Any]:
+    """The leaves of nested tuples, lists and dicts (aten arguments and results; cheaper than pytree)."""
+    if isinstance(value, (tuple, list)):
+        for item in value:
+            yield from _leaves(item)
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from _leaves(item)
+    else:
+        yield value
+
+
 def _floats(value: Any) -> list[Tensor]:
     return [
-        t for t in tree_leaves(value)
+        t for t in _leaves(value)
         if isinstance(t, Tensor) and t.is_floating_point() and not t.is_sparse and t.numel() > 0
     ]
 
 
 def _nonfinite_constant(args: tuple, kwargs: dict) -> bool:
-    return any(isinstance(v, float) and not math.isfinite(v) for v in tree_leaves((args, kwargs)))
+    return any(isinstance(v, float) and not math.isfinite(v) for v in _leaves((args, kwargs)))
 
 
-def _kinds(tensor: Tensor) -> Tensor:
-    """``[holds NaN, holds +inf, holds -inf, largest finite magnitude]`` (float32, on the tensor's device)."""
-    tensor = tensor.detach()
-    finite = torch.isfinite(tensor)
-    return torch.stack([
-        torch.isnan(tensor).any().float(), (tensor == math.inf).any().float(), (tensor == -math.inf).any().float(),
-        torch.where(finite, tensor.abs(), 0).amax().float(),
-    ])
+def _extremes(tensors: list[Tensor]) -> list[Tensor]:
+    """Each tensor's smallest and largest value (NaN when it holds a NaN): all the checks need, one kernel each."""
+    return [extreme for t in tensors for extreme in torch.aminmax(t.detach())]
 
 
-#: columns of one operation's flags
-_IN, _IN_AMAX, _OUT, _LEAF_BAD = slice(0, 3), 3, slice(4, 7), 7
+def _kinds(extremes: list[float]) -> tuple[bool, bool, bool]:
+    """(holds NaN, holds +inf, holds -inf) of tensors given as their [min, max, min, max, ...]. A tensor holding
+    NaN reads as NaN only (``aminmax`` propagates NaN)."""
+    nan = pos = neg = False
+    for low, high in zip(extremes[::2], extremes[1::2]):
+        if math.isnan(low) or math.isnan(high):
+            nan = True
+        else:
+            pos, neg = pos or high == math.inf, neg or low == -math.inf
+    return nan, pos, neg
+
+
+def _finite_amax(extremes: list[float]) -> float:
+    """The largest finite magnitude among the extremes (exact for finite tensors)."""
+    return max((abs(v) for v in extremes if math.isfinite(v)), default=0.0)
 
 
 class _Checks(TorchDispatchMode):
@@ -100,12 +120,12 @@ class _Checks(TorchDispatchMode):
             return out
         inputs = _floats((args, kwargs))
         # inputs are checked before the op runs: an in-place op overwrites them
-        in_checks = [_kinds(t) for t in inputs]
+        in_extremes = _extremes(inputs)
         parents = [trace._producer.get(t) for t in inputs]
         out = func(*args, **kwargs)
         outputs = _floats(out)
         if outputs:
-            trace._record(op, in_checks, parents, outputs, _nonfinite_constant(args, kwargs))
+            trace._record(op, in_extremes, parents, outputs, _nonfinite_constant(args, kwargs))
         return out
 
 
@@ -119,11 +139,31 @@ class _NodeModules(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         if self.trace.phase == "forward" and torch.is_grad_enabled():
-            for t in tree_leaves(out):
+            for t in _leaves(out):
                 node = t.grad_fn if isinstance(t, Tensor) else None
                 if node is not None and node not in self.trace.node_modules:  # innermost module wins
                     self.trace.node_modules[node] = self.trace.current_module()
         return out
+
+
+@dataclass(frozen=True)
+class _Row:
+    """What one operation's floating inputs and outputs held: kinds are (NaN, +inf, -inf); ``leaf_bad``: an input
+    that no traced operation produced (data, parameters, tensors made before the trace) held inf/NaN."""
+
+    in_kinds: tuple[bool, bool, bool]
+    out_kinds: tuple[bool, bool, bool]
+    input_amax: float
+    leaf_bad: bool
+
+    @property
+    def out_bad(self) -> bool:
+        return any(self.out_kinds)
+
+    @property
+    def born(self) -> bool:
+        """The output holds a kind of non-finite value (NaN, +inf, -inf) that no input held."""
+        return any(out and not held for out, held in zip(self.out_kinds, self.in_kinds))
 
 
 class NonFiniteTrace:
@@ -145,9 +185,8 @@ class NonFiniteTrace:
         self.node_modules: dict[Any, str] = {}
         self._last_backward_module = OUTSIDE
         self._ops: list[tuple[str, str, str, bool]] = []  # (op, phase, module, writes a non-finite constant)
-        # per op: [inputs hold NaN, +inf, -inf, largest finite input, output holds NaN, +inf, -inf, a non-finite
-        # input that no traced op produced (data, parameters)]
-        self._flags: list[Tensor] = []
+        self._flags: list[Tensor] = []  # per op: [min, max] of each floating input, then of each floating output
+        self._inputs: list[list[Optional[int]]] = []  # per op and floating input: the traced op that produced it
         self._parents: list[list[int]] = []  # per op: the traced ops that produced its floating inputs
         self._producer: WeakTensorKeyDictionary = WeakTensorKeyDictionary()  # live tensor -> op that produced it
         self._classes = {name: type(module).__name__ for name, module in model.named_modules()}
@@ -168,29 +207,22 @@ class NonFiniteTrace:
             self._last_backward_module = module
         return self._last_backward_module  # nodes made below torch functions (autocast's casts): the consumer's
 
-    def _record(self, op: str, in_checks: list[Tensor], parents: list[Optional[int]], outputs: list[Tensor],
+    def _record(self, op: str, in_extremes: list[Tensor], parents: list[Optional[int]], outputs: list[Tensor],
                 constant: bool) -> None:
-        out_kinds = torch.stack([_kinds(t).to(self.device) for t in outputs]).amax(0)[:3]
-        if in_checks:
-            ins = torch.stack([check.to(self.device) for check in in_checks])
-            unproduced = [i for i, parent in enumerate(parents) if parent is None]
-            leaf_bad = ins[unproduced, :3].amax() if unproduced else torch.zeros((), device=self.device)
-            row = torch.cat([ins.amax(0), out_kinds, leaf_bad.reshape(1)])
-        else:
-            row = torch.cat([torch.zeros(4, device=self.device), out_kinds, torch.zeros(1, device=self.device)])
         index = len(self._ops)
-        self._flags.append(row)
+        self._flags.append(torch.stack([*in_extremes, *_extremes(outputs)]).to(self.device, torch.float32))
+        self._inputs.append(parents)
         self._parents.append(sorted({parent for parent in parents if parent is not None}))
         self._ops.append((op, self.phase, self.current_module(), constant))
         for tensor in outputs:
             self._producer[tensor] = index
 
     def _alias(self, args: Any, out: Any) -> None:
-        base = next((t for t in tree_leaves(args) if isinstance(t, Tensor)), None)
+        base = next((t for t in _leaves(args) if isinstance(t, Tensor)), None)
         parent = self._producer.get(base) if base is not None else None
         if parent is None:
             return
-        for tensor in tree_leaves(out):
+        for tensor in _leaves(out):
             if isinstance(tensor, Tensor):
                 self._producer[tensor] = parent
 
@@ -221,18 +253,26 @@ class NonFiniteTrace:
             self.stack.pop()
 
     # ------------------------------------------------------------------ results
-    def flags(self, roots: Sequence[Tensor] = ()) -> tuple[list[list[float]], list[bool]]:
-        """Per operation its flags (see ``_flags``), and per root whether it holds inf/NaN: one host sync."""
+    def flags(self, roots: Sequence[Tensor] = ()) -> tuple[list[_Row], list[bool]]:
+        """Per operation what its inputs and outputs held (:class:`_Row`), and per root whether it holds inf/NaN:
+        one host sync."""
         if not self._flags and not roots:
             return [], []
         self.paused = True
         try:
-            rows = torch.stack(self._flags).tolist() if self._flags else []
+            sizes = [len(flags) for flags in self._flags]
+            values = torch.cat(self._flags).tolist() if self._flags else []
             bad = torch.stack([(~torch.isfinite(r.detach()).all()).to(self.device) for r in roots]).tolist() \
                 if roots else []
-            return rows, bad
         finally:
             self.paused = False
+        rows, start = [], 0
+        for parents, size in zip(self._inputs, sizes):
+            extremes, start = values[start:start + size], start + size
+            inputs, outputs = extremes[:2 * len(parents)], extremes[2 * len(parents):]
+            leaves = [v for i, parent in enumerate(parents) if parent is None for v in inputs[2 * i:2 * i + 2]]
+            rows.append(_Row(_kinds(inputs), _kinds(outputs), _finite_amax(inputs), any(_kinds(leaves))))
+        return rows, bad
 
     def origin(self, roots: Optional[Sequence[Tensor]] = None) -> Optional[Origin]:
         """Where the inf/NaN held by ``roots`` (the loss, or the gradients) was born; ``None`` when every root is
@@ -241,7 +281,7 @@ class NonFiniteTrace:
         excepted)."""
         rows, bad = self.flags(list(roots or []))
         if roots is None:
-            candidates = [i for i in range(len(self._ops)) if self._born(rows[i]) and not self._ops[i][3]]
+            candidates = [i for i in range(len(self._ops)) if rows[i].born and not self._ops[i][3]]
             return self._origin(rows, candidates[0]) if candidates else None
         if not any(bad):
             return None
@@ -253,22 +293,19 @@ class NonFiniteTrace:
             if i in reached:
                 continue
             reached.add(i)
-            stack += [p for p in self._parents[i] if p not in reached and any(rows[p][_OUT])]
+            stack += [p for p in self._parents[i] if p not in reached and rows[p].out_bad]
         if not reached:  # a root no traced op produced (non-finite data returned as the loss): name what we can
-            candidates = [i for i in range(len(self._ops)) if any(rows[i][_OUT]) and not self._ops[i][3]]
+            candidates = [i for i in range(len(self._ops)) if rows[i].out_bad and not self._ops[i][3]]
             return self._origin(rows, candidates[0]) if candidates else None
         order = sorted(reached)
-        born = [i for i in order if self._born(rows[i]) or rows[i][_LEAF_BAD]]
-        chosen = next((i for i in born if not self._ops[i][3]), None)
-        chosen = chosen if chosen is not None else (born or order)[0]
-        return self._origin(rows, chosen)
-
-    @staticmethod
-    def _born(row: list[float]) -> bool:
-        """The output holds a kind of non-finite value (NaN, +inf, -inf) that no input held."""
-        return any(out and not held for out, held in zip(row[_OUT], row[_IN]))
+        born = [i for i in order if rows[i].born or rows[i].leaf_bad]
+        # prefer an op of the roots' own phase: the loss was finite when the roots are gradients, so a forward
+        # tensor the backward read (a mask of -inf fed to a fused attention backward) did not start it
+        preferences = ([i for i in born if not self._ops[i][3] and self._ops[i][1] == self.phase],
+                       [i for i in born if not self._ops[i][3]], born, order)
+        return self._origin(rows, next(group for group in preferences if group)[0])
 
     def _origin(self, rows: list[list[float]], index: int) -> Origin:
         op, phase, module, _ = self._ops[index]
         module_class = OUTSIDE if module == OUTSIDE else self._classes.get(module, "")
-        return Origin(phase, "" if module == OUTSIDE else module, module_class, op, float(rows[index][_IN_AMAX]))
+        return Origin(phase, "" if module == OUTSIDE else module, module_class, op, rows[index].input_amax)
