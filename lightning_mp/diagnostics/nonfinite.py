@@ -12,10 +12,9 @@ softmax (or ``where``) that follows and never reach the loss. So an origin is de
 given the *roots* (the loss, or the gradients), :meth:`~NonFiniteTrace.origin` walks back from the non-finite roots
 through the operations whose outputs were non-finite, and returns the first (in execution order) of those
 operations that created a kind of non-finite value its inputs did not hold (``x * 1e5`` overflowing to ``inf``;
-``inf - inf`` making NaN; ``softmax`` of a row that is ``-inf`` everywhere making NaN), or read one from outside the
-trace (data, parameters). Operations of the roots' own phase come first (for gradients: the backward), and an
-operation that writes a non-finite constant on purpose (``masked_fill(mask, -inf)``) is chosen only when nothing
-else explains the roots. Non-finite values that never reach a root are by design and are never an origin.
+``inf - inf`` making NaN; ``softmax`` of a row that is ``-inf`` everywhere making NaN). Operations of the roots' own
+phase come first (for gradients: the backward). Failing such an operation, the first that read inf/NaN from outside
+the trace (data, parameters), then one that writes a non-finite constant on purpose (``masked_fill(mask, -inf)``). Non-finite values that never reach a root are by design and are never an origin.
 
 Each operation is credited to a module: in forward, the innermost module running (forward pre/post hooks); in
 backward, the module whose forward created the autograd node being run (``torch._C._current_autograd_node()``,
@@ -298,11 +297,14 @@ class NonFiniteTrace:
             candidates = [i for i in range(len(self._ops)) if rows[i].out_bad and not self._ops[i][3]]
             return self._origin(rows, candidates[0]) if candidates else None
         order = sorted(reached)
-        born = [i for i in order if rows[i].born or rows[i].leaf_bad]
+        born = [i for i in order if rows[i].born and not self._ops[i][3]]
         # prefer an op of the roots' own phase: the loss was finite when the roots are gradients, so a forward
-        # tensor the backward read (a mask of -inf fed to a fused attention backward) did not start it
-        preferences = ([i for i in born if not self._ops[i][3] and self._ops[i][1] == self.phase],
-                       [i for i in born if not self._ops[i][3]], born, order)
+        # tensor the backward read (a mask of -inf fed to a fused attention backward) did not start it. Then the
+        # first op that read inf/NaN from outside the trace (data, parameters; a mask made before it), then
+        # non-finite constants written on purpose
+        preferences = ([i for i in born if self._ops[i][1] == self.phase], born,
+                       [i for i in order if rows[i].leaf_bad and not self._ops[i][3]],
+                       [i for i in order if rows[i].born or rows[i].leaf_bad], order)
         return self._origin(rows, next(group for group in preferences if group)[0])
 
     def _origin(self, rows: list[list[float]], index: int) -> Origin:
