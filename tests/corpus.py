@@ -157,7 +157,7 @@ def run(name: str, plant: str, master_weights: bool = False) -> tuple[CorpusModu
 
 
 def table(models: tuple[str, ...] = MODELS, master_weights: bool = False) -> str:
-    lines = [f"| model | plant | cause | module | phase | op | advice | seconds |", "|---|---|---|---|---|---|---|---:|"]
+    lines = ["| model | plant | cause | module | phase | op | advice | seconds |", "|---|---|---|---|---|---|---|---:|"]
     for name in models:
         for plant in PLANTS:
             start = time.perf_counter()

@@ -58,6 +58,15 @@ class OverflowRecord:
     def located(self) -> bool:
         return self.phase in ("forward", "backward")
 
+    def place(self) -> str:
+        """The code the origin ran in: ``"encoder.layer.3.output.dense (Linear)"``, ``"training_step (outside any
+        module)"`` or ``"the root module (MyModel)"``."""
+        if self.module:
+            return f"{self.module} ({self.module_class})"
+        if self.module_class == "(outside any module)":
+            return "training_step (outside any module)"
+        return f"the root module ({self.module_class})"
+
     def where(self) -> str:
         """``"encoder.layer.3.output.dense (Linear), forward, op mul"``, or the cause when not located."""
         if not self.located:

@@ -14,7 +14,8 @@ through the operations whose outputs were non-finite, and returns the first (in 
 operations that created a kind of non-finite value its inputs did not hold (``x * 1e5`` overflowing to ``inf``;
 ``inf - inf`` making NaN; ``softmax`` of a row that is ``-inf`` everywhere making NaN). Operations of the roots' own
 phase come first (for gradients: the backward). Failing such an operation, the first that read inf/NaN from outside
-the trace (data, parameters), then one that writes a non-finite constant on purpose (``masked_fill(mask, -inf)``). Non-finite values that never reach a root are by design and are never an origin.
+the trace (data, parameters), then one that writes a non-finite constant on purpose (``masked_fill(mask, -inf)``).
+Non-finite values that never reach a root are by design and are never an origin.
 
 Each operation is credited to a module: in forward, the innermost module running (forward pre/post hooks); in
 backward, the module whose forward created the autograd node being run (``torch._C._current_autograd_node()``,
