@@ -1,9 +1,11 @@
 """The diagnosis corpus: third-party models x planted faults, each run as a user runs it (a Trainer with the
 MixedPrecisionPlugin in fp16 and a PrecisionMonitor), and what the monitor said about each.
 
-Models (tiny configs, CPU): HF GPT-2 and Llama (causal masks inside, eager attention), HF BERT with a padding mask,
-``nn.TransformerEncoder`` with a causal mask of ``-inf`` and one of ``finfo(float16).min``, Lightning's demo
-``Transformer`` (``nn.Transformer`` with ``-inf`` masks), and a CNN. Plants:
+Models (tiny configs, CPU): HF GPT-2 and Llama (causal masks inside), HF BERT with a padding mask, each with
+transformers' default attention (``sdpa``) and GPT-2 and BERT also with ``eager`` attention (the additive
+``finfo.min`` masks and the softmax in plain sight); ``nn.TransformerEncoder`` with a causal mask of ``-inf`` and
+one of ``finfo(float16).min``; Lightning's demo ``Transformer`` (``nn.Transformer`` with ``-inf`` masks); a CNN.
+Plants:
 
 - ``init_scale``: no fault, ``init_scale=2**24``: the scaled gradients overflow fp16 in backward -> ``loss_scale``;
 - ``forward``: at step 1 the target module's output is rescaled so that its largest magnitude is 1e5 (a multiply
@@ -34,7 +36,7 @@ from tests.helpers import make_trainer
 
 PLANT_AT = 1  # the optimizer step the module plants act at (step 0 runs clean)
 VOCAB, SEQ, BATCH, WIDTH = 32, 8, 2, 16
-MODELS = ("gpt2", "llama", "bert", "encoder_inf", "encoder_min", "demo", "cnn")
+MODELS = ("gpt2", "gpt2_eager", "llama", "bert", "bert_eager", "encoder_inf", "encoder_min", "demo", "cnn")
 PLANTS = ("init_scale", "forward", "backward", "sqrt")
 EXPECTED = {  # plant -> (cause, phase, op); the module plants name their target module
     "init_scale": ("loss_scale", "backward", None),
@@ -81,13 +83,15 @@ def build(name: str) -> tuple[nn.Module, str, Callable[[nn.Module, Any], torch.T
     """(model, qualified name of the plant's target inside CorpusModule, loss function, one batch)."""
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=gen)
+    if name.endswith("_eager"):
+        model, target, loss, batch = build(name.removesuffix("_eager"))
+        model.config._attn_implementation = "eager"  # the additive masks and the softmax in plain sight
+        return model, target, loss, batch
     if name in ("gpt2", "llama"):
         model, target = _hf(name)
-        model.config._attn_implementation = "eager"  # the additive masks in plain sight
         return model, target, lambda m, b: m(input_ids=b[0], labels=b[0]).loss, (ids,)
     if name == "bert":
         model, target = _hf(name)
-        model.config._attn_implementation = "eager"
         attention = torch.ones(BATCH, SEQ, dtype=torch.long)
         attention[0, SEQ // 2:] = 0  # padding: the first sample's second half is masked out
         labels = torch.tensor([0, 1])
