@@ -158,11 +158,12 @@ class PrecisionMonitor(L.Callback):
         for index, optimizer in enumerate(trainer.optimizers):
             values["lr" if index == 0 else f"lr-{index}"] = (float(optimizer.param_groups[0]["lr"]), False)
         # self.log costs ~0.2 ms a call: log a value when the logger writes this step (Lightning's own monitors ask
-        # the same private property) or when it changed (the progress bar keeps the last value it was given).
+        # the same private property), or, for a progress-bar value, when it changed (the bar keeps the last value it
+        # was given). The lr changes every step under most schedulers: only the logger shows it, so only when due.
         # CPU tensors: no device copy, and reading them for the progress bar does not wait for the device
         due = getattr(getattr(trainer, "_logger_connector", None), "should_update_logs", True)
         for name, (value, prog_bar) in values.items():
-            if due or self._last_logged.get(name) != value:
+            if due or (prog_bar and self._last_logged.get(name) != value):
                 pl_module.log(name, torch.tensor(value), prog_bar=prog_bar, on_step=True, on_epoch=False)
                 self._last_logged[name] = value
 
