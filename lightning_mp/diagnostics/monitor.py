@@ -39,7 +39,8 @@ class PrecisionMonitor(L.Callback):
 
     Args:
         prog_bar: show ``loss_scale`` and ``skipped_steps`` in the progress bar (default ``True``); both, and ``lr``,
-            are logged every step.
+            go to the logger whenever it writes (``log_every_n_steps``); the progress bar's values are updated
+            whenever they change.
         localise_overflows: on every skipped step, replay it to find the module and operation where the inf/NaN was
             born, forward or backward, and whether the loss scale, half precision or the model caused it (default
             ``True``; costs nothing on other steps).
@@ -159,11 +160,13 @@ class PrecisionMonitor(L.Callback):
             values["lr" if index == 0 else f"lr-{index}"] = (float(optimizer.param_groups[0]["lr"]), False)
         # self.log costs ~0.2 ms a call: log a value when the logger writes this step (Lightning's own monitors ask
         # the same private property), or, for a progress-bar value, when it changed (the bar keeps the last value it
-        # was given). The lr changes every step under most schedulers: only the logger shows it, so only when due.
-        # CPU tensors: no device copy, and reading them for the progress bar does not wait for the device
+        # was given). The lr changes every step under most schedulers and only the logger shows it: logged when due
+        # (and on the first step, so that callback_metrics has it). CPU tensors: no device copy, and reading them
+        # for the progress bar does not wait for the device
         due = getattr(getattr(trainer, "_logger_connector", None), "should_update_logs", True)
         for name, (value, prog_bar) in values.items():
-            if due or (prog_bar and self._last_logged.get(name) != value):
+            last = self._last_logged.get(name)
+            if due or last is None or (prog_bar and last != value):
                 pl_module.log(name, torch.tensor(value), prog_bar=prog_bar, on_step=True, on_epoch=False)
                 self._last_logged[name] = value
 
