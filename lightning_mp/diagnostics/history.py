@@ -21,7 +21,8 @@ CAUSES = {
     "model": "non-finite even in fp32 without the loss scale: the model or the data produce it, not the precision",
     "not_reproduced": "a replay of the step's forward and backward stayed finite: the non-finite gradients came from "
     "elsewhere (a hook after backward, the sum of accumulated micro-batches, a non-deterministic op)",
-    "gradients_only": "manual optimization: the training_step is not replayed, only the gradients are inspected",
+    "gradients_only": "not replayed (manual optimization, or a model sharded by FSDP2): only the gradients are "
+    "inspected",
     "failed": "localisation raised an error (see note)",
 }
 

@@ -8,11 +8,17 @@ micro-batch is replayed until one reproduces the non-finite values:
 
 1. **as trained**: the plugin's forward context (autocast + casting policy), ``training_step``, the loss divided by
    ``accumulate_grad_batches`` and multiplied by the scale the gradients carried, and its gradients with respect to
-   the parameters, all under :class:`NonFiniteTrace`. The origin gives module, class, forward/backward, operation and
-   the largest finite magnitude at its input. If nothing is non-finite, the cause is ``not_reproduced``.
+   the parameters, all under :class:`NonFiniteTrace`. The origin is where the inf/NaN that reached the loss (or,
+   with a finite loss, the gradients) was born: module, class, forward/backward, operation and the largest finite
+   magnitude at its input. Non-finite values that reach neither (``-inf`` attention masks) do not count. If the
+   loss and the gradients are finite, the cause is ``not_reproduced``.
 2. for a backward origin, **unscaled** (scale 1), same precision: finite -> cause ``loss_scale``.
-3. otherwise **in fp32, unscaled** (autocast off, the casting policy's op overrides off, fp32 master values
-   swapped into a half model): finite -> ``half_precision``, else ``model``.
+3. otherwise **in fp32, unscaled** (autocast off, the casting policy's op overrides off, a half model's fp32 master
+   values put in the modules' parameter slots): finite -> ``half_precision``, else ``model``.
+
+Under a process group every rank replays in lockstep (the same replays in the same order, see
+:meth:`OverflowLocaliser.localise`). A sharded model (FSDP2: DTensor parameters) is not replayed: the record is
+``gradients_only``, with each rank's non-finite gradient shards.
 
 Each replay runs the forward and, unless the forward already produced the inf/NaN, the backward: between one
 and three replays of one micro-batch per skipped step (more with gradient accumulation when the overflow is in
