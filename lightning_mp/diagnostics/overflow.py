@@ -108,7 +108,7 @@ class OverflowLocaliser:
                 replay = _Replay(plugin, model, micro, accumulate)
                 origin = replay.run(scale=scale, fp32=False)
                 record.replays += 1
-                if not _any_rank(origin is not None, lockstep):
+                if not _any_rank(origin is not None, lockstep, replay.device):
                     continue
                 # in lockstep every rank runs the classification replays; the ranks that found nothing ignore them
                 cause, replays = _classify(replay, origin, scale, lockstep)
@@ -147,11 +147,12 @@ def _world_size() -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
-def _any_rank(flag: bool, lockstep: bool) -> bool:
-    """``flag`` on this rank, or, in lockstep, on any rank (one all-reduce of one number)."""
+def _any_rank(flag: bool, lockstep: bool, device: torch.device) -> bool:
+    """``flag`` on this rank, or, in lockstep, on any rank (one all-reduce of one number, on the model's device:
+    NCCL reduces CUDA tensors only)."""
     if not lockstep:
         return flag
-    value = torch.tensor([float(flag)])
+    value = torch.tensor([float(flag)], device=device)
     torch.distributed.all_reduce(value, op=torch.distributed.ReduceOp.MAX)
     return bool(value.item())
 
