@@ -193,6 +193,7 @@ class NonFiniteTrace:
         self._handles: list[Any] = []
         self._modes: list[Any] = []
         self.paused = False  # while reading the flags: those ops are ours, not the model's
+        self._dtype = torch.float32 if device.type == "mps" else torch.float64  # MPS has no float64
 
     @property
     def operations(self) -> int:
@@ -210,7 +211,10 @@ class NonFiniteTrace:
     def _record(self, op: str, in_extremes: list[Tensor], parents: list[Optional[int]], outputs: list[Tensor],
                 constant: bool) -> None:
         index = len(self._ops)
-        self._flags.append(torch.stack([*in_extremes, *_extremes(outputs)]).to(self.device, torch.float32))
+        # on the trace's device (a CPU scalar may join a CUDA op), in float64 (a float64 value above float32's range
+        # is not an inf)
+        extremes = [e.to(self.device, self._dtype) for e in (*in_extremes, *_extremes(outputs))]
+        self._flags.append(torch.stack(extremes))
         self._inputs.append(parents)
         self._parents.append(sorted({parent for parent in parents if parent is not None}))
         self._ops.append((op, self.phase, self.current_module(), constant))
