@@ -138,6 +138,7 @@ def _worker(name: str, monitored: bool, index: int, args: dict[str, Any], turns:
         clock = _StartClock()
         stop = _StopClock(clock, turns, index)
         monitor = PrecisionMonitor() if monitored else None
+        hook_seconds = _time_hooks(monitor) if monitor is not None else []
         with tempfile.TemporaryDirectory() as root:
             trainer = L.Trainer(
                 accelerator="cpu", devices=1, max_steps=args["steps"], plugins=plugins, default_root_dir=root,
@@ -147,12 +148,38 @@ def _worker(name: str, monitored: bool, index: int, args: dict[str, Any], turns:
             trainer.fit(model, loader)
         out: dict[str, Any] = {"times": stop.times}
         if monitor is not None:
+            out["hooks"] = hook_seconds
             out["sampled"] = [s.step for s in monitor.history.samples]
             out["localised"] = [(r.step, r.seconds, r.replays, r.cause) for r in monitor.history.overflows]
         results[(name, monitored)] = out
     except BaseException:
         turns.fail()
         raise
+
+
+_STEP_HOOKS = ("on_train_batch_start", "on_before_optimizer_step", "on_train_batch_end")
+
+
+def _time_hooks(monitor: Any) -> list[float]:
+    """Wraps the monitor's per-step hooks to add up, per step, the time spent in them: its own host work, measured
+    inside the process (robust to the noise of a shared machine, which the two-process comparison is not; the
+    monitor adds no host sync on a step that is neither sampled nor skipped). Returns the list it fills."""
+    per_step: list[float] = []
+
+    def timed(hook: Any, starts_step: bool) -> Any:
+        def run(*args: Any, **kwargs: Any) -> Any:
+            if starts_step:
+                per_step.append(0.0)
+            start = time.perf_counter()
+            try:
+                return hook(*args, **kwargs)
+            finally:
+                per_step[-1] += time.perf_counter() - start
+        return run
+
+    for name in _STEP_HOOKS:
+        setattr(monitor, name, timed(getattr(monitor, name), name == "on_train_batch_start"))
+    return per_step
 
 
 def _table(name: str, off: dict[str, Any], on: dict[str, Any], warmup: int, every: int) -> str:
@@ -173,6 +200,10 @@ def _table(name: str, off: dict[str, Any], on: dict[str, Any], warmup: int, ever
         f"| a sampled step's extra time (ms; {len(sampled)} sampled) | | {1e3 * sample_cost:.2f} | "
         f"{100 * sample_cost / (every * median_off):+.2f}% at sample_every={every} |",
     ]
+    hooks = [t for i, t in enumerate(on["hooks"][warmup:]) if i not in sampled | skipped]
+    if hooks:
+        lines.append(f"| time in the monitor's hooks, step neither sampled nor skipped (ms, mean) | | "
+                     f"{1e3 * statistics.fmean(hooks):.3f} | {100 * statistics.fmean(hooks) / median_off:+.2f}% |")
     for step, seconds, replays, cause in on.get("localised", []):
         lines.append(f"| localising skipped step {step} ({cause}, {replays} replays) (ms) | | {1e3 * seconds:.2f} | "
                      f"{seconds / median_off:.1f} steps |")
