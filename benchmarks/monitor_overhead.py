@@ -236,7 +236,8 @@ def main() -> None:
         if any(worker.exitcode for worker in workers):
             raise SystemExit(f"{name}: a worker failed (exit codes {[w.exitcode for w in workers]})")
         sizes = f" ({args.preset} preset, ours)" if name in COMPARE_WORKLOADS else ""
-        title = (f"PrecisionMonitor overhead, {name}{sizes}, {args.steps} steps each ({args.warmup} untimed), interleaved "
+        title = (f"PrecisionMonitor overhead, {name}{sizes}, {args.steps} steps each ({args.warmup} untimed), "
+                 "interleaved "
                  f"step by step, {args.threads} thread(s) per process")
         report(title, _table(name, results[(name, False)], results[(name, True)], args.warmup, every), "cpu",
                args.record)

@@ -154,7 +154,8 @@ def fit(
 ) -> dict[str, Any]:
     """One run; what it recorded, the final fp32 weights (whole, on every rank) and the scaler state."""
     torch.manual_seed(0)
-    model = model_class(inject=inject, shard=shard, per_rank_batch=GLOBAL_BATCH // devices // accumulate, **model_kwargs)
+    model = model_class(inject=inject, shard=shard, per_rank_batch=GLOBAL_BATCH // devices // accumulate,
+                        **model_kwargs)
     plugin = make_plugin(precision, masters, reduce_dtype, scaler, policy)
     callbacks: list[Callback] = [StepRecorder(), *extra_callbacks]
     if checkpoint_dir is not None:
