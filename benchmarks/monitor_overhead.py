@@ -2,6 +2,7 @@
 
     python benchmarks/monitor_overhead.py                           # both CPU workloads below
     python benchmarks/monitor_overhead.py --workloads minilm-fp32 --steps 400 --record
+    python benchmarks/monitor_overhead.py --workloads mlp resnet18-28 minilm --preset cpu --steps 60
 
 Two processes, one with ``PrecisionMonitor()`` (defaults: overflow localisation on, per-layer gradient statistics
 every 100 optimizer steps, the report after fit) and one without, train the same model on the same data with the
@@ -16,6 +17,9 @@ Workloads:
 - ``mlp-bf16``: a small MLP (3 x Linear(256, 256)) with ``MixedPrecisionPlugin("bf16-mixed")``: a launch-bound
   step where the per-step host work (scale / skip logging, keeping the batch and the RNG state for a replay)
   weighs the most. ``--plant K`` makes steps K, 2K, ... produce a NaN, to time the overflow localisation.
+- the workloads of ``benchmarks/compare.py`` (``mlp``, ``resnet18-28``, ``resnet18-224``, ``minilm``, ``bert-base``)
+  at the sizes of ``--preset`` (default ``cpu``), trained as compare's ``ours`` mode (``MixedPrecisionPlugin()``:
+  bf16 on CPU), for ``--steps`` steps (default: 300; the preset's own step counts are too few to see 1%).
 
 Reported: mean step time (all timed steps: what a run pays), the extra time of a sampled step, the overhead that
 sampling every N steps implies, and the localisation's time per skipped step.
@@ -39,6 +43,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 WORKLOADS = ("minilm-fp32", "mlp-bf16")
+COMPARE_WORKLOADS = ("mlp", "resnet18-28", "resnet18-224", "minilm", "bert-base")  # benchmarks/compare.py's
 
 
 class _StartClock(L.Callback):
@@ -101,8 +106,14 @@ class _MLP(L.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=1e-3)
 
 
-def _workload(name: str, steps: int, plant: int) -> tuple[L.LightningModule, DataLoader, list[Any]]:
+def _workload(name: str, steps: int, plant: int, preset: str) -> tuple[L.LightningModule, Any, list[Any]]:
     torch.manual_seed(0)
+    if name in COMPARE_WORKLOADS:
+        from compare import trainer_precision
+        from workloads import build
+
+        work = build(name, preset)
+        return work.module, work.train, trainer_precision("ours", "cpu")["plugins"]
     if name == "minilm-fp32":
         from lightning_mp.samples.models import BertClassifier
 
@@ -123,10 +134,11 @@ def _worker(name: str, monitored: bool, index: int, args: dict[str, Any], turns:
         torch.set_num_threads(args["threads"])
         from lightning_mp import PrecisionMonitor
 
-        model, loader, plugins = _workload(name, args["steps"], args["plant"])
+        model, loader, plugins = _workload(name, args["steps"], args["plant"], args["preset"])
         clock = _StartClock()
         stop = _StopClock(clock, turns, index)
         monitor = PrecisionMonitor() if monitored else None
+        hook_seconds = _time_hooks(monitor) if monitor is not None else []
         with tempfile.TemporaryDirectory() as root:
             trainer = L.Trainer(
                 accelerator="cpu", devices=1, max_steps=args["steps"], plugins=plugins, default_root_dir=root,
@@ -136,12 +148,38 @@ def _worker(name: str, monitored: bool, index: int, args: dict[str, Any], turns:
             trainer.fit(model, loader)
         out: dict[str, Any] = {"times": stop.times}
         if monitor is not None:
+            out["hooks"] = hook_seconds
             out["sampled"] = [s.step for s in monitor.history.samples]
             out["localised"] = [(r.step, r.seconds, r.replays, r.cause) for r in monitor.history.overflows]
         results[(name, monitored)] = out
     except BaseException:
         turns.fail()
         raise
+
+
+_STEP_HOOKS = ("on_train_batch_start", "on_before_optimizer_step", "on_train_batch_end")
+
+
+def _time_hooks(monitor: Any) -> list[float]:
+    """Wraps the monitor's per-step hooks to add up, per step, the time spent in them: its own host work, measured
+    inside the process (robust to the noise of a shared machine, which the two-process comparison is not; the
+    monitor adds no host sync on a step that is neither sampled nor skipped). Returns the list it fills."""
+    per_step: list[float] = []
+
+    def timed(hook: Any, starts_step: bool) -> Any:
+        def run(*args: Any, **kwargs: Any) -> Any:
+            if starts_step:
+                per_step.append(0.0)
+            start = time.perf_counter()
+            try:
+                return hook(*args, **kwargs)
+            finally:
+                per_step[-1] += time.perf_counter() - start
+        return run
+
+    for name in _STEP_HOOKS:
+        setattr(monitor, name, timed(getattr(monitor, name), name == "on_train_batch_start"))
+    return per_step
 
 
 def _table(name: str, off: dict[str, Any], on: dict[str, Any], warmup: int, every: int) -> str:
@@ -162,6 +200,10 @@ def _table(name: str, off: dict[str, Any], on: dict[str, Any], warmup: int, ever
         f"| a sampled step's extra time (ms; {len(sampled)} sampled) | | {1e3 * sample_cost:.2f} | "
         f"{100 * sample_cost / (every * median_off):+.2f}% at sample_every={every} |",
     ]
+    hooks = [t for i, t in enumerate(on["hooks"][warmup:]) if i not in sampled | skipped]
+    if hooks:
+        lines.append(f"| time in the monitor's hooks, step neither sampled nor skipped (ms, mean) | | "
+                     f"{1e3 * statistics.fmean(hooks):.3f} | {100 * statistics.fmean(hooks) / median_off:+.2f}% |")
     for step, seconds, replays, cause in on.get("localised", []):
         lines.append(f"| localising skipped step {step} ({cause}, {replays} replays) (ms) | | {1e3 * seconds:.2f} | "
                      f"{seconds / median_off:.1f} steps |")
@@ -170,7 +212,8 @@ def _table(name: str, off: dict[str, Any], on: dict[str, Any], warmup: int, ever
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--workloads", nargs="+", choices=WORKLOADS, default=list(WORKLOADS))
+    parser.add_argument("--workloads", nargs="+", choices=WORKLOADS + COMPARE_WORKLOADS, default=list(WORKLOADS))
+    parser.add_argument("--preset", default="cpu", help="sizes of compare.py's workloads (default cpu)")
     parser.add_argument("--steps", type=int, default=300, help="optimizer steps per process (default 300)")
     parser.add_argument("--warmup", type=int, default=5, help="first steps not timed (default 5)")
     parser.add_argument("--plant", type=int, default=0, help="mlp-bf16: a NaN every K steps (default 0: none)")
@@ -183,7 +226,7 @@ def main() -> None:
     context = mp.get_context("spawn")
     for name in args.workloads:
         turns, results = Turns(2), context.Manager().dict()
-        settings = {"steps": args.steps, "plant": args.plant, "threads": args.threads}
+        settings = {"steps": args.steps, "plant": args.plant, "threads": args.threads, "preset": args.preset}
         workers = [context.Process(target=_worker, args=(name, monitored, index, settings, turns, results))
                    for index, monitored in enumerate((False, True))]
         for worker in workers:
@@ -192,7 +235,9 @@ def main() -> None:
             worker.join()
         if any(worker.exitcode for worker in workers):
             raise SystemExit(f"{name}: a worker failed (exit codes {[w.exitcode for w in workers]})")
-        title = (f"PrecisionMonitor overhead, {name}, {args.steps} steps each ({args.warmup} untimed), interleaved "
+        sizes = f" ({args.preset} preset, ours)" if name in COMPARE_WORKLOADS else ""
+        title = (f"PrecisionMonitor overhead, {name}{sizes}, {args.steps} steps each ({args.warmup} untimed), "
+                 "interleaved "
                  f"step by step, {args.threads} thread(s) per process")
         report(title, _table(name, results[(name, False)], results[(name, True)], args.warmup, every), "cpu",
                args.record)

@@ -140,8 +140,9 @@ class MixedPrecisionPlugin(Precision):
 
     @property
     def effective_policy(self) -> CastPolicy:
-        """The plugin's policy merged with the LightningModule's ``configure_precision_policy()``, once connected."""
-        return self._effective_policy
+        """The plugin's policy merged with the LightningModule's ``configure_precision_policy()``, once connected;
+        printed for the device the run uses."""
+        return self._effective_policy.for_device(self.device_type)
 
     @property
     def _checking(self) -> bool:

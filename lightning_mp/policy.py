@@ -192,9 +192,17 @@ class CastPolicy:
             fp32_modules=tuple(modules),
         )
 
-    def describe(self, device: str = "cuda", modules: Optional[nn.Module] = None) -> str:
+    def for_device(self, device: str) -> CastPolicy:
+        """This policy, printed (``str``, :meth:`describe`) for ``device`` (``"cpu"``, ``"cuda"``) by default."""
+        policy = replace(self)
+        object.__setattr__(policy, "_device", device)  # not a field: equality, repr and YAML are unchanged
+        return policy
+
+    def describe(self, device: Optional[str] = None, modules: Optional[nn.Module] = None) -> str:
         """A table of the effective decision for every known op on ``device`` and where it comes from, then the
-        module rules (with the modules of ``modules`` they match, when given)."""
+        module rules (with the modules of ``modules`` they match, when given). ``device`` defaults to the run's
+        device for :attr:`MixedPrecisionPlugin.effective_policy`, else CUDA when available, else CPU."""
+        device = device or getattr(self, "_device", None) or ("cuda" if torch.cuda.is_available() else "cpu")
         defaults = AUTOCAST_DEFAULTS["cuda" if device.startswith("cuda") else "cpu"]
         rules = self.op_rules()
         lines = [f"CastPolicy(preset={self.preset!r}) on {device}", f"{'op':34} {'runs in':8} from", "-" * 60]

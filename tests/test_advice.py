@@ -127,3 +127,23 @@ def test_every_rule_is_advice_with_a_change_and_evidence():
     history = _history(list(range(8)), scale_changes=[(s, 65536.0 / 2**s) for s in range(9)])
     for advice in advise(history):
         assert isinstance(advice, Advice) and advice.change and advice.evidence
+
+
+def _outside(step, cause):
+    return OverflowRecord(step=step, scale_before=65536.0, scale_after=32768.0, cause=cause, phase="forward",
+                          module="", module_class="(outside any module)", op="mul", input_amax=3e4)
+
+
+def test_an_origin_in_training_step_gets_no_fp32_modules_rule_but_the_op_to_compute_in_fp32_there():
+    skipped = [60, 130, 210]
+    rules = _rules(_history(skipped, [_outside(s, "half_precision") for s in skipped]))
+    assert "fp32_modules" not in rules  # no module rule reaches code outside a submodule
+    advice = rules["fp32_code"]
+    assert advice.change.startswith("compute mul in training_step in float32")
+    assert "training_step (outside any module) was where the inf/NaN was born in 3 of 3" in advice.evidence
+
+
+def test_model_advice_for_training_step_code_names_it_once_and_plainly():
+    advice = _rules(_history([60], [_outside(60, "model")]))["model"]
+    assert advice.change == "fix the computation in training_step (outside any module): no precision setting helps"
+    assert "((" not in advice.change + advice.evidence

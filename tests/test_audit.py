@@ -63,7 +63,8 @@ def test_backward_records_grad_input_and_grad_weight_matmuls_with_their_flops():
     assert census.dtypes_of("mm", phase="backward") == {"bfloat16"}
     assert census.dtypes_of("sum", phase="backward") == {"bfloat16"}  # the bias gradient, reduced over the batch
     assert census.half_flops_fraction(phase="backward") == 1.0
-    assert layer.weight.grad is not None and x.grad is not None  # backward leaves .grad as it is
+    assert layer.weight.grad is None and layer.bias.grad is None  # the parameters' gradients as they were
+    assert x.grad is not None  # an input of the caller's own gets its gradient, as from backward
 
 
 def test_sequential_ops_are_attributed_to_the_innermost_submodule_in_both_phases():
@@ -203,7 +204,7 @@ def test_lightning_module_runs_training_step_without_a_trainer_and_silences_log(
     assert census.dtypes_of("addmm", module="layer") == {"bfloat16"}
     assert census.dtypes_of("mse_loss") == {"float32"}  # CPU autocast keeps mse_loss in float32
     assert census.select(op="mse_loss")[0].module == ""  # the loss runs in training_step, outside any submodule
-    assert model.layer.weight.grad is not None
+    assert all(p.grad is None for p in model.parameters())  # the audit's backward left no gradient behind
     _assert_no_hooks(model)
 
 
@@ -294,3 +295,17 @@ def test_bad_arguments_name_the_value_and_what_is_allowed():
         audit(nn.Identity(), lambda: torch.ones(1), large_reduction=0)
     with pytest.raises(TypeError, match="context must be None, a context manager.*got 3"):
         audit(nn.Identity(), lambda: torch.ones(1), context=3)
+
+
+def test_audit_leaves_existing_gradients_unchanged_and_none_as_none():
+    model = nn.Sequential(nn.Linear(8, 4), nn.Linear(4, 2))
+    model(torch.randn(3, 8)).sum().backward()
+    model[1].bias.grad = None  # some gradients set (the first layer's, the second's weight), one None
+    before = {name: None if p.grad is None else p.grad.clone() for name, p in model.named_parameters()}
+    kept = model[0].weight.grad
+    audit(model, torch.randn(3, 8))
+    for name, param in model.named_parameters():
+        assert (param.grad is None) == (before[name] is None), name
+        if param.grad is not None:
+            assert torch.equal(param.grad, before[name]), name
+    assert model[0].weight.grad is kept  # the same tensor, not a copy

@@ -280,7 +280,8 @@ def test_every_cli_fit_ends_with_the_summary_paragraph(tmp_path, lightning_log):
     assert "Test set evaluated on the best checkpoint" in summary
     assert f"Logs: {next(tmp_path.rglob('metrics.csv'))}." in summary
     report = next(tmp_path.rglob("precision_report.md"))
-    assert f"The precision report (where fp16 went wrong, and what to change) is {report}" in summary
+    assert f"The precision report (loss scale, skipped steps, gradient statistics, and what to change) is {report}" \
+        in summary
 
 
 def test_a_checkpoint_of_the_same_model_with_other_settings_says_whose_settings_are_used(tmp_path, lightning_log):

@@ -1,5 +1,7 @@
 """fp32 master weights: the half model trains like fp32, and small updates are not lost."""
 
+from functools import partial
+
 import lightning as L
 import pytest
 import torch
@@ -471,3 +473,49 @@ def test_a_model_that_arrives_in_half_precision_still_trains_fp32_masters():
     make_trainer(_plugin(), max_steps=100).fit(model, _ones_loader(100))
     assert model.optimizer_dtype == torch.float32
     assert model.w.dtype == torch.float32 and model.w.item() == pytest.approx(0.99, abs=100 * 2.0**-24)
+
+
+class _TiedLM(L.LightningModule):
+    """Embedding -> Linear(16, 16) -> head, the head's weight tied to the embedding's (GPT-2's lm_head / wte)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(12, 16)
+        self.body = nn.Linear(16, 16)
+        self.head = nn.Linear(16, 12, bias=False)
+        self.head.weight = self.embed.weight
+        self.seen: dict[str, torch.dtype] = {}
+        for name in ("embed", "body", "head"):
+            getattr(self, name).register_forward_pre_hook(partial(self._note_dtype, name))
+
+    def _note_dtype(self, name, module, args) -> None:
+        self.seen.setdefault(name, module.weight.dtype)
+
+    def training_step(self, batch, batch_idx):
+        (ids,) = batch
+        logits = self.head(torch.tanh(self.body(self.embed(ids))))
+        return nn.functional.cross_entropy(logits.float().flatten(0, 1), ids.flatten())
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+@pytest.mark.parametrize("rule", ["head", "Linear"])  # by name, and the class rule that matches any tied Linear
+def test_a_tied_parameter_stays_fp32_under_every_name_when_a_module_holding_it_is_kept_fp32(rule):
+    ids = torch.randint(0, 12, (8, 6), generator=torch.Generator().manual_seed(0))
+    loader = DataLoader(TensorDataset(ids), batch_size=4)
+    with seeded(0):
+        reference = _TiedLM()
+    make_trainer(max_steps=2).fit(reference, loader)  # fp32
+    with seeded(0):
+        model = _TiedLM()
+    plugin = MixedPrecisionPlugin("16-mixed", master_weights=True, policy={"fp32_modules": [rule]},
+                                  scaler=DynamicLossScaler(init_scale=256.0))
+    make_trainer(plugin, max_steps=2).fit(model, loader)
+    assert model.head.weight is model.embed.weight
+    # while training: the tied weight fp32 in both of its modules, the untied Linear half unless the rule takes it
+    assert model.seen["head"] == model.seen["embed"] == torch.float32
+    assert model.seen["body"] == (torch.float32 if rule == "Linear" else torch.float16)
+    assert plugin.masters.master_of(model.embed.weight) is None  # an fp32 parameter is trained as it is
+    assert plugin.scaler.skipped_steps == 0
+    torch.testing.assert_close(model.embed.weight, reference.embed.weight, rtol=0, atol=1e-3)

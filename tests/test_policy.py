@@ -172,6 +172,11 @@ def test_module_declaration_is_merged_and_wins():
     make_trainer(plugin, max_steps=1).fit(model, regression_loader())
     assert plugin.effective_policy.fp32_ops == ("sum", "linear")
     assert plugin.effective_policy.low_precision_ops == ()
+    # printed for the device the run used (CPU here), whatever the machine has
+    printed = str(plugin.effective_policy)
+    assert printed.startswith("CastPolicy(preset='autocast') on cpu\n") and "autocast default (cpu)" in printed
+    assert "(cuda)" not in printed
+    assert plugin.effective_policy == plugin.policy.merged_with(CastPolicy(fp32_ops=["linear"]))  # a copy, equal
 
 
 def test_validation_under_no_grad_applies_the_policy():

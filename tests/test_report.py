@@ -100,3 +100,17 @@ def test_a_run_that_dies_at_max_consecutive_skips_still_writes_its_report_with_t
     assert "1. **bf16**" in text and "2. **model**" in text  # the model rule names log in net.3
     assert "| net.3 (Planted), forward, op log | model | 3 | 0 | 2 |" in text
     assert (tmp_path / "precision_report.png").is_file()
+
+
+def test_a_bf16_run_report_speaks_of_bf16_not_of_fp16_or_a_loss_scale(tmp_path):
+    from lightning_mp import MixedPrecisionPlugin, PrecisionMonitor
+    from lightning_mp.diagnostics.run_report import render_markdown
+    from tests.helpers import TinyRegressor, make_trainer, regression_loader
+
+    monitor = PrecisionMonitor(sample_every=1, report=False)
+    make_trainer(MixedPrecisionPlugin("bf16-mixed"), callbacks=[monitor], max_steps=2,
+                 default_root_dir=tmp_path).fit(TinyRegressor(), regression_loader())
+    text = render_markdown(monitor.history, png_error="(not drawn)")
+    assert text.startswith("# Mixed-precision report\n\nbf16 run: 2 optimizer steps, 0 skipped")
+    assert "At the last sample (step 1, bf16), the 10 layers with the largest share of zero gradient values" in text
+    assert "fp16" not in text.split("## Causes")[0] and "2^0" not in text  # the legend lists every cause

@@ -163,8 +163,8 @@ class MixedPrecisionCLI(LightningCLI):
             files = getattr(callback, "report_files", None) if isinstance(callback, PrecisionMonitor) else None
             if files is not None:
                 figure = f" and {files.png}" if files.png is not None else f" (no figure: {files.png_error})"
-                extras.append(f"The precision report (where fp16 went wrong, and what to change) is {files.markdown}"
-                              f"{figure}")
+                extras.append(f"The precision report (loss scale, skipped steps, gradient statistics, and what to "
+                              f"change) is {files.markdown}{figure}")
         return extras
 
     def _test_after_fit(self) -> None:

@@ -4,6 +4,8 @@ Each rule looks for one symptom and, when it finds it, says which setting to cha
 
 - ``fp32_modules``: one module was where the inf/NaN was born in most skipped steps, and it overflows half
   precision even without the loss scale -> run it in fp32 with a casting-policy rule.
+  When that place is ``training_step``'s own code (or the root module's ``forward``), which no module rule reaches,
+  the rule is ``fp32_code``: compute that op in float32 there.
 - ``init_scale``: many of the first steps were skipped while the scale came down -> start lower.
 - ``hysteresis``: after the start, skips come in isolated bursts that are not the scaler probing a higher scale
   -> tolerate that many overflows before backing off.
@@ -19,7 +21,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Optional
 
-from lightning_mp.diagnostics.history import RunHistory, format_number as _number, format_scale as _scale
+from lightning_mp.diagnostics.history import OverflowRecord, RunHistory, format_number as _number
+from lightning_mp.diagnostics.history import format_scale as _scale
 
 #: the first optimizer steps, where a too-high ``init_scale`` shows
 STARTUP_STEPS = 50
@@ -59,23 +62,32 @@ def advise(history: RunHistory) -> list[Advice]:
 
 def _fp32_modules(history: RunHistory) -> Optional[Advice]:
     skipped = len(history.skipped)
-    counts: dict[tuple[str, str], list[int]] = {}
+    counts: dict[tuple[str, str], list[OverflowRecord]] = {}
     for record in history.overflows:
         if record.located and record.cause == "half_precision":
-            counts.setdefault((record.module, record.module_class), []).append(record.step)
+            counts.setdefault((record.module, record.module_class), []).append(record)
     if not counts:
         return None
-    (module, module_class), steps = max(counts.items(), key=lambda item: len(item[1]))
+    (module, module_class), records = max(counts.items(), key=lambda item: len(item[1]))
+    steps = [r.step for r in records]
     if len(steps) < 2 or len(steps) * 2 <= skipped:
         return None
-    phases = sorted({r.phase for r in history.overflows if r.module == module and r.cause == "half_precision"})
-    name = module or module_class
+    phases = sorted({r.phase for r in records})
+    evidence = (f"{records[0].place()} was where the inf/NaN was born in {len(steps)} of {skipped} skipped steps "
+                f"({'/'.join(phases)}; steps {_steps(steps)}, op {records[0].op}), and it stays non-finite in half "
+                "precision without the loss scale but finite in fp32.")
+    if not module:  # training_step's own code, or the root module's forward: no module rule reaches it alone
+        where = "training_step" if module_class == "(outside any module)" else f"{module_class}.forward"
+        return Advice(
+            "fp32_code",
+            f"compute {records[0].op} in {where} in float32: cast its inputs with .float() (no fp32_modules rule "
+            "reaches code outside a submodule)",
+            evidence,
+        )
     return Advice(
         "fp32_modules",
-        f'policy: {{fp32_modules: ["{name}"]}}  (MixedPrecisionPlugin(policy={{"fp32_modules": ["{name}"]}}))',
-        f"{name} ({module_class}) was where the inf/NaN was born in {len(steps)} of {skipped} skipped steps "
-        f"({'/'.join(phases)}; steps {_steps(steps)}), and it stays non-finite in half precision without the loss "
-        "scale but finite in fp32.",
+        f'policy: {{fp32_modules: ["{module}"]}}  (MixedPrecisionPlugin(policy={{"fp32_modules": ["{module}"]}}))',
+        evidence,
     )
 
 
@@ -199,8 +211,7 @@ def _model(history: RunHistory) -> Optional[Advice]:
     first = records[0]
     return Advice(
         "model",
-        f"fix the computation in {first.module or '(training_step)'} ({first.module_class}): no precision setting "
-        "helps",
+        f"fix the computation in {first.place()}: no precision setting helps",
         f"{len(records)} skipped step(s) (steps {_steps([r.step for r in records])}) are non-finite even in fp32 "
         f"without the loss scale; the first inf/NaN came from {first.where()} (largest finite input "
         f"{first.input_amax or 0.0:g}). Check that op's inputs (log/sqrt of negatives, division by zero), the data "

@@ -182,8 +182,9 @@ def audit(
             dtype=torch.bfloat16)``, ``plugin.forward_context()``, ``torch.inference_mode()``) or a zero-argument
             factory of one; the forward runs inside it, the backward outside (as in Lightning).
         backward: also run ``loss.backward()`` (default ``True``). The loss is the result, its ``"loss"`` key if it
-            is a dict, or ``result.float().sum()`` if it is a non-scalar tensor. Gradients accumulate into
-            ``.grad`` exactly as that backward leaves them; nothing is zeroed or restored.
+            is a dict, or ``result.float().sum()`` if it is a non-scalar tensor. The ``.grad`` of ``module``'s
+            parameters are left as they were (``None`` stays ``None``, an existing gradient keeps its value); a
+            leaf tensor of your own that requires grad (an input) receives its gradient as ``backward`` leaves it.
         large_reduction: a sum/mean/norm reducing at least this many elements per output value in float16/bfloat16
             is flagged risky (default 65536 elements).
 
@@ -197,6 +198,7 @@ def audit(
     recorder = _Recorder(large_reduction)
     tagger = _NodeTagger(recorder)
     handles = _module_hooks(module, recorder)
+    grads = [(p, p.grad, None if p.grad is None else p.grad.clone()) for p in module.parameters()] if backward else []
     try:
         with _silenced_log(module), tagger, recorder:
             with _entered(context):
@@ -212,4 +214,9 @@ def audit(
         for handle in handles:
             handle.remove()
         tagger.remove_hooks()
+        with torch.no_grad():
+            for param, grad, value in grads:  # the audit's backward leaves no trace in the parameters' gradients
+                if grad is not None:
+                    grad.copy_(value)
+                param.grad = grad
     return recorder.census()

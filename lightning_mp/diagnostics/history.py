@@ -21,7 +21,8 @@ CAUSES = {
     "model": "non-finite even in fp32 without the loss scale: the model or the data produce it, not the precision",
     "not_reproduced": "a replay of the step's forward and backward stayed finite: the non-finite gradients came from "
     "elsewhere (a hook after backward, the sum of accumulated micro-batches, a non-deterministic op)",
-    "gradients_only": "manual optimization: the training_step is not replayed, only the gradients are inspected",
+    "gradients_only": "not replayed (manual optimization, or a model sharded by FSDP2): only the gradients are "
+    "inspected",
     "failed": "localisation raised an error (see note)",
 }
 
@@ -57,6 +58,15 @@ class OverflowRecord:
     @property
     def located(self) -> bool:
         return self.phase in ("forward", "backward")
+
+    def place(self) -> str:
+        """The code the origin ran in: ``"encoder.layer.3.output.dense (Linear)"``, ``"training_step (outside any
+        module)"`` or ``"the root module (MyModel)"``."""
+        if self.module:
+            return f"{self.module} ({self.module_class})"
+        if self.module_class == "(outside any module)":
+            return "training_step (outside any module)"
+        return f"the root module ({self.module_class})"
 
     def where(self) -> str:
         """``"encoder.layer.3.output.dense (Linear), forward, op mul"``, or the cause when not located."""

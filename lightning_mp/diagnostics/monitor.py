@@ -39,7 +39,8 @@ class PrecisionMonitor(L.Callback):
 
     Args:
         prog_bar: show ``loss_scale`` and ``skipped_steps`` in the progress bar (default ``True``); both, and ``lr``,
-            are logged every step (``loss_scale`` only when the run scales the loss: not in bf16).
+            go to the logger whenever it writes (``log_every_n_steps``); the progress bar's values are updated
+            whenever they change. ``loss_scale`` only when the run scales the loss (not in bf16).
         localise_overflows: on every skipped step, replay it to find the module and operation where the inf/NaN was
             born, forward or backward, and whether the loss scale, half precision or the model caused it (default
             ``True``; costs nothing on other steps).
@@ -159,11 +160,14 @@ class PrecisionMonitor(L.Callback):
         for index, optimizer in enumerate(trainer.optimizers):
             values["lr" if index == 0 else f"lr-{index}"] = (float(optimizer.param_groups[0]["lr"]), False)
         # self.log costs ~0.2 ms a call: log a value when the logger writes this step (Lightning's own monitors ask
-        # the same private property) or when it changed (the progress bar keeps the last value it was given).
-        # CPU tensors: no device copy, and reading them for the progress bar does not wait for the device
+        # the same private property), or, for a progress-bar value, when it changed (the bar keeps the last value it
+        # was given). The lr changes every step under most schedulers and only the logger shows it: logged when due
+        # (and on the first step, so that callback_metrics has it). CPU tensors: no device copy, and reading them
+        # for the progress bar does not wait for the device
         due = getattr(getattr(trainer, "_logger_connector", None), "should_update_logs", True)
         for name, (value, prog_bar) in values.items():
-            if due or self._last_logged.get(name) != value:
+            last = self._last_logged.get(name)
+            if due or last is None or (prog_bar and last != value):
                 pl_module.log(name, torch.tensor(value), prog_bar=prog_bar, on_step=True, on_epoch=False)
                 self._last_logged[name] = value
 
@@ -267,8 +271,10 @@ def _precision_of(trainer: L.Trainer) -> str:
 
 
 def _merged_across_ranks(record: OverflowRecord) -> OverflowRecord:
-    """Under DDP the gradients are all-reduced, so every rank skips, but only the rank whose micro-batch overflowed
-    can reproduce it: gather every rank's record and keep the first that located the origin, naming the ranks."""
+    """Every rank skips the same step (the decision is agreed), but only the ranks whose micro-batch overflowed can
+    reproduce it: gather every rank's record and keep the first that located the origin, naming the ranks that found
+    the same place; otherwise rank 0's. Every rank ends with the same record. The non-finite gradients are the union
+    of the ranks' lists (under FSDP2 each rank reads its own shards)."""
     if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
         return record
     world = torch.distributed.get_world_size()
@@ -277,8 +283,8 @@ def _merged_across_ranks(record: OverflowRecord) -> OverflowRecord:
     records: list[Any] = [None] * world
     torch.distributed.all_gather_object(records, record)
     located = [(rank, r) for rank, r in enumerate(records) if r is not None and r.located]
-    if not located:
-        return record
-    chosen = located[0][1]
+    chosen = located[0][1] if located else records[0]
     chosen.ranks = [rank for rank, r in located if (r.module, r.phase) == (chosen.module, chosen.phase)]
+    params = [name for r in records if r is not None for name in r.nonfinite_params]
+    chosen.nonfinite_params = list(dict.fromkeys(params))
     return chosen

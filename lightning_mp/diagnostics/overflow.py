@@ -8,11 +8,17 @@ micro-batch is replayed until one reproduces the non-finite values:
 
 1. **as trained**: the plugin's forward context (autocast + casting policy), ``training_step``, the loss divided by
    ``accumulate_grad_batches`` and multiplied by the scale the gradients carried, and its gradients with respect to
-   the parameters, all under :class:`NonFiniteTrace`. The origin gives module, class, forward/backward, operation and
-   the largest finite magnitude at its input. If nothing is non-finite, the cause is ``not_reproduced``.
+   the parameters, all under :class:`NonFiniteTrace`. The origin is where the inf/NaN that reached the loss (or,
+   with a finite loss, the gradients) was born: module, class, forward/backward, operation and the largest finite
+   magnitude at its input. Non-finite values that reach neither (``-inf`` attention masks) do not count. If the
+   loss and the gradients are finite, the cause is ``not_reproduced``.
 2. for a backward origin, **unscaled** (scale 1), same precision: finite -> cause ``loss_scale``.
-3. otherwise **in fp32, unscaled** (autocast off, the casting policy's op overrides off, fp32 master values
-   swapped into a half model): finite -> ``half_precision``, else ``model``.
+3. otherwise **in fp32, unscaled** (autocast off, the casting policy's op overrides off, a half model's fp32 master
+   values put in the modules' parameter slots): finite -> ``half_precision``, else ``model``.
+
+Under a process group every rank replays in lockstep (the same replays in the same order, see
+:meth:`OverflowLocaliser.localise`). A sharded model (FSDP2: DTensor parameters) is not replayed: the record is
+``gradients_only``, with each rank's non-finite gradient shards.
 
 Each replay runs the forward and, unless the forward already produced the inf/NaN, the backward: between one
 and three replays of one micro-batch per skipped step (more with gradient accumulation when the overflow is in
@@ -76,49 +82,99 @@ class OverflowLocaliser:
         self.window, self._window_closed = [], False
 
     def localise(self, plugin: Any, optimizer: Any, model: Any, step: int, names: dict[int, str]) -> OverflowRecord:
-        """Find where the skipped step's inf/NaN came from; see the module docstring."""
+        """Find where the skipped step's inf/NaN came from; see the module docstring.
+
+        Every rank of a process group calls this on the same skipped step (the skip is agreed). The ranks replay in
+        lockstep, the same replays in the same order whatever each one finds, so that any collective inside a
+        ``training_step`` (SyncBatchNorm, ``all_gather``) is issued by every rank alike.
+        """
         start = time.perf_counter()
         scaler = plugin.scaler
         record = OverflowRecord(step=step, scale_before=float(scaler.scale))
         record.nonfinite_params = nonfinite_params(optimizer, names)
         if not getattr(model, "automatic_optimization", True):
             record.cause = "gradients_only"
+        elif _sharded(model):
+            record.cause = "gradients_only"
+            record.note = ("FSDP2 shards the parameters: a replay would all-gather and reduce-scatter them and write "
+                           "the sharded gradients, so only the gradients are inspected")
         elif not self.window:
             record.note = "no micro-batch was remembered for this step"
         else:
             scale = float(scaler.scale_of_grads()) if scaler.enabled and not scaler.check_only else 1.0
             accumulate = max(int(getattr(model.trainer, "accumulate_grad_batches", 1)), 1)
+            lockstep = _world_size() > 1
             for index, micro in enumerate(self.window):
                 replay = _Replay(plugin, model, micro, accumulate)
                 origin = replay.run(scale=scale, fp32=False)
                 record.replays += 1
-                if origin is None:
+                if not _any_rank(origin is not None, lockstep, replay.device):
                     continue
-                record.micro_batch = index
-                record.phase, record.module, record.module_class = origin.phase, origin.module, origin.module_class
-                record.op, record.input_amax = origin.op, origin.input_amax
-                record.cause, record.replays = _classify(replay, origin, scale, record.replays)
+                # in lockstep every rank runs the classification replays; the ranks that found nothing ignore them
+                cause, replays = _classify(replay, origin, scale, lockstep)
+                record.replays += replays
+                if origin is not None:
+                    record.micro_batch = index
+                    record.phase, record.module, record.module_class = origin.phase, origin.module, origin.module_class
+                    record.op, record.input_amax, record.cause = origin.op, origin.input_amax, cause
                 break
         record.seconds = time.perf_counter() - start
         return record
 
 
-def _classify(replay: _Replay, origin: Origin, scale: float, replays: int) -> tuple[str, int]:
-    if origin.phase == "backward" and scale != 1.0:
+def _classify(replay: _Replay, origin: Optional[Origin], scale: float, lockstep: bool) -> tuple[str, int]:
+    """The cause of ``origin`` and how many replays it took: a backward origin is replayed unscaled (finite ->
+    ``loss_scale``), then in fp32 (finite -> ``half_precision``, else ``model``). In ``lockstep`` every rank runs
+    both replays whatever its own origin (``None`` included), so that the ranks' collectives match."""
+    backward = origin is not None and origin.phase == "backward" and scale != 1.0
+    replays, unscaled = 0, origin
+    if backward or (lockstep and scale != 1.0):
         replays += 1
-        if replay.run(scale=1.0, fp32=False) is None:
+        unscaled = replay.run(scale=1.0, fp32=False)
+        if backward and unscaled is None and not lockstep:
             return "loss_scale", replays
     replays += 1
-    return ("half_precision" if replay.run(scale=1.0, fp32=True) is None else "model"), replays
+    fp32 = replay.run(scale=1.0, fp32=True)
+    if origin is None:
+        return "", replays
+    if backward and unscaled is None:
+        return "loss_scale", replays
+    return ("half_precision" if fp32 is None else "model"), replays
+
+
+def _world_size() -> int:
+    dist = torch.distributed
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def _any_rank(flag: bool, lockstep: bool, device: torch.device) -> bool:
+    """``flag`` on this rank, or, in lockstep, on any rank (one all-reduce of one number, on the model's device:
+    NCCL reduces CUDA tensors only)."""
+    if not lockstep:
+        return flag
+    value = torch.tensor([float(flag)], device=device)
+    torch.distributed.all_reduce(value, op=torch.distributed.ReduceOp.MAX)
+    return bool(value.item())
+
+
+def _sharded(model: nn.Module) -> bool:
+    """Whether the model's parameters are DTensors (FSDP2, tensor parallelism)."""
+    return any(_is_dtensor(p) for p in model.parameters())
+
+
+def _is_dtensor(tensor: Any) -> bool:
+    return callable(getattr(tensor, "to_local", None)) and hasattr(tensor, "device_mesh")
 
 
 def nonfinite_params(optimizer: Any, names: dict[int, str]) -> list[str]:
-    """Names of ``optimizer``'s parameters whose gradients hold inf/NaN (one host sync)."""
+    """Names of ``optimizer``'s parameters whose gradients hold inf/NaN (one host sync). A sharded (DTensor)
+    gradient is read on this rank's shard only, with no communication: the monitor merges the ranks' lists."""
     params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
     if not params:
         return []
-    device = params[0].grad.device
-    flags = torch.stack([(~torch.isfinite(p.grad.detach()).all()).to(device) for p in params]).tolist()
+    grads = [p.grad.to_local() if _is_dtensor(p.grad) else p.grad for p in params]
+    device = grads[0].device
+    flags = torch.stack([(~torch.isfinite(g.detach()).all()).to(device) for g in grads]).tolist()
     return [names.get(id(p), f"<unnamed {tuple(p.shape)}>") for p, bad in zip(params, flags) if bad]
 
 
@@ -130,29 +186,30 @@ class _Replay:
         self.device = _device_of(model)
 
     def run(self, scale: float, fp32: bool) -> Optional[Origin]:
-        """Replay; the :class:`Origin` of the first inf/NaN, or ``None`` when everything stayed finite."""
+        """Replay; the :class:`Origin` of the inf/NaN that reached the loss or the gradients, or ``None``."""
         trace = NonFiniteTrace(self.model, self.device)
         devices = [self.device] if self.device.type == "cuda" else []
         with torch.random.fork_rng(devices=devices), _undone(self.model), _silenced_logging(self.model):
             torch.set_rng_state(self.micro.cpu_rng)
             if self.micro.cuda_rng is not None:
                 torch.cuda.set_rng_state(self.micro.cuda_rng, self.device)
-            with torch.enable_grad(), (_fp32_weights(self.model, self.plugin) if fp32 else contextlib.nullcontext()):
+            weights = _fp32_weights(self.model, self.plugin) if fp32 else _own_weights(self.model)
+            with torch.enable_grad(), weights as params:
                 with trace:
                     with _precision_context(self.plugin, fp32):
                         output = self.model.training_step(self.micro.batch, self.micro.batch_idx)
                     loss = _loss_of(output)
                     if loss is None:
                         return None
-                    flags = trace.flags()  # forward's flags: a forward origin needs no backward
-                    if trace.any_nonfinite(flags):
-                        return trace.origin(flags)
-                    params = [p for p in self.model.parameters() if p.requires_grad]
+                    origin = trace.origin([loss])  # a non-finite loss: the forward explains it, no backward needed
+                    if origin is not None:
+                        return origin
                     if params and loss.requires_grad:
                         scaled = loss.float() / self.accumulate * scale  # what the closure's backward started from
                         trace.phase = "backward"
-                        torch.autograd.grad(scaled, params, allow_unused=True)
-        return trace.origin()
+                        grads = torch.autograd.grad(scaled, params, allow_unused=True)
+                        return trace.origin([grad for grad in grads if grad is not None])
+        return None
 
 
 def _device_of(model: nn.Module) -> torch.device:
@@ -174,27 +231,39 @@ def _precision_context(plugin: Any, fp32: bool) -> contextlib.AbstractContextMan
 
 
 @contextlib.contextmanager
-def _fp32_weights(model: nn.Module, plugin: Any) -> Iterator[None]:
-    """A half model (master weights) runs with its fp32 values: masters swapped in, half buffers upcast."""
+def _own_weights(model: nn.Module) -> Iterator[list[Tensor]]:
+    """The model's trainable parameters, as they are (the gradients of the replay are taken with respect to them)."""
+    yield [p for p in model.parameters() if p.requires_grad]
+
+
+@contextlib.contextmanager
+def _fp32_weights(model: nn.Module, plugin: Any) -> Iterator[list[Tensor]]:
+    """A half model (master weights) runs with its fp32 values; yields the tensors to differentiate.
+
+    The fp32 masters are put in the modules' parameter slots (``module._parameters[name]``, a tied parameter in
+    each of its slots) as fresh leaves that share the masters' storage, and half buffers are upcast in their slots.
+    The model's own ``Parameter`` objects are left alone: changing their ``.data`` to another dtype would drop their
+    gradient accumulators, and with them the hooks DDP registered there (DDP would then wait forever for those
+    parameters, or call them unused, on the next step).
+    """
     masters = getattr(plugin, "masters", None)
-    swapped: list[tuple[Tensor, Tensor]] = []
-    buffers: list[tuple[nn.Module, str, Tensor]] = []
+    fp32 = {id(param): master.detach().requires_grad_(param.requires_grad)
+            for param, master in (masters.pairs() if masters is not None else ())}
+    slots: list[tuple[dict[str, Any], str, Any]] = []
     try:
-        if masters is not None:
-            for param, master in masters.pairs():
-                swapped.append((param, param.data))
-                param.data = master.detach()
         for module in model.modules():
+            for name, param in module._parameters.items():
+                if param is not None and id(param) in fp32:
+                    slots.append((module._parameters, name, param))
+                    module._parameters[name] = fp32[id(param)]
             for name, buffer in module._buffers.items():
                 if buffer is not None and buffer.dtype in (torch.float16, torch.bfloat16):
-                    buffers.append((module, name, buffer))
+                    slots.append((module._buffers, name, buffer))
                     module._buffers[name] = buffer.float()
-        yield
+        yield [p for p in model.parameters() if p.requires_grad]  # the fp32 leaves now fill the slots
     finally:
-        for param, half in swapped:
-            param.data = half
-        for module, name, buffer in buffers:
-            module._buffers[name] = buffer
+        for table, name, value in reversed(slots):
+            table[name] = value
 
 
 @contextlib.contextmanager

@@ -162,9 +162,12 @@ def _layers_section(history: RunHistory) -> list[str]:
     if not samples:
         return lines + ["No samples (`PrecisionMonitor(sample_every=N)` with N > 0 takes them).", ""]
     last = samples[-1]
-    lines += [f"At the last sample (step {last.step}, scale {format_scale(last.scale)}), the {WORST_LAYERS} layers "
-              "with the "
-              "largest share of values below fp16's normal range after scaling:", ""]
+    if history.precision == "fp16":
+        lines += [f"At the last sample (step {last.step}, scale {format_scale(last.scale)}), the {WORST_LAYERS} "
+                  "layers with the largest share of values below fp16's normal range after scaling:", ""]
+    else:  # no loss scale, and a range as wide as fp32's: zeros are what is left to see
+        lines += [f"At the last sample (step {last.step}, {history.precision}), the {WORST_LAYERS} layers with the "
+                  "largest share of zero gradient values:", ""]
     lines += _layer_table(last, history.precision)
     activations = history.samples_of("activation_grads")
     if activations:

@@ -74,17 +74,21 @@ class MasterWeights:
 
         Parameters keep their identity (only ``.data`` changes), so optimizers created afterwards see the half
         parameters. The fp32 values are kept (no copy: the original tensors) until :meth:`attach` builds the
-        masters from them, or :meth:`restore` puts them back.
+        masters from them, or :meth:`restore` puts them back. A parameter shared by several modules (tied weights:
+        GPT-2's ``lm_head.weight`` is ``transformer.wte.weight``) stays fp32 under every name when any module that
+        holds it is kept in fp32.
         """
         if self._module is not None:
             self.restore()
         self._module = module
+        kept = {id(param) for module_name, owner in module.named_modules() if self.keep_fp32(module_name, owner)
+                for param in owner.parameters(recurse=False)}
         for module_name, owner in module.named_modules():
             if self.keep_fp32(module_name, owner):
                 continue
             prefix = f"{module_name}." if module_name else ""
             for name, param in owner.named_parameters(recurse=False):
-                if not param.is_floating_point() or id(param) in self._params:
+                if not param.is_floating_point() or id(param) in self._params or id(param) in kept:
                     continue
                 self._params[id(param)] = param  # a model that arrives in half precision gets masters too
                 if param.dtype != self.dtype:

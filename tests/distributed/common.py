@@ -148,13 +148,16 @@ def fit(
     scaler: Optional[DynamicLossScaler] = None,
     policy: Any = None,
     accelerator: str = "cpu",
+    extra_callbacks: Sequence[Callback] = (),
+    model_class: type = Net,
     **model_kwargs: Any,
 ) -> dict[str, Any]:
     """One run; what it recorded, the final fp32 weights (whole, on every rank) and the scaler state."""
     torch.manual_seed(0)
-    model = Net(inject=inject, shard=shard, per_rank_batch=GLOBAL_BATCH // devices // accumulate, **model_kwargs)
+    model = model_class(inject=inject, shard=shard, per_rank_batch=GLOBAL_BATCH // devices // accumulate,
+                        **model_kwargs)
     plugin = make_plugin(precision, masters, reduce_dtype, scaler, policy)
-    callbacks: list[Callback] = [StepRecorder()]
+    callbacks: list[Callback] = [StepRecorder(), *extra_callbacks]
     if checkpoint_dir is not None:
         callbacks.append(ModelCheckpoint(dirpath=checkpoint_dir, filename="{epoch}", save_top_k=-1,
                                          every_n_epochs=1, save_on_train_epoch_end=True))
