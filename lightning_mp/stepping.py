@@ -24,6 +24,7 @@ A step's found-inf flag is a device tensor. Nothing here reads it where that can
 
 from __future__ import annotations
 
+import inspect
 from typing import TYPE_CHECKING, Any, Optional
 
 import torch
@@ -163,9 +164,24 @@ class DeviceState:
 # ------------------------------------------------------------------------------------------ the plugin's step
 def skips_on_device(optimizer: Any, masters: Any = None) -> bool:
     """Whether a step of ``optimizer`` (a torch optimizer) can be skipped on the device by a found-inf flag: the
-    masters' ``fused_step`` takes it, or the optimizer declares ``_step_supports_amp_scaling`` (``fused=True``)."""
-    fused = bool(getattr(optimizer, "_step_supports_amp_scaling", False))
-    return fused or callable(getattr(masters, "fused_step", None))
+    masters' ``fused_step`` takes it, or the optimizer follows ``torch.amp.GradScaler``'s attribute protocol: it
+    declares ``_step_supports_amp_scaling`` (torch's ``fused=True`` optimizers) and its ``step`` has no
+    ``grad_scaler`` argument (the deprecated protocol, where the optimizer would expect a torch ``GradScaler``)."""
+    if callable(getattr(masters, "fused_step", None)):
+        return True
+    if not getattr(optimizer, "_step_supports_amp_scaling", False):
+        return False
+    honours = _HONOURS_FOUND_INF.get(type(optimizer))
+    if honours is None:
+        try:
+            honours = "grad_scaler" not in inspect.signature(optimizer.step).parameters
+        except (TypeError, ValueError):  # no signature to read: decide on the host
+            honours = False
+        _HONOURS_FOUND_INF[type(optimizer)] = honours
+    return honours
+
+
+_HONOURS_FOUND_INF: dict[type, bool] = {}
 
 
 def step(plugin: Any, optimizer: Any, model: Any, found_inf: Tensor, kwargs: dict[str, Any]) -> Any:
