@@ -276,14 +276,8 @@ class MixedPrecisionPlugin(Precision):
 
     def _unscale_once(self, optimizer: Optimizable) -> Tensor:
         """Unscale ``optimizer``'s grads unless already done since their backward; the found-inf flag tensor."""
-        optimizer = _unwrap_optimizer(optimizer)
-        named = [
-            (self._param_names.get(id(param), f"param_groups[{g}][{i}]"), param)
-            for g, group in enumerate(optimizer.param_groups)
-            for i, param in enumerate(group["params"])
-        ]
         assert self.scaler is not None
-        return self._unscaled.unscale(self.scaler, optimizer, named)
+        return self._unscaled.unscale(self.scaler, _unwrap_optimizer(optimizer), self._param_names)
 
     @override
     def clip_gradients(

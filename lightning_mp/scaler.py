@@ -215,10 +215,10 @@ class DynamicLossScaler:
                 per_device_dtype[grad.device][grad.dtype].append(grad)
             if first_device is None:
                 return torch.zeros(1, dtype=torch.float32)
-            scale = self.scale_of_grads(first_device)  # unscale_ without scale_loss: the current scale
+            scale = None if self.check_only else self.scale_of_grads(first_device)  # without scale_loss: current
             flags = []
             for device, per_dtype in per_device_dtype.items():
-                inv_scale = scale.to(device).reciprocal().reshape(1)
+                inv_scale = self._device.one(device) if scale is None else scale.to(device).reciprocal().reshape(1)
                 found_inf = torch.zeros(1, dtype=torch.float32, device=device)
                 for grads in per_dtype.values():
                     torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale)

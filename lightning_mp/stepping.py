@@ -112,6 +112,7 @@ class DeviceState:
         self.scale: Optional[Tensor] = None  # the fp32 scale after the latest update on the device
         self.pending = 0
         self._due = 0
+        self._ones: dict[torch.device, Tensor] = {}
 
     def due(self, scaler: DynamicLossScaler) -> int:
         """The pending count at which the next update must be decided on the host, computed from the host's copy of
@@ -155,6 +156,12 @@ class DeviceState:
             *values, found = torch.cat([self.tensor, flag]).tolist()
         self.pending = 0
         return values, found
+
+    def one(self, device: torch.device) -> Tensor:
+        """A 1-element fp32 ``1.0`` on ``device`` (what a check-only scaler divides by), made once."""
+        if device not in self._ones:
+            self._ones[device] = torch.ones(1, dtype=torch.float32, device=device)
+        return self._ones[device]
 
     def forget(self) -> None:
         """The host's copy is ahead (a host update, a loaded state): drop the device copy (nothing may be pending)."""
