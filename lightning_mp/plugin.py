@@ -27,6 +27,7 @@ from lightning_mp.distributed import GradientSync, mixed_precision_policy, sync_
 from lightning_mp.distributed.sync import reduce_dtype_of
 from lightning_mp.master import MasterWeights, is_norm
 from lightning_mp.policy import CastPolicy, ModuleRules, override_context
+from lightning_mp.policy import _override_targets as override_targets
 from lightning_mp import stepping
 from lightning_mp.scaler import DynamicLossScaler
 from lightning_mp.settings import foreign_scaler_state
@@ -211,9 +212,14 @@ class MixedPrecisionPlugin(Precision):
         return torch.autocast(self.device_type, dtype=self.dtype, cache_enabled=False)
 
     @override
+    def forward_context(self) -> Any:  # a context manager
+        # autocast alone on the default path, not wrapped (it is entered twice a step); op overrides add a mode
+        if not override_targets(self._effective_policy, self.dtype):
+            return self.autocast_context_manager()
+        return self._forward_with_overrides()
+
     @contextlib.contextmanager
-    def forward_context(self) -> Generator[None, None, None]:
-        # autocast alone on the default path; the policy's op overrides add a TorchFunctionMode
+    def _forward_with_overrides(self) -> Generator[None, None, None]:
         with self.autocast_context_manager(), override_context(self._effective_policy, self.device_type, self.dtype):
             yield
 

@@ -15,7 +15,7 @@ carried.
 from __future__ import annotations
 
 import operator
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from torch import Tensor
@@ -31,8 +31,8 @@ class UnscaledGradients:
     """
 
     def __init__(self) -> None:
-        # id(optimizer) -> (the optimizer, found-inf flag, scale the gradients were unscaled with)
-        self._records: dict[int, tuple[Any, Tensor, Tensor]] = {}
+        # id(optimizer) -> (the optimizer, found-inf flag, scale the gradients were unscaled with; None: check-only)
+        self._records: dict[int, tuple[Any, Tensor, Optional[Tensor]]] = {}
         # id(optimizer) -> found-inf flag of unscaled gradients that a later backward adds to
         self._carried: dict[int, Tensor] = {}
         # id(optimizer) -> (its parameter lists, when named; the (name, parameter) pairs): named once, not every step
@@ -43,7 +43,7 @@ class UnscaledGradients:
         ``names``: ``id(parameter) -> name`` (a parameter without one is named by its place in ``param_groups``)."""
         record = self._records.get(id(optimizer))
         if record is None:
-            scale = scaler.scale_of_grads()
+            scale = scaler.scale_of_grads() if not scaler.check_only else None  # check-only: nothing to scale back
             found_inf = scaler.unscale_(self._named_params(optimizer, names))
             carried = self._carried.pop(id(optimizer), None)
             if carried is not None:
@@ -81,7 +81,7 @@ class UnscaledGradients:
             if not grads:  # zero_grad() since: nothing left to scale back or to carry
                 continue
             self._carried[key] = found_inf
-            if not scaler.check_only:
+            if scale is not None and not scaler.check_only:
                 with torch.no_grad():
                     for grad in grads:
                         grad.mul_(scale.to(grad.device))

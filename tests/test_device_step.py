@@ -12,10 +12,17 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_mp import DynamicLossScaler, MixedPrecisionPlugin
+from lightning_mp import DynamicLossScaler, MixedPrecisionPlugin, stepping
 from lightning_mp.master import MasterWeights
 from lightning_mp.stepping import skips_on_device
 from tests.helpers import HostSyncCounter, TinyRegressor, make_trainer, params_of, regression_loader, seeded
+
+
+@pytest.fixture(autouse=True)
+def accelerator_path(monkeypatch):
+    """Run the path the plugin takes on accelerators on this CPU: by default a CPU flag is decided on the host (no
+    device to wait for), which ``test_on_cpu_the_flag_is_read_on_the_host_by_default`` checks."""
+    monkeypatch.setattr(stepping, "DECIDE_CPU_FLAGS_ON_HOST", False)
 
 
 def _uncounted(closure):
@@ -124,6 +131,17 @@ def test_no_host_sync_in_the_step_and_the_device_skip_equals_the_host_skip(kind,
     # the same skipped step, the same scale, the same weights, bit for bit
     assert plugin.scaler.skipped_steps == reference_plugin.scaler.skipped_steps == 1
     assert plugin.scaler.state_dict() == reference_plugin.scaler.state_dict()
+    for name, value in params_of(reference).items():
+        assert torch.equal(params_of(model)[name], value), name
+
+
+def test_on_cpu_the_flag_is_read_on_the_host_by_default(step_syncs, monkeypatch):
+    monkeypatch.setattr(stepping, "DECIDE_CPU_FLAGS_ON_HOST", True)
+    model, plugin = _run("bf16-check", masters=False, manual=False, accumulate=1)
+    assert step_syncs == [1, 1, 1, 1]  # a read of host memory: no device exists to wait for
+    assert plugin.scaler.pending_updates == 0 and plugin.scaler.skipped_steps == 1
+    monkeypatch.setattr(stepping, "DECIDE_CPU_FLAGS_ON_HOST", False)
+    reference, _ = _run("bf16-check", masters=False, manual=False, accumulate=1)
     for name, value in params_of(reference).items():
         assert torch.equal(params_of(model)[name], value), name
 

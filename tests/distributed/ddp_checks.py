@@ -34,10 +34,12 @@ def fused_run(precision: str, masters: bool) -> tuple[dict, list[int]]:
         return result
 
     stepping.step = counted
+    stepping.DECIDE_CPU_FLAGS_ON_HOST = False  # the accelerators' path, on these CPU ranks
     try:
         return fit(precision, masters, fused=True), counts
     finally:
         stepping.step = original
+        stepping.DECIDE_CPU_FLAGS_ON_HOST = True
 
 
 def main() -> None:
