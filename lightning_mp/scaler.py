@@ -112,8 +112,7 @@ class DynamicLossScaler:
 
     @classmethod
     def check_only(cls, max_consecutive_skips: Optional[int] = 100) -> DynamicLossScaler:
-        """No scaling (scale 1), only the inf/NaN check: what bf16 uses so a non-finite step is skipped and
-        reported as in fp16. The check runs on the device, as fp16's (see :mod:`lightning_mp.stepping`)."""
+        """No scaling (scale 1), only the inf/NaN check, on the device as fp16's: what bf16 uses to skip bad steps."""
         scaler = cls.static(1.0, max_consecutive_skips=max_consecutive_skips)
         scaler.check_only = True
         return scaler
@@ -155,6 +154,7 @@ class DynamicLossScaler:
     def pending_updates(self) -> int:
         """Updates applied on the device that the host has not read yet (0 right after any read)."""
         return self._device.pending
+
     def get_scale(self) -> float:
         """Alias of :attr:`scale`, the name ``torch.amp.GradScaler`` uses."""
         return self.scale
