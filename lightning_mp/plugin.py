@@ -23,15 +23,15 @@ from torch.nn import Module
 from torch.optim import LBFGS, Optimizer
 from typing_extensions import override
 
+from lightning_mp import stepping
 from lightning_mp.distributed import GradientSync, mixed_precision_policy, sync_for
 from lightning_mp.distributed.sync import reduce_dtype_of
 from lightning_mp.master import MasterWeights, is_norm
 from lightning_mp.policy import CastPolicy, ModuleRules, override_context
 from lightning_mp.policy import _override_targets as override_targets
-from lightning_mp import stepping
 from lightning_mp.scaler import DynamicLossScaler
-from lightning_mp.settings import foreign_scaler_state
 from lightning_mp.schedulers import guard_scheduler
+from lightning_mp.settings import foreign_scaler_state
 from lightning_mp.unscaled import UnscaledGradients
 
 PrecisionName = Literal["16-mixed", "bf16-mixed"]
