@@ -30,8 +30,8 @@ from lightning_mp.master import MasterWeights, is_norm
 from lightning_mp.policy import CastPolicy, ModuleRules, override_context
 from lightning_mp.policy import _override_targets as override_targets
 from lightning_mp.scaler import DynamicLossScaler
-from lightning_mp.schedulers import guard_scheduler
 from lightning_mp.settings import foreign_scaler_state
+from lightning_mp.schedulers import guard_scheduler
 from lightning_mp.unscaled import UnscaledGradients
 
 PrecisionName = Literal["16-mixed", "bf16-mixed"]
