@@ -23,13 +23,15 @@ from torch.nn import Module
 from torch.optim import LBFGS, Optimizer
 from typing_extensions import override
 
+from lightning_mp import stepping
 from lightning_mp.distributed import GradientSync, mixed_precision_policy, sync_for
 from lightning_mp.distributed.sync import reduce_dtype_of
 from lightning_mp.master import MasterWeights, is_norm
 from lightning_mp.policy import CastPolicy, ModuleRules, override_context
+from lightning_mp.policy import _override_targets as override_targets
 from lightning_mp.scaler import DynamicLossScaler
 from lightning_mp.settings import foreign_scaler_state
-from lightning_mp.schedulers import guard_scheduler, record_step
+from lightning_mp.schedulers import guard_scheduler
 from lightning_mp.unscaled import UnscaledGradients
 
 PrecisionName = Literal["16-mixed", "bf16-mixed"]
@@ -47,8 +49,9 @@ class MixedPrecisionPlugin(Precision):
             ``DynamicLossScaler`` you configured, or a number for a static scale (never changes; non-finite
             steps are still skipped), or a mapping of ``DynamicLossScaler`` arguments (for YAML). For
             ``bf16-mixed``: ``None`` (default) checks every step's gradients for inf/NaN and skips a non-finite
-            step without scaling (:meth:`DynamicLossScaler.check_only`, one host sync per step, as fp16 pays);
-            ``DynamicLossScaler(enabled=False)`` or ``{"enabled": False}`` turns that check off; a
+            step without scaling (:meth:`DynamicLossScaler.check_only`; check and skip run on the device as in
+            fp16, see :mod:`lightning_mp.stepping`); ``DynamicLossScaler(enabled=False)`` or ``{"enabled": False}``
+            turns that check off; a
             ``check_only(max_consecutive_skips=...)`` scaler or ``{"max_consecutive_skips": N}`` tunes it. In
             every mode with a check, ``max_consecutive_skips`` non-finite steps in a row raise.
         master_weights: ``True`` holds the model in fp16/bf16 and lets the optimizer update fp32 master copies
@@ -65,7 +68,8 @@ class MixedPrecisionPlugin(Precision):
     The autocast device is the device the model lives on, found when Lightning connects the plugin; ``fp16``
     is honoured on CPU too (Lightning's built-in switches to bf16 there), with a one-time warning that it is
     slow. A step whose gradients hold inf/NaN is skipped, and LR schedulers with ``interval="step"`` do not
-    advance on it.
+    advance on it. The step does not wait for the device where the optimizer can skip on the device (``fused=True``)
+    and no step-interval scheduler or skip observer needs the decision on the host: see :mod:`lightning_mp.stepping`.
     """
 
     def __init__(
@@ -103,7 +107,8 @@ class MixedPrecisionPlugin(Precision):
         # which optimizers' gradients are unscaled since their backward (the one place that decides it)
         self._unscaled = UnscaledGradients()
         # --- extension point for diagnostics: called as observer(plugin=, optimizer=, model=) on every skipped
-        # step, after the inf/NaN check and before the scaler updates (PrecisionMonitor localises the overflow)
+        # step, after the inf/NaN check and before the scaler updates (PrecisionMonitor localises the overflow).
+        # While one is registered the skip is decided on the host at every step (lightning_mp.stepping)
         self.skip_observers: list[Callable[..., None]] = []
 
     @property
@@ -208,9 +213,14 @@ class MixedPrecisionPlugin(Precision):
         return torch.autocast(self.device_type, dtype=self.dtype, cache_enabled=False)
 
     @override
+    def forward_context(self) -> Any:  # a context manager
+        # autocast alone on the default path, not wrapped (it is entered twice a step); op overrides add a mode
+        if not override_targets(self._effective_policy, self.dtype):
+            return self.autocast_context_manager()
+        return self._forward_with_overrides()
+
     @contextlib.contextmanager
-    def forward_context(self) -> Generator[None, None, None]:
-        # autocast alone on the default path; the policy's op overrides add a TorchFunctionMode
+    def _forward_with_overrides(self) -> Generator[None, None, None]:
         with self.autocast_context_manager(), override_context(self._effective_policy, self.device_type, self.dtype):
             yield
 
@@ -250,6 +260,10 @@ class MixedPrecisionPlugin(Precision):
                 "Use precision='bf16-mixed' without master weights, or fp32."
             )
         if not self._checking:
+            if callable(getattr(self.masters, "fused_step", None)):  # masters that update themselves
+                closure()
+                self._after_closure(model, optimizer)
+                return self.masters.fused_step(_unwrap_optimizer(optimizer), None)
             step_output = super().optimizer_step(optimizer, model=model, closure=closure, **kwargs)
             if self.masters is not None:
                 self.masters.masters_to_model(_unwrap_optimizer(optimizer))
@@ -261,33 +275,16 @@ class MixedPrecisionPlugin(Precision):
             # still run, as in Lightning; whatever they unscale stays recorded until the next backward ends it
             self._after_closure(model, optimizer)
             return None
-        torch_optimizer = _unwrap_optimizer(optimizer)
         # unscale after the closure and before on_before_optimizer_step, so hooks and clipping see true grads
-        found_inf = self._sync.agree(self._unscale_once(optimizer))  # every rank takes the same decision
+        found_inf = self._sync.agree(self._unscale_once(optimizer))  # every rank takes the same decision, on device
         self._after_closure(model, optimizer)
-        self._unscaled.consumed(torch_optimizer)
-        skip = self.scaler.found_inf(found_inf)  # the step's one host synchronisation
-        record_step(torch_optimizer, skipped=skip)
-        step_output = None
-        if not skip:
-            step_output = optimizer.step(**kwargs)
-            if self.masters is not None:
-                self.masters.masters_to_model(torch_optimizer)
-        for observer in self.skip_observers if skip else ():  # --- the diagnostics extension point (see __init__)
-            observer(plugin=self, optimizer=torch_optimizer, model=model)
-        self.scaler.update(skip)
-        return step_output
+        self._unscaled.consumed(_unwrap_optimizer(optimizer))
+        return stepping.step(self, optimizer, model, found_inf, kwargs)  # skipped on the device where it can be
 
     def _unscale_once(self, optimizer: Optimizable) -> Tensor:
         """Unscale ``optimizer``'s grads unless already done since their backward; the found-inf flag tensor."""
-        optimizer = _unwrap_optimizer(optimizer)
-        named = [
-            (self._param_names.get(id(param), f"param_groups[{g}][{i}]"), param)
-            for g, group in enumerate(optimizer.param_groups)
-            for i, param in enumerate(group["params"])
-        ]
         assert self.scaler is not None
-        return self._unscaled.unscale(self.scaler, optimizer, named)
+        return self._unscaled.unscale(self.scaler, _unwrap_optimizer(optimizer), self._param_names)
 
     @override
     def clip_gradients(

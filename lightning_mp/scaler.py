@@ -5,23 +5,23 @@ flush to zero, divides the gradients by the same scale afterwards, and adapts th
 run of finite steps and backs off when a step produced inf/NaN gradients (that step is skipped by the
 caller).
 
-The scale lives in a 0-dim fp32 tensor on the gradients' device, so scaling and unscaling never wait for
-the device. The only host synchronisation is reading whether a non-finite gradient was found, which the
-caller needs anyway to decide whether to step the optimizer: :meth:`DynamicLossScaler.found_inf` does it
-once per step and :meth:`DynamicLossScaler.update` takes the resulting Python bool.
+The whole state lives on the gradients' device and nothing in a step waits for it: :meth:`~DynamicLossScaler.unscale_`
+returns the found-inf flag as a device tensor, and :meth:`~DynamicLossScaler.update` given that tensor applies the
+rules as tensor ops; the host reads the state lazily, in one transfer, when a property or ``state_dict()`` asks and on
+the steps where an error may be due, so that errors fire at the step they are due (see :mod:`lightning_mp.stepping`).
 """
 
 from __future__ import annotations
 
-import inspect
 from collections import defaultdict
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
 from typing import Any, Callable, Optional, Union
 
 import torch
 from torch import Tensor
 
-from lightning_mp.settings import FP32_MAX, check_int, check_number, validated_settings, validated_state
+from lightning_mp.settings import FP32_MAX, check_number, scaler_for_precision, validated_settings, validated_state
+from lightning_mp.stepping import DeviceState
 
 # What `unscale_` accepts: tensors whose ``.grad`` is unscaled, or ``(name, tensor)`` pairs so that errors can
 # name the parameters.
@@ -86,7 +86,8 @@ class DynamicLossScaler:
         self._steps = 0
         self._skipped_steps = 0
         self._consecutive_skips = 0
-        # device tensors, created lazily on the loss's device
+        # the counters above are the host's copy, exact as of the last read; updates on the device since then live here
+        self._device = DeviceState()
         self._scale_tensor: Optional[Tensor] = None
         # the scale the current gradients were produced with: unscaling uses it, so an update between two
         # optimizers' steps (manual optimization) cannot unscale the second one's gradients with the new scale
@@ -111,8 +112,7 @@ class DynamicLossScaler:
 
     @classmethod
     def check_only(cls, max_consecutive_skips: Optional[int] = 100) -> DynamicLossScaler:
-        """No scaling (scale 1), only the inf/NaN check: what bf16 uses so a non-finite step is skipped and
-        reported as in fp16. Costs the one host synchronisation per step that fp16 pays."""
+        """No scaling (scale 1), only the inf/NaN check, on the device as fp16's: what bf16 uses to skip bad steps."""
         scaler = cls.static(1.0, max_consecutive_skips=max_consecutive_skips)
         scaler.check_only = True
         return scaler
@@ -122,64 +122,38 @@ class DynamicLossScaler:
         """What ``MixedPrecisionPlugin(precision, scaler=...)`` means: a scaler (or ``None`` for no check).
 
         ``16-mixed``: ``None`` -> a default dynamic scaler; a number -> :meth:`static`; a mapping -> constructor
-        arguments; a scaler as given. ``bf16-mixed`` scales nothing: ``None`` -> :meth:`check_only`; a mapping
-        takes only ``enabled`` and ``max_consecutive_skips``; a scaler must be check-only or disabled.
+        arguments. ``bf16-mixed``: ``None`` -> :meth:`check_only`; a mapping of ``enabled``, ``max_consecutive_skips``.
         """
-        bf16 = precision == "bf16-mixed"
-        if isinstance(scaler, DynamicLossScaler):
-            if bf16 and scaler.enabled and not scaler.check_only:
-                raise ValueError(
-                    f"precision='bf16-mixed' does not use loss scaling, but scaler={scaler!r} was given: "
-                    "pass scaler=None (skip non-finite steps, no scaling), DynamicLossScaler.check_only(...), "
-                    "DynamicLossScaler(enabled=False) (no check), or use precision='16-mixed'."
-                )
-            return scaler
-        if isinstance(scaler, Mapping):  # settings from YAML or the CLI
-            allowed = ["enabled", "max_consecutive_skips"] if bf16 else list(inspect.signature(cls).parameters)
-            unknown = sorted(set(scaler) - set(allowed))
-            if unknown:
-                raise ValueError(
-                    f"scaler settings {unknown} are not allowed with precision={precision!r}: use {allowed}"
-                    + (" (bf16 does not scale the loss)." if bf16 else ".")
-                )
-            if not bf16:
-                return cls(**scaler)
-            settings = dict(scaler)
-            return cls(enabled=False) if settings.pop("enabled", True) is False else cls.check_only(**settings)
-        if scaler is None:
-            return cls.check_only() if bf16 else cls()
-        if isinstance(scaler, (int, float)) and not isinstance(scaler, bool):
-            if bf16:
-                raise ValueError(
-                    f"precision='bf16-mixed' does not use loss scaling, but a static scale scaler={scaler!r} was "
-                    "given: pass scaler=None, or use precision='16-mixed'."
-                )
-            return cls.static(scaler)
-        raise ValueError(
-            f"scaler={scaler!r} is not supported: pass None, a lightning_mp.DynamicLossScaler, a number > 0 "
-            "for a static scale, or a mapping of DynamicLossScaler arguments."
-        )
+        return scaler_for_precision(cls, precision, scaler)
 
     # ------------------------------------------------------------------ read-only state
     @property
     def scale(self) -> float:
-        """The current loss scale (a Python float; reading it never synchronises with the device)."""
-        return self._scale_value if self.enabled else 1.0
+        """The current loss scale (a Python float). A dynamic scaler reads its state when updates on the device are
+        pending (one host synchronisation for the whole state); a static or check-only one never does."""
+        return self._read(self.dynamic)._scale_value if self.enabled else 1.0
 
     @property
     def skipped_steps(self) -> int:
-        """Total optimizer steps reported as non-finite to :meth:`update` (the steps the caller skipped)."""
-        return self._skipped_steps
+        """Total optimizer steps reported as non-finite to :meth:`update` (the steps the caller skipped). Reads the
+        state when updates on the device are pending (one host synchronisation)."""
+        return self._read()._skipped_steps
 
     @property
     def consecutive_skips(self) -> int:
-        """Non-finite optimizer steps in a row, up to the latest one (0 after a finite step)."""
-        return self._consecutive_skips
+        """Non-finite optimizer steps in a row, up to the latest one (0 after a finite step). Reads the state when
+        updates on the device are pending (one host synchronisation)."""
+        return self._read()._consecutive_skips
 
     @property
     def steps(self) -> int:
-        """Total optimizer steps seen by :meth:`update`, finite or not."""
+        """Total optimizer steps seen by :meth:`update`, finite or not (known on the host: never synchronises)."""
         return self._steps
+
+    @property
+    def pending_updates(self) -> int:
+        """Updates applied on the device that the host has not read yet (0 right after any read)."""
+        return self._device.pending
 
     def get_scale(self) -> float:
         """Alias of :attr:`scale`, the name ``torch.amp.GradScaler`` uses."""
@@ -190,8 +164,10 @@ class DynamicLossScaler:
         """Return ``loss * scale`` (``loss`` unchanged when disabled or check-only)."""
         if not self.enabled or self.check_only:
             return loss
-        if self._scale_tensor is None or self._scale_tensor.device != loss.device:
+        if self._scale_tensor is None:
             self._scale_tensor = torch.full((), self._scale_value, dtype=torch.float32, device=loss.device)
+        elif self._scale_tensor.device != loss.device:  # (the host's copy of the scale may be behind: move it)
+            self._scale_tensor = self._scale_tensor.to(loss.device)
         self._scale_in_grads = self._scale_tensor
         # the scale is fp32: a 0-dim fp16 loss is promoted to fp32 and cannot overflow here
         return loss * self._scale_tensor
@@ -199,17 +175,17 @@ class DynamicLossScaler:
     def scale_of_grads(self, device: Optional[torch.device] = None) -> Tensor:
         """The scale the current gradients carry: the one of the latest :meth:`scale_loss` (a 0-dim fp32 tensor),
         or, without one, the current scale (made on ``device``)."""
-        if self._scale_in_grads is not None:
-            return self._scale_in_grads
-        return torch.full((), self.scale, dtype=torch.float32, device=device)
+        current = self._scale_in_grads if self._scale_in_grads is not None else self._scale_tensor
+        if current is None or not self.enabled or self.check_only:
+            return torch.full((), self._scale_value if self.enabled else 1.0, dtype=torch.float32, device=device)
+        return current if device is None or self._scale_in_grads is not None else current.to(device)
 
     def unscale_(self, params: NamedOrPlainParams) -> Tensor:
         """Divide the ``.grad`` of ``params`` by the scale in place and check them for inf/NaN.
 
-        Accepts fp32, fp16 and bf16 gradients (dense or sparse), on any mix of devices. ``params`` holds
-        tensors or ``(name, tensor)`` pairs; names are used in the :class:`FloatingPointError` of
-        :meth:`update`. Returns a 1-element fp32 tensor, ``> 0`` if a non-finite gradient was found, on the
-        device of the first gradient; it does not synchronise.
+        Accepts fp32, fp16 and bf16 gradients (dense or sparse), on any mix of devices. ``params`` holds tensors or
+        ``(name, tensor)`` pairs (names for the errors of :meth:`update`). Returns a 1-element fp32 tensor, ``> 0``
+        if a non-finite gradient was found, on the device of the first gradient; it does not synchronise.
 
         Sharded (``DTensor``) gradients are unscaled and checked through their local shards: no collective and no
         DTensor dispatch happen here, so the flag is this rank's; a caller on several ranks sums it over them before
@@ -239,37 +215,54 @@ class DynamicLossScaler:
                 per_device_dtype[grad.device][grad.dtype].append(grad)
             if first_device is None:
                 return torch.zeros(1, dtype=torch.float32)
-            scale = self.scale_of_grads(first_device)  # unscale_ without scale_loss: the current scale
-            found_inf_total = torch.zeros(1, dtype=torch.float32, device=first_device)
+            scale = None if self.check_only else self.scale_of_grads(first_device)  # without scale_loss: current
+            flags = []
             for device, per_dtype in per_device_dtype.items():
-                inv_scale = scale.to(device).reciprocal().reshape(1)
+                inv_scale = self._device.one(device) if scale is None else scale.to(device).reciprocal().reshape(1)
                 found_inf = torch.zeros(1, dtype=torch.float32, device=device)
                 for grads in per_dtype.values():
                     torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale)
-                found_inf_total += found_inf.to(first_device)
-        return found_inf_total
+                flags.append(found_inf.to(first_device))
+        return flags[0] if len(flags) == 1 else torch.stack(flags).sum(0)
 
     @staticmethod
     def found_inf(found_inf: Tensor) -> bool:
-        """Read the flag returned by :meth:`unscale_`: the one host synchronisation of a step."""
+        """Read the flag returned by :meth:`unscale_` (one host synchronisation)."""
         return bool(found_inf.item() > 0)
+
+    def read_found_inf(self, found_inf: Tensor) -> bool:
+        """Read the flag returned by :meth:`unscale_` and, in the same transfer, the state updated on the device
+        since the last read (one host synchronisation in all)."""
+        if not self._device.pending:
+            return self.found_inf(found_inf)
+        state, found = self._device.read(found_inf)
+        self._take(state)
+        return found > 0
 
     def update(self, found_inf: Union[bool, Tensor]) -> None:
         """Adapt the scale after an optimizer step.
 
-        ``found_inf`` is whether this step's gradients were non-finite (a bool, or the tensor returned by
-        :meth:`unscale_`, which costs one synchronisation). A finite step restores the hysteresis allowance
-        and, after ``growth_interval`` of them in a row, multiplies the scale by ``growth_factor`` (capped at
-        ``max_scale``). A non-finite step resets the growth count and uses one unit of hysteresis; once it is
-        used up, the scale is multiplied by ``backoff_factor``.
+        ``found_inf``: the tensor returned by :meth:`unscale_` (the rules run on the device, with no synchronisation
+        but on a step where an error may be due), or a bool (the flag already read: the rules run on the host). A
+        finite step restores the hysteresis allowance and, after ``growth_interval`` of them in a row, multiplies the
+        scale by ``growth_factor`` (capped at ``max_scale``). A non-finite step resets the growth count and uses one
+        unit of hysteresis; once it is used up, the scale is multiplied by ``backoff_factor``.
 
         Raises:
-            FloatingPointError: the backoff would take the scale below ``min_scale``.
+            FloatingPointError: the backoff would take the scale below ``min_scale``, or ``max_consecutive_skips``
+                non-finite steps in a row were reached; raised at the step where it happens, in both cases.
         """
         if not self.enabled:
             return
         if isinstance(found_inf, Tensor):
-            found_inf = self.found_inf(found_inf)
+            if self._device.pending + 1 < self._device.due(self):
+                scale = self._device.update(found_inf, self)
+                self._scale_tensor = scale if scale is not None else self._scale_tensor
+                self._steps += 1
+                self._last_unscaled = []
+                return
+            found_inf = self.read_found_inf(found_inf)  # an error may be due at this step: decide it here
+        self._read()._device.forget()  # the host's copy is ahead from here on; the device's is rebuilt when needed
         self._steps += 1
         if not found_inf:
             self._last_unscaled = []
@@ -307,6 +300,18 @@ class DynamicLossScaler:
         self._last_unscaled = []
         self._set_scale(new_scale)
 
+    # ------------------------------------------------------------------ the state on the device
+    def _read(self, needed: bool = True) -> DynamicLossScaler:
+        """Bring the host's copy of the state up to date if updates on the device are pending (one transfer)."""
+        if needed and self._device.pending:
+            self._take(self._device.read()[0])
+        return self
+
+    def _take(self, values: list[float]) -> None:
+        self._scale_value, growth, hysteresis, skipped, consecutive, _ = values
+        self._growth_tracker, self._hysteresis_tracker = int(growth), int(hysteresis)
+        self._skipped_steps, self._consecutive_skips = int(skipped), int(consecutive)
+
     def _raise(self, reason: str) -> None:
         names = self.gather_names(self.nonfinite_grad_names())
         self._last_unscaled = []
@@ -324,12 +329,15 @@ class DynamicLossScaler:
     def _set_scale(self, value: float) -> None:
         # a new tensor, not an in-place fill: `_scale_in_grads` must keep the scale the grads were made with
         self._scale_value = value
+        self._device.forget()
         if self._scale_tensor is not None:
             self._scale_tensor = torch.full((), value, dtype=torch.float32, device=self._scale_tensor.device)
 
     # ------------------------------------------------------------------ checkpointing
     def state_dict(self) -> dict[str, Any]:
-        """Everything needed to continue bit-exactly: scale, trackers, counters and the settings."""
+        """Everything needed to continue bit-exactly: scale, trackers, counters and the settings. Reads the state when
+        updates on the device are pending (one host synchronisation)."""
+        self._read()
         return {
             "scale": self._scale_value,
             "growth_tracker": self._growth_tracker,
@@ -380,7 +388,7 @@ class DynamicLossScaler:
         if not self.dynamic:
             return f"{type(self).__name__}.static({self._scale_value:g})"
         return (
-            f"{type(self).__name__}(scale={self._scale_value:g}, growth_factor={self.growth_factor:g}, "
+            f"{type(self).__name__}(scale={self.scale:g}, growth_factor={self.growth_factor:g}, "
             f"backoff_factor={self.backoff_factor:g}, growth_interval={self.growth_interval}, "
             f"hysteresis={self.hysteresis}, min_scale={self.min_scale:g}, max_scale={self.max_scale:g})"
         )

@@ -5,23 +5,40 @@ Lightning steps ``interval="step"`` schedulers after every optimizer step, skipp
 calls :func:`record_step` after each optimizer step and :func:`guard_scheduler` on each step-interval
 scheduler; a guarded scheduler's ``step()`` does nothing right after a skipped step of its optimizer (with
 ``frequency > 1``, the scheduler step that follows a skipped optimizer step is the one skipped).
+
+Whether a step was skipped may be recorded as the step's found-inf flag, a device tensor: the guard reads it when
+the scheduler steps (one host synchronisation), and only then. The plugin reads the flag itself, at the step,
+for an optimizer that :func:`has_step_scheduler` (together with the loss scaler's state, in one transfer), so a
+run with a step-interval scheduler pays one read per optimizer step and a run without one pays none.
 """
 
 from __future__ import annotations
 
 import weakref
 from functools import lru_cache
-from typing import Any
+from typing import Any, Union
 
+from torch import Tensor
 from torch.optim import Optimizer
 
-# optimizer -> whether its latest step was skipped
-_LAST_STEP_SKIPPED: weakref.WeakKeyDictionary[Optimizer, bool] = weakref.WeakKeyDictionary()
+# optimizer -> whether its latest step was skipped (a bool, or a found-inf flag not read yet: > 0 when skipped)
+_LAST_STEP_SKIPPED: weakref.WeakKeyDictionary[Optimizer, Union[bool, Tensor]] = weakref.WeakKeyDictionary()
+# optimizers with a guarded scheduler
+_GUARDED: weakref.WeakSet[Optimizer] = weakref.WeakSet()
 
 
-def record_step(optimizer: Optimizer, skipped: bool) -> None:
-    """Remember whether ``optimizer``'s latest step was skipped."""
+def record_step(optimizer: Optimizer, skipped: Union[bool, Tensor]) -> None:
+    """Remember whether ``optimizer``'s latest step was skipped: a bool, or its found-inf flag (a tensor, read by
+    the guard only if a guarded scheduler steps)."""
     _LAST_STEP_SKIPPED[optimizer] = skipped
+
+
+def has_step_scheduler(optimizer: Any) -> bool:
+    """Whether a scheduler guarded by :func:`guard_scheduler` steps ``optimizer``."""
+    try:
+        return optimizer in _GUARDED
+    except TypeError:  # not weak-referenceable: never guarded
+        return False
 
 
 class _SkipAwareScheduler:
@@ -37,7 +54,11 @@ class _SkipAwareScheduler:
     optimizer: Optimizer
 
     def step(self, *args: Any, **kwargs: Any) -> Any:
-        if _LAST_STEP_SKIPPED.get(self.optimizer, False):
+        skipped = _LAST_STEP_SKIPPED.get(self.optimizer, False)
+        if isinstance(skipped, Tensor):  # the flag, not read at the step: read it now (one host synchronisation)
+            skipped = bool(skipped.reshape(-1)[0] > 0)
+            _LAST_STEP_SKIPPED[self.optimizer] = skipped
+        if skipped:
             return None
         frequency = self.__dict__.get("_steps_per_advance", 1)
         if frequency > 1:  # count the steps that ran; with frequency 1 there is nothing to count
@@ -73,5 +94,6 @@ def guard_scheduler(scheduler: Any, frequency: int = 1) -> None:
         raise ValueError(f"frequency={frequency!r} is not allowed: it must be an integer >= 1.")
     if not isinstance(scheduler, _SkipAwareScheduler):
         scheduler.__class__ = _skip_aware_class(type(scheduler))
+    _GUARDED.add(scheduler.optimizer)
     if frequency > 1:
         scheduler.__dict__["_steps_per_advance"] = frequency

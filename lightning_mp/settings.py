@@ -1,4 +1,5 @@
-"""The rules every loss-scaler setting follows, shared by the constructor and ``load_state_dict``.
+"""The rules every loss-scaler setting follows, shared by the constructor and ``load_state_dict``, and what the
+plugin's ``scaler=`` argument means.
 
 Each check names the bad value and what is allowed, and refuses what Python would otherwise coerce silently: a
 string where a number belongs (``"2"``), a bool where a number belongs, ``enabled="no"``, a scale beyond fp32.
@@ -6,7 +7,9 @@ string where a number belongs (``"2"``), a bool where a number belongs, ``enable
 
 from __future__ import annotations
 
+import inspect
 import math
+from collections.abc import Mapping
 from typing import Any, Optional
 
 import torch
@@ -127,3 +130,46 @@ def foreign_scaler_state(checkpoint: dict[str, Any], hysteresis: int) -> Optiona
             "skipped_steps": 0,
         }}, "checkpoint['MixedPrecision'] (Lightning's built-in GradScaler state)"
     return None
+
+
+def scaler_for_precision(cls: Any, precision: str, scaler: Any) -> Any:
+    """``DynamicLossScaler.for_precision``: what ``MixedPrecisionPlugin(precision, scaler=...)`` means.
+
+    ``16-mixed``: ``None`` -> a default dynamic scaler; a number -> :meth:`static`; a mapping -> constructor
+    arguments; a scaler as given. ``bf16-mixed`` scales nothing: ``None`` -> :meth:`check_only`; a mapping
+    takes only ``enabled`` and ``max_consecutive_skips``; a scaler must be check-only or disabled.
+    """
+    bf16 = precision == "bf16-mixed"
+    if isinstance(scaler, cls):
+        if bf16 and scaler.enabled and not scaler.check_only:
+            raise ValueError(
+                f"precision='bf16-mixed' does not use loss scaling, but scaler={scaler!r} was given: "
+                "pass scaler=None (skip non-finite steps, no scaling), DynamicLossScaler.check_only(...), "
+                "DynamicLossScaler(enabled=False) (no check), or use precision='16-mixed'."
+            )
+        return scaler
+    if isinstance(scaler, Mapping):  # settings from YAML or the CLI
+        allowed = ["enabled", "max_consecutive_skips"] if bf16 else list(inspect.signature(cls).parameters)
+        unknown = sorted(set(scaler) - set(allowed))
+        if unknown:
+            raise ValueError(
+                f"scaler settings {unknown} are not allowed with precision={precision!r}: use {allowed}"
+                + (" (bf16 does not scale the loss)." if bf16 else ".")
+            )
+        if not bf16:
+            return cls(**scaler)
+        settings = dict(scaler)
+        return cls(enabled=False) if settings.pop("enabled", True) is False else cls.check_only(**settings)
+    if scaler is None:
+        return cls.check_only() if bf16 else cls()
+    if isinstance(scaler, (int, float)) and not isinstance(scaler, bool):
+        if bf16:
+            raise ValueError(
+                f"precision='bf16-mixed' does not use loss scaling, but a static scale scaler={scaler!r} was "
+                "given: pass scaler=None, or use precision='16-mixed'."
+            )
+        return cls.static(scaler)
+    raise ValueError(
+        f"scaler={scaler!r} is not supported: pass None, a lightning_mp.DynamicLossScaler, a number > 0 "
+        "for a static scale, or a mapping of DynamicLossScaler arguments."
+    )

@@ -14,7 +14,8 @@ carried.
 
 from __future__ import annotations
 
-from typing import Any
+import operator
+from typing import Any, Optional
 
 import torch
 from torch import Tensor
@@ -30,23 +31,38 @@ class UnscaledGradients:
     """
 
     def __init__(self) -> None:
-        # id(optimizer) -> (the optimizer, found-inf flag, scale the gradients were unscaled with)
-        self._records: dict[int, tuple[Any, Tensor, Tensor]] = {}
+        # id(optimizer) -> (the optimizer, found-inf flag, scale the gradients were unscaled with; None: check-only)
+        self._records: dict[int, tuple[Any, Tensor, Optional[Tensor]]] = {}
         # id(optimizer) -> found-inf flag of unscaled gradients that a later backward adds to
         self._carried: dict[int, Tensor] = {}
+        # id(optimizer) -> (its parameter lists, when named; the (name, parameter) pairs): named once, not every step
+        self._named: dict[int, tuple[list[Any], list[tuple[str, Tensor]]]] = {}
 
-    def unscale(self, scaler: DynamicLossScaler, optimizer: Any, named_params: list[tuple[str, Tensor]]) -> Tensor:
-        """Unscale ``optimizer``'s gradients unless already done since their backward; the found-inf flag."""
+    def unscale(self, scaler: DynamicLossScaler, optimizer: Any, names: dict[int, str]) -> Tensor:
+        """Unscale ``optimizer``'s gradients unless already done since their backward; the found-inf flag.
+        ``names``: ``id(parameter) -> name`` (a parameter without one is named by its place in ``param_groups``)."""
         record = self._records.get(id(optimizer))
         if record is None:
-            scale = scaler.scale_of_grads()
-            found_inf = scaler.unscale_(named_params)
+            scale = scaler.scale_of_grads() if not scaler.check_only else None  # check-only: nothing to scale back
+            found_inf = scaler.unscale_(self._named_params(optimizer, names))
             carried = self._carried.pop(id(optimizer), None)
             if carried is not None:
                 found_inf = found_inf + carried.to(found_inf.device)
             record = (optimizer, found_inf, scale)
             self._records[id(optimizer)] = record
         return record[1]
+
+    def _named_params(self, optimizer: Any, names: dict[int, str]) -> list[tuple[str, Tensor]]:
+        lists = [group["params"] for group in optimizer.param_groups]
+        cached = self._named.get(id(optimizer))
+        if cached is None or len(cached[0]) != len(lists) or not all(  # the same parameters, in the same places
+            len(params) == len(seen) and all(map(operator.is_, params, seen)) for params, seen in zip(lists, cached[0])
+        ):
+            named = [(names.get(id(param), f"param_groups[{g}][{i}]"), param)
+                     for g, params in enumerate(lists) for i, param in enumerate(params)]
+            cached = ([list(params) for params in lists], named)
+            self._named[id(optimizer)] = cached
+        return cached[1]
 
     def is_unscaled(self, optimizer: Any) -> bool:
         """Whether ``optimizer``'s gradients were unscaled since the backward that produced them."""
@@ -65,7 +81,7 @@ class UnscaledGradients:
             if not grads:  # zero_grad() since: nothing left to scale back or to carry
                 continue
             self._carried[key] = found_inf
-            if not scaler.check_only:
+            if scale is not None and not scaler.check_only:
                 with torch.no_grad():
                     for grad in grads:
                         grad.mul_(scale.to(grad.device))
@@ -74,3 +90,4 @@ class UnscaledGradients:
     def clear(self) -> None:
         self._records.clear()
         self._carried.clear()
+        self._named.clear()

@@ -91,6 +91,21 @@ def test_inf_on_one_rank_makes_every_rank_skip_that_step_with_equal_scales(launc
 
 
 @pytest.mark.parametrize("masters", MASTERS)
+def test_a_fused_optimizer_skips_on_the_device_on_every_rank_without_a_host_sync(ddp_run, masters):
+    # the found-inf flag is all-reduced as a device tensor and the fused SGD skips on it: rank 0's inf at step
+    # INJECT_AT is skipped on both ranks, not one step's decision is read on the host, and the weights stay equal
+    precision, out = ddp_run
+    ranks = load_ranks(out / masters)
+    for rank in ranks:
+        assert rank["fused_step_syncs"] == [0] * 8
+        assert rank["fused"]["scaler"]["skipped_steps"] == rank["full"]["scaler"]["skipped_steps"] == 1
+        assert rank["fused"]["scaler"] == rank["full"]["scaler"]
+    for name, value in ranks[0]["fused"]["weights"].items():
+        assert torch.equal(ranks[1]["fused"]["weights"][name], value), name
+        torch.testing.assert_close(value, ranks[0]["full"]["weights"][name], rtol=0, atol=_tolerance(precision))
+
+
+@pytest.mark.parametrize("masters", MASTERS)
 def test_weights_and_masters_are_bitwise_equal_across_ranks(launched, masters):
     _, out = launched
     rank0, rank1 = load_ranks(out / masters)

@@ -214,3 +214,53 @@ def test_scale_follows_the_rules_and_round_trips_through_state_dict_at_any_step(
             _one_step(resumed, copies, nonfinite)
             _same_state(resumed, ref)
             assert resumed.state_dict() == scaler.state_dict()
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    config=scaler_settings(),
+    static=st.booleans(),
+    steps=step_sequences,
+    max_consecutive_skips=st.one_of(st.none(), st.integers(1, 8)),
+    read_every=st.integers(1, 50),
+    seed=st.integers(0, 2**16),
+)
+def test_rules_on_the_device_match_the_reference_with_lazy_reads_and_errors_at_the_step_they_are_due(
+    config, static, steps, max_consecutive_skips, read_every, seed
+):
+    """``update(found_inf tensor)``: the rules run as tensor ops and the host reads the state only every
+    ``read_every`` steps (or when an error may be due); the state read equals the reference, and each error
+    (backoff below ``min_scale``, ``max_consecutive_skips`` reached) is raised at exactly the step the reference
+    raises it, naming the planted parameter."""
+    scaler = _make_scaler(config, static)
+    scaler.max_consecutive_skips = max_consecutive_skips
+    ref = _reference(scaler)
+    generator = torch.Generator().manual_seed(seed)
+    in_a_row = 0
+    for index, plant in enumerate(steps):
+        nonfinite = plant is not None
+        in_a_row = in_a_row + 1 if nonfinite else 0
+        named = _hand_made_grads(generator, plant)
+        expected_error = None
+        if max_consecutive_skips is not None and in_a_row >= max_consecutive_skips:
+            expected_error = "in a row"
+        else:
+            try:
+                ref.step(nonfinite)
+            except BackoffBelowMin:
+                expected_error = "min_scale"
+        scaler.scale_loss(torch.ones(()))
+        found_inf = scaler.unscale_(named)
+        if expected_error is not None:
+            event(f"error: {expected_error}")
+            with pytest.raises(FloatingPointError, match=f"{expected_error}.*{re.escape(PARAMS[plant[0]][0])}"):
+                scaler.update(found_inf)
+            return
+        scaler.update(found_inf)
+        if scaler.pending_updates:
+            event("updates pending on the device")
+        if (index + 1) % read_every == 0:
+            _same_state(scaler, ref)
+            assert scaler.consecutive_skips == in_a_row
+    _same_state(scaler, ref)
+    assert scaler.consecutive_skips == in_a_row

@@ -3,9 +3,10 @@
 :class:`GradientSync` is the single-process case: nothing to reduce, every decision is already agreed. Its
 distributed subclasses (:mod:`~lightning_mp.distributed.ddp`, :mod:`~lightning_mp.distributed.fsdp2`) add what
 their strategy needs. All of them take the skip decision the same way: the found-inf flag of the local gradients
-is summed over the process group (:func:`agree_found_inf`) *before* the step's one host synchronisation reads it,
-as ``ShardedGradScaler``, DeepSpeed and Megatron do. So every rank skips the same steps and holds the same scale,
-even when a user hook wrote an inf into one rank's already reduced gradient.
+is summed over the process group (:func:`agree_found_inf`: an all-reduce of the device tensor, never read on the
+host here), as ``ShardedGradScaler``, DeepSpeed and Megatron do, and the optimizer skips on the agreed flag on the
+device, or the host reads it where it must (see :mod:`lightning_mp.stepping`). So every rank skips the same steps
+and holds the same scale, even when a user hook wrote an inf into one rank's already reduced gradient.
 """
 
 from __future__ import annotations

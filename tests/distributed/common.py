@@ -54,8 +54,9 @@ class Net(L.LightningModule):
     # the user's side of FSDP2: the LayerNorm on its own (the plugin keeps norms in fp32), then the whole net
 
     def __init__(self, inject: bool = True, shard: Any = None, inject_rank: int = 0, inject_every: bool = False,
-                 per_rank_batch: int = GLOBAL_BATCH) -> None:
+                 per_rank_batch: int = GLOBAL_BATCH, fused: bool = False) -> None:
         super().__init__()
+        self.fused = fused  # SGD(fused=True): the step is skipped on the device (lightning_mp.stepping)
         self.per_rank_batch = per_rank_batch
         self.net = nn.Sequential(nn.Linear(4, 16), nn.LayerNorm(16), nn.Tanh(), nn.Linear(16, 1))
         self.inject = inject
@@ -106,7 +107,7 @@ class Net(L.LightningModule):
         self.record["clipped"].append(float(_full(torch.nn.utils.get_total_norm([p.grad for p in params]))))
 
     def configure_optimizers(self) -> Any:
-        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9, fused=self.fused)
 
 
 class StepRecorder(Callback):

@@ -18,6 +18,30 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from tests.distributed.common import finish, fit, save
 
 
+def fused_run(precision: str, masters: bool) -> tuple[dict, list[int]]:
+    """The uninterrupted run with SGD(fused=True), which skips on the device; the host syncs of each step's
+    decision, optimizer step and scaler update (lightning_mp.stepping.step) counted on this rank."""
+    from lightning_mp import stepping
+    from tests.helpers import HostSyncCounter
+
+    counts: list[int] = []
+    original = stepping.step
+
+    def counted(*args, **kwargs):
+        with HostSyncCounter() as counter:
+            result = original(*args, **kwargs)
+        counts.append(len(counter.calls))
+        return result
+
+    stepping.step = counted
+    stepping.DECIDE_CPU_FLAGS_ON_HOST = False  # the accelerators' path, on these CPU ranks
+    try:
+        return fit(precision, masters, fused=True), counts
+    finally:
+        stepping.step = original
+        stepping.DECIDE_CPU_FLAGS_ON_HOST = True
+
+
 def main() -> None:
     out, precision = Path(sys.argv[1]), sys.argv[2]
     settings = sys.argv[3].split(",") if len(sys.argv) > 3 else ["off", "on"]
@@ -28,6 +52,7 @@ def main() -> None:
         results["resumed"] = fit(precision, masters, resume_from=ckpt / "epoch=0.ckpt")
         results["accumulated"] = fit(precision, masters, accumulate=2)
         results["bf16_reduce"] = fit(precision, masters, reduce_dtype="bf16")
+        results["fused"], results["fused_step_syncs"] = fused_run(precision, masters)
         if masters:  # a communication hook of the user's own: refused at setup (DDP takes one, ours is needed)
             try:
                 fit(precision, masters, strategy=DDPStrategy(ddp_comm_hook=default_hooks.allreduce_hook))

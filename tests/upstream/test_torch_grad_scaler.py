@@ -643,15 +643,23 @@ class _PlaceHolderOptimizer(torch.optim.Optimizer):
         self._step_supports_amp_scaling = True
 
 
+@pytest.mark.parametrize("device_path", [True, False], ids=["accelerator-path", "cpu-default"])
 @pytest.mark.parametrize("master_weights", [False, True])
-def test_grad_scaler_pass_itself(master_weights):
+def test_grad_scaler_pass_itself(master_weights, device_path, monkeypatch):
     """Port of test/test_torch.py::TestTorchDeviceType::test_grad_scaler_pass_itself (test_cuda.py before).
 
     Adapted to the plugin: torch hands an optimizer that declares ``_step_supports_amp_scaling`` the scaler
-    (``grad_scaler=``) or ``grad_scale``/``found_inf`` attributes, and lets it unscale inside its step. Ours
-    never does: such an optimizer gets a plain ``step()``, with no scaler and no such attributes, and finds
-    gradients already unscaled (the gradients of ``on_after_backward`` divided by the scale).
+    (``grad_scaler=``, deprecated) or ``grad_scale``/``found_inf`` attributes, and lets it unscale inside its step.
+    Ours never hands over a scaler: the optimizer with a ``grad_scaler`` argument gets a plain ``step()`` (no
+    attributes; its step is decided on the host). The other, on the path taken on accelerators, gets torch's
+    attributes as torch sets them after an ``unscale_``: ``grad_scale`` ``None`` (gradients already unscaled) and
+    ``found_inf`` a 0-dim fp32 flag (here 0), removed after the step, and skips on the device; on CPU by default
+    the flag is read on the host (no device to wait for) and it gets a plain ``step()``. Both find gradients
+    already unscaled (the gradients of ``on_after_backward`` divided by the scale).
     """
+    from lightning_mp import stepping
+
+    monkeypatch.setattr(stepping, "DECIDE_CPU_FLAGS_ON_HOST", not device_path)
     seen = []
 
     class Optimizer1(_PlaceHolderOptimizer):
@@ -663,8 +671,12 @@ def test_grad_scaler_pass_itself(master_weights):
 
     class Optimizer2(_PlaceHolderOptimizer):
         def step(self, closure=None):
-            assert not hasattr(self, "grad_scale")
-            assert not hasattr(self, "found_inf")
+            if device_path:
+                assert self.grad_scale is None
+                assert self.found_inf.shape == () and self.found_inf.dtype == torch.float32
+                assert self.found_inf.item() == 0
+            else:
+                assert not hasattr(self, "grad_scale") and not hasattr(self, "found_inf")
             seen.append([p.grad.clone() for group in self.param_groups for p in group["params"]])
 
     from lightning.pytorch import LightningModule
@@ -702,6 +714,8 @@ def test_grad_scaler_pass_itself(master_weights):
     )
     trainer.fit(model, data)
     assert len(seen) == 2
+    optimizers = trainer.optimizers
+    assert not any(hasattr(o, name) for o in optimizers for name in ("grad_scale", "found_inf"))  # removed after
     for grads, expected_grads in zip(seen, model.expected):
         for actual, expected in zip(grads, expected_grads):
             torch.testing.assert_close(actual, expected)
