@@ -213,3 +213,29 @@ def test_a_compiled_fp8_model_trains():
     assert plugin.fp8.converted == ["net._orig_mod.0", "net._orig_mod.2"]
     with torch.no_grad():
         assert float(nn.functional.cross_entropy(model(x).float(), y)) < before
+
+
+# ---------------------------------------------------------------------- the audit's census
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise_with_gw_hp"])
+def test_the_census_counts_the_matmuls_that_dispatch_with_fp8_operands(recipe):
+    # What dispatches (seen here with a TorchDispatchMode, torch 2.13 + torchao 0.18): every Float8Linear matmul is
+    # one aten.mm whose operands are Float8TrainingTensor subclasses holding float8_e4m3fn / float8_e5m2 data (the
+    # emulated fp32 product, or CUDA's _scaled_mm, runs inside the subclass, below the mode); the casts are
+    # _to_copy to float8. Per 16-row batch, net.0 (32x64) and net.2 (64x32) make 2*16*2048 FLOPs a matmul, the
+    # bf16 output layer net.4 (32x16) 2*16*512; backward computes both gradients of every layer (torchao computes
+    # the input gradient of net.0 too). rowwise_with_gw_hp keeps the weight gradients in bf16.
+    from lightning_mp import audit
+
+    model = MLPModule()
+    plugin = MixedPrecisionPlugin("bf16-mixed", fp8=recipe)
+    trainer(plugin, 1).fit(model, mlp_loader())
+    x, y = next(iter(mlp_loader()))
+    census = audit(model, lambda: nn.functional.cross_entropy(model(x).float(), y), context=plugin.forward_context)
+    big, small = 2 * 16 * 2048, 2 * 16 * 512
+    assert census.fp8_flops_fraction(phase="forward") == pytest.approx(2 * big / (2 * big + small))
+    fp8_backward = 4 * big if recipe == "tensorwise" else 2 * big
+    assert census.fp8_flops_fraction(phase="backward") == pytest.approx(fp8_backward / (4 * big + 2 * small))
+    assert census.dtypes_of("mm", phase="forward", module="net.0") == {"float8_e4m3fn"}
+    assert "float8_e4m3fn+float8_e5m2" in census.dtypes_of("mm", phase="backward") or recipe != "tensorwise"
+    assert census.dtypes_of("addmm", phase="forward", module="net.4") == {"bfloat16"}
+    assert "in fp8:" in census.summary() and census.to_dict()["fp8_flops_fraction"] > 0.5

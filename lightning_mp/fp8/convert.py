@@ -91,6 +91,9 @@ class Fp8Training:
         if chosen:
             float8.convert_to_float8_training(module, config=self.config,
                                               module_filter_fn=lambda _, fqn: fqn in chosen)
+            if device.type != "cuda":  # Float8Linear follows CUDA's autocast only: cast its input as it does there
+                for name in chosen:
+                    module.get_submodule(name).register_forward_pre_hook(_cast_to_autocast_dtype(device.type))
         self.layers = layers
         for rule, close in _unmatched_fp8_rules(plugin.effective_policy, module).items():
             rank_zero_warn(f"CastPolicy {rule} matches no module of {type(module).__name__}, so it does nothing. "
@@ -134,6 +137,17 @@ class Fp8Training:
         for optimizer in optimizers:
             optimizer = getattr(optimizer, "_optimizer", optimizer)
             self._hooks.append(optimizer.register_step_post_hook(lambda *_: precompute(model)))
+
+
+def _cast_to_autocast_dtype(device_type: str) -> Any:
+    def hook(layer: nn.Module, args: tuple[Any, ...]) -> Any:
+        if torch.is_autocast_enabled(device_type) and args and isinstance(args[0], torch.Tensor):
+            dtype = torch.get_autocast_dtype(device_type)
+            if args[0].is_floating_point() and args[0].dtype != dtype:
+                return (args[0].to(dtype), *args[1:])
+        return None
+
+    return hook
 
 
 def _device_of(module: nn.Module, strategy: Any) -> torch.device:
