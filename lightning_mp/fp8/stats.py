@@ -5,7 +5,8 @@ On a sampled step, :class:`Fp8Sampler` hooks each torchao ``Float8Linear`` and, 
 max / amax, per tensor or per row as the layer's recipe says, rounded down to a power of two where the recipe does)
 and counts, after scaling: values that ``saturate`` (above the fp8 maximum: clamped), that ``flush`` (nonzero but
 below the fp8 dtype's smallest subnormal: they round to zero or to one subnormal step) and that are ``subnormal``
-(fewer mantissa bits), with ``amax`` and the smallest ``scale``. Everything stays on the device until the monitor's
+(fewer mantissa bits), with ``amax`` and the smallest ``scale``. Saturation counts values beyond the maximum by more
+than half a step (they round past it and are clamped): with dynamic scales only rounding of the scale can do that. Everything stays on the device until the monitor's
 one read per sampled step; on other steps no hook is installed, so nothing runs.
 
 :func:`fp8_section` renders the report's table and :func:`fp8_advice` the advice: a layer that loses a share of its
@@ -15,6 +16,7 @@ rowwise, keep the layer out of fp8 (``fp8_exclude``). Nothing here imports torch
 
 from __future__ import annotations
 
+import math
 from typing import Any, Optional
 
 import torch
@@ -53,7 +55,8 @@ def cast_stats(tensor: Tensor, dtype: torch.dtype, rowwise: bool, power_of_two: 
     zeros = (magnitude == 0).sum()
     flush = ((scaled < smallest_subnormal).sum() - zeros)
     subnormal = ((scaled < info.tiny).sum() - (scaled < smallest_subnormal).sum())
-    saturated = (scaled > info.max).sum()
+    # above the maximum by more than half a step of the top binade: it would round beyond max, and is clamped
+    saturated = (scaled > info.max + 2.0 ** math.floor(math.log2(info.max)) * info.eps / 2).sum()
     numel = torch.full((), float(values.numel()), device=values.device)
     return torch.stack([numel, zeros.float(), flush.float(), subnormal.float(), saturated.float(),
                         magnitude.amax(), scale.min()])
