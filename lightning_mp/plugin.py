@@ -160,7 +160,8 @@ class MixedPrecisionPlugin(Precision):
     def fp8_convert(self, module: Module) -> Module:
         """Convert ``module``'s eligible layers to fp8 now: under FSDP2, in ``configure_model`` before fully_shard."""
         if self.fp8 is None:
-            raise ValueError("fp8_convert() converts layers to fp8, but this plugin has fp8=None: pass fp8='tensorwise'.")
+            raise ValueError("fp8_convert() converts layers to fp8, but this plugin has fp8=None: pass fp8=...")
+        self._resolve_policy(module)  # the module's configure_precision_policy() counts here too
         return self.fp8.convert(module, self, getattr(getattr(module, "_trainer", None), "strategy", None))
 
     # ------------------------------------------------------------------ setup

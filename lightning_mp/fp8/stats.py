@@ -6,8 +6,9 @@ max / amax, per tensor or per row as the layer's recipe says, rounded down to a 
 and counts, after scaling: values that ``saturate`` (above the fp8 maximum: clamped), that ``flush`` (nonzero but
 below the fp8 dtype's smallest subnormal: they round to zero or to one subnormal step) and that are ``subnormal``
 (fewer mantissa bits), with ``amax`` and the smallest ``scale``. Saturation counts values beyond the maximum by more
-than half a step (they round past it and are clamped): with dynamic scales only rounding of the scale can do that. Everything stays on the device until the monitor's
-one read per sampled step; on other steps no hook is installed, so nothing runs.
+than half a step (they round past it and are clamped): with dynamic scales only rounding of the scale can do that.
+Everything stays on the device until the monitor's one read per sampled step; on other steps no hook is installed,
+so nothing runs.
 
 :func:`fp8_section` renders the report's table and :func:`fp8_advice` the advice: a layer that loses a share of its
 values below fp8's range (an outlier stretches the tensor's one scale) -> the rowwise recipe, or, when already
@@ -169,7 +170,8 @@ def fp8_advice(history: Any) -> Optional[tuple[str, str]]:
         return None
     found, samples, step = worst
     layers = list(dict.fromkeys(layer for layer, _, _, _ in found))
-    detail = "; ".join(f"{layer} {cast}: {share:.1%} flushed (amax {amax:.3g})" for layer, cast, share, amax in found[:4])
+    detail = "; ".join(f"{layer} {cast}: {share:.1%} flushed (amax {amax:.3g})"
+                       for layer, cast, share, amax in found[:4])
     evidence = (f"in at least half of the last {samples} samples (last at step {step}) {len(layers)} fp8 layer(s) "
                 f"lost >= {FLUSH_SHARE:.0%} of a cast's values below fp8's smallest subnormal after scaling: "
                 f"{detail}. One large value (amax) sets the scale of the whole tensor, so the small ones flush.")
