@@ -30,6 +30,18 @@ def test_every_rank_trains_the_same_fp8_layers_to_the_same_weights(launched, mas
 
 
 @pytest.mark.parametrize("masters", ["masters", "no_masters"])
+def test_fp8_cast_statistics_are_sampled_and_summed_over_the_ranks(launched, masters):
+    strategy, ranks = launched
+    samples = [rank[masters]["fp8_samples"] for rank in ranks]
+    assert samples[0] == samples[1]  # reduced: every rank holds the same numbers
+    assert [s["step"] for s in samples[0]] == [0, 4] and samples[0][0]["layers"] == ["net.0", "net.2"]
+    casts = samples[0][0]["casts"]
+    assert casts["input"][0][0] == 2 * 8 * 32 and casts["grad_output"][0][0] == 2 * 8 * 64  # both ranks' batches
+    # DDP: each rank casts the whole weight; FSDP2 all-gathers it already in fp8, so there is nothing to sample
+    assert casts["weight"][0][0] == (2 * 64 * 32 if strategy == "ddp" else 0)
+
+
+@pytest.mark.parametrize("masters", ["masters", "no_masters"])
 def test_fsdp2_all_gathers_fp8_weights_with_scales_the_plugin_precomputed(launched, masters):
     strategy, ranks = launched
     if strategy != "fsdp2":

@@ -88,9 +88,9 @@ class Fp8Sampler:
             if args and isinstance(args[0], Tensor):
                 self._add(name, "input", cast_stats(args[0], *_settings(layer, "input")))
             weight = layer.weight
-            weight = getattr(weight, "_local_tensor", weight)  # FSDP2 all-gathered: the plain tensor
-            weight = getattr(weight, "_tensor", weight)  # torchao's fp8 all-gather wrapper
-            self._add(name, "weight", cast_stats(weight, *_settings(layer, "weight")))
+            weight = getattr(weight, "_tensor", weight)  # torchao's fp8 all-gather wrapper holds the plain tensor
+            if type(weight) in (Tensor, nn.Parameter):  # not when FSDP2 all-gathered it already cast to fp8
+                self._add(name, "weight", cast_stats(weight, *_settings(layer, "weight")))
 
         return hook
 

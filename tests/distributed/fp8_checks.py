@@ -20,7 +20,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-from lightning_mp import MixedPrecisionPlugin
+from lightning_mp import MixedPrecisionPlugin, PrecisionMonitor
 from tests.distributed.common import finish, save
 
 
@@ -88,8 +88,9 @@ def run(strategy_name: str, masters: bool) -> dict[str, Any]:
             return out
 
         WeightWithDynamicFloat8CastTensor.fsdp_pre_all_gather = spy
+    monitor = PrecisionMonitor(sample_every=4, report=False)  # fp8 cast statistics, reduced over the ranks
     trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, plugins=[plugin], max_steps=8,
-                        logger=False, enable_progress_bar=False, enable_model_summary=False,
+                        logger=False, enable_progress_bar=False, enable_model_summary=False, callbacks=[monitor],
                         enable_checkpointing=False, use_distributed_sampler=False)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -103,7 +104,7 @@ def run(strategy_name: str, masters: bool) -> dict[str, Any]:
             record["scales"].append((float(precomputed), float(torch.finfo(torch.float8_e4m3fn).max / amax)))
     from torchao.float8.float8_linear import Float8Linear
 
-    return {**record, "losses": model.losses, "converted": plugin.fp8.converted, "config": repr(plugin.fp8.config),
+    return {**record, "fp8_samples": monitor.history.fp8_samples, "losses": model.losses, "converted": plugin.fp8.converted, "config": repr(plugin.fp8.config),
             "float8_layers": [n for n, m in model.named_modules() if isinstance(m, Float8Linear)],
             "weights": {name: _full(p) for name, p in model.named_parameters()}, "rank": trainer.global_rank}
 
