@@ -78,7 +78,8 @@ class Fp8Sampler:
             return
         self._order = []
         for name, layer in model.named_modules():
-            if type(layer).__name__ == "Float8Linear" and hasattr(layer, "config"):
+            # by class name (torchao is not imported here); fully_shard makes it a subclass, FSDPFloat8Linear
+            if any(cls.__name__ == "Float8Linear" for cls in type(layer).__mro__) and hasattr(layer, "config"):
                 self._order.append(name)
                 self._handles.append(layer.register_forward_pre_hook(self._forward_hook(name)))
                 self._handles.append(layer.register_forward_hook(self._output_hook(name)))
