@@ -52,12 +52,12 @@ def prepare(spec: dict[str, Any], module: Any, device: str) -> None:
 
         convert_to_float8_training(module.net, config=config, module_filter_fn=eligible)
         if device != "cuda":
-            # Float8Linear follows CUDA's autocast only; on CPU its input must be cast by hand (as the plugin does),
-            # else evaluation under inference mode fails (aten.to.dtype on a Float8TrainingTensor)
-            from lightning_mp.fp8.convert import _cast_to_autocast_dtype
+            # Float8Linear follows CUDA's autocast only; on CPU it needs by hand what the plugin does (its input cast,
+            # autocast off inside it), else evaluation under inference mode fails (aten.to.dtype on fp8 operands)
+            from lightning_mp.fp8.convert import _follow_autocast
 
             for layer in module.net.modules():
                 if type(layer).__name__ == "Float8Linear":
-                    layer.register_forward_pre_hook(_cast_to_autocast_dtype(device))
+                    _follow_autocast(layer, device)
     if spec.get("compile"):
         module.net = torch.compile(module.net)

@@ -39,8 +39,8 @@ PRESETS: dict[str, dict[str, dict[str, Any]]] = {
         "resnet18-28": dict(batch=128, size=28, steps=150, warmup=20, lr=1e-3),
         "resnet18-224": dict(batch=64, size=224, steps=100, warmup=20, lr=1e-3),
         "mlp": dict(batch=2048, hidden=8192, depth=4, features=512, steps=100, warmup=20, lr=1e-4, train=200_000),
-        "decoder-2048": dict(batch=8, seq=1024, hidden=2048, layers=4, heads=16, steps=60, warmup=15, lr=3e-4),
-        "decoder-4096": dict(batch=4, seq=1024, hidden=4096, layers=2, heads=32, steps=60, warmup=15, lr=3e-4),
+        "decoder-2048": dict(batch=8, seq=1024, hidden=2048, layers=4, heads=16, steps=60, warmup=15, lr=3e-4, test=512),
+        "decoder-4096": dict(batch=4, seq=1024, hidden=4096, layers=2, heads=32, steps=60, warmup=15, lr=3e-4, test=512),
     },
     "cpu": {
         "bert-base": dict(batch=4, seq=64, steps=5, warmup=1, lr=1e-4, train=None, test=100),
@@ -48,7 +48,7 @@ PRESETS: dict[str, dict[str, dict[str, Any]]] = {
         "resnet18-28": dict(batch=32, size=28, steps=12, warmup=2, lr=1e-3, width=32),
         "resnet18-224": dict(batch=8, size=224, steps=5, warmup=1, lr=1e-3, test=100),
         "mlp": dict(batch=256, hidden=1024, depth=4, features=256, steps=30, warmup=5, lr=1e-4, train=20_000),
-        "decoder": dict(batch=8, seq=64, hidden=64, layers=2, heads=4, steps=16, warmup=4, lr=1e-3),
+        "decoder": dict(batch=8, seq=64, hidden=64, layers=2, heads=4, steps=16, warmup=4, lr=1e-3, test=256),
     },
     "tiny": {
         "bert-base": dict(batch=4, seq=16, steps=4, warmup=1, lr=1e-4, train=64, test=32, config=TINY_BERT),
@@ -56,7 +56,7 @@ PRESETS: dict[str, dict[str, dict[str, Any]]] = {
         "resnet18-28": dict(batch=8, size=28, steps=4, warmup=1, lr=1e-3, width=4, depth=10),
         "resnet18-224": dict(batch=2, size=64, steps=3, warmup=1, lr=1e-3, width=4, depth=10),
         "mlp": dict(batch=32, hidden=64, depth=2, features=16, steps=4, warmup=1, lr=1e-3, train=512),
-        "decoder": dict(batch=4, seq=16, hidden=32, layers=1, heads=2, steps=4, warmup=1, lr=1e-3),
+        "decoder": dict(batch=4, seq=16, hidden=32, layers=1, heads=2, steps=4, warmup=1, lr=1e-3, test=32),
     },
 }
 
@@ -242,7 +242,8 @@ def _decoder(sizes: dict[str, Any], seed: int) -> Workload:
     data.setup()
 
     def pairs(split: str, shuffle: bool) -> DataLoader:
-        windows = torch.stack([data._datasets[split][i] for i in range(len(data._datasets[split]))])
+        count = len(data._datasets[split]) if split == "train" else min(sizes["test"], len(data._datasets[split]))
+        windows = torch.stack([data._datasets[split][i] for i in range(count)])
         dataset = TensorDataset(windows[:, :-1], windows[:, 1:])
         return DataLoader(dataset, batch_size=sizes["batch"], shuffle=shuffle, drop_last=shuffle,
                           generator=torch.Generator().manual_seed(seed))

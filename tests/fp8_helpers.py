@@ -93,6 +93,9 @@ class MLPModule(L.LightningModule):
         x, y = batch
         return nn.functional.cross_entropy(self(x).float(), y)
 
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        self.log("val_loss", self.training_step(batch, batch_idx))
+
     def configure_optimizers(self) -> Any:
         return torch.optim.AdamW(self.parameters(), lr=self.lr)
 

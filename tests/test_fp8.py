@@ -239,3 +239,17 @@ def test_the_census_counts_the_matmuls_that_dispatch_with_fp8_operands(recipe):
     assert "float8_e4m3fn+float8_e5m2" in census.dtypes_of("mm", phase="backward") or recipe != "tensorwise"
     assert census.dtypes_of("addmm", phase="forward", module="net.4") == {"bfloat16"}
     assert "in fp8:" in census.summary() and census.to_dict()["fp8_flops_fraction"] > 0.5
+
+
+def test_an_fp8_model_evaluates_under_inference_mode_on_cpu():
+    # CPU autocast would cast the fp8 operands inside Float8Linear (aten.to.dtype, unsupported under inference mode):
+    # the plugin runs converted layers as CUDA autocast runs them (input cast, autocast off inside)
+    model = MLPModule()
+    plugin = MixedPrecisionPlugin("bf16-mixed", fp8="tensorwise")
+    fit = trainer(plugin, 2)
+    fit.fit(model, mlp_loader())
+    x, _ = next(iter(mlp_loader()))
+    with torch.inference_mode(), plugin.forward_context():
+        out = model(x)
+    assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
+    fit.validate(model, mlp_loader(), verbose=False)  # Lightning's evaluation runs under inference mode

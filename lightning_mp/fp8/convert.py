@@ -91,9 +91,9 @@ class Fp8Training:
         if chosen:
             float8.convert_to_float8_training(module, config=self.config,
                                               module_filter_fn=lambda _, fqn: fqn in chosen)
-            if device.type != "cuda":  # Float8Linear follows CUDA's autocast only: cast its input as it does there
+            if device.type != "cuda":  # Float8Linear follows CUDA's autocast only: do here what it does there
                 for name in chosen:
-                    module.get_submodule(name).register_forward_pre_hook(_cast_to_autocast_dtype(device.type))
+                    _follow_autocast(module.get_submodule(name), device.type)
         self.layers = layers
         for rule, close in _unmatched_fp8_rules(plugin.effective_policy, module).items():
             rank_zero_warn(f"CastPolicy {rule} matches no module of {type(module).__name__}, so it does nothing. "
@@ -139,15 +139,30 @@ class Fp8Training:
             self._hooks.append(optimizer.register_step_post_hook(lambda *_: precompute(model)))
 
 
-def _cast_to_autocast_dtype(device_type: str) -> Any:
-    def hook(layer: nn.Module, args: tuple[Any, ...]) -> Any:
-        if torch.is_autocast_enabled(device_type) and args and isinstance(args[0], torch.Tensor):
-            dtype = torch.get_autocast_dtype(device_type)
-            if args[0].is_floating_point() and args[0].dtype != dtype:
-                return (args[0].to(dtype), *args[1:])
+def _follow_autocast(layer: nn.Module, device_type: str) -> None:
+    """What ``Float8Linear`` does under CUDA autocast, for another device's: its input cast to the autocast dtype,
+    and autocast off inside it (its matmul operands are fp8 already: casting them is what fails under inference
+    mode, ``aten.to.dtype`` on a ``Float8TrainingTensor``). A plain switch, as in the policy's module rules, so
+    that ``torch.compile`` traces it."""
+    previous: list[bool] = []
+
+    def pre_hook(module: nn.Module, args: tuple[Any, ...]) -> Any:
+        enabled = torch.is_autocast_enabled(device_type)
+        previous.append(enabled)
+        if not enabled:
+            return None
+        torch.set_autocast_enabled(device_type, False)
+        dtype = torch.get_autocast_dtype(device_type)
+        if args and isinstance(args[0], torch.Tensor) and args[0].is_floating_point() and args[0].dtype != dtype:
+            return (args[0].to(dtype), *args[1:])
         return None
 
-    return hook
+    def post_hook(module: nn.Module, args: Any, output: Any) -> Any:
+        torch.set_autocast_enabled(device_type, previous.pop())
+        return output
+
+    layer.register_forward_pre_hook(pre_hook)
+    layer.register_forward_hook(post_hook, always_call=True)
 
 
 def _device_of(module: nn.Module, strategy: Any) -> torch.device:
