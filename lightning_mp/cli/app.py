@@ -40,9 +40,10 @@ from lightning_mp.plugin import MixedPrecisionPlugin
 from lightning_mp.samples.resources import SourceUnavailableError
 
 _OURS = {"16-mixed": "16-mixed", "16": "16-mixed", "bf16-mixed": "bf16-mixed", "bf16": "bf16-mixed"}
-_PLUGIN_OPTIONS = ("scaler", "master_weights", "keep_norm_fp32", "policy", "reduce_dtype")
+_PLUGIN_OPTIONS = ("scaler", "master_weights", "keep_norm_fp32", "policy", "reduce_dtype", "fp8")
 _PLUGIN_DEFAULTS = {
     "scaler": None, "master_weights": False, "keep_norm_fp32": True, "policy": None, "reduce_dtype": "float32",
+    "fp8": None,
 }
 
 

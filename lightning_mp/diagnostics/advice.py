@@ -14,6 +14,7 @@ Each rule looks for one symptom and, when it finds it, says which setting to cha
 - ``bf16``: fp16 keeps fighting (a high skip rate, repeated half-precision overflows, or the run died at
   ``min_scale``) -> bf16 has fp32's exponent range and needs no loss scale.
 - ``model``: the inf/NaN appears even in fp32 without scaling -> no precision setting fixes it.
+- ``fp8``: fp8 layers keep losing values below fp8's range after scaling -> the rowwise recipe, or ``fp8_exclude``.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from typing import Callable, Optional
 
 from lightning_mp.diagnostics.history import OverflowRecord, RunHistory, format_number as _number
 from lightning_mp.diagnostics.history import format_scale as _scale
+from lightning_mp.fp8.stats import fp8_advice
 
 #: the first optimizer steps, where a too-high ``init_scale`` shows
 STARTUP_STEPS = 50
@@ -220,11 +222,17 @@ def _model(history: RunHistory) -> Optional[Advice]:
     )
 
 
+def _fp8(history: RunHistory) -> Optional[Advice]:
+    # --- fp8 (lightning_mp.fp8.stats): layers whose fp8 casts flush values -> rowwise, or keep them out of fp8
+    found = fp8_advice(history)
+    return Advice("fp8", *found) if found is not None else None
+
+
 def _steps(steps: list[int], shown: int = 8) -> str:
     text = ", ".join(str(step) for step in steps[:shown])
     return text + (f", ... ({len(steps)} in all)" if len(steps) > shown else "")
 
 
 RULES: list[Callable[[RunHistory], Optional[Advice]]] = [
-    _fp32_modules, _init_scale, _hysteresis, _growth_interval, _bf16, _model,
+    _fp32_modules, _init_scale, _hysteresis, _growth_interval, _bf16, _model, _fp8,
 ]

@@ -116,7 +116,15 @@ def compute_dtype(op: str, args: tuple, kwargs: dict, out: Any) -> str:
     chosen = [t for t in floats if t.dim() > 0] or floats
     if not chosen:
         chosen = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.is_floating_point()]
-    return "+".join(sorted({str(t.dtype).removeprefix("torch.") for t in chosen})) or "-"
+    return "+".join(sorted({_stored_dtype(t) for t in chosen})) or "-"
+
+
+def _stored_dtype(tensor: torch.Tensor) -> str:
+    """The dtype a tensor's values are held in: a torchao ``Float8TrainingTensor`` (an fp8 matmul operand, whose
+    ``dtype`` is its original high precision) reports the fp8 dtype of its ``_data``; others their ``dtype``."""
+    data = getattr(tensor, "_data", None) if type(tensor) is not torch.Tensor else None
+    dtype = data.dtype if isinstance(data, torch.Tensor) and data.dtype.itemsize == 1 else tensor.dtype
+    return str(dtype).removeprefix("torch.")
 
 
 def risk(op: str, dtype: str, args: tuple, out: Any, large_reduction: int) -> str | None:

@@ -38,6 +38,11 @@ class Finding:
     count: int = 0
 
 
+def is_fp8(dtype: str) -> bool:
+    """``True`` when every floating input of the op was an fp8 dtype (a torchao float8 matmul: e4m3 and/or e5m2)."""
+    return all(part.startswith("float8") for part in dtype.split("+"))
+
+
 def is_half(dtype: str) -> bool:
     """``True`` when every floating input of the op was float16/bfloat16 (mixed ``"bfloat16+float32"`` is not)."""
     return all(part in HALF_DTYPES for part in dtype.split("+"))
@@ -94,15 +99,27 @@ class Census:
             )
         return sum(r.flops for r in rows if is_half(r.dtype)) / total
 
+    def fp8_flops_fraction(self, module: str | None = None, phase: str | None = None) -> float:
+        """Share in [0, 1] of matmul FLOPs whose operands were fp8 (torchao float8 layers), optionally for a
+        module-name prefix and a phase. Raises ``ValueError`` when the selection holds no matmul FLOPs."""
+        rows = [r for r in self.select(None, phase, module) if r.flops > 0]
+        total = sum(r.flops for r in rows)
+        if total == 0:
+            raise ValueError(f"no matmul FLOPs recorded for module={module!r}, phase={phase!r}")
+        return sum(r.flops for r in rows if is_fp8(r.dtype)) / total
+
     def _fraction_or_none(self) -> float | None:
         return self.half_flops_fraction() if any(r.flops for r in self.rows) else None
 
     def summary(self) -> str:
-        """``"matmul FLOPs in half precision: 99.2%"`` (or ``n/a`` when no matmul ran)."""
+        """``"matmul FLOPs in half precision: 99.2%"`` (or ``n/a`` when no matmul ran), and the fp8 share when any
+        matmul ran in fp8."""
         fraction = self._fraction_or_none()
         if fraction is None:
             return "matmul FLOPs in half precision: n/a (no matmul FLOPs recorded)"
-        return f"matmul FLOPs in half precision: {100 * fraction:.1f}%"
+        fp8 = self.fp8_flops_fraction()
+        return f"matmul FLOPs in half precision: {100 * fraction:.1f}%" + (
+            f"; in fp8: {100 * fp8:.1f}%" if fp8 else "")
 
     def table(self) -> str:
         """A fixed-width table sorted by FLOPs then calls (both descending), the summary line and the findings."""
@@ -130,6 +147,7 @@ class Census:
     def to_dict(self) -> dict[str, Any]:
         """JSON-serialisable view: rows, risky, large_reduction and half_flops_fraction (``None`` without FLOPs)."""
         rows, risky = [asdict(r) for r in self.rows], [asdict(f) for f in self.risky]
+        fp8 = self.fp8_flops_fraction() if any(r.flops for r in self.rows) else None
         return {"rows": rows, "risky": risky, "large_reduction": self.large_reduction,
-                "half_flops_fraction": self._fraction_or_none()}  # fmt: skip
+                "half_flops_fraction": self._fraction_or_none(), "fp8_flops_fraction": fp8}  # fmt: skip
 

@@ -158,6 +158,9 @@ class RunHistory:
     samples: list[LayerSample] = field(default_factory=list)
     sample_every: int = 0
     error: str = ""
+    # --- fp8 (lightning_mp.fp8.stats): the recipe and the sampled statistics of the fp8 casts, as plain dicts
+    fp8_recipe: str = ""
+    fp8_samples: list[dict[str, Any]] = field(default_factory=list)
 
     def record_scale(self, step: int, scale: float) -> None:
         if not self.scale_changes or self.scale_changes[-1][1] != scale:

@@ -31,6 +31,7 @@ from lightning_mp.diagnostics.underflow import (
     reduce_rows,
     scale_tensor,
 )
+from lightning_mp.fp8.stats import Fp8Sampler, sample_record
 
 
 class PrecisionMonitor(L.Callback):
@@ -82,6 +83,7 @@ class PrecisionMonitor(L.Callback):
         self.report_files: Any = None  # the ReportFiles written after fit (rank 0), for the CLI's summary
         self._localiser = OverflowLocaliser()
         self._activations = ActivationGradStats()
+        self._fp8 = Fp8Sampler()  # --- fp8 casts of converted layers, on sampled steps (lightning_mp.fp8.stats)
         self._names: dict[int, str] = {}
         self._plugin: Any = None
         self._sampling = False
@@ -96,6 +98,7 @@ class PrecisionMonitor(L.Callback):
             return
         plugin = trainer.precision_plugin
         self.history = RunHistory(precision=_precision_of(trainer), sample_every=self.sample_every)
+        self.history.fp8_recipe = getattr(getattr(plugin, "fp8", None), "recipe", "")
         self._overflow_counts, self._sampled_bucket, self._sampling, self._last_logged = {}, -1, False, {}
         self._localiser.forget()
         observers = getattr(plugin, "skip_observers", None)
@@ -118,6 +121,7 @@ class PrecisionMonitor(L.Callback):
     @override
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         self._activations.disarm()
+        self._fp8.disarm()
         self._localiser.forget()
         if self._plugin is not None and self._on_skip in self._plugin.skip_observers:
             self._plugin.skip_observers.remove(self._on_skip)
@@ -137,6 +141,8 @@ class PrecisionMonitor(L.Callback):
             self._sampling = trainer.global_step // self.sample_every != self._sampled_bucket
             if self._sampling and self.activation_grads:
                 self._activations.arm(pl_module)
+            if self._sampling:
+                self._fp8.arm(pl_module)
 
     @override
     def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any) -> None:
@@ -149,6 +155,7 @@ class PrecisionMonitor(L.Callback):
     @override
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
         self._activations.disarm()
+        self._fp8.disarm()
         self._sampling = False
         scaler = _our_scaler(trainer)
         values: dict[str, tuple[float, bool]] = {}
@@ -176,7 +183,10 @@ class PrecisionMonitor(L.Callback):
         optimizer = getattr(optimizer, "_optimizer", optimizer)
         layers, rows = grouped_stats(param_groups_grads(optimizer, self._names), scale_tensor(_our_scaler(trainer)))
         act_layers, act_rows = self._activations.take()
-        param_rows, activation_rows = read_rows(reduce_rows(rows), reduce_rows(act_rows))  # the one host sync
+        fp8_layers, fp8_rows = self._fp8.take()
+        param_rows, activation_rows, fp8_read = read_rows(reduce_rows(rows), reduce_rows(act_rows), fp8_rows)  # 1 sync
+        if fp8_layers:
+            self.history.fp8_samples.append(sample_record(trainer.global_step, fp8_layers, fp8_read))
         scaler = _our_scaler(trainer)
         scale = float(scaler.scale) if scaler is not None and not scaler.check_only else 1.0
         step = trainer.global_step

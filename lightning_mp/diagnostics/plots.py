@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from lightning_mp.diagnostics.history import LayerSample, RunHistory
+from lightning_mp.fp8.stats import CASTS, shares as fp8_shares
 
 #: at most this many layers are drawn in a heatmap (the ones with the largest values, kept in model order)
 MAX_LAYERS = 40
@@ -48,7 +49,8 @@ def plot_history(history: RunHistory, path: Path) -> Path:
     plt = _matplotlib()
     samples = history.samples_of("param_grads")
     fp16 = history.precision == "fp16"
-    panels = 1 + (2 if samples and fp16 else 1 if samples else 0)
+    fp8 = history.fp8_samples  # --- fp8 casts (lightning_mp.fp8.stats): one more heatmap
+    panels = 1 + (2 if samples and fp16 else 1 if samples else 0) + (1 if fp8 else 0)
     heights = [2.2] + [3.2] * (panels - 1)
     figure, axes = plt.subplots(panels, 1, figsize=(11, sum(heights) + 0.8), height_ratios=heights, squeeze=False)
     axes = [row[0] for row in axes]
@@ -65,6 +67,12 @@ def plot_history(history: RunHistory, path: Path) -> Path:
         zeros = [[100 * v for v in s.zero_share()] for s in samples]
         _heatmap(figure, axes[1], samples, zeros, f"% of gradient values that are exactly zero ({history.precision})",
                  "magma_r", "zeros %", pick=max, low=0.0)
+    if fp8:
+        layers = [f"{layer} {cast}" for cast in CASTS for layer in fp8[-1]["layers"]]
+        fp8_as = [LayerSample(r["step"], 1.0, "fp8", layers, []) for r in fp8]
+        flushed = [[100 * v for cast in CASTS for v in fp8_shares(r, cast, "flush")] for r in fp8]
+        _heatmap(figure, axes[-1], fp8_as, flushed, f"% of values flushed below fp8's smallest subnormal after "
+                 f"scaling, per fp8 layer and cast ({history.fp8_recipe})", "magma_r", "flushed %", pick=max, low=0.0)
     figure.tight_layout()
     figure.savefig(path, dpi=100)
     plt.close(figure)

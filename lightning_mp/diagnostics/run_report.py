@@ -12,6 +12,7 @@ from typing import Any, Optional, Union
 
 from lightning_mp.diagnostics.advice import advise
 from lightning_mp.diagnostics.history import CAUSES, HISTORY_FILE, LayerSample, RunHistory, format_scale
+from lightning_mp.fp8.stats import fp8_section
 
 MARKDOWN_FILE = "precision_report.md"
 PNG_FILE = "precision_report.png"
@@ -93,7 +94,7 @@ def render_markdown(history: RunHistory, png_error: str = "") -> str:
                   "earlier ones (an overflowing module keeps pushing the scale down).", ""]
     for number, item in enumerate(advice, 1):
         lines += [f"{number}. **{item.rule}**: `{item.change}`", f"   - Evidence: {item.evidence}", ""]
-    lines += _overflow_section(history) + _layers_section(history) + _legend()
+    lines += _overflow_section(history) + _layers_section(history) + fp8_section(history) + _legend()
     return "\n".join(lines) + "\n"
 
 

@@ -93,17 +93,18 @@ def reduce_rows(rows: Tensor) -> Tensor:
 
 
 def read_rows(*tables: Tensor) -> list[list[list[float]]]:
-    """Every table's rows as Python floats, in one device->host transfer (the sample's one host sync)."""
-    sizes = [len(table) for table in tables]
+    """Every table's rows as Python floats, in one device->host transfer (the sample's one host sync); tables may
+    differ in width."""
     non_empty = [table for table in tables if len(table)]
     if not non_empty:
         return [[] for _ in tables]
     device = non_empty[0].device
-    flat = torch.cat([table.to(device) for table in non_empty]).tolist()
+    flat = torch.cat([table.to(device).reshape(-1) for table in non_empty]).tolist()
     out, start = [], 0
-    for size in sizes:
-        out.append(flat[start:start + size])
-        start += size
+    for table in tables:
+        width = table.shape[1] if table.dim() == 2 else 1
+        out.append([flat[start + i * width:start + (i + 1) * width] for i in range(len(table))])
+        start += len(table) * width
     return out
 
 
