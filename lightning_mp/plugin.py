@@ -25,7 +25,7 @@ from typing_extensions import override
 
 from lightning_mp.distributed import GradientSync, mixed_precision_policy, sync_for
 from lightning_mp.distributed.sync import reduce_dtype_of
-from lightning_mp.master import MasterWeights, is_norm
+from lightning_mp.master import MasterWeights, MasterWeightsOption, is_norm, masters_for
 from lightning_mp.policy import CastPolicy, ModuleRules, override_context
 from lightning_mp.scaler import DynamicLossScaler
 from lightning_mp.settings import foreign_scaler_state
@@ -34,9 +34,6 @@ from lightning_mp.unscaled import UnscaledGradients
 
 PrecisionName = Literal["16-mixed", "bf16-mixed"]
 _DTYPES: dict[str, torch.dtype] = {"16-mixed": torch.float16, "bf16-mixed": torch.bfloat16}
-
-_WARNED_FP16_ON_CPU = False
-
 
 class MixedPrecisionPlugin(Precision):
     """Mixed-precision training with a loss scaler you can tune and inspect.
@@ -51,9 +48,10 @@ class MixedPrecisionPlugin(Precision):
             ``DynamicLossScaler(enabled=False)`` or ``{"enabled": False}`` turns that check off; a
             ``check_only(max_consecutive_skips=...)`` scaler or ``{"max_consecutive_skips": N}`` tunes it. In
             every mode with a check, ``max_consecutive_skips`` non-finite steps in a row raise.
-        master_weights: ``True`` holds the model in fp16/bf16 and lets the optimizer update fp32 master copies
-            (see :class:`~lightning_mp.master.MasterWeights`), so updates smaller than half precision's
-            resolution are not lost. Default ``False``: the model stays fp32 and only autocast runs in half.
+        master_weights: ``True``/``"fp32"``: a half model and fp32 master copies (:class:`~lightning_mp.master.
+            MasterWeights`); ``"remainder"`` (bf16): a bf16 model plus 16-bit remainders, the same exact masters in
+            less memory (:class:`~lightning_mp.master.RemainderMasters`; options: :func:`~lightning_mp.master.
+            masters_for`). Default ``False``: the model stays fp32 and only autocast runs in half.
         keep_norm_fp32: with master weights, normalisation layers keep fp32 parameters (default ``True``).
         policy: the per-op casting policy: a :class:`~lightning_mp.CastPolicy`, a preset name (``"autocast"``,
             the default, ``"conservative"``, ``"fast"``) or a mapping (YAML). A LightningModule may declare its
@@ -72,7 +70,7 @@ class MixedPrecisionPlugin(Precision):
         self,
         precision: PrecisionName = "16-mixed",
         scaler: Union[DynamicLossScaler, float, dict[str, Any], None] = None,
-        master_weights: bool = False,
+        master_weights: MasterWeightsOption = False,
         keep_norm_fp32: bool = True,
         policy: Union[CastPolicy, str, dict[str, Any], None] = None,
         reduce_dtype: Union[str, torch.dtype] = "float32",
@@ -84,18 +82,14 @@ class MixedPrecisionPlugin(Precision):
         self.precision = precision
         self.dtype = _DTYPES[precision]
         self.scaler: Optional[DynamicLossScaler] = DynamicLossScaler.for_precision(precision, scaler)
-        if not isinstance(master_weights, bool) or not isinstance(keep_norm_fp32, bool):
-            raise ValueError(
-                f"master_weights={master_weights!r}, keep_norm_fp32={keep_norm_fp32!r}: both must be True or False."
-            )
+        if not isinstance(keep_norm_fp32, bool):
+            raise ValueError(f"keep_norm_fp32={keep_norm_fp32!r} must be True or False.")
         self.policy = CastPolicy.coerce(policy)
         self.reduce_dtype = reduce_dtype_of(reduce_dtype)
         # what the strategy needs at each step (lightning_mp.distributed); set up in convert_module
         self._sync: GradientSync = GradientSync()
         self.keep_norm_fp32 = keep_norm_fp32
-        self.masters: Optional[MasterWeights] = None
-        if master_weights:
-            self.masters = MasterWeights(self.dtype, keep_fp32=self._params_stay_fp32)
+        self.masters: Optional[MasterWeights] = masters_for(self.dtype, master_weights, self._params_stay_fp32)
         self._effective_policy = self.policy
         self._module_rules = ModuleRules()
         self._device_type: Optional[str] = None
@@ -115,7 +109,7 @@ class MixedPrecisionPlugin(Precision):
 
     @property
     def master_weights(self) -> bool:
-        """Whether the model is held in half precision with fp32 master weights."""
+        """Whether the model is held in half precision with fp32 master weights (flat copies or lean remainders)."""
         return self.masters is not None
 
     # ------------------------------------------------------------------ the casting policy
@@ -217,6 +211,8 @@ class MixedPrecisionPlugin(Precision):
     def pre_backward(self, tensor: Tensor, module: LightningModule) -> Tensor:  # type: ignore[override]
         # scale before Lightning's on_before_backward hooks, as its built-in plugin does. A new backward ends
         # every "already unscaled" record: gradients still unscaled are scaled back so the sum stays consistent
+        if self.masters is not None:
+            self.masters.before_backward()  # lean masters: gradients of earlier micro-batches add up in fp32
         if self._checking:
             assert self.scaler is not None
             self._unscaled.new_backward(self.scaler)
@@ -248,7 +244,10 @@ class MixedPrecisionPlugin(Precision):
                 "closure inside step(), where scaled gradients cannot be checked and the half model is stale. "
                 "Use precision='bf16-mixed' without master weights, or fp32."
             )
-        if not self._checking:
+        if not self._checking:  # lean masters step themselves (fused_step): closure and Lightning's hooks first
+            if hasattr(self.masters, "fused_step"):
+                closure(), self._after_closure(model, optimizer)
+                return self._step(optimizer, None)
             step_output = super().optimizer_step(optimizer, model=model, closure=closure, **kwargs)
             if self.masters is not None:
                 self.masters.masters_to_model(_unwrap_optimizer(optimizer))
@@ -269,12 +268,20 @@ class MixedPrecisionPlugin(Precision):
         record_step(torch_optimizer, skipped=skip)
         step_output = None
         if not skip:
-            step_output = optimizer.step(**kwargs)
-            if self.masters is not None:
-                self.masters.masters_to_model(torch_optimizer)
+            step_output = self._step(optimizer, None, **kwargs)
         for observer in self.skip_observers if skip else ():  # --- the diagnostics extension point (see __init__)
             observer(plugin=self, optimizer=torch_optimizer, model=model)
         self.scaler.update(skip)
+        return step_output
+
+    def _step(self, optimizer: Optimizable, found_inf: Optional[Tensor], **kwargs: Any) -> Any:
+        """Lean masters' ``fused_step`` (skips on the device if ``found_inf`` > 0), or ``optimizer.step()`` + copy."""
+        torch_optimizer = _unwrap_optimizer(optimizer)
+        if hasattr(self.masters, "fused_step"):
+            return self.masters.fused_step(torch_optimizer, found_inf)  # type: ignore[union-attr]
+        step_output = optimizer.step(**kwargs)
+        if self.masters is not None:
+            self.masters.masters_to_model(torch_optimizer)
         return step_output
 
     def _unscale_once(self, optimizer: Optimizable) -> Tensor:
@@ -304,9 +311,16 @@ class MixedPrecisionPlugin(Precision):
 
     @override
     def clip_grad_by_value(self, optimizer: Optimizer, clip_val: Union[int, float]) -> None:
-        # no gradients (a training_step that returned None): nothing to clip, and torch's value clipping fails there
+        # no gradients (a training_step that returned None): nothing to clip, and torch's value clipping fails there.
+        # Lean masters clip the fp32 gradients inside their step (bf16 gradients would round the clipped values)
         if _has_grads(optimizer):
-            super().clip_grad_by_value(optimizer, clip_val)
+            lean = getattr(self.masters, "clip_grad_value_", None)
+            lean(_unwrap_optimizer(optimizer), clip_val) if lean else super().clip_grad_by_value(optimizer, clip_val)
+
+    @override
+    def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: Union[int, float]) -> None:
+        lean = getattr(self.masters, "clip_grad_norm_", None)
+        lean(_unwrap_optimizer(optimizer), clip_val) if lean else super().clip_grad_by_norm(optimizer, clip_val)
 
     # ------------------------------------------------------------------ checkpointing
     @override
@@ -372,17 +386,13 @@ def _unwrap_optimizer(optimizer: Any) -> Any:
 
 
 def _module_device(module: Module) -> torch.device:
-    for tensor in module.parameters():
-        return tensor.device
-    for tensor in module.buffers():
-        return tensor.device
-    return getattr(module, "device", torch.device("cpu"))
+    return next((t.device for t in (*module.parameters(), *module.buffers())), getattr(module, "device", None)) or (
+        torch.device("cpu"))
 
 
 def _warn_fp16_on_cpu() -> None:
-    global _WARNED_FP16_ON_CPU
-    if not _WARNED_FP16_ON_CPU:
-        _WARNED_FP16_ON_CPU = True
+    if "fp16 on cpu" not in _INFO_SHOWN:
+        _INFO_SHOWN.add("fp16 on cpu")
         rank_zero_warn(
             "MixedPrecisionPlugin(precision='16-mixed') runs real fp16 autocast on CPU. CPUs have no fast fp16 "
             "matmul kernels: expect it to be many times slower than fp32. On CPUs with native bf16 (AVX512-BF16 "

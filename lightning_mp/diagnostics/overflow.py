@@ -180,8 +180,8 @@ def _fp32_weights(model: nn.Module, plugin: Any) -> Iterator[None]:
     swapped: list[tuple[Tensor, Tensor]] = []
     buffers: list[tuple[nn.Module, str, Tensor]] = []
     try:
-        if masters is not None:
-            for param, master in masters.pairs():
+        if masters is not None:  # lean masters have no fp32 tensors: their exact values are materialised here
+            for param, master in (masters.fp32_pairs() if hasattr(masters, "fp32_pairs") else masters.pairs()):
                 swapped.append((param, param.data))
                 param.data = master.detach()
         for module in model.modules():
