@@ -20,13 +20,14 @@ from lightning_mp.master.remainder import RemainderMasters
 
 __all__ = ["MasterWeights", "NORM_TYPES", "RemainderMasters", "is_norm", "masters_for"]
 
-MasterWeightsOption = Union[bool, str, Mapping[str, Any], MasterWeights, None]
+#: What ``MixedPrecisionPlugin(master_weights=...)`` takes (a store built yourself is accepted too).
+MasterWeightsOption = Union[bool, str, dict[str, Any], None]
 
 _DTYPE_NAMES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
 
 
 def masters_for(
-    dtype: torch.dtype, master_weights: MasterWeightsOption, keep_fp32: Callable[[str, nn.Module], bool] = is_norm
+    dtype: torch.dtype, master_weights: Union[MasterWeightsOption, MasterWeights], keep_fp32: Callable[[str, nn.Module], bool] = is_norm
 ) -> Optional[MasterWeights]:
     """The master-weights store for the plugin's ``master_weights`` argument.
 
