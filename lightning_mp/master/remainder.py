@@ -178,8 +178,10 @@ class RemainderMasters(MasterWeights):
         return list(self._flats.values())
 
     def before_backward(self) -> None:
-        """Before a backward that adds to existing gradients: make them fp32 (exact accumulation), unless
-        ``accumulate_grads_in`` is bf16. Autograd then adds each new bf16 gradient into the fp32 one."""
+        """Before every backward: forget clipping asked for since the last step (a skipped step leaves it behind),
+        and make existing gradients fp32 (exact accumulation) unless ``accumulate_grads_in`` is bf16. Autograd then
+        adds each new bf16 gradient into the fp32 one."""
+        self._grad_ops.clear()  # clipping asked for before a skipped step is stale: new gradients are coming
         if self.accumulate_grads_in != torch.float32:
             return
         for param in self._params.values():

@@ -126,7 +126,7 @@ def shard_net(module: Net, plugin: MixedPrecisionPlugin) -> None:
     fully_shard(module.net, mesh=mesh, mp_policy=plugin.fsdp2_policy())
 
 
-def make_plugin(precision: str, masters: bool, reduce_dtype: str = "float32",
+def make_plugin(precision: str, masters: Any, reduce_dtype: str = "float32",
                 scaler: Optional[DynamicLossScaler] = None, policy: Any = None) -> MixedPrecisionPlugin:
     if scaler is None and precision == "16-mixed":
         scaler = DynamicLossScaler(init_scale=1024.0, growth_interval=3)
@@ -136,7 +136,7 @@ def make_plugin(precision: str, masters: bool, reduce_dtype: str = "float32",
 
 def fit(
     precision: str,
-    masters: bool,
+    masters: Any,
     strategy: Any = "ddp",
     devices: int = 2,
     accumulate: int = 1,
@@ -148,13 +148,14 @@ def fit(
     scaler: Optional[DynamicLossScaler] = None,
     policy: Any = None,
     accelerator: str = "cpu",
+    callbacks_extra: Sequence[Callback] = (),
     **model_kwargs: Any,
 ) -> dict[str, Any]:
     """One run; what it recorded, the final fp32 weights (whole, on every rank) and the scaler state."""
     torch.manual_seed(0)
     model = Net(inject=inject, shard=shard, per_rank_batch=GLOBAL_BATCH // devices // accumulate, **model_kwargs)
     plugin = make_plugin(precision, masters, reduce_dtype, scaler, policy)
-    callbacks: list[Callback] = [StepRecorder()]
+    callbacks: list[Callback] = [StepRecorder(), *callbacks_extra]
     if checkpoint_dir is not None:
         callbacks.append(ModelCheckpoint(dirpath=checkpoint_dir, filename="{epoch}", save_top_k=-1,
                                          every_n_epochs=1, save_on_train_epoch_end=True))
