@@ -278,3 +278,35 @@ def test_bytes_per_parameter_at_rest_with_adamw_is_14():
                  callbacks=[counter]).fit(model, loader)
     # 2 (bf16 weight) + 2 (remainder) + 2 (bf16 gradient) + 8 (AdamW's fp32 moments), no fp32 copy anywhere
     assert counter.total == 14 * count
+
+
+# ---------------------------------------------------------------------- diagnostics
+def test_monitor_replays_a_skipped_step_with_the_exact_fp32_values_and_changes_nothing(monkeypatch):
+    from lightning_mp import PrecisionMonitor
+    from tests.planted import Planted, PlantedModel, fit_planted
+
+    swapped_in: list[int] = []
+    original = RemainderMasters.fp32_pairs
+
+    def spy(self):
+        for param, value in original(self):
+            assert torch.equal(value, self.fp32_value(param))
+            swapped_in.append(value.numel())
+            yield param, value
+
+    monkeypatch.setattr(RemainderMasters, "fp32_pairs", spy)
+
+    def run(localise):
+        monitor = PrecisionMonitor(localise_overflows=localise, sample_every=0, report=False)
+        with seeded():
+            model = PlantedModel(Planted("log", at=2))
+        trainer, _ = fit_planted(model, monitor=monitor, precision="bf16-mixed", master_weights="remainder")
+        return trainer.model.state_dict(), monitor
+
+    with_replay, monitor = run(True)
+    without, _ = run(False)
+    (record,) = monitor.history.overflows
+    assert (record.step, record.phase, record.module, record.op, record.cause) == (2, "forward", "net.3", "log", "model")
+    assert swapped_in, "the fp32 replay must run with the lean masters' exact values"
+    for key, value in without.items():
+        assert torch.equal(with_replay[key], value), key
