@@ -33,7 +33,7 @@ def masters_for(
 
     ``False``/``None``: none (the model stays fp32). ``True`` or ``"fp32"``: :class:`MasterWeights` (fp32 copies).
     ``"remainder"``: :class:`RemainderMasters` (bf16 only). A mapping (YAML) ``{"kind": "remainder", "chunk_size":
-    ..., "accumulate_grads_in": "bf16"}`` passes its other keys to :class:`RemainderMasters`. A store you built
+    ..., "accumulate_grads_in": "bf16", "compile": True}`` passes its other keys to :class:`RemainderMasters`. A store you built
     yourself is used as it is.
 
     Raises:
@@ -49,11 +49,11 @@ def masters_for(
         return RemainderMasters(dtype, keep_fp32=keep_fp32)
     if isinstance(master_weights, Mapping) and master_weights.get("kind") == "remainder":
         options = {k: v for k, v in master_weights.items() if k != "kind"}
-        unknown = sorted(set(options) - {"chunk_size", "accumulate_grads_in"})
+        unknown = sorted(set(options) - {"chunk_size", "accumulate_grads_in", "compile"})
         if unknown:
             raise ValueError(
                 f"master_weights={dict(master_weights)!r}: unknown key(s) {unknown}; allowed: 'kind', 'chunk_size', "
-                "'accumulate_grads_in'."
+                "'accumulate_grads_in', 'compile'."
             )
         accumulate = options.get("accumulate_grads_in", torch.float32)
         if isinstance(accumulate, str):
@@ -62,8 +62,8 @@ def masters_for(
                     f"master_weights accumulate_grads_in={accumulate!r}: use one of {sorted(_DTYPE_NAMES)}."
                 )
             accumulate = _DTYPE_NAMES[accumulate.lower().removeprefix("torch.")]
-        return RemainderMasters(dtype, keep_fp32=keep_fp32, accumulate_grads_in=accumulate,
-                                **({"chunk_size": options["chunk_size"]} if "chunk_size" in options else {}))
+        chosen = {k: options[k] for k in ("chunk_size", "compile") if k in options}
+        return RemainderMasters(dtype, keep_fp32=keep_fp32, accumulate_grads_in=accumulate, **chosen)
     raise ValueError(
         f"master_weights={master_weights!r} is not supported: use False (no masters, fp32 model), True or 'fp32' "
         "(fp32 master copies), 'remainder' (bf16 weights + 16-bit remainders, bf16-mixed only), or a mapping "

@@ -36,7 +36,6 @@ import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from lightning_mp.master.bits import join_fp32_into, split_fp32_into
 from lightning_mp.master.step import apply_grad_ops, apply_grad_ops_in_place
 
 
@@ -167,7 +166,7 @@ class GenericChunkedStep:
             view = slice(position, position + s.numel)
             offset = self.store.offset_of(s.param)
             high, low = self.store.flat_slices(first.device, offset + s.start, offset + s.end)
-            join_fp32_into(high, low, values[view])
+            self.store.join_into(high, low, values[view])
             grads[view].copy_(s.param.grad.detach().reshape(-1)[s.start:s.end])
             s.proxy.data = values[view].view(s.shape)
             s.proxy.grad = grads[view].view(s.shape)
@@ -179,7 +178,7 @@ class GenericChunkedStep:
             offset = self.store.offset_of(s.param)
             if offset is not None:
                 high, low = self.store.flat_slices(s.param.device, offset + s.start, offset + s.end)
-                split_fp32_into(s.proxy.data.reshape(-1), high, low)
+                self.store.split_into(s.proxy.data.reshape(-1), high, low)
 
     def restore(self) -> None:
         """At teardown: state of a parameter held by one whole-parameter proxy moves to the parameter; per-slice

@@ -27,7 +27,7 @@ import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from lightning_mp.master.bits import join_fp32, split_fp32_into
+from lightning_mp.master.bits import join_fp32, join_fp32_into, split_fp32_into
 from lightning_mp.master.flat import MasterWeights, is_norm
 from lightning_mp.master.generic import GenericChunkedStep
 from lightning_mp.master.step import FUSED_UNIT, Staging, apply_grad_ops_in_place, fused_update, plan_chunks
@@ -50,6 +50,10 @@ class RemainderMasters(MasterWeights):
         accumulate_grads_in: dtype in which gradients of several backwards before one step add up:
             ``torch.float32`` (default, exact, 4 bytes per parameter while accumulating) or ``torch.bfloat16``
             (2 bytes, each sum rounded to bf16).
+        compile: ``True`` compiles the split of each chunk back into bf16 + remainder with ``torch.compile`` (one
+            loop instead of about ten eager passes; the first step compiles, which needs a C++ compiler on CPU).
+            The update's arithmetic is torch's fused kernel either way, so the results are the same bits. Default
+            ``False``.
 
     ``torch.optim.AdamW``, ``Adam`` and ``SGD`` are updated by torch's fused kernels on the lean state, bitwise as
     ``torch.optim.AdamW(..., fused=True)`` (etc.) would update fp32 parameters holding the exact values. Any other
@@ -64,6 +68,7 @@ class RemainderMasters(MasterWeights):
         keep_fp32: Callable[[str, nn.Module], bool] = is_norm,
         chunk_size: int = DEFAULT_CHUNK_SIZE,
         accumulate_grads_in: torch.dtype = torch.float32,
+        compile: bool = False,
     ) -> None:
         if dtype != torch.bfloat16:
             raise ValueError(
@@ -78,8 +83,15 @@ class RemainderMasters(MasterWeights):
             raise ValueError(
                 f"accumulate_grads_in={accumulate_grads_in!r} must be torch.float32 (exact) or torch.bfloat16."
             )
+        if not isinstance(compile, bool):
+            raise ValueError(f"compile={compile!r} must be True or False.")
         self.chunk_size = chunk_size
         self.accumulate_grads_in = accumulate_grads_in
+        self.compile = compile
+        self.join_into: Callable[..., Any] = join_fp32_into
+        self.split_into: Callable[..., Any] = split_fp32_into
+        if compile:  # the split (about ten eager passes, with its NaN rule) gains; the join (three) does not
+            self.split_into = torch.compile(split_fp32_into, dynamic=True)
         super().__init__(dtype, keep_fp32)
 
     def _reset(self) -> None:

@@ -34,7 +34,6 @@ import torch
 from torch import Tensor
 from torch.optim import SGD, Adam, AdamW, Optimizer
 
-from lightning_mp.master.bits import join_fp32_into, split_fp32_into
 
 #: torch's fused CPU kernels split each tensor into units of this many elements (FusedAdamKernel.cpp, grain size).
 FUSED_UNIT = 32768
@@ -126,7 +125,7 @@ class ChunkView:
             self.range = (first.flat_offset + first.start, first.flat_offset + first.start + total)
             self.values = values[:total]
             high, low = store.flat_slices(first.param.device, *self.range)
-            join_fp32_into(high, low, self.values)
+            store.join_into(high, low, self.values)
             self.grads_flat = grads[:total]
             self.value_pieces, self.grad_pieces = [], []
             position = 0
@@ -148,7 +147,7 @@ class ChunkView:
     def write_back(self) -> None:
         if self.joined:
             high, low = self.store.flat_slices(self.pieces[0].param.device, *self.range)
-            split_fp32_into(self.values, high, low)
+            self.store.split_into(self.values, high, low)
 
 
 def apply_grad_ops(grads: Tensor, grad_ops: list[tuple[str, Any]]) -> None:
