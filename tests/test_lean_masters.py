@@ -146,7 +146,7 @@ def test_found_inf_makes_the_step_a_no_op_on_the_device():
     remainders = [low.clone() for _, low in store.flat_buffers]
     state = copy.deepcopy(optimizer.state_dict()["state"])
     _same_grads(model, reference, generator)
-    store.fused_step(optimizer, torch.ones((), dtype=torch.float32))
+    store.fused_step(optimizer, torch.ones(1, dtype=torch.float32))  # the scaler's flag has one element
     assert all(torch.equal(_exact(store, p), b) for p, b in zip(model.parameters(), before))
     assert all(torch.equal(low, saved) for (_, low), saved in zip(store.flat_buffers, remainders))
     after = optimizer.state_dict()["state"]

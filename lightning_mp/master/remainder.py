@@ -89,9 +89,7 @@ class RemainderMasters(MasterWeights):
         self.accumulate_grads_in = accumulate_grads_in
         self.compile = compile
         self.join_into: Callable[..., Any] = join_fp32_into
-        self.split_into: Callable[..., Any] = split_fp32_into
-        if compile:  # the split (about ten eager passes, with its NaN rule) gains; the join (three) does not
-            self.split_into = torch.compile(split_fp32_into, dynamic=True)
+        self._compiled_split: Optional[Callable[..., Any]] = None
         super().__init__(dtype, keep_fp32)
 
     def _reset(self) -> None:
@@ -103,6 +101,18 @@ class RemainderMasters(MasterWeights):
         self._generic: dict[int, GenericChunkedStep] = {}
         self._optimizer_hooks: list[Any] = []
         self._staging = Staging(getattr(self, "chunk_size", DEFAULT_CHUNK_SIZE))
+
+    def split_into(self, value: Tensor, high: Tensor, low: Tensor) -> None:
+        """Split fp32 ``value`` into ``high`` (bf16) and ``low`` (int16): eager, or compiled with ``compile=True``
+        (the split, about ten eager passes with its NaN rule, gains; the join, three, does not)."""
+        if not self.compile:
+            return split_fp32_into(value, high, low)
+        if self._compiled_split is None:  # made on first use: a compiled function does not pickle (ddp_spawn)
+            self._compiled_split = torch.compile(split_fp32_into, dynamic=True)
+        return self._compiled_split(value, high, low)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_compiled_split": None}
 
     # ------------------------------------------------------------------ setup
     def attach(self, optimizers: Iterable[Optimizer]) -> None:
@@ -237,6 +247,8 @@ class RemainderMasters(MasterWeights):
         synchronisation); ``None`` steps unconditionally. Clipping requested since the last step is applied here.
         """
         grad_ops = self._grad_ops.pop(id(optimizer), [])
+        if not uses_fused_kernel(optimizer) and id(optimizer) not in self._generic:  # not seen by attach()
+            self._generic[id(optimizer)] = GenericChunkedStep(optimizer, self, self.chunk_size)
         generic = self._generic.get(id(optimizer))
         if generic is not None:
             generic.step(found_inf, grad_ops)

@@ -189,7 +189,7 @@ def fused_update(
     stepped = {id(p): p for chunk in chunks for piece in chunk for p in [piece.param] if p.grad is not None}
     if not stepped:
         return
-    found = found_inf.to(torch.float32) if found_inf is not None else None
+    found = found_inf.to(torch.float32).reshape(()) if found_inf is not None else None  # 0-dim, as torch's
     if isinstance(optimizer, Adam):
         keys = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq") if group["amsgrad"] else ("exp_avg", "exp_avg_sq")
         states = {key: _state_for(optimizer, p, keys) for key, p in stepped.items()}
