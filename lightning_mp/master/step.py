@@ -20,15 +20,15 @@ so every element goes through the same code path (vector body or scalar tail) as
 the whole fp32 parameter. The result is bitwise that of ``torch.optim.AdamW/Adam/SGD(..., fused=True)`` on fp32
 parameters holding the joined values, given the same gradients (see tests/test_lean_masters.py).
 
-Transient memory: two fp32 staging buffers of ``chunk_size`` elements (8 bytes x ``chunk_size``) plus the join's
-int32 temporaries of one chunk (at most 4 bytes x ``chunk_size`` more): 12 MiB for the default 2**20 elements,
-whatever the model size.
+Transient memory: two fp32 staging buffers of ``chunk_size`` elements (8 bytes x ``chunk_size``) plus the split's
+int32 temporaries of one chunk (at most 4 bytes x ``chunk_size`` more at a time): 3 MiB for CPU's default 2**18
+elements, 384 MiB for a GPU's 2**25, whatever the model size.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from torch import Tensor
@@ -93,17 +93,18 @@ def plan_chunks(params: list[Tensor], offsets: dict[int, Optional[int]], chunk_s
 
 
 class Staging:
-    """The two fp32 staging buffers of a device (values and gradients), ``chunk_size`` elements each."""
+    """The two fp32 staging buffers of a device (values and gradients), ``chunk_size_for(device)`` elements each."""
 
-    def __init__(self, chunk_size: int) -> None:
-        self.chunk_size = chunk_size
+    def __init__(self, chunk_size_for: Callable[[torch.device], int]) -> None:
+        self.chunk_size_for = chunk_size_for
         self._buffers: dict[torch.device, tuple[Tensor, Tensor]] = {}
 
     def buffers(self, device: torch.device) -> tuple[Tensor, Tensor]:
         if device not in self._buffers:
+            size = self.chunk_size_for(device)
             self._buffers[device] = (
-                torch.empty(self.chunk_size, dtype=torch.float32, device=device),
-                torch.empty(self.chunk_size, dtype=torch.float32, device=device),
+                torch.empty(size, dtype=torch.float32, device=device),
+                torch.empty(size, dtype=torch.float32, device=device),
             )
         return self._buffers[device]
 
