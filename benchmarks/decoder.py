@@ -17,7 +17,7 @@ Modes, each a fresh process per round, the rounds alternating the modes (so mach
 Measured: *at rest*, the bytes of every live tensor storage after a step (walking ``gc.get_objects()``,
 storages counted once; parameters, gradients, masters, remainders, optimizer state, anything else alive) per
 parameter; *peak heap*, glibc ``mallinfo2()`` bytes in use (``uordblks + hblkhd``, not RSS) polled every 0.5 ms from
-before the model is built to the end of fit, minus the value before, per parameter; *step*, the median time of the
+after the imports, before the model is built, to the end of fit, minus the value then, per parameter; *step*, the median time of the
 steps after the first two (``on_train_batch_start`` to ``on_train_batch_end``), median over rounds. On CUDA the
 peak is ``torch.cuda.max_memory_allocated`` over the one before the model is built, and at rest counts CUDA storages.
 """
@@ -96,13 +96,17 @@ def live_tensor_bytes(device: str = "cpu") -> int:
 
 
 def _worker(args: argparse.Namespace) -> dict:
-    cuda = args.device == "cuda"
-    heap = HeapPeak() if not cuda else None
-    cuda_start = torch.cuda.memory_allocated() if cuda else 0
     import lightning as L
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from lightning_mp import MixedPrecisionPlugin
+
+    if args.worker.endswith("8bit"):
+        import torchao.optim  # noqa: F401  (imported before the count starts, like the others)
+    cuda = args.device == "cuda"
+    gc.collect()
+    heap = HeapPeak() if not cuda else None  # after the imports (their heap is not the mode's), before the model
+    cuda_start = torch.cuda.memory_allocated() if cuda else 0
 
     mode = args.worker
     eight_bit = mode.endswith("8bit")
@@ -137,8 +141,8 @@ def _worker(args: argparse.Namespace) -> dict:
                 return AdamW8bit(self.parameters(), lr=1e-4, weight_decay=0.01)
             return torch.optim.AdamW(self.parameters(), lr=1e-4, weight_decay=0.01)
 
-    kwargs: dict = dict(accelerator=args.device, devices=1, max_steps=args.steps, logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False)
+    kwargs: dict = dict(accelerator=args.device, devices=1, max_steps=args.steps, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
     if mode.startswith("builtin"):
         kwargs["precision"] = "bf16-true" if mode == "builtin-bf16-true" else "bf16-mixed"
     else:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Generator, Mapping
+from functools import partial
 from typing import Any, Callable, Literal, Optional, Union
 
 import torch
@@ -34,6 +35,8 @@ from lightning_mp.unscaled import UnscaledGradients
 
 PrecisionName = Literal["16-mixed", "bf16-mixed"]
 _DTYPES: dict[str, torch.dtype] = {"16-mixed": torch.float16, "bf16-mixed": torch.bfloat16}
+
+_WARNED_FP16_ON_CPU = False
 
 class MixedPrecisionPlugin(Precision):
     """Mixed-precision training with a loss scaler you can tune and inspect.
@@ -248,10 +251,7 @@ class MixedPrecisionPlugin(Precision):
             if hasattr(self.masters, "fused_step"):
                 closure(), self._after_closure(model, optimizer)
                 return self._step(optimizer, None)
-            step_output = super().optimizer_step(optimizer, model=model, closure=closure, **kwargs)
-            if self.masters is not None:
-                self.masters.masters_to_model(_unwrap_optimizer(optimizer))
-            return step_output
+            return self._step(optimizer, None, closure=partial(self._wrap_closure, model, optimizer, closure), **kwargs)
         assert self.scaler is not None
         closure_result = closure()
         if closure_result is None and model.automatic_optimization:
@@ -274,8 +274,7 @@ class MixedPrecisionPlugin(Precision):
         self.scaler.update(skip)
         return step_output
 
-    def _step(self, optimizer: Optimizable, found_inf: Optional[Tensor], **kwargs: Any) -> Any:
-        """Lean masters' ``fused_step`` (skips on the device if ``found_inf`` > 0), or ``optimizer.step()`` + copy."""
+    def _step(self, optimizer: Optimizable, found_inf: Optional[Tensor], **kwargs: Any) -> Any:  # masters' or not
         torch_optimizer = _unwrap_optimizer(optimizer)
         if hasattr(self.masters, "fused_step"):
             return self.masters.fused_step(torch_optimizer, found_inf)  # type: ignore[union-attr]
@@ -391,8 +390,9 @@ def _module_device(module: Module) -> torch.device:
 
 
 def _warn_fp16_on_cpu() -> None:
-    if "fp16 on cpu" not in _INFO_SHOWN:
-        _INFO_SHOWN.add("fp16 on cpu")
+    global _WARNED_FP16_ON_CPU
+    if not _WARNED_FP16_ON_CPU:
+        _WARNED_FP16_ON_CPU = True
         rank_zero_warn(
             "MixedPrecisionPlugin(precision='16-mixed') runs real fp16 autocast on CPU. CPUs have no fast fp16 "
             "matmul kernels: expect it to be many times slower than fp32. On CPUs with native bf16 (AVX512-BF16 "

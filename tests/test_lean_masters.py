@@ -10,18 +10,16 @@ from __future__ import annotations
 import copy
 import struct
 
-import lightning as L
 import pytest
 import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_mp import MixedPrecisionPlugin
 from lightning_mp.master import MasterWeights, RemainderMasters, masters_for
 from lightning_mp.master.bits import join_fp32, split_fp32
-from tests.helpers import make_trainer, seeded
+from tests.helpers import seeded
 
 
 # ---------------------------------------------------------------------- the bit split
@@ -216,7 +214,7 @@ def test_torchao_8bit_and_4bit_adamw_run_exactly_with_their_small_state(monkeypa
     # torchao compiles its per-parameter step (a minute of CPU here); eager runs the same function, for both sides
     monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: fn)
     for make, state_type in ((torchao_optim.AdamW8bit, "OptimState8bit"), (torchao_optim.AdamW4bit, "OptimState4bit")):
-        store, model, reference, optimizer = _generic_case(lambda ps: make(ps, lr=1e-2), chunk_size=1 << 20,
+        store, model, reference, optimizer = _generic_case(lambda ps, make=make: make(ps, lr=1e-2), chunk_size=1 << 20,
                                                            steps=2, width=256)
         for param, ref in zip(model.parameters(), reference.parameters()):
             assert torch.equal(_exact(store, param), ref), make.__name__

@@ -60,7 +60,7 @@ def _loader(n: int = 64) -> DataLoader:
     return DataLoader(TensorDataset(x, x.sum(1, keepdim=True)), batch_size=8)
 
 
-def _replay(initial: list[torch.Tensor], seen: list[list[torch.Tensor]], optimizer: str, clip: Any) -> list[torch.Tensor]:
+def _replay(initial: list[torch.Tensor], seen: list[list[torch.Tensor]], optimizer: str, clip: Any) -> list:
     params = [nn.Parameter(p.clone()) for p in initial]
     if optimizer == "adamw":
         opt = torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1, fused=True)
@@ -148,7 +148,8 @@ class Tied(L.LightningModule):
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         (tokens,) = batch
-        return nn.functional.cross_entropy(self.head(self.norm(self.embed(tokens))).float().flatten(0, 1), tokens.flatten())
+        logits = self.head(self.norm(self.embed(tokens))).float()
+        return nn.functional.cross_entropy(logits.flatten(0, 1), tokens.flatten())
 
     def configure_optimizers(self) -> Any:
         return torch.optim.AdamW(self.parameters(), lr=1e-2)
@@ -306,7 +307,8 @@ def test_monitor_replays_a_skipped_step_with_the_exact_fp32_values_and_changes_n
     with_replay, monitor = run(True)
     without, _ = run(False)
     (record,) = monitor.history.overflows
-    assert (record.step, record.phase, record.module, record.op, record.cause) == (2, "forward", "net.3", "log", "model")
+    where = (record.step, record.phase, record.module, record.op, record.cause)
+    assert where == (2, "forward", "net.3", "log", "model")
     assert swapped_in, "the fp32 replay must run with the lean masters' exact values"
     for key, value in without.items():
         assert torch.equal(with_replay[key], value), key

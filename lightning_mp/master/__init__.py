@@ -27,14 +27,16 @@ _DTYPE_NAMES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": tor
 
 
 def masters_for(
-    dtype: torch.dtype, master_weights: Union[MasterWeightsOption, MasterWeights], keep_fp32: Callable[[str, nn.Module], bool] = is_norm
+    dtype: torch.dtype,
+    master_weights: Union[MasterWeightsOption, MasterWeights],
+    keep_fp32: Callable[[str, nn.Module], bool] = is_norm,
 ) -> Optional[MasterWeights]:
     """The master-weights store for the plugin's ``master_weights`` argument.
 
     ``False``/``None``: none (the model stays fp32). ``True`` or ``"fp32"``: :class:`MasterWeights` (fp32 copies).
     ``"remainder"``: :class:`RemainderMasters` (bf16 only). A mapping (YAML) ``{"kind": "remainder", "chunk_size":
-    ..., "accumulate_grads_in": "bf16", "compile": True}`` passes its other keys to :class:`RemainderMasters`. A store you built
-    yourself is used as it is.
+    ..., "accumulate_grads_in": "bf16", "compile": True}`` passes its other keys to :class:`RemainderMasters`. A
+    store you built yourself is used as it is.
 
     Raises:
         ValueError: any other value, or ``"remainder"`` with fp16 (with the reason and what to use).

@@ -176,8 +176,12 @@ class RemainderMasters(MasterWeights):
                 for param in group:
                     end = offset + param.numel()
                     value = self._fp32_values.pop(id(param), None)  # exact fp32 values where we have them
-                    value = param.data.float() if value is None else value.to(device, torch.float32)
-                    split_fp32_into(value.reshape(-1), high[offset:end], low[offset:end])
+                    value = (param.data if value is None else value).reshape(-1)
+                    step = self.chunk_size_for(device)
+                    for start in range(0, value.numel(), step):  # the split's temporaries: one chunk's worth
+                        stop = min(start + step, value.numel())
+                        piece = value[start:stop].to(device, torch.float32)
+                        split_fp32_into(piece, high[offset + start:offset + stop], low[offset + start:offset + stop])
                     param.data = high[offset:end].view_as(param)
                     self._layout[id(param)] = (device, offset)
                     offset = end
