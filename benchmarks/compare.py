@@ -7,7 +7,8 @@
 Modes (``--modes``): ``fp32`` (Trainer precision "32-true"), Lightning's built-in ``builtin-16`` ("16-mixed") and
 ``builtin-bf16`` ("bf16-mixed"), and ours: ``ours`` (``MixedPrecisionPlugin()``: fp16 autocast + our scaler on
 CUDA, bf16 on CPU), ``ours-bf16`` (not run by default), ``ours+masters`` (``master_weights=True``) and
-``ours+masters+fast`` (plus the ``fast`` policy preset). On CPU Lightning runs "16-mixed" as bf16, so the CPU
+``ours+masters+fast`` (plus the ``fast`` policy preset), ``ours+remainder`` (bf16, ``master_weights="remainder"``:
+lean masters, bf16 weights + 16-bit remainders). On CPU Lightning runs "16-mixed" as bf16, so the CPU
 default leaves out ``builtin-16``.
 
 How it measures. Each mode trains in a process of its own (its own peak memory, no state shared) with a
@@ -57,11 +58,13 @@ MODES: dict[str, dict[str, Any]] = {
     "ours-bf16": {"plugin": {"precision": "bf16-mixed"}},
     "ours+masters": {"plugin": {"master_weights": True}},
     "ours+masters+fast": {"plugin": {"master_weights": True, "policy": "fast"}},
+    # lean masters: bf16 model + 16-bit remainders (bf16 only, on every device)
+    "ours+remainder": {"plugin": {"precision": "bf16-mixed", "master_weights": "remainder"}},
     **FP8_MODES,  # fp8 vs bf16, eager and compiled, ours and torchao by hand (_fp8.py; the decoder's default)
 }
 DEFAULT_MODES = {
     "cuda": [mode for mode in MODES if mode != "ours-bf16"],
-    "cpu": ["fp32", "builtin-bf16", "ours", "ours+masters", "ours+masters+fast"],
+    "cpu": ["fp32", "builtin-bf16", "ours", "ours+masters", "ours+masters+fast", "ours+remainder"],
 }
 LAST_LOSSES = 10
 

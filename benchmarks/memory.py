@@ -6,7 +6,8 @@
 
 Modes: fp32 (Trainer precision "32-true"); Lightning's built-in mixed precision ("16-mixed" on CUDA; on CPU
 Lightning turns that into bf16, so the CPU run uses "bf16-mixed" throughout); ours with autocast only
-(MixedPrecisionPlugin()); ours with fp32 master weights. Each mode runs in a fresh subprocess so that its
+(MixedPrecisionPlugin()); ours with fp32 master weights; ours with lean masters (bf16, master_weights="remainder":
+bf16 weights + 16-bit remainders). Each mode runs in a fresh subprocess so that its
 peak is its own. Peak memory is torch.cuda.max_memory_allocated on CUDA and the growth of peak RSS over the
 process's RSS before the model was built on CPU. "state" counts the bytes of the tensors a step keeps between
 steps (weights, masters, gradients, optimizer moments; not Adam's per-tensor step counters), by walking them.
@@ -33,7 +34,7 @@ SIZES = {
     "base": dict(layers=12, hidden=768, heads=12, ffn=3072, vocab=30522),
     "tiny": dict(layers=2, hidden=64, heads=4, ffn=128, vocab=1000),
 }
-MODES = ["fp32", "builtin", "ours", "ours+masters"]
+MODES = ["fp32", "builtin", "ours", "ours+masters", "ours+remainder"]
 
 
 def build_encoder(layers: int, hidden: int, heads: int, ffn: int, vocab: int, max_len: int = 512) -> nn.Module:
@@ -99,7 +100,9 @@ def _worker(args: argparse.Namespace) -> dict:
     elif args.worker == "builtin":
         trainer_kwargs["precision"] = half
     else:
-        trainer_kwargs["plugins"] = [MixedPrecisionPlugin(half, master_weights=args.worker == "ours+masters")]
+        masters = {"ours+masters": True, "ours+remainder": "remainder"}.get(args.worker, False)
+        precision = "bf16-mixed" if masters == "remainder" else half  # lean masters are bf16 only
+        trainer_kwargs["plugins"] = [MixedPrecisionPlugin(precision, master_weights=masters)]
     torch.manual_seed(0)
     ids = torch.randint(0, SIZES[args.size]["vocab"], (args.batch * args.steps, args.seq))
     labels = torch.randint(0, 2, (args.batch * args.steps,))
@@ -115,7 +118,7 @@ def _worker(args: argparse.Namespace) -> dict:
     times = module.step_times[1:] or module.step_times  # the first step warms up
     return {
         "mode": args.worker,
-        "precision": "32-true" if args.worker == "fp32" else half,
+        "precision": "32-true" if args.worker == "fp32" else "bf16-mixed" if args.worker == "ours+remainder" else half,
         "params": sum(p.numel() for p in module.parameters()),
         "peak_bytes": peak,
         "state_bytes": module.state_bytes,

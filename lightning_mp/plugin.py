@@ -28,7 +28,7 @@ from lightning_mp.distributed import GradientSync, mixed_precision_policy, sync_
 from lightning_mp.devices import module_device as _module_device, warn_fp16_on_cpu as _warn_fp16_on_cpu
 from lightning_mp.distributed.sync import reduce_dtype_of
 from lightning_mp.fp8.convert import Fp8Training
-from lightning_mp.master import MasterWeights, is_norm
+from lightning_mp.master import MasterWeights, MasterWeightsOption, is_norm, masters_for
 from lightning_mp.policy import CastPolicy, ModuleRules, override_context
 from lightning_mp.policy import _override_targets as override_targets
 from lightning_mp.scaler import DynamicLossScaler
@@ -53,9 +53,10 @@ class MixedPrecisionPlugin(Precision):
             turns that check off; a
             ``check_only(max_consecutive_skips=...)`` scaler or ``{"max_consecutive_skips": N}`` tunes it. In
             every mode with a check, ``max_consecutive_skips`` non-finite steps in a row raise.
-        master_weights: ``True`` holds the model in fp16/bf16 and lets the optimizer update fp32 master copies
-            (see :class:`~lightning_mp.master.MasterWeights`), so updates smaller than half precision's
-            resolution are not lost. Default ``False``: the model stays fp32 and only autocast runs in half.
+        master_weights: ``True``/``"fp32"``: a half model and fp32 master copies (:class:`~lightning_mp.master.
+            MasterWeights`); ``"remainder"`` (bf16): a bf16 model plus 16-bit remainders, the same exact masters in
+            less memory (:class:`~lightning_mp.master.RemainderMasters`; options: :func:`~lightning_mp.master.
+            masters_for`). Default ``False``: the model stays fp32 and only autocast runs in half.
         keep_norm_fp32: with master weights, normalisation layers keep fp32 parameters (default ``True``).
         policy: the per-op casting policy: a :class:`~lightning_mp.CastPolicy`, a preset name (``"autocast"``,
             the default, ``"conservative"``, ``"fast"``) or a mapping (YAML). A LightningModule may declare its
@@ -78,7 +79,7 @@ class MixedPrecisionPlugin(Precision):
         self,
         precision: PrecisionName = "16-mixed",
         scaler: Union[DynamicLossScaler, float, dict[str, Any], None] = None,
-        master_weights: bool = False,
+        master_weights: MasterWeightsOption = False,
         keep_norm_fp32: bool = True,
         policy: Union[CastPolicy, str, dict[str, Any], None] = None,
         reduce_dtype: Union[str, torch.dtype] = "float32",
@@ -91,19 +92,15 @@ class MixedPrecisionPlugin(Precision):
         self.precision = precision
         self.dtype = _DTYPES[precision]
         self.scaler: Optional[DynamicLossScaler] = DynamicLossScaler.for_precision(precision, scaler)
-        if not isinstance(master_weights, bool) or not isinstance(keep_norm_fp32, bool):
-            raise ValueError(
-                f"master_weights={master_weights!r}, keep_norm_fp32={keep_norm_fp32!r}: both must be True or False."
-            )
+        if not isinstance(keep_norm_fp32, bool):
+            raise ValueError(f"keep_norm_fp32={keep_norm_fp32!r} must be True or False.")
         self.policy = CastPolicy.coerce(policy)
         self.reduce_dtype = reduce_dtype_of(reduce_dtype)
         self.fp8 = Fp8Training.create(fp8, precision)  # None unless fp8 is set: torchao is imported only then
         # what the strategy needs at each step (lightning_mp.distributed); set up in convert_module
         self._sync: GradientSync = GradientSync()
         self.keep_norm_fp32 = keep_norm_fp32
-        self.masters: Optional[MasterWeights] = None
-        if master_weights:
-            self.masters = MasterWeights(self.dtype, keep_fp32=self._params_stay_fp32)
+        self.masters: Optional[MasterWeights] = masters_for(self.dtype, master_weights, self._params_stay_fp32)
         self._effective_policy = self.policy
         self._module_rules = ModuleRules()
         self._device_type: Optional[str] = None
@@ -124,7 +121,7 @@ class MixedPrecisionPlugin(Precision):
 
     @property
     def master_weights(self) -> bool:
-        """Whether the model is held in half precision with fp32 master weights."""
+        """Whether the model is held in half precision with fp32 master weights (flat copies or lean remainders)."""
         return self.masters is not None
 
     # ------------------------------------------------------------------ the casting policy
@@ -243,6 +240,8 @@ class MixedPrecisionPlugin(Precision):
     def pre_backward(self, tensor: Tensor, module: LightningModule) -> Tensor:  # type: ignore[override]
         # scale before Lightning's on_before_backward hooks, as its built-in plugin does. A new backward ends
         # every "already unscaled" record: gradients still unscaled are scaled back so the sum stays consistent
+        if self.masters is not None:
+            self.masters.before_backward()  # lean masters: gradients of earlier micro-batches add up in fp32
         if self._checking:
             assert self.scaler is not None
             self._unscaled.new_backward(self.scaler)
@@ -317,9 +316,16 @@ class MixedPrecisionPlugin(Precision):
 
     @override
     def clip_grad_by_value(self, optimizer: Optimizer, clip_val: Union[int, float]) -> None:
-        # no gradients (a training_step that returned None): nothing to clip, and torch's value clipping fails there
+        # no gradients (a training_step that returned None): nothing to clip, and torch's value clipping fails there.
+        # Lean masters clip the fp32 gradients inside their step (bf16 gradients would round the clipped values)
         if _has_grads(optimizer):
-            super().clip_grad_by_value(optimizer, clip_val)
+            lean = getattr(self.masters, "clip_grad_value_", None)
+            lean(_unwrap_optimizer(optimizer), clip_val) if lean else super().clip_grad_by_value(optimizer, clip_val)
+
+    @override
+    def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: Union[int, float]) -> None:
+        lean = getattr(self.masters, "clip_grad_norm_", None)
+        lean(_unwrap_optimizer(optimizer), clip_val) if lean else super().clip_grad_by_norm(optimizer, clip_val)
 
     # ------------------------------------------------------------------ checkpointing
     @override

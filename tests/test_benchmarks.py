@@ -14,15 +14,18 @@ ROOT = Path(__file__).resolve().parent.parent
 def test_memory_benchmark_runs_and_reports_every_mode(tmp_path):
     out = tmp_path / "rows.json"
     command = [sys.executable, str(ROOT / "benchmarks" / "memory.py"), "--device", "cpu", "--size", "tiny",
-               "--steps", "1", "--batch", "2", "--seq", "16", "--modes", "fp32", "ours+masters", "--json", str(out)]
+               "--steps", "1", "--batch", "2", "--seq", "16", "--modes", "fp32", "ours+masters", "ours+remainder",
+               "--json", str(out)]
     done = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     rows = json.loads(out.read_text())
-    assert [r["mode"] for r in rows] == ["fp32", "ours+masters"]
-    fp32, masters = rows
+    assert [r["mode"] for r in rows] == ["fp32", "ours+masters", "ours+remainder"]
+    fp32, masters, lean = rows
     # the tiny encoder's norm parameters stay fp32 (16 bytes each), every other one costs 18 with masters
     assert fp32["state_bytes"] == 16 * fp32["params"]
     assert 16 * masters["params"] < masters["state_bytes"] < 18 * masters["params"]
+    # lean masters: 14 (2 bf16 weight + 2 remainder + 2 bf16 grad + 8 moments), norms 16
+    assert 14 * lean["params"] < lean["state_bytes"] < 16 * lean["params"]
     assert "| ours+masters | bf16-mixed |" in done.stdout
 
 

@@ -83,6 +83,11 @@ CASES = {
         "--trainer.plugins=lightning_mp.MixedPrecisionPlugin", "--trainer.plugins.precision=16-mixed",
         "--trainer.plugins.scaler={init_scale: 1048576.0, growth_interval: 4}",
     ],
+    # dropout + bf16 with lean master weights (bf16 weights + 16-bit remainders): fp32 checkpoints, exact resume
+    "dropout-bf16-remainder": [
+        "--model=tests.test_cli_resume.DropoutDigits", "--trainer.precision=bf16-mixed",
+        "--mixed_precision.master_weights=remainder",
+    ],
 }
 
 

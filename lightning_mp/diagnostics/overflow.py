@@ -236,6 +236,13 @@ def _own_weights(model: nn.Module) -> Iterator[list[Tensor]]:
     yield [p for p in model.parameters() if p.requires_grad]
 
 
+def _exact_pairs(masters: Any) -> Any:
+    """(model parameter, its exact fp32 value) pairs; lean masters materialise their values here (no fp32 at rest)."""
+    if masters is None:
+        return ()
+    return masters.fp32_pairs() if hasattr(masters, "fp32_pairs") else masters.pairs()
+
+
 @contextlib.contextmanager
 def _fp32_weights(model: nn.Module, plugin: Any) -> Iterator[list[Tensor]]:
     """A half model (master weights) runs with its fp32 values; yields the tensors to differentiate.
@@ -248,7 +255,7 @@ def _fp32_weights(model: nn.Module, plugin: Any) -> Iterator[list[Tensor]]:
     """
     masters = getattr(plugin, "masters", None)
     fp32 = {id(param): master.detach().requires_grad_(param.requires_grad)
-            for param, master in (masters.pairs() if masters is not None else ())}
+            for param, master in _exact_pairs(masters)}
     slots: list[tuple[dict[str, Any], str, Any]] = []
     try:
         for module in model.modules():

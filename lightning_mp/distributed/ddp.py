@@ -52,7 +52,14 @@ class DDPSync(ProcessGroupSync):
             return  # validate / test / predict: Lightning does not wrap, there are no gradients to reduce
         self.group = model.process_group
         masters = plugin.masters if plugin.master_weights else None
-        if masters is None and self.reduce_dtype == torch.float32:
+        if getattr(masters, "kind", None) == "remainder":
+            # lean masters: DDP broadcast rank 0's bf16 halves when it wrapped the model, the remainders were made
+            # from each rank's own values: take rank 0's whole exact values. Then DDP reduces the bf16 gradient
+            # buckets itself, overlapped with the backward, in reduce_dtype through the hook below
+            _refuse_fp32_accumulation(masters, getattr(model.module, "_trainer", None))
+            _broadcast_flats(masters.flat_buffers, self.group)
+            masters = None
+        elif masters is None and self.reduce_dtype == torch.float32:
             return  # fp32 model: DDP's own fp32 all-reduce is the one we want
         user_hook = self.user_hook
         if user_hook is not None:
@@ -85,6 +92,24 @@ class DDPSync(ProcessGroupSync):
     def __repr__(self) -> str:
         mode = "master gradients reduced by the plugin" if self._hook_state is not None else "DDP reduces"
         return f"{type(self).__name__}(world_size={world_size(self.group)}, reduce_dtype={self.reduce_dtype}, {mode})"
+
+
+def _refuse_fp32_accumulation(masters: Any, trainer: Any) -> None:
+    accumulate = getattr(trainer, "accumulate_grad_batches", 1)
+    if accumulate > 1 and masters.accumulate_grads_in == torch.float32:
+        raise ValueError(
+            f"master_weights='remainder' with accumulate_grad_batches={accumulate} under DDP: fp32 accumulation makes "
+            "the gradients of the bf16 parameters fp32 between micro-batches, and DDP's buckets (bf16, built from the "
+            "parameters) cannot reduce them. Use master_weights={'kind': 'remainder', 'accumulate_grads_in': 'bf16'} "
+            "(DDP reduces the bf16 sums), or master_weights=True (fp32 masters: exact fp32 accumulation under DDP)."
+        )
+
+
+def _broadcast_flats(flats: list[tuple[Tensor, Tensor]], group: Any) -> None:
+    src = torch.distributed.get_global_rank(group, 0) if group is not None else 0
+    for high, low in flats:
+        for tensor in (high, low):  # as bytes: gloo need not know bf16 or int16
+            torch.distributed.broadcast(tensor.view(torch.uint8), src=src, group=group)
 
 
 def all_reduce_mean(tensor: Tensor, reduce_dtype: torch.dtype, group: Optional[Any] = None) -> None:

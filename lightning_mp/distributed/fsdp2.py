@@ -59,6 +59,22 @@ def compute_dtypes(model: Module) -> dict[int, torch.dtype]:
     return dtypes
 
 
+def refuse_lean_masters(plugin: Any) -> None:
+    """FSDP2 with ``master_weights="remainder"``: refused at setup (before any training), saying what to use.
+
+    Raises:
+        ValueError: the plugin holds lean masters.
+    """
+    if getattr(plugin.masters, "kind", None) == "remainder":
+        raise ValueError(
+            "MixedPrecisionPlugin(master_weights='remainder') is not supported under ModelParallelStrategy (FSDP2) "
+            "yet: FSDP2 shards and all-gathers the parameters it owns, and keeping them as sharded bf16 parameters "
+            "plus sharded 16-bit remainders needs an update on each rank's local shards that this plugin does not "
+            "have. Use master_weights=True under FSDP2 (its sharded fp32 parameters are the masters: 4 bytes per "
+            "parameter divided over the ranks), or master_weights='remainder' with strategy='ddp' or one device."
+        )
+
+
 class FSDP2Sync(ProcessGroupSync):
     """The plugin's side of FSDP2: FSDP2 keeps the masters; skips are agreed over all ranks.
 

@@ -31,7 +31,7 @@ from lightning.pytorch.strategies import (
 from lightning_mp.distributed.ddp import DDPSync
 from lightning_mp.distributed.deepspeed import refuse_deepspeed
 from lightning_mp.distributed.fsdp1 import refuse_fsdp1
-from lightning_mp.distributed.fsdp2 import FSDP2Sync
+from lightning_mp.distributed.fsdp2 import FSDP2Sync, refuse_lean_masters
 from lightning_mp.distributed.sync import GradientSync, ProcessGroupSync
 
 #: Strategies under which ``master_weights=True`` is supported.
@@ -59,6 +59,7 @@ def sync_for(strategy: Any, plugin: Any) -> GradientSync:
             "Use one of those, or master_weights=False."
         )
     if isinstance(strategy, ModelParallelStrategy):
+        refuse_lean_masters(plugin)
         return FSDP2Sync(strategy)
     if known and isinstance(strategy, DDPStrategy):
         return DDPSync(strategy, plugin.reduce_dtype)

@@ -1,9 +1,73 @@
 """Master weights: the model runs in fp16/bf16 while the optimizer updates exact higher-precision values.
 
 - :mod:`lightning_mp.master.flat`: :class:`MasterWeights`, fp32 masters in one flat buffer per device
-  (``master_weights=True``).
+  (``master_weights=True`` or ``"fp32"``).
+- :mod:`lightning_mp.master.remainder`: :class:`RemainderMasters`, a bf16 model plus a 16-bit remainder per
+  element, exact fp32 masters without an fp32 copy (``master_weights="remainder"``); its update runs chunk by chunk
+  (:mod:`~lightning_mp.master.step` for AdamW/Adam/SGD, :mod:`~lightning_mp.master.generic` for any optimizer).
 """
 
-from lightning_mp.master.flat import NORM_TYPES, MasterWeights, is_norm
+from __future__ import annotations
 
-__all__ = ["MasterWeights", "NORM_TYPES", "is_norm"]
+from collections.abc import Mapping
+from typing import Any, Callable, Optional, Union
+
+import torch
+from torch import nn
+
+from lightning_mp.master.flat import NORM_TYPES, MasterWeights, is_norm
+from lightning_mp.master.remainder import RemainderMasters
+
+__all__ = ["MasterWeights", "NORM_TYPES", "RemainderMasters", "is_norm", "masters_for"]
+
+#: What ``MixedPrecisionPlugin(master_weights=...)`` takes (a store built yourself is accepted too).
+MasterWeightsOption = Union[bool, str, dict[str, Any], None]
+
+_DTYPE_NAMES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16}
+
+
+def masters_for(
+    dtype: torch.dtype,
+    master_weights: Union[MasterWeightsOption, MasterWeights],
+    keep_fp32: Callable[[str, nn.Module], bool] = is_norm,
+) -> Optional[MasterWeights]:
+    """The master-weights store for the plugin's ``master_weights`` argument.
+
+    ``False``/``None``: none (the model stays fp32). ``True`` or ``"fp32"``: :class:`MasterWeights` (fp32 copies).
+    ``"remainder"``: :class:`RemainderMasters` (bf16 only). A mapping (YAML) ``{"kind": "remainder", "chunk_size":
+    ..., "accumulate_grads_in": "bf16", "compile": True}`` passes its other keys to :class:`RemainderMasters`. A
+    store you built yourself is used as it is.
+
+    Raises:
+        ValueError: any other value, or ``"remainder"`` with fp16 (with the reason and what to use).
+    """
+    if isinstance(master_weights, MasterWeights):
+        return master_weights
+    if master_weights is None or master_weights is False:
+        return None
+    if master_weights is True or master_weights == "fp32":
+        return MasterWeights(dtype, keep_fp32=keep_fp32)
+    if master_weights == "remainder":
+        return RemainderMasters(dtype, keep_fp32=keep_fp32)
+    if isinstance(master_weights, Mapping) and master_weights.get("kind") == "remainder":
+        options = {k: v for k, v in master_weights.items() if k != "kind"}
+        unknown = sorted(set(options) - {"chunk_size", "accumulate_grads_in", "compile"})
+        if unknown:
+            raise ValueError(
+                f"master_weights={dict(master_weights)!r}: unknown key(s) {unknown}; allowed: 'kind', 'chunk_size', "
+                "'accumulate_grads_in', 'compile'."
+            )
+        accumulate = options.get("accumulate_grads_in", torch.float32)
+        if isinstance(accumulate, str):
+            if accumulate.lower().removeprefix("torch.") not in _DTYPE_NAMES:
+                raise ValueError(
+                    f"master_weights accumulate_grads_in={accumulate!r}: use one of {sorted(_DTYPE_NAMES)}."
+                )
+            accumulate = _DTYPE_NAMES[accumulate.lower().removeprefix("torch.")]
+        chosen = {k: options[k] for k in ("chunk_size", "compile") if k in options}
+        return RemainderMasters(dtype, keep_fp32=keep_fp32, accumulate_grads_in=accumulate, **chosen)
+    raise ValueError(
+        f"master_weights={master_weights!r} is not supported: use False (no masters, fp32 model), True or 'fp32' "
+        "(fp32 master copies), 'remainder' (bf16 weights + 16-bit remainders, bf16-mixed only), or a mapping "
+        "{'kind': 'remainder', 'chunk_size': ..., 'accumulate_grads_in': 'fp32' | 'bf16'}."
+    )

@@ -168,6 +168,9 @@ class MasterWeights:
         for key, master in self._masters.items():
             yield self._params[key], master
 
+    def before_backward(self) -> None:
+        """Called before every backward; nothing to do here (the half gradients move to the masters after it)."""
+
     def grads_to_masters(self) -> None:
         """Move the half gradients into the masters' fp32 ``.grad`` (adding to what is there) and free them."""
         for param, master in self.pairs():

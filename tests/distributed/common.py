@@ -127,7 +127,7 @@ def shard_net(module: Net, plugin: MixedPrecisionPlugin) -> None:
     fully_shard(module.net, mesh=mesh, mp_policy=plugin.fsdp2_policy())
 
 
-def make_plugin(precision: str, masters: bool, reduce_dtype: str = "float32",
+def make_plugin(precision: str, masters: Any, reduce_dtype: str = "float32",
                 scaler: Optional[DynamicLossScaler] = None, policy: Any = None) -> MixedPrecisionPlugin:
     if scaler is None and precision == "16-mixed":
         scaler = DynamicLossScaler(init_scale=1024.0, growth_interval=3)
@@ -137,7 +137,7 @@ def make_plugin(precision: str, masters: bool, reduce_dtype: str = "float32",
 
 def fit(
     precision: str,
-    masters: bool,
+    masters: Any,
     strategy: Any = "ddp",
     devices: int = 2,
     accumulate: int = 1,

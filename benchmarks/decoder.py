@@ -1,0 +1,218 @@
+"""Lean master weights on a third-party decoder (HF ``LlamaForCausalLM``): memory at rest, peak heap, step time.
+
+    python benchmarks/decoder.py                          # small Llama (7.4M params), 2 rounds, CPU
+    python benchmarks/decoder.py --size issue --record    # the issue's 44.9M-parameter shape; append to RESULTS.md
+    python benchmarks/decoder.py --device cuda --size issue --batch 8 --seq 512 --steps 20   # on a GPU
+
+Modes, each a fresh process per round, the rounds alternating the modes (so machine noise hits them alike):
+
+- ``builtin-bf16``: Lightning ``precision="bf16-mixed"`` (fp32 model + autocast), ``torch.optim.AdamW``;
+- ``builtin-bf16-true``: Lightning ``precision="bf16-true"`` (bf16 model, bf16 AdamW state: lossy);
+- ``ours+masters``: ``MixedPrecisionPlugin("bf16-mixed", master_weights=True)`` (bf16 model + flat fp32 masters);
+- ``ours+remainder``: ``master_weights="remainder"`` (bf16 model + 16-bit remainders), AdamW;
+- ``ours+remainder+compile``: the same with ``{"kind": "remainder", "compile": True}``;
+- ``ours+remainder+8bit``: lean masters with torchao ``AdamW8bit``;
+- ``builtin+8bit``: Lightning ``bf16-mixed`` with torchao ``AdamW8bit``.
+
+Measured: *at rest*, the bytes of every live tensor storage after a step (walking ``gc.get_objects()``,
+storages counted once; parameters, gradients, masters, remainders, optimizer state, anything else alive) per
+parameter; *peak heap*, glibc ``mallinfo2()`` bytes in use (``uordblks + hblkhd``, not RSS) polled every 0.5 ms from
+after the imports, before the model is built, to the end of fit, minus the value then, per parameter; *step*, the median time of the
+steps after the first two (``on_train_batch_start`` to ``on_train_batch_end``), median over rounds. On CUDA the
+peak is ``torch.cuda.max_memory_allocated`` over the one before the model is built, and at rest counts CUDA storages.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import gc
+import json
+import os
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _report import report  # noqa: E402
+
+SIZES = {
+    "small": dict(hidden_size=256, intermediate_size=704, num_hidden_layers=4, num_attention_heads=4,
+                  num_key_value_heads=4, vocab_size=8192),
+    "issue": dict(hidden_size=512, intermediate_size=1376, num_hidden_layers=8, num_attention_heads=8,
+                  num_key_value_heads=8, vocab_size=32000),
+}
+MODES = ["builtin-bf16", "builtin-bf16-true", "ours+masters", "ours+remainder", "ours+remainder+compile",
+         "ours+remainder+8bit", "builtin+8bit"]
+
+
+class _Mallinfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in (
+        "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+
+class HeapPeak:
+    """Polls glibc's bytes in use from a thread; ``peak - start`` once stopped."""
+
+    def __init__(self, every_s: float = 0.0005) -> None:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallinfo2.restype = _Mallinfo2
+        self._read = lambda: (lambda m: m.uordblks + m.hblkhd)(libc.mallinfo2())
+        self.start = self.peak = self._read()
+        self._every, self._stop = every_s, threading.Event()
+        self._thread = threading.Thread(target=self._poll, daemon=True)
+        self._thread.start()
+
+    def _poll(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, self._read())
+            time.sleep(self._every)
+
+    def stop(self) -> int:
+        self._stop.set()
+        self._thread.join()
+        return self.peak - self.start
+
+
+def live_tensor_bytes(device: str = "cpu") -> int:
+    """Bytes of every live plain tensor storage on ``device`` (each storage once)."""
+    seen, total = set(), 0
+    for obj in gc.get_objects():
+        if not isinstance(obj, torch.Tensor) or type(obj) not in (torch.Tensor, torch.nn.Parameter):
+            continue  # tensor subclasses (torchao's 8-bit states) hold plain tensors, counted themselves
+        try:
+            storage = obj.untyped_storage()
+        except (RuntimeError, NotImplementedError):
+            continue
+        if storage.data_ptr() not in seen and storage.device.type == device:
+            seen.add(storage.data_ptr())
+            total += storage.nbytes()
+    return total
+
+
+def _worker(args: argparse.Namespace) -> dict:
+    import lightning as L
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from lightning_mp import MixedPrecisionPlugin
+
+    if args.worker.endswith("8bit"):
+        import torchao.optim  # noqa: F401  (imported before the count starts, like the others)
+    cuda = args.device == "cuda"
+    gc.collect()
+    heap = HeapPeak() if not cuda else None  # after the imports (their heap is not the mode's), before the model
+    cuda_start = torch.cuda.memory_allocated() if cuda else 0
+
+    def peak_cuda() -> int:
+        return torch.cuda.max_memory_allocated() - cuda_start
+
+    mode = args.worker
+    eight_bit = mode.endswith("8bit")
+
+    class Module(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            config = LlamaConfig(**SIZES[args.size], max_position_embeddings=args.seq, tie_word_embeddings=False)
+            self.model = LlamaForCausalLM(config)
+            self.times: list[float] = []
+
+        def training_step(self, batch, batch_idx):
+            (ids,) = batch
+            return self.model(input_ids=ids, labels=ids).loss.float()
+
+        def on_train_batch_start(self, *a):
+            if cuda:
+                torch.cuda.synchronize()
+            self._t0 = time.perf_counter()
+
+        def on_train_batch_end(self, *a):
+            if cuda:
+                torch.cuda.synchronize()
+            self.times.append(time.perf_counter() - self._t0)
+            if len(self.times) == args.steps:
+                gc.collect()
+                self.at_rest = live_tensor_bytes(args.device)
+
+        def on_train_end(self):  # before teardown, where masters give the model its fp32 values back
+            self.train_peak = heap.peak - heap.start if heap is not None else peak_cuda()
+
+        def configure_optimizers(self):
+            if eight_bit:
+                from torchao.optim import AdamW8bit
+                return AdamW8bit(self.parameters(), lr=1e-4, weight_decay=0.01)
+            return torch.optim.AdamW(self.parameters(), lr=1e-4, weight_decay=0.01)
+
+    kwargs: dict = dict(accelerator=args.device, devices=1, max_steps=args.steps, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    if mode.startswith("builtin"):
+        kwargs["precision"] = "bf16-true" if mode == "builtin-bf16-true" else "bf16-mixed"
+    else:
+        masters = {"ours+masters": True, "ours+remainder+compile": {"kind": "remainder", "compile": True}}.get(
+            mode, "remainder")
+        kwargs["plugins"] = [MixedPrecisionPlugin("bf16-mixed", master_weights=masters)]
+    torch.manual_seed(0)
+    ids = torch.randint(0, SIZES[args.size]["vocab_size"], (args.batch * args.steps, args.seq))
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(ids), batch_size=args.batch)
+    module = Module()
+    params = sum(p.numel() for p in module.parameters())
+    L.Trainer(**kwargs).fit(module, loader)
+    peak = heap.stop() if heap is not None else peak_cuda()
+    return {"mode": mode, "params": params, "at_rest": module.at_rest, "peak": peak, "train_peak": module.train_peak,
+            "step_s": statistics.median(module.times[2:] or module.times)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--size", choices=sorted(SIZES), default="small")
+    parser.add_argument("--batch", type=int, default=2)
+    parser.add_argument("--seq", type=int, default=64)
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--modes", nargs="+", choices=MODES, default=MODES)
+    parser.add_argument("--record", action="store_true")
+    parser.add_argument("--worker", choices=MODES, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        print("RESULT " + json.dumps(_worker(args)))
+        return
+    runs: dict[str, list[dict]] = {mode: [] for mode in args.modes}
+    for _ in range(args.rounds):
+        for mode in args.modes:
+            command = [sys.executable, __file__, "--worker", mode, "--device", args.device, "--size", args.size,
+                       "--batch", str(args.batch),
+                       "--seq", str(args.seq), "--steps", str(args.steps)]
+            done = subprocess.run(command, capture_output=True, text=True,
+                                  env={**os.environ, "PYTHONWARNINGS": "ignore"})
+            if done.returncode != 0:
+                sys.exit(f"mode {mode} failed:\n{done.stderr[-4000:]}")
+            runs[mode].append(json.loads(next(l for l in done.stdout.splitlines() if l.startswith("RESULT "))[7:]))
+            print(f"round result: {runs[mode][-1]}", flush=True)  # a run cut short keeps what it measured
+    base = statistics.median(r["step_s"] for r in runs.get("builtin-bf16", next(iter(runs.values()))))
+    base_peak = statistics.median(r["peak"] for r in runs.get("builtin-bf16", next(iter(runs.values()))))
+    lines = ["| mode | at rest, bytes/param | peak heap in use, bytes/param (fit incl. teardown) | peak vs builtin-bf16 "
+             "| peak until train end, bytes/param | median step (ms) | speed vs builtin-bf16 | steps of the rounds (ms) |",
+             "|---|---:|---:|---:|---:|---:|---:|---|"]
+    for mode, rows in runs.items():
+        params = rows[0]["params"]
+        rest = statistics.median(r["at_rest"] for r in rows) / params
+        peak = statistics.median(r["peak"] for r in rows)
+        step = statistics.median(r["step_s"] for r in rows)
+        each = ", ".join(f"{r['step_s'] * 1e3:.0f}" for r in rows)
+        trained = [r["train_peak"] for r in rows if "train_peak" in r]
+        train_peak = f"{statistics.median(trained) / params:.1f}" if trained else "-"
+        lines.append(f"| {mode} | {rest:.1f} | {peak / params:.1f} | {peak / base_peak:.2f}x | {train_peak} "
+                     f"| {step * 1e3:.0f} | {base / step:.2f}x | {each} |")
+    params = next(iter(runs.values()))[0]["params"]
+    title = (f"Lean masters on HF Llama ({args.size}, {params / 1e6:.1f}M params), batch {args.batch} x {args.seq}, "
+             f"{args.steps} steps, {args.rounds} alternating rounds")
+    report(title, "\n".join(lines), args.device, args.record)
+
+
+if __name__ == "__main__":
+    main()

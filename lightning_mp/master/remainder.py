@@ -1,0 +1,340 @@
+"""Lean master weights: a bf16 model plus a 16-bit remainder per element, that together are the fp32 masters exactly.
+
+``master_weights="remainder"``. The model's parameters become bf16 views into one flat buffer per device (what the
+forward uses); a parallel int16 buffer holds, per element, the low 16 bits that the bf16 rounding dropped (see
+:mod:`lightning_mp.master.bits`: every non-NaN fp32 value is its bf16 half plus this remainder, bit for bit). No
+fp32 copy of the model exists between steps; the optimizer step (:meth:`RemainderMasters.fused_step`) rebuilds fp32
+values one chunk at a time.
+
+Memory at rest per trained bf16 parameter with AdamW: 2 (bf16 weight) + 2 (remainder) + 2 (bf16 gradient, between
+a backward and the step) + 8 (two fp32 moments) = 14 bytes, against 16 for an fp32 model and 18 for
+``master_weights=True``. With 8-bit optimizer states (torchao ``AdamW8bit``): 2 + 2 + 2 + ~2 = ~8 bytes. Gradient
+accumulation over several micro-batches adds up in fp32 by default (exact: 4 bytes per parameter while
+accumulating, instead of 2), or in bf16 with ``accumulate_grads_in=torch.bfloat16`` (lossy: each micro-batch's sum
+is rounded to bf16).
+
+Parameters kept in fp32 (normalisation layers by default, the cast policy's ``fp32_modules``) get no remainder:
+they are updated in place in fp32, as in fp32 training.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterable, Iterator
+from typing import Any, Callable, Optional
+
+import torch
+from torch import Tensor, nn
+from torch.optim import Optimizer
+
+from lightning_mp.master.bits import join_fp32, join_fp32_into, split_fp32_into
+from lightning_mp.master.flat import MasterWeights, is_norm
+from lightning_mp.master.generic import GenericChunkedStep
+from lightning_mp.master.step import FUSED_UNIT, Staging, apply_grad_ops_in_place, fused_update, plan_chunks
+from lightning_mp.master.step import uses_fused_kernel
+
+#: Default chunk per device type: 2**18 elements on CPU (3 MiB of fp32 transients per step: the eager join and split
+#: stay in cache; measured in benchmarks/lean_step.py), 2**25 on GPUs (384 MiB: a chunk's dozen kernel launches must
+#: not outweigh the bytes it moves).
+DEFAULT_CHUNK_SIZES = {"cpu": 1 << 18, "cuda": 1 << 25}
+
+
+class RemainderMasters(MasterWeights):
+    """A bf16 model whose fp32 masters are kept as bf16 weights plus 16-bit remainders; fused, chunked updates.
+
+    Args:
+        dtype: must be ``torch.bfloat16`` (bf16 is the top half of an fp32; fp16 is not, so no 16-bit remainder
+            can complete it: use ``master_weights=True`` for fp16).
+        keep_fp32: ``keep_fp32(qualified_name, module)`` is true for modules whose own parameters and buffers stay
+            fp32 (default: :func:`~lightning_mp.master.is_norm`). They are trained in fp32, without remainder.
+        chunk_size: elements per chunk of the update (a multiple of 32768; default ``None``: 2**18 on CPU, 2**25
+            on a GPU): the step's transient memory is about 12 bytes x ``chunk_size`` (:mod:`lightning_mp.master.step`).
+        accumulate_grads_in: dtype in which gradients of several backwards before one step add up:
+            ``torch.float32`` (default, exact, 4 bytes per parameter while accumulating) or ``torch.bfloat16``
+            (2 bytes, each sum rounded to bf16).
+        compile: ``True`` compiles the split of each chunk back into bf16 + remainder with ``torch.compile`` (one
+            loop instead of about ten eager passes; the first step compiles, which needs a C++ compiler on CPU).
+            The update's arithmetic is torch's fused kernel either way, so the results are the same bits. Default
+            ``False``.
+
+    ``torch.optim.AdamW``, ``Adam`` and ``SGD`` are updated by torch's fused kernels on the lean state, bitwise as
+    ``torch.optim.AdamW(..., fused=True)`` (etc.) would update fp32 parameters holding the exact values. Any other
+    optimizer runs on fp32 slices of the parameters, chunk by chunk (:mod:`lightning_mp.master.generic`).
+    """
+
+    kind = "remainder"
+
+    def __init__(
+        self,
+        dtype: torch.dtype = torch.bfloat16,
+        keep_fp32: Callable[[str, nn.Module], bool] = is_norm,
+        chunk_size: Optional[int] = None,
+        accumulate_grads_in: torch.dtype = torch.float32,
+        compile: bool = False,
+    ) -> None:
+        if dtype != torch.bfloat16:
+            raise ValueError(
+                f"master_weights='remainder' needs precision='bf16-mixed', not {dtype}: a bf16 value is the top half "
+                "of an fp32 one, so 16 more bits complete it exactly; an fp16 value is not (other exponent and "
+                "mantissa widths), so no 16-bit remainder can. Use master_weights=True (fp32 masters) with fp16, or "
+                "precision='bf16-mixed' with master_weights='remainder'."
+            )
+        if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size <= 0 or chunk_size % FUSED_UNIT):
+            raise ValueError(f"chunk_size={chunk_size!r} must be a positive multiple of {FUSED_UNIT}.")
+        if accumulate_grads_in not in (torch.float32, torch.bfloat16):
+            raise ValueError(
+                f"accumulate_grads_in={accumulate_grads_in!r} must be torch.float32 (exact) or torch.bfloat16."
+            )
+        if not isinstance(compile, bool):
+            raise ValueError(f"compile={compile!r} must be True or False.")
+        self.chunk_size = chunk_size
+        self.accumulate_grads_in = accumulate_grads_in
+        self.compile = compile
+        self.join_into: Callable[..., Any] = join_fp32_into
+        self._compiled_split: Optional[Callable[..., Any]] = None
+        super().__init__(dtype, keep_fp32)
+
+    def _reset(self) -> None:
+        super()._reset()
+        self._layout: dict[int, tuple[torch.device, int]] = {}  # id(param) -> (device, offset in the flat buffers)
+        self._flats: dict[torch.device, tuple[Tensor, Tensor]] = {}  # device -> (bf16 weights, int16 remainders)
+        self._plans: dict[tuple[int, int], tuple[tuple[int, ...], list[Any]]] = {}
+        self._grad_ops: dict[int, list[tuple[str, Any]]] = {}  # id(optimizer) -> clipping to apply at the step
+        self._generic: dict[int, GenericChunkedStep] = {}
+        self._optimizer_hooks: list[Any] = []
+        self._staging = Staging(self.chunk_size_for)
+
+    def split_into(self, value: Tensor, high: Tensor, low: Tensor) -> None:
+        """Split fp32 ``value`` into ``high`` (bf16) and ``low`` (int16): eager, or compiled with ``compile=True``
+        (the split, about ten eager passes with its NaN rule, gains; the join, three, does not)."""
+        if not self.compile:
+            return split_fp32_into(value, high, low)
+        if self._compiled_split is None:  # made on first use: a compiled function does not pickle (ddp_spawn)
+            self._compiled_split = torch.compile(split_fp32_into, dynamic=True)
+        return self._compiled_split(value, high, low)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_compiled_split": None}
+
+    # ------------------------------------------------------------------ setup
+    def attach(self, optimizers: Iterable[Optimizer]) -> None:
+        """Build the flat bf16 weights and remainders from the exact fp32 values, and prepare each optimizer.
+
+        The optimizers keep the model's (bf16) parameters in their ``param_groups``: nothing is swapped.
+
+        Raises:
+            ValueError: an optimizer holds a parameter that is not in the converted module.
+        """
+        if self._module is None:
+            raise RuntimeError("RemainderMasters.attach() needs convert(module) first.")
+        self._optimizers = list(optimizers)
+        module_params = {id(p) for p in self._module.parameters()}
+        order: dict[int, nn.Parameter] = {}
+        for index, optimizer in enumerate(self._optimizers):
+            for g, group in enumerate(optimizer.param_groups):
+                for i, param in enumerate(group["params"]):
+                    if id(param) not in module_params:
+                        raise ValueError(
+                            f"master_weights='remainder' needs every optimizer parameter to belong to the model, but "
+                            f"optimizer {index} ({type(optimizer).__name__}) param_groups[{g}]['params'][{i}] "
+                            f"(shape {tuple(param.shape)}, {param.dtype}) is not one of its parameters. Build the "
+                            "optimizer from self.parameters() in configure_optimizers, or use master_weights=False."
+                        )
+                    if id(param) in self._params:
+                        order.setdefault(id(param), param)
+        for key, param in self._params.items():  # frozen ones keep exact values too (checkpoints hold fp32)
+            order.setdefault(key, param)
+        if not self._flats:
+            self._build_flats(list(order.values()))
+        for optimizer in self._optimizers:
+            if uses_fused_kernel(optimizer):
+                self._optimizer_hooks += [
+                    optimizer.register_load_state_dict_pre_hook(_stash_fp32_state),
+                    optimizer.register_load_state_dict_post_hook(_restore_fp32_state),
+                ]
+            elif id(optimizer) not in self._generic:
+                self._generic[id(optimizer)] = GenericChunkedStep(optimizer, self, self._chunk_of(optimizer))
+
+    def chunk_size_for(self, device: torch.device) -> int:
+        """The chunk size on ``device``: the one given, or the device type's default."""
+        return self.chunk_size or DEFAULT_CHUNK_SIZES.get(device.type, DEFAULT_CHUNK_SIZES["cuda"])
+
+    def _chunk_of(self, optimizer: Optimizer) -> int:
+        first = next((p for g in optimizer.param_groups for p in g["params"]), None)
+        return self.chunk_size_for(first.device if first is not None else torch.device("cpu"))
+
+    def _build_flats(self, params: list[nn.Parameter]) -> None:
+        by_device: dict[torch.device, list[nn.Parameter]] = defaultdict(list)
+        for param in params:
+            by_device[param.device].append(param)
+        with torch.no_grad():
+            for device, group in by_device.items():
+                total = sum(p.numel() for p in group)
+                high = torch.empty(total, dtype=torch.bfloat16, device=device)
+                low = torch.empty(total, dtype=torch.int16, device=device)
+                offset = 0
+                for param in group:
+                    end = offset + param.numel()
+                    value = self._fp32_values.pop(id(param), None)  # exact fp32 values where we have them
+                    value = (param.data if value is None else value).reshape(-1)
+                    step = self.chunk_size_for(device)
+                    for start in range(0, value.numel(), step):  # the split's temporaries: one chunk's worth
+                        stop = min(start + step, value.numel())
+                        piece = value[start:stop].to(device, torch.float32)
+                        split_fp32_into(piece, high[offset + start:offset + stop], low[offset + start:offset + stop])
+                    param.data = high[offset:end].view_as(param)
+                    self._layout[id(param)] = (device, offset)
+                    offset = end
+                self._flats[device] = (high, low)
+
+    # ------------------------------------------------------------------ per step
+    def pairs(self) -> Iterator[tuple[nn.Parameter, nn.Parameter]]:
+        """Empty: there are no fp32 master tensors (see :meth:`fp32_pairs` for the exact values)."""
+        return iter(())
+
+    def fp32_pairs(self) -> Iterator[tuple[nn.Parameter, Tensor]]:
+        """``(bf16 model parameter, its exact fp32 value)``; each value is a fresh fp32 tensor (materialised)."""
+        for key, param in self._params.items():
+            if key in self._layout:
+                yield param, self.fp32_value(param)
+
+    def flat_slices(self, device: torch.device, start: int, end: int) -> tuple[Tensor, Tensor]:
+        """Elements ``[start, end)`` of a device's flat bf16 weights and int16 remainders."""
+        high, low = self._flats[device]
+        return high[start:end], low[start:end]
+
+    def offset_of(self, param: Tensor) -> Optional[int]:
+        """Where ``param`` starts in its device's flat buffers; ``None`` for a parameter without remainder."""
+        place = self._layout.get(id(param))
+        return place[1] if place is not None else None
+
+    @property
+    def flat_buffers(self) -> list[tuple[Tensor, Tensor]]:
+        """``(flat bf16 weights, flat int16 remainders)``, one pair per device."""
+        return list(self._flats.values())
+
+    def before_backward(self) -> None:
+        """Before every backward: forget clipping asked for since the last step (a skipped step leaves it behind),
+        and make existing gradients fp32 (exact accumulation) unless ``accumulate_grads_in`` is bf16. Autograd then
+        adds each new bf16 gradient into the fp32 one."""
+        self._grad_ops.clear()  # clipping asked for before a skipped step is stale: new gradients are coming
+        if self.accumulate_grads_in != torch.float32:
+            return
+        for param in self._params.values():
+            grad = param.grad
+            if grad is not None and grad.dtype != torch.float32:
+                grad.data = grad.data.float()
+
+    def grads_to_masters(self) -> None:
+        """Nothing to move: the gradients stay on the model's parameters (bf16, or fp32 when accumulated)."""
+
+    def masters_to_model(self, optimizer: Optimizer) -> None:
+        """Nothing to copy: :meth:`fused_step` writes the bf16 weights itself."""
+
+    def master_of(self, param: Tensor) -> Optional[nn.Parameter]:
+        """``None``: lean masters have no fp32 tensor per parameter (see :meth:`fp32_value`)."""
+        return None
+
+    def clip_grad_norm_(self, optimizer: Optimizer, max_norm: float, norm_type: float = 2.0) -> Tensor:
+        """Clip ``optimizer``'s gradients by their total norm, computed and applied in fp32 as
+        ``torch.nn.utils.clip_grad_norm_`` does on fp32 master gradients. The factor is applied to the fp32 copy
+        of each chunk's gradients inside the step (bf16 gradients are not rounded twice). Returns the total norm."""
+        grads = [p.grad.detach() for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+        if not grads:
+            return torch.tensor(0.0)
+        norms = [torch._foreach_norm([g.float()], norm_type)[0] for g in grads]
+        first = grads[0].device
+        total = torch.linalg.vector_norm(torch.stack([n.to(first) for n in norms]), norm_type)
+        coef = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)
+        self._grad_ops.setdefault(id(optimizer), []).append(("mul", coef))
+        return total
+
+    def clip_grad_value_(self, optimizer: Optimizer, clip_value: float) -> None:
+        """Clamp ``optimizer``'s gradients to ``[-clip_value, clip_value]``, in fp32, inside the step."""
+        self._grad_ops.setdefault(id(optimizer), []).append(("clamp", float(clip_value)))
+
+    def fused_step(self, optimizer: Optimizer, found_inf: Optional[Tensor] = None) -> None:
+        """The update of ``optimizer``'s parameters on the lean state, chunk by chunk.
+
+        ``found_inf``: a 0-dim float tensor on the device, nonzero when the step must be skipped (weights,
+        remainders, optimizer state and step counters stay unchanged; for AdamW/Adam/SGD without any host
+        synchronisation); ``None`` steps unconditionally. Clipping requested since the last step is applied here.
+        """
+        grad_ops = self._grad_ops.pop(id(optimizer), [])
+        if not uses_fused_kernel(optimizer) and id(optimizer) not in self._generic:  # not seen by attach()
+            self._generic[id(optimizer)] = GenericChunkedStep(optimizer, self, self._chunk_of(optimizer))
+        generic = self._generic.get(id(optimizer))
+        if generic is not None:
+            generic.step(found_inf, grad_ops)
+            return
+        for index, group in enumerate(optimizer.param_groups):
+            apply_grad_ops_in_place([p for p in group["params"] if id(p) not in self._layout], grad_ops)
+            fused_update(optimizer, group, self._plan(optimizer, index, group), self, self._staging, grad_ops,
+                         found_inf)
+
+    def _plan(self, optimizer: Optimizer, index: int, group: dict[str, Any]) -> list[Any]:
+        key = tuple(id(p) for p in group["params"])
+        cached = self._plans.get((id(optimizer), index))
+        if cached is None or cached[0] != key:
+            offsets = {id(p): self.offset_of(p) for p in group["params"]}
+            device = group["params"][0].device if group["params"] else torch.device("cpu")
+            cached = (key, plan_chunks(list(group["params"]), offsets, self.chunk_size_for(device)))
+            self._plans[(id(optimizer), index)] = cached
+        return cached[1]
+
+    # ------------------------------------------------------------------ checkpoint and teardown
+    def fp32_value(self, param: Tensor) -> Tensor:
+        """The exact fp32 value of a converted parameter (a fresh tensor): bf16 weight joined with its remainder."""
+        place = self._layout.get(id(param))
+        if place is not None:
+            high, low = self.flat_slices(place[0], place[1], place[1] + param.numel())
+            return join_fp32(high, low).view(param.shape)
+        return super().fp32_value(param)
+
+    def _load_state_dict_post_hook(self, module: nn.Module, incompatible_keys: Any) -> None:
+        # the pre-hook (MasterWeights') put each loaded fp32 value in _fp32_values; split it into weight + remainder
+        with torch.no_grad():
+            for key, param in self._params.items():
+                value = self._fp32_values.get(key)
+                if value is None:
+                    continue
+                if key in self._layout:
+                    device, offset = self._layout[key]
+                    high, low = self.flat_slices(device, offset, offset + param.numel())
+                    split_fp32_into(self._fp32_values.pop(key).to(device).reshape(-1), high, low)
+                else:
+                    param.copy_(value)
+
+    def restore(self) -> None:
+        """Give the model back its exact fp32 values (fresh tensors); the flat buffers are released. Optimizer state
+        of AdamW/Adam/SGD stays keyed by the same parameters; see :meth:`GenericChunkedStep.restore` for others."""
+        for generic in self._generic.values():
+            generic.restore()
+        for hook in self._optimizer_hooks:
+            hook.remove()
+        self._staging.release()
+        super().restore()
+
+    def __repr__(self) -> str:
+        held = sum(p.numel() for key, p in self._params.items() if key in self._layout)
+        return (
+            f"{type(self).__name__}(bf16 weights + 16-bit remainders: {len(self._layout)} tensors / {held} values, "
+            f"chunk_size={self.chunk_size}, accumulate_grads_in={self.accumulate_grads_in})"
+        )
+
+
+def _stash_fp32_state(optimizer: Optimizer, state_dict: dict[str, Any]) -> None:
+    # torch's Optimizer.load_state_dict casts floating state to the parameter's dtype (bf16 here): keep the saved
+    # fp32 tensors, so the post-hook can put them back exactly
+    optimizer.__dict__["_lean_saved_state"] = dict(state_dict.get("state", {}))
+    optimizer.__dict__["_lean_saved_groups"] = [list(g["params"]) for g in state_dict.get("param_groups", [])]
+
+
+def _restore_fp32_state(optimizer: Optimizer) -> None:
+    saved = optimizer.__dict__.pop("_lean_saved_state", {})
+    saved_groups = optimizer.__dict__.pop("_lean_saved_groups", [])
+    for ids, group in zip(saved_groups, optimizer.param_groups):
+        for index, param in zip(ids, group["params"]):
+            for key, value in saved.get(index, {}).items():
+                if key != "step" and isinstance(value, Tensor) and value.is_floating_point():
+                    optimizer.state[param][key] = value.to(param.device, torch.float32, copy=True)

@@ -1,0 +1,260 @@
+"""The chunked update of lean master weights: reconstruct an fp32 chunk, run torch's fused kernel on it, split back.
+
+The weights live as a bf16 high half (the model's parameter, a view into one flat buffer per device) and an int16
+remainder (a parallel flat buffer); see :mod:`lightning_mp.master.bits`. A step walks each param group in chunks of
+at most ``chunk_size`` elements. Per chunk:
+
+1. join: the chunk's bf16 weights and remainders become exact fp32 values in a staging buffer (one pass over a
+   contiguous range of the flat buffers);
+2. gradients: each piece's gradient (bf16 at rest, fp32 when accumulated in fp32) is copied, upcast, into a
+   staging gradient buffer, and any clipping Lightning asked for is applied there, in fp32, as
+   ``torch.nn.utils.clip_grad_norm_`` applies it to fp32 master gradients;
+3. update: torch's own fused kernel (``torch._fused_adamw_`` / ``_fused_adam_`` / ``_fused_sgd_``) on the staging
+   pieces and the optimizer's fp32 state tensors, with ``found_inf`` (a device tensor: nonzero leaves everything
+   unchanged, no host synchronisation) exactly as ``torch.optim.AdamW(fused=True)`` calls it;
+4. split: the staging values go back into the bf16 weights and remainders.
+
+Exactness: the fused kernels process each tensor in units of 32768 elements starting at the tensor's first
+element; a chunk's pieces start at multiples of ``chunk_size`` (itself a multiple of 32768) inside each parameter,
+so every element goes through the same code path (vector body or scalar tail) as in torch's fused optimizer on
+the whole fp32 parameter. The result is bitwise that of ``torch.optim.AdamW/Adam/SGD(..., fused=True)`` on fp32
+parameters holding the joined values, given the same gradients (see tests/test_lean_masters.py).
+
+Transient memory: two fp32 staging buffers of ``chunk_size`` elements (8 bytes x ``chunk_size``) plus the split's
+int32 temporaries of one chunk (at most 4 bytes x ``chunk_size`` more at a time): 3 MiB for CPU's default 2**18
+elements, 384 MiB for a GPU's 2**25, whatever the model size.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import torch
+from torch import Tensor
+from torch.optim import SGD, Adam, AdamW, Optimizer
+
+
+#: torch's fused CPU kernels split each tensor into units of this many elements (FusedAdamKernel.cpp, grain size).
+FUSED_UNIT = 32768
+#: Optimizer classes whose update is done by torch's fused kernels on the lean state (exact subclasses only).
+FUSED_TYPES = (AdamW, Adam, SGD)
+
+
+def uses_fused_kernel(optimizer: Optimizer) -> bool:
+    """Whether ``optimizer``'s update runs through torch's fused kernel here (else: the generic chunked path)."""
+    if type(optimizer) not in FUSED_TYPES:
+        return False
+    return not any(group.get("differentiable") or group.get("capturable") for group in optimizer.param_groups)
+
+
+@dataclass
+class Piece:
+    """Elements ``[start, end)`` of a parameter (flattened); ``flat_offset`` is where the parameter starts in its
+    device's flat buffers, ``None`` for a parameter kept in fp32 (no remainder: updated in place)."""
+
+    param: Tensor
+    start: int
+    end: int
+    flat_offset: Optional[int]
+
+    @property
+    def numel(self) -> int:
+        return self.end - self.start
+
+
+def plan_chunks(params: list[Tensor], offsets: dict[int, Optional[int]], chunk_size: int) -> list[list[Piece]]:
+    """Group ``params`` (in order) into chunks of at most ``chunk_size`` elements, each a list of pieces.
+
+    A parameter larger than ``chunk_size`` is cut at multiples of ``chunk_size`` from its start; the pieces of one
+    chunk are consecutive in the flat buffers, so a chunk joins and splits as one range. Parameters kept in fp32
+    are their own chunks (nothing to join).
+    """
+    chunks: list[list[Piece]] = []
+    current: list[Piece] = []
+    filled = 0
+    for param in params:
+        offset = offsets[id(param)]
+        for start in range(0, param.numel(), chunk_size):
+            piece = Piece(param, start, min(start + chunk_size, param.numel()), offset)
+            contiguous = (
+                current and offset is not None and current[-1].flat_offset is not None
+                and current[-1].flat_offset + current[-1].end == offset + start
+                and current[-1].param.device == param.device
+            )
+            if current and (filled + piece.numel > chunk_size or not contiguous):
+                chunks.append(current)
+                current, filled = [], 0
+            current.append(piece)
+            filled += piece.numel
+    if current:
+        chunks.append(current)
+    return chunks
+
+
+class Staging:
+    """The two fp32 staging buffers of a device (values and gradients), ``chunk_size_for(device)`` elements each."""
+
+    def __init__(self, chunk_size_for: Callable[[torch.device], int]) -> None:
+        self.chunk_size_for = chunk_size_for
+        self._buffers: dict[torch.device, tuple[Tensor, Tensor]] = {}
+
+    def buffers(self, device: torch.device) -> tuple[Tensor, Tensor]:
+        if device not in self._buffers:
+            size = self.chunk_size_for(device)
+            self._buffers[device] = (
+                torch.empty(size, dtype=torch.float32, device=device),
+                torch.empty(size, dtype=torch.float32, device=device),
+            )
+        return self._buffers[device]
+
+    def release(self) -> None:
+        self._buffers.clear()
+
+
+class ChunkView:
+    """One chunk made fp32: the values (joined, or the fp32 parameter itself) and the gradients, as piece lists."""
+
+    def __init__(self, pieces: list[Piece], store: Any, staging: Staging, grad_ops: list[tuple[str, Any]]) -> None:
+        self.pieces = pieces
+        self.store = store
+        first = pieces[0]
+        self.joined = first.flat_offset is not None
+        if self.joined:
+            values, grads = staging.buffers(first.param.device)
+            total = sum(p.numel for p in pieces)
+            self.range = (first.flat_offset + first.start, first.flat_offset + first.start + total)
+            self.values = values[:total]
+            high, low = store.flat_slices(first.param.device, *self.range)
+            store.join_into(high, low, self.values)
+            self.grads_flat = grads[:total]
+            self.value_pieces, self.grad_pieces = [], []
+            position = 0
+            for piece in pieces:
+                view = slice(position, position + piece.numel)
+                self.value_pieces.append(self.values[view])
+                grad = piece.param.grad
+                if grad is not None:
+                    self.grads_flat[view].copy_(grad.detach().reshape(-1)[piece.start:piece.end])
+                self.grad_pieces.append(self.grads_flat[view] if grad is not None else None)
+                position += piece.numel
+            apply_grad_ops(self.grads_flat, grad_ops)
+        else:  # an fp32 parameter: updated in place; its gradient was clipped in place before the chunks
+            self.value_pieces = [p.param.detach().view(-1)[p.start:p.end] for p in pieces]
+            self.grad_pieces = [
+                p.param.grad.detach().view(-1)[p.start:p.end] if p.param.grad is not None else None for p in pieces
+            ]
+
+    def write_back(self) -> None:
+        if self.joined:
+            high, low = self.store.flat_slices(self.pieces[0].param.device, *self.range)
+            self.store.split_into(self.values, high, low)
+
+
+def apply_grad_ops(grads: Tensor, grad_ops: list[tuple[str, Any]]) -> None:
+    """Clipping deferred from Lightning's hooks, applied to fp32 gradients as torch applies it to fp32 masters."""
+    for kind, value in grad_ops:
+        if kind == "mul":
+            grads.mul_(value.to(grads.device))
+        else:  # "clamp", as torch.nn.utils.clip_grad_value_
+            grads.clamp_min_(-value).clamp_max_(value)
+
+
+def apply_grad_ops_in_place(params: list[Tensor], grad_ops: list[tuple[str, Any]]) -> None:
+    """The same deferred clipping on gradients that are updated in place (fp32 parameters)."""
+    for param in params:
+        if param.grad is not None and param.grad.dtype == torch.float32 and param.dtype == torch.float32:
+            apply_grad_ops(param.grad, grad_ops)
+
+
+def _state_for(optimizer: Optimizer, param: Tensor, keys: tuple[str, ...]) -> dict[str, Any]:
+    state = optimizer.state[param]
+    if "step" not in state:
+        # as torch.optim.Adam/SGD initialise with fused=True: fp32 zeros shaped like the parameter, fp32 step
+        state["step"] = torch.tensor(0.0, dtype=torch.float32, device=param.device)
+        for key in keys:
+            state[key] = torch.zeros(param.shape, dtype=torch.float32, device=param.device)
+    return state
+
+
+def fused_update(
+    optimizer: Optimizer,
+    group: dict[str, Any],
+    chunks: list[list[Piece]],
+    store: Any,
+    staging: Staging,
+    grad_ops: list[tuple[str, Any]],
+    found_inf: Optional[Tensor],
+) -> None:
+    """One step of ``group`` (of a ``torch.optim.Adam``/``AdamW``/``SGD``) on the lean state, chunk by chunk."""
+    stepped = {id(p): p for chunk in chunks for piece in chunk for p in [piece.param] if p.grad is not None}
+    if not stepped:
+        return
+    found = found_inf.to(torch.float32).reshape(()) if found_inf is not None else None  # 0-dim, as torch's
+    if isinstance(optimizer, Adam):
+        keys = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq") if group["amsgrad"] else ("exp_avg", "exp_avg_sq")
+        states = {key: _state_for(optimizer, p, keys) for key, p in stepped.items()}
+        steps = [states[key]["step"] for key in stepped]
+        torch._foreach_add_(steps, 1)
+        kernel = torch._fused_adamw_ if group.get("decoupled_weight_decay", False) else torch._fused_adam_
+        beta1, beta2 = (float(b) if isinstance(b, Tensor) else b for b in group["betas"])
+        lr = group["lr"]
+        for chunk in chunks:
+            view = ChunkView(chunk, store, staging, grad_ops)
+            values, grads, exp_avgs, exp_avg_sqs, max_sqs, piece_steps = [], [], [], [], [], []
+            device = chunk[0].param.device
+            for piece, value, grad in zip(chunk, view.value_pieces, view.grad_pieces):
+                if grad is None:
+                    continue
+                state = states[id(piece.param)]
+                values.append(value)
+                grads.append(grad)
+                exp_avgs.append(state["exp_avg"].view(-1)[piece.start:piece.end])
+                exp_avg_sqs.append(state["exp_avg_sq"].view(-1)[piece.start:piece.end])
+                if group["amsgrad"]:
+                    max_sqs.append(state["max_exp_avg_sq"].view(-1)[piece.start:piece.end])
+                piece_steps.append(state["step"])
+            if values:
+                kernel(
+                    values, grads, exp_avgs, exp_avg_sqs, max_sqs, piece_steps,
+                    amsgrad=group["amsgrad"], lr=_on(lr, device), beta1=beta1, beta2=beta2,
+                    weight_decay=group["weight_decay"], eps=group["eps"], maximize=group["maximize"],
+                    grad_scale=None, found_inf=_on(found, device),
+                )
+            view.write_back()
+        if found is not None:
+            torch._foreach_sub_(steps, [_on(found, s.device) for s in steps])
+        return
+    # SGD: as torch.optim.SGD(fused=True), whose first step (no momentum buffers yet) copies the gradient in
+    momentum = group["momentum"]
+    buffers: dict[int, Tensor] = {}
+    first_step = momentum != 0 and all(optimizer.state[p].get("momentum_buffer") is None for p in stepped.values())
+    if momentum != 0:
+        for key, param in stepped.items():
+            state = optimizer.state[param]
+            if state.get("momentum_buffer") is None:
+                # zeros, not torch's empty_like: a first step skipped by found_inf leaves defined values behind
+                state["momentum_buffer"] = torch.zeros(param.shape, dtype=torch.float32, device=param.device)
+            buffers[key] = state["momentum_buffer"]
+    for chunk in chunks:
+        view = ChunkView(chunk, store, staging, grad_ops)
+        values, grads, bufs = [], [], []
+        device = chunk[0].param.device
+        for piece, value, grad in zip(chunk, view.value_pieces, view.grad_pieces):
+            if grad is None:
+                continue
+            values.append(value)
+            grads.append(grad)
+            if momentum != 0:
+                bufs.append(buffers[id(piece.param)].view(-1)[piece.start:piece.end])
+        if values:
+            torch._fused_sgd_(
+                values, grads, bufs, weight_decay=group["weight_decay"], momentum=momentum,
+                lr=_on(group["lr"], device), dampening=group["dampening"], nesterov=group["nesterov"],
+                maximize=group["maximize"], is_first_step=first_step, grad_scale=None, found_inf=_on(found, device),
+            )
+        view.write_back()
+
+
+def _on(value: Any, device: torch.device) -> Any:
+    return value.to(device) if isinstance(value, Tensor) and value.device != device else value
