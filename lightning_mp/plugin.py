@@ -269,9 +269,9 @@ class MixedPrecisionPlugin(Precision):
     ) -> Any:
         if isinstance(optimizer, LBFGS) and (self._checking or self.masters is not None):
             raise MisconfigurationException(
-                "MixedPrecisionPlugin with loss scaling or master weights cannot drive LBFGS: it re-evaluates the "
-                "closure inside step(), where scaled gradients cannot be checked and the half model is stale. "
-                "Use precision='bf16-mixed' without master weights, or fp32."
+                "MixedPrecisionPlugin with an inf/NaN check or master weights cannot drive LBFGS: it re-evaluates "
+                "the closure inside step(), where gradients cannot be checked and the half model is stale. Use "
+                "MixedPrecisionPlugin('bf16-mixed', scaler={'enabled': False}) without master weights, or fp32."
             )
         if not self._checking:
             if callable(getattr(self.masters, "fused_step", None)):  # masters that update themselves
