@@ -63,7 +63,7 @@ class MixedPrecisionPlugin(Precision):
             own with ``configure_precision_policy()``; it is merged on top (the module wins).
         reduce_dtype: dtype in which gradients are all-reduced across ranks (DDP, FSDP2): ``torch.float32``
             (default, as Megatron: exact sums of half gradients), ``torch.bfloat16`` or ``torch.float16`` (half the
-            bytes); names such as ``"bf16"`` work too. No effect on one device. See README "Many devices".
+            bytes); names such as ``"bf16"`` work too. No effect on one device. See docs/many-devices.md.
         fp8: ``None`` (default), a torchao recipe name (``"tensorwise"``, ``"rowwise"``, ``"rowwise_with_gw_hp"``) or
             a ``torchao.float8.Float8LinearConfig``: the policy's eligible ``nn.Linear`` layers train in fp8 (needs
             the ``fp8`` extra; see :mod:`lightning_mp.fp8`). Under FSDP2 call :meth:`fp8_convert` before fully_shard.

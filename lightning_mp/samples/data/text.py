@@ -89,10 +89,11 @@ class TextDataModule(SplitDataModule):
             ``"file"``, a ``.txt`` file or folder.
         block_size: bytes of context per window (default 128).
         batch_size: windows per batch (default 32).
-        val_fraction, test_fraction: the shares of windows at the end of the text for validation and test
-            (default 0.05 each).
+        val_fraction: the share of windows at the end of the text for validation (default 0.05).
+        test_fraction: the share of windows at the end of the text for test (default 0.05).
         max_bytes: use only the first this many bytes of the text (default None: all).
-        seed: the training shuffle's seed (default 0); num_workers: DataLoader workers (default 0).
+        seed: the training shuffle's seed (default 0).
+        num_workers: DataLoader workers (default 0).
     """
 
     def __init__(self, source: str = "shakespeare", path: Optional[str] = None, block_size: int = 128,

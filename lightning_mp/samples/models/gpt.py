@@ -96,9 +96,13 @@ class GPTLanguageModel(L.LightningModule):
     """Next-byte prediction with :class:`GPT`; AdamW with linear warm-up then cosine decay to 10% of ``lr``.
 
     Args:
-        n_layer, n_head, n_embd, block_size, dropout: the model's size (defaults: 4 layers, 4 heads, width 128,
-            128 bytes of context, no dropout). ``block_size`` must be at least the data's ``block_size``.
-        lr: peak learning rate (default 1e-3); weight_decay: AdamW's, on matrices only (default 0.1).
+        n_layer: transformer blocks (default 4).
+        n_head: attention heads per block (default 4).
+        n_embd: the width (default 128).
+        block_size: bytes of context (default 128); at least the data's ``block_size``.
+        dropout: dropout probability (default 0.0: none).
+        lr: peak learning rate (default 1e-3).
+        weight_decay: AdamW's, on matrices only (default 0.1).
         warmup_steps: optimizer steps of linear warm-up (default 100).
 
     Batches are (batch, length + 1) byte ids: the model reads the first ``length`` and predicts the last ``length``.
