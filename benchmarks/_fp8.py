@@ -27,8 +27,16 @@ FP8_MODES: dict[str, dict[str, Any]] = {
 }
 #: what the decoder workloads run by default: fp8 against ours bf16, the built-in bf16 and torchao by hand
 DECODER_MODES = {
-    "cuda": ["builtin-bf16", "ours-bf16", "fp8", "torchao-fp8", "builtin-bf16+compile", "ours-bf16+compile",
-             "fp8+compile", "torchao-fp8+compile"],
+    "cuda": [
+        "builtin-bf16",
+        "ours-bf16",
+        "fp8",
+        "torchao-fp8",
+        "builtin-bf16+compile",
+        "ours-bf16+compile",
+        "fp8+compile",
+        "torchao-fp8+compile",
+    ],
     "cpu": ["builtin-bf16", "ours-bf16", "fp8", "torchao-fp8", "fp8+compile"],
 }
 

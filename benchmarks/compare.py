@@ -45,9 +45,9 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _fp8 import DECODER_MODES, FP8_MODES, prepare  # noqa: E402
-from _report import machine, report  # noqa: E402
-from _turns import TakeTurns, Turns  # noqa: E402
+from _fp8 import DECODER_MODES, FP8_MODES, prepare
+from _report import machine, report
+from _turns import TakeTurns, Turns
 
 #: mode -> how the Trainer gets its precision: a Lightning flag, or MixedPrecisionPlugin arguments
 MODES: dict[str, dict[str, Any]] = {
@@ -118,7 +118,6 @@ def _train(workload: str, mode: str, index: int, args: dict[str, Any], turns: Tu
     import warnings
 
     import lightning as L
-
     from workloads import build
 
     warnings.filterwarnings("ignore")
@@ -129,21 +128,33 @@ def _train(workload: str, mode: str, index: int, args: dict[str, Any], turns: Tu
     profile_path = Path(args["out"]) / f"profile-{workload}-{mode}.txt" if mode in args["profile"] else None
     timer = TakeTurns(turns, index, device, profile_path)
     trainer = L.Trainer(
-        accelerator=device, devices=1, max_steps=args["steps"] or work.steps, limit_val_batches=0,
-        num_sanity_val_steps=0, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False, callbacks=[timer], **trainer_precision(mode, device),
+        accelerator=device,
+        devices=1,
+        max_steps=args["steps"] or work.steps,
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[timer],
+        **trainer_precision(mode, device),
     )
     trainer.fit(work.module, work.train)
     peak = timer.peak if device == "cuda" else _rss() - rss_before
     turns.gather()  # the modes still training are timed: evaluate once all are done
     trainer.test(work.module, work.test, verbose=False)
-    timed = timer.times[min(work.warmup, len(timer.times) - 1):]
+    timed = timer.times[min(work.warmup, len(timer.times) - 1) :]
     step_s = statistics.median(timed)
     p10_p90 = statistics.quantiles(timed, n=10, method="inclusive")[::8] if len(timed) >= 2 else [step_s] * 2
     losses = torch.stack(work.module.losses).float().cpu()
     return {
-        "workload": workload, "mode": mode, "dtype": dtype_name(mode_dtype(mode, device)),
-        "batch": work.batch, "steps": len(timer.times), "timed_steps": len(timed),
+        "workload": workload,
+        "mode": mode,
+        "dtype": dtype_name(mode_dtype(mode, device)),
+        "batch": work.batch,
+        "steps": len(timer.times),
+        "timed_steps": len(timed),
         "step_ms": 1e3 * step_s,
         "step_ms_p10_p90": [1e3 * q for q in p10_p90],
         "samples_s": work.batch / step_s,
@@ -217,9 +228,12 @@ def run_workload(workload: str, modes: list[str], args: dict[str, Any]) -> list[
                 turns.fail()
                 for process in processes:
                     process.terminate()
-                why = f"did not finish within --timeout {args['timeout']} s" if late else (
-                    f"the process of mode(s) {dead} died without a result")
-                raise RuntimeError(f"workload {workload!r}: {why}")
+                why = (
+                    f"did not finish within --timeout {args['timeout']} s"
+                    if late
+                    else (f"the process of mode(s) {dead} died without a result")
+                )
+                raise RuntimeError(f"workload {workload!r}: {why}") from None
     for process in processes:
         process.join(timeout=60)
     errors = [row for row in rows if "error" in row]
@@ -277,15 +291,18 @@ def chart(results: dict[str, list[dict[str, Any]]], reference: str, path: Path, 
     for row_axes, (workload, rows) in zip(axes, results.items()):
         modes = [r["mode"] for r in rows]
         colors = ["#888888" if m == "fp32" else "#4c72b0" if m.startswith("builtin") else "#dd8452" for m in modes]
-        for ax, key, label in ((row_axes[0], "speed_vs_fp32", "throughput / fp32"),
-                               (row_axes[1], "memory_vs_fp32", "peak memory / fp32")):
+        for ax, key, label in (
+            (row_axes[0], "speed_vs_fp32", "throughput / fp32"),
+            (row_axes[1], "memory_vs_fp32", "peak memory / fp32"),
+        ):
             values = [r[key] or 0.0 for r in rows]
             bars = ax.bar(range(len(rows)), values, color=colors)
             for bar, r in zip(bars, rows):
                 vs_builtin = r[key.replace("fp32", "builtin")]
                 text = f"{bar.get_height():.2f}" + (f"\n({vs_builtin:.2f}b)" if vs_builtin else "")
-                ax.annotate(text, (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom",
-                            fontsize=7)
+                ax.annotate(
+                    text, (bar.get_x() + bar.get_width() / 2, bar.get_height()), ha="center", va="bottom", fontsize=7
+                )
             base = next((r[key] for r in rows if r["mode"] == reference), None)
             if base:
                 ax.axhline(base, linestyle="--", color="#4c72b0", linewidth=1, label=f"{reference}")
@@ -311,9 +328,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=None, help="training steps per mode (default: the preset's)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=7200.0, help="seconds per workload before giving up")
-    parser.add_argument("--profile", nargs="*", default=[], choices=list(MODES),
-                        help="modes to trace with torch.profiler in steps 8-12 (it slows them): "
-                        "<out>/profile-<workload>-<mode>.txt")
+    parser.add_argument(
+        "--profile",
+        nargs="*",
+        default=[],
+        choices=list(MODES),
+        help="modes to trace with torch.profiler in steps 8-12 (it slows them): <out>/profile-<workload>-<mode>.txt",
+    )
     parser.add_argument("--out", type=Path, default=None, help="default: benchmarks/out/<device>-<preset>")
     parser.add_argument("--record", action="store_true", help="append the tables to benchmarks/RESULTS.md")
     args = parser.parse_args(argv)
@@ -326,19 +347,27 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"workload(s) {unknown} have no sizes in preset {preset!r}: use {sorted(PRESETS[preset])}")
     if args.steps is not None and args.steps < 2:
         parser.error(f"--steps {args.steps}: at least 2 (one warm-up step and one timed step)")
-    chosen = {w: args.modes or (DECODER_MODES if w.startswith("decoder") else DEFAULT_MODES)[args.device]
-              for w in workloads}
+    chosen = {
+        w: args.modes or (DECODER_MODES if w.startswith("decoder") else DEFAULT_MODES)[args.device] for w in workloads
+    }
     modes = list(dict.fromkeys(m for w in workloads for m in chosen[w]))
-    references = {w: "builtin-16" if args.device == "cuda" and "builtin-16" in chosen[w] else "builtin-bf16"
-                  for w in workloads}
+    references = {
+        w: "builtin-16" if args.device == "cuda" and "builtin-16" in chosen[w] else "builtin-bf16" for w in workloads
+    }
     out = args.out or Path(__file__).resolve().parent / "out" / f"{args.device}-{preset}"
     out.mkdir(parents=True, exist_ok=True)
 
     n = 256 if preset == "tiny" else 8192 if args.device == "cuda" else 1024
-    ceilings = {dtype_name(d): matmul_ceiling(args.device, d, n)
-                for d in {mode_dtype(m, args.device) for m in modes}}
-    shared = {"device": args.device, "preset": preset, "steps": args.steps, "seed": args.seed, "out": str(out),
-              "profile": args.profile, "timeout": args.timeout}
+    ceilings = {dtype_name(d): matmul_ceiling(args.device, d, n) for d in {mode_dtype(m, args.device) for m in modes}}
+    shared = {
+        "device": args.device,
+        "preset": preset,
+        "steps": args.steps,
+        "seed": args.seed,
+        "out": str(out),
+        "profile": args.profile,
+        "timeout": args.timeout,
+    }
     results: dict[str, list[dict[str, Any]]] = {}
     for workload in workloads:
         started = time.perf_counter()
@@ -348,21 +377,44 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{workload}: {time.perf_counter() - started:.0f} s", flush=True)
         print(markdown(results[workload], reference), flush=True)
 
-    header = (f"Matmul ceilings ({n}x{n}x{n}, measured): "
-              + ", ".join(f"{d} {c / 1e12:.3g} TFLOP/s" for d, c in sorted(ceilings.items()))
-              + f". {_versions()}."
-              + (f" fp32 matmul precision {torch.get_float32_matmul_precision()!r}, cuDNN TF32 "
-                 f"{'on' if torch.backends.cudnn.allow_tf32 else 'off'} (the defaults: fp32 matmuls are true fp32, "
-                 "fp32 convolutions may use TF32)." if args.device == "cuda" else ""))
-    text = header + "\n\n" + "\n\n".join(
-        f"**{w}** ({_describe(preset, w, args.steps)})\n\n{markdown(rows, references[w])}"
-        for w, rows in results.items())
+    header = (
+        f"Matmul ceilings ({n}x{n}x{n}, measured): "
+        + ", ".join(f"{d} {c / 1e12:.3g} TFLOP/s" for d, c in sorted(ceilings.items()))
+        + f". {_versions()}."
+        + (
+            f" fp32 matmul precision {torch.get_float32_matmul_precision()!r}, cuDNN TF32 "
+            f"{'on' if torch.backends.cudnn.allow_tf32 else 'off'} (the defaults: fp32 matmuls are true fp32, "
+            "fp32 convolutions may use TF32)."
+            if args.device == "cuda"
+            else ""
+        )
+    )
+    text = (
+        header
+        + "\n\n"
+        + "\n\n".join(
+            f"**{w}** ({_describe(preset, w, args.steps)})\n\n{markdown(rows, references[w])}"
+            for w, rows in results.items()
+        )
+    )
     title = f"Precision modes side by side, preset {preset}, interleaved step by step"
-    (out / "results.json").write_text(json.dumps(
-        {"device": args.device, "machine": machine(args.device), "torch": torch.__version__, "versions": _versions(),
-         "preset": preset,
-         "reference": reference, "references": references, "ceilings_flops": ceilings, "command": sys.argv,
-         "results": results}, indent=1))
+    (out / "results.json").write_text(
+        json.dumps(
+            {
+                "device": args.device,
+                "machine": machine(args.device),
+                "torch": torch.__version__,
+                "versions": _versions(),
+                "preset": preset,
+                "reference": reference,
+                "references": references,
+                "ceilings_flops": ceilings,
+                "command": sys.argv,
+                "results": results,
+            },
+            indent=1,
+        )
+    )
     (out / "results.md").write_text(f"## {title}\n\n{text}\n")
     chart(results, reference, out / "chart.png", f"{title} ({machine(args.device)})")
     report(title, text + f"\n\nChart: `{out / 'chart.png'}`", args.device, args.record)

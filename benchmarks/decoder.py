@@ -39,21 +39,53 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _report import report  # noqa: E402
+from _report import report
 
 SIZES = {
-    "small": dict(hidden_size=256, intermediate_size=704, num_hidden_layers=4, num_attention_heads=4,
-                  num_key_value_heads=4, vocab_size=8192),
-    "issue": dict(hidden_size=512, intermediate_size=1376, num_hidden_layers=8, num_attention_heads=8,
-                  num_key_value_heads=8, vocab_size=32000),
+    "small": dict(
+        hidden_size=256,
+        intermediate_size=704,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        vocab_size=8192,
+    ),
+    "issue": dict(
+        hidden_size=512,
+        intermediate_size=1376,
+        num_hidden_layers=8,
+        num_attention_heads=8,
+        num_key_value_heads=8,
+        vocab_size=32000,
+    ),
 }
-MODES = ["builtin-bf16", "builtin-bf16-true", "ours+masters", "ours+remainder", "ours+remainder+compile",
-         "ours+remainder+8bit", "builtin+8bit"]
+MODES = [
+    "builtin-bf16",
+    "builtin-bf16-true",
+    "ours+masters",
+    "ours+remainder",
+    "ours+remainder+compile",
+    "ours+remainder+8bit",
+    "builtin+8bit",
+]
 
 
 class _Mallinfo2(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_size_t) for name in (
-        "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
+    _fields_ = [
+        (name, ctypes.c_size_t)
+        for name in (
+            "arena",
+            "ordblks",
+            "smblks",
+            "hblks",
+            "hblkhd",
+            "usmblks",
+            "fsmblks",
+            "uordblks",
+            "fordblks",
+            "keepcost",
+        )
+    ]
 
 
 class HeapPeak:
@@ -144,16 +176,25 @@ def _worker(args: argparse.Namespace) -> dict:
         def configure_optimizers(self):
             if eight_bit:
                 from torchao.optim import AdamW8bit
+
                 return AdamW8bit(self.parameters(), lr=1e-4, weight_decay=0.01)
             return torch.optim.AdamW(self.parameters(), lr=1e-4, weight_decay=0.01)
 
-    kwargs: dict = dict(accelerator=args.device, devices=1, max_steps=args.steps, logger=False,
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    kwargs: dict = dict(
+        accelerator=args.device,
+        devices=1,
+        max_steps=args.steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     if mode.startswith("builtin"):
         kwargs["precision"] = "bf16-true" if mode == "builtin-bf16-true" else "bf16-mixed"
     else:
         masters = {"ours+masters": True, "ours+remainder+compile": {"kind": "remainder", "compile": True}}.get(
-            mode, "remainder")
+            mode, "remainder"
+        )
         kwargs["plugins"] = [MixedPrecisionPlugin("bf16-mixed", master_weights=masters)]
     torch.manual_seed(0)
     ids = torch.randint(0, SIZES[args.size]["vocab_size"], (args.batch * args.steps, args.seq))
@@ -162,8 +203,14 @@ def _worker(args: argparse.Namespace) -> dict:
     params = sum(p.numel() for p in module.parameters())
     L.Trainer(**kwargs).fit(module, loader)
     peak = heap.stop() if heap is not None else peak_cuda()
-    return {"mode": mode, "params": params, "at_rest": module.at_rest, "peak": peak, "train_peak": module.train_peak,
-            "step_s": statistics.median(module.times[2:] or module.times)}
+    return {
+        "mode": mode,
+        "params": params,
+        "at_rest": module.at_rest,
+        "peak": peak,
+        "train_peak": module.train_peak,
+        "step_s": statistics.median(module.times[2:] or module.times),
+    }
 
 
 def main() -> None:
@@ -184,20 +231,38 @@ def main() -> None:
     runs: dict[str, list[dict]] = {mode: [] for mode in args.modes}
     for _ in range(args.rounds):
         for mode in args.modes:
-            command = [sys.executable, __file__, "--worker", mode, "--device", args.device, "--size", args.size,
-                       "--batch", str(args.batch),
-                       "--seq", str(args.seq), "--steps", str(args.steps)]
-            done = subprocess.run(command, capture_output=True, text=True,
-                                  env={**os.environ, "PYTHONWARNINGS": "ignore"})
+            command = [
+                sys.executable,
+                __file__,
+                "--worker",
+                mode,
+                "--device",
+                args.device,
+                "--size",
+                args.size,
+                "--batch",
+                str(args.batch),
+                "--seq",
+                str(args.seq),
+                "--steps",
+                str(args.steps),
+            ]
+            done = subprocess.run(
+                command, capture_output=True, text=True, env={**os.environ, "PYTHONWARNINGS": "ignore"}
+            )
             if done.returncode != 0:
                 sys.exit(f"mode {mode} failed:\n{done.stderr[-4000:]}")
-            runs[mode].append(json.loads(next(l for l in done.stdout.splitlines() if l.startswith("RESULT "))[7:]))
+            runs[mode].append(
+                json.loads(next(line for line in done.stdout.splitlines() if line.startswith("RESULT "))[7:])
+            )
             print(f"round result: {runs[mode][-1]}", flush=True)  # a run cut short keeps what it measured
     base = statistics.median(r["step_s"] for r in runs.get("builtin-bf16", next(iter(runs.values()))))
     base_peak = statistics.median(r["peak"] for r in runs.get("builtin-bf16", next(iter(runs.values()))))
-    lines = ["| mode | at rest, bytes/param | peak heap in use, bytes/param (fit incl. teardown) | peak vs builtin-bf16 "
-             "| peak until train end, bytes/param | median step (ms) | speed vs builtin-bf16 | steps of the rounds (ms) |",
-             "|---|---:|---:|---:|---:|---:|---:|---|"]
+    lines = [
+        "| mode | at rest, bytes/param | peak heap in use, bytes/param (fit incl. teardown) | peak vs builtin-bf16 "
+        "| peak until train end, bytes/param | median step (ms) | speed vs builtin-bf16 | steps of the rounds (ms) |",
+        "|---|---:|---:|---:|---:|---:|---:|---|",
+    ]
     for mode, rows in runs.items():
         params = rows[0]["params"]
         rest = statistics.median(r["at_rest"] for r in rows) / params
@@ -206,11 +271,15 @@ def main() -> None:
         each = ", ".join(f"{r['step_s'] * 1e3:.0f}" for r in rows)
         trained = [r["train_peak"] for r in rows if "train_peak" in r]
         train_peak = f"{statistics.median(trained) / params:.1f}" if trained else "-"
-        lines.append(f"| {mode} | {rest:.1f} | {peak / params:.1f} | {peak / base_peak:.2f}x | {train_peak} "
-                     f"| {step * 1e3:.0f} | {base / step:.2f}x | {each} |")
+        lines.append(
+            f"| {mode} | {rest:.1f} | {peak / params:.1f} | {peak / base_peak:.2f}x | {train_peak} "
+            f"| {step * 1e3:.0f} | {base / step:.2f}x | {each} |"
+        )
     params = next(iter(runs.values()))[0]["params"]
-    title = (f"Lean masters on HF Llama ({args.size}, {params / 1e6:.1f}M params), batch {args.batch} x {args.seq}, "
-             f"{args.steps} steps, {args.rounds} alternating rounds")
+    title = (
+        f"Lean masters on HF Llama ({args.size}, {params / 1e6:.1f}M params), batch {args.batch} x {args.seq}, "
+        f"{args.steps} steps, {args.rounds} alternating rounds"
+    )
     report(title, "\n".join(lines), args.device, args.record)
 
 

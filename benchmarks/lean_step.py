@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _report import report  # noqa: E402
+from _report import report
 
 
 def _model(params_m: float, tensors: int) -> nn.Module:
@@ -69,6 +69,7 @@ def _options(args: argparse.Namespace, device: str) -> dict[str, Callable[[], Ca
         def run() -> None:
             opt.step()
             store.masters_to_model(opt)
+
         return run
 
     def lean(chunk: int, compiled: bool) -> Callable[[], None]:
@@ -86,9 +87,9 @@ def _options(args: argparse.Namespace, device: str) -> dict[str, Callable[[], Ca
         "flat fp32 masters (master_weights=True)": flat,
     }
     for chunk in args.chunks:
-        options[f"remainder, chunk 2^{chunk.bit_length() - 1}"] = (lambda c=chunk: lean(c, False))
+        options[f"remainder, chunk 2^{chunk.bit_length() - 1}"] = lambda c=chunk: lean(c, False)
     for chunk in args.chunks if args.compiled else ():
-        options[f"remainder, chunk 2^{chunk.bit_length() - 1}, compile=True"] = (lambda c=chunk: lean(c, True))
+        options[f"remainder, chunk 2^{chunk.bit_length() - 1}, compile=True"] = lambda c=chunk: lean(c, True)
     return options
 
 
@@ -121,15 +122,19 @@ def main() -> None:
             times[name].append(time.perf_counter() - start)
     count = int(args.params * 1e6) // args.tensors // 1024 * 1024 * args.tensors
     base = statistics.median(times["fp32 foreach (built-in's step)"])
-    lines = ["| option | step (ms, median) | vs built-in's step | GB/s at 28 (fp32) or 26 (lean) bytes/param |",
-             "|---|---:|---:|---:|"]
+    lines = [
+        "| option | step (ms, median) | vs built-in's step | GB/s at 28 (fp32) or 26 (lean) bytes/param |",
+        "|---|---:|---:|---:|",
+    ]
     for name, values in times.items():
         median = statistics.median(values)
         moved = (26 if name.startswith("remainder") else 28) * count
         lines.append(f"| {name} | {median * 1e3:.1f} | {base / median:.2f}x | {moved / median / 1e9:.1f} |")
     threads = torch.get_num_threads() if not cuda else "-"
-    title = (f"Optimizer step alone: AdamW on {count / 1e6:.1f}M parameters in {args.tensors} tensors, "
-             f"{args.rounds} interleaved rounds, torch threads {threads}")
+    title = (
+        f"Optimizer step alone: AdamW on {count / 1e6:.1f}M parameters in {args.tensors} tensors, "
+        f"{args.rounds} interleaved rounds, torch threads {threads}"
+    )
     report(title, "\n".join(lines), args.device, args.record)
 
 

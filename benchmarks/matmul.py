@@ -52,17 +52,20 @@ def main() -> None:
         w = torch.randn(args.n, args.k, device=args.device, dtype=dtype)
         dy = torch.randn(args.m, args.n, device=args.device, dtype=dtype)
         layouts = {
-            "forward x @ W^T": lambda: x @ w.t(),
-            "input grad dY @ W": lambda: dy @ w,
-            "weight grad dY^T @ x": lambda: dy.t() @ x,
+            "forward x @ W^T": lambda x=x, w=w: x @ w.t(),
+            "input grad dY @ W": lambda dy=dy, w=w: dy @ w,
+            "weight grad dY^T @ x": lambda dy=dy, x=x: dy.t() @ x,
         }
         rows.append((name, {label: _time(fn, args.device, args.repeats) for label, fn in layouts.items()}))
     labels = list(rows[0][1])
-    lines = ["| dtype | " + " | ".join(f"{label} (GFLOP/s)" for label in labels) + " |",
-             "|---|" + "---:|" * len(labels)]
+    lines = [
+        "| dtype | " + " | ".join(f"{label} (GFLOP/s)" for label in labels) + " |",
+        "|---|" + "---:|" * len(labels),
+    ]
     for name, times in rows:
         lines.append(f"| {name} | " + " | ".join(f"{flops / times[label] / 1e9:.1f}" for label in labels) + " |")
     report(f"Matmul {args.m}x{args.k}x{args.n} per dtype and layout", "\n".join(lines), args.device, args.record)
+
 
 if __name__ == "__main__":
     main()

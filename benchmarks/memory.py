@@ -92,8 +92,13 @@ def _worker(args: argparse.Namespace) -> dict:
             return torch.optim.AdamW(self.parameters(), lr=1e-5, weight_decay=0.01)
 
     trainer_kwargs: dict = dict(
-        accelerator=args.device, devices=1, max_steps=args.steps, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False,
+        accelerator=args.device,
+        devices=1,
+        max_steps=args.steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
     )
     if args.worker == "fp32":
         trainer_kwargs["precision"] = "32-true"
@@ -180,15 +185,31 @@ def main() -> None:
 
     rows = []
     for mode in args.modes:
-        command = [sys.executable, __file__, "--worker", mode, "--device", args.device, "--size", args.size,
-                   "--batch", str(args.batch), "--seq", str(args.seq), "--steps", str(args.steps)]
+        command = [
+            sys.executable,
+            __file__,
+            "--worker",
+            mode,
+            "--device",
+            args.device,
+            "--size",
+            args.size,
+            "--batch",
+            str(args.batch),
+            "--seq",
+            str(args.seq),
+            "--steps",
+            str(args.steps),
+        ]
         done = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "PYTHONWARNINGS": "ignore"})
         if done.returncode != 0:
             sys.exit(f"mode {mode} failed:\n{done.stderr[-4000:]}")
-        rows.append(json.loads(next(l for l in done.stdout.splitlines() if l.startswith("RESULT "))[7:]))
+        rows.append(json.loads(next(line for line in done.stdout.splitlines() if line.startswith("RESULT "))[7:]))
     table = _table(rows)
-    title = (f"Memory, {args.size} encoder ({rows[0]['params'] / 1e6:.1f}M params), batch {args.batch} x seq "
-             f"{args.seq}, AdamW, {args.steps} steps")
+    title = (
+        f"Memory, {args.size} encoder ({rows[0]['params'] / 1e6:.1f}M params), batch {args.batch} x seq "
+        f"{args.seq}, AdamW, {args.steps} steps"
+    )
     report(title, table, args.device, args.record)
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2))

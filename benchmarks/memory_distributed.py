@@ -33,9 +33,18 @@ class MLP(L.LightningModule):
     def __init__(self, shard: bool) -> None:
         super().__init__()
         self.shard = shard
-        self.net = nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.LayerNorm(WIDTH), nn.GELU(),
-                                 nn.Linear(WIDTH, WIDTH), nn.GELU(), nn.Linear(WIDTH, WIDTH), nn.GELU(),
-                                 nn.Linear(WIDTH, WIDTH), nn.GELU(), nn.Linear(WIDTH, 1))
+        self.net = nn.Sequential(
+            nn.Linear(WIDTH, WIDTH),
+            nn.LayerNorm(WIDTH),
+            nn.GELU(),
+            nn.Linear(WIDTH, WIDTH),
+            nn.GELU(),
+            nn.Linear(WIDTH, WIDTH),
+            nn.GELU(),
+            nn.Linear(WIDTH, WIDTH),
+            nn.GELU(),
+            nn.Linear(WIDTH, 1),
+        )
         self.counts: dict[str, int] = {}
 
     def configure_model(self) -> None:
@@ -101,12 +110,21 @@ def run(strategy_name: str, masters: bool) -> dict[str, int]:
     torch.manual_seed(0)
     x = torch.randn(64, WIDTH)
     loader = DataLoader(TensorDataset(x, x[:, :1]), batch_size=16)
-    strategy = (ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1) if strategy_name == "FSDP2"
-                else "ddp")
+    strategy = (
+        ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1) if strategy_name == "FSDP2" else "ddp"
+    )
     model = MLP(shard=strategy_name == "FSDP2")
-    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=2, logger=False,
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                        plugins=[MixedPrecisionPlugin("bf16-mixed", master_weights=masters)])
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=strategy,
+        max_steps=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        plugins=[MixedPrecisionPlugin("bf16-mixed", master_weights=masters)],
+    )
     trainer.fit(model, loader)
     return model.counts
 
@@ -127,8 +145,10 @@ def main() -> None:
             numel = counts["numel"]
     if torch.distributed.get_rank() != 0:
         return
-    header = ("| 2 ranks, AdamW: bytes per parameter on each rank | " + " | ".join(columns) + " | total |\n"
-              "|---|" + "---:|" * (len(columns) + 1))
+    header = (
+        "| 2 ranks, AdamW: bytes per parameter on each rank | " + " | ".join(columns) + " | total |\n"
+        "|---|" + "---:|" * (len(columns) + 1)
+    )
     table = "\n".join([header, *rows])
     print(table)
     if args.record:

@@ -92,8 +92,9 @@ class _MLP(L.LightningModule):
     def __init__(self, plant: int) -> None:
         super().__init__()
         planted = _NaNAt(plant)
-        self.net = nn.Sequential(nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), planted,
-                                 nn.Linear(256, 10))
+        self.net = nn.Sequential(
+            nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 256), nn.ReLU(), planted, nn.Linear(256, 10)
+        )
         planted.step = lambda: self.trainer.global_step
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
@@ -119,8 +120,14 @@ def _workload(name: str, steps: int, plant: int, preset: str) -> tuple[L.Lightni
 
         model = BertClassifier("minilm", pretrained=False, lr=1e-4)
         ids = torch.randint(1000, 5000, (steps * 16, 64))
-        data = [{"input_ids": ids[i:i + 16], "attention_mask": torch.ones(16, 64, dtype=torch.long),
-                 "labels": torch.randint(0, 2, (16,))} for i in range(0, len(ids), 16)]
+        data = [
+            {
+                "input_ids": ids[i : i + 16],
+                "attention_mask": torch.ones(16, 64, dtype=torch.long),
+                "labels": torch.randint(0, 2, (16,)),
+            }
+            for i in range(0, len(ids), 16)
+        ]
         return model, DataLoader(data, batch_size=None), []
     from lightning_mp import MixedPrecisionPlugin
 
@@ -141,9 +148,16 @@ def _worker(name: str, monitored: bool, index: int, args: dict[str, Any], turns:
         hook_seconds = _time_hooks(monitor) if monitor is not None else []
         with tempfile.TemporaryDirectory() as root:
             trainer = L.Trainer(
-                accelerator="cpu", devices=1, max_steps=args["steps"], plugins=plugins, default_root_dir=root,
-                logger=CSVLogger(root), enable_checkpointing=False, enable_progress_bar=False,
-                enable_model_summary=False, callbacks=[clock, *([monitor] if monitor else []), stop],
+                accelerator="cpu",
+                devices=1,
+                max_steps=args["steps"],
+                plugins=plugins,
+                default_root_dir=root,
+                logger=CSVLogger(root),
+                enable_checkpointing=False,
+                enable_progress_bar=False,
+                enable_model_summary=False,
+                callbacks=[clock, *([monitor] if monitor else []), stop],
             )
             trainer.fit(model, loader)
         out: dict[str, Any] = {"times": stop.times}
@@ -175,6 +189,7 @@ def _time_hooks(monitor: Any) -> list[float]:
                 return hook(*args, **kwargs)
             finally:
                 per_step[-1] += time.perf_counter() - start
+
         return run
 
     for name in _STEP_HOOKS:
@@ -192,7 +207,8 @@ def _table(name: str, off: dict[str, Any], on: dict[str, Any], warmup: int, ever
     median_off, median_on = statistics.median(plain_off), statistics.median(plain_on)
     sample_cost = statistics.fmean(times_on[i] for i in sampled) - median_on if sampled else float("nan")
     lines = [
-        "| | no monitor | PrecisionMonitor() | overhead |", "|---|---:|---:|---:|",
+        "| | no monitor | PrecisionMonitor() | overhead |",
+        "|---|---:|---:|---:|",
         f"| mean step, all {len(times_on)} timed steps (ms) | {1e3 * mean_off:.2f} | {1e3 * mean_on:.2f} | "
         f"{100 * (mean_on / mean_off - 1):+.2f}% |",
         f"| median step, neither sampled nor skipped (ms) | {1e3 * median_off:.2f} | {1e3 * median_on:.2f} | "
@@ -202,11 +218,15 @@ def _table(name: str, off: dict[str, Any], on: dict[str, Any], warmup: int, ever
     ]
     hooks = [t for i, t in enumerate(on["hooks"][warmup:]) if i not in sampled | skipped]
     if hooks:
-        lines.append(f"| time in the monitor's hooks, step neither sampled nor skipped (ms, mean) | | "
-                     f"{1e3 * statistics.fmean(hooks):.3f} | {100 * statistics.fmean(hooks) / median_off:+.2f}% |")
+        lines.append(
+            f"| time in the monitor's hooks, step neither sampled nor skipped (ms, mean) | | "
+            f"{1e3 * statistics.fmean(hooks):.3f} | {100 * statistics.fmean(hooks) / median_off:+.2f}% |"
+        )
     for step, seconds, replays, cause in on.get("localised", []):
-        lines.append(f"| localising skipped step {step} ({cause}, {replays} replays) (ms) | | {1e3 * seconds:.2f} | "
-                     f"{seconds / median_off:.1f} steps |")
+        lines.append(
+            f"| localising skipped step {step} ({cause}, {replays} replays) (ms) | | {1e3 * seconds:.2f} | "
+            f"{seconds / median_off:.1f} steps |"
+        )
     return "\n".join(lines)
 
 
@@ -227,8 +247,10 @@ def main() -> None:
     for name in args.workloads:
         turns, results = Turns(2), context.Manager().dict()
         settings = {"steps": args.steps, "plant": args.plant, "threads": args.threads, "preset": args.preset}
-        workers = [context.Process(target=_worker, args=(name, monitored, index, settings, turns, results))
-                   for index, monitored in enumerate((False, True))]
+        workers = [
+            context.Process(target=_worker, args=(name, monitored, index, settings, turns, results))
+            for index, monitored in enumerate((False, True))
+        ]
         for worker in workers:
             worker.start()
         for worker in workers:
@@ -236,11 +258,14 @@ def main() -> None:
         if any(worker.exitcode for worker in workers):
             raise SystemExit(f"{name}: a worker failed (exit codes {[w.exitcode for w in workers]})")
         sizes = f" ({args.preset} preset, ours)" if name in COMPARE_WORKLOADS else ""
-        title = (f"PrecisionMonitor overhead, {name}{sizes}, {args.steps} steps each ({args.warmup} untimed), "
-                 "interleaved "
-                 f"step by step, {args.threads} thread(s) per process")
-        report(title, _table(name, results[(name, False)], results[(name, True)], args.warmup, every), "cpu",
-               args.record)
+        title = (
+            f"PrecisionMonitor overhead, {name}{sizes}, {args.steps} steps each ({args.warmup} untimed), "
+            "interleaved "
+            f"step by step, {args.threads} thread(s) per process"
+        )
+        report(
+            title, _table(name, results[(name, False)], results[(name, True)], args.warmup, every), "cpu", args.record
+        )
 
 
 if __name__ == "__main__":

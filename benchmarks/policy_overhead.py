@@ -41,8 +41,12 @@ def main() -> None:
         "attention_mask": torch.ones(args.batch, args.seq, dtype=torch.long),
         "labels": torch.randint(0, 2, (args.batch,)),
     }
-    plugins = {name: MixedPrecisionPlugin(args.precision, scaler=None if args.precision == "bf16-mixed" else 1024.0,
-                                          policy=policy) for name, policy in POLICIES.items()}
+    plugins = {
+        name: MixedPrecisionPlugin(
+            args.precision, scaler=None if args.precision == "bf16-mixed" else 1024.0, policy=policy
+        )
+        for name, policy in POLICIES.items()
+    }
     times: dict[str, list[float]] = {name: [] for name in POLICIES}
     for step in range(args.steps + 1):
         for name, plugin in plugins.items():
@@ -61,9 +65,12 @@ def main() -> None:
     for name, values in times.items():
         median = statistics.median(values)
         lines.append(f"| {name} | {median:.4f} | {100 * (median / base - 1):+.2f}% |")
-    title = (f"Policy overhead, MiniLM-L6 architecture (random init), batch {args.batch} x seq {args.seq}, "
-             f"{args.precision}, {args.steps} steps each, interleaved")
+    title = (
+        f"Policy overhead, MiniLM-L6 architecture (random init), batch {args.batch} x seq {args.seq}, "
+        f"{args.precision}, {args.steps} steps each, interleaved"
+    )
     report(title, "\n".join(lines), "cpu", args.record)
+
 
 if __name__ == "__main__":
     main()

@@ -38,23 +38,61 @@ def overrides(args: argparse.Namespace) -> list[str]:
     """The command-line flags that turn configs/bert-imdb.yaml into the variant asked for."""
     flags: list[str] = []
     if args.offline or args.pretrained_minilm or args.tiny:
-        flags += ["--data.init_args.source", "rotten_tomatoes", "--data.init_args.tokenizer", "minilm",
-                  "--data.init_args.pad_to_max_length", "true", "--model.init_args.model_name_or_path", "minilm"]
+        flags += [
+            "--data.init_args.source",
+            "rotten_tomatoes",
+            "--data.init_args.tokenizer",
+            "minilm",
+            "--data.init_args.pad_to_max_length",
+            "true",
+            "--model.init_args.model_name_or_path",
+            "minilm",
+        ]
         if not args.pretrained_minilm:
-            flags += ["--model.init_args.pretrained", "false",
-                      "--model.init_args.config_overrides", json.dumps(TINY_BERT if args.tiny else BERT_BASE)]
+            flags += [
+                "--model.init_args.pretrained",
+                "false",
+                "--model.init_args.config_overrides",
+                json.dumps(TINY_BERT if args.tiny else BERT_BASE),
+            ]
     if args.tiny:  # seconds on a CPU: the test suite's check that this script runs
-        flags += ["--trainer.max_epochs", "1", "--data.init_args.train_size", "16", "--data.init_args.val_size", "8",
-                  "--data.init_args.test_size", "8", "--data.init_args.batch_size", "8",
-                  "--data.init_args.max_length", "16"]
+        flags += [
+            "--trainer.max_epochs",
+            "1",
+            "--data.init_args.train_size",
+            "16",
+            "--data.init_args.val_size",
+            "8",
+            "--data.init_args.test_size",
+            "8",
+            "--data.init_args.batch_size",
+            "8",
+            "--data.init_args.max_length",
+            "16",
+        ]
     return flags
 
 
 def run(precision: str, flags: list[str], root: Path) -> dict:
-    command = [sys.executable, "-m", "lightning_mp", "fit", "--config", str(ROOT / "configs" / "bert-imdb.yaml"),
-               "--trainer.precision", precision, *flags, "--trainer.default_root_dir", str(root),
-               "--trainer.logger", "CSVLogger", "--trainer.logger.init_args.save_dir", str(root),
-               "--trainer.enable_progress_bar", "false"]
+    command = [
+        sys.executable,
+        "-m",
+        "lightning_mp",
+        "fit",
+        "--config",
+        str(ROOT / "configs" / "bert-imdb.yaml"),
+        "--trainer.precision",
+        precision,
+        *flags,
+        "--trainer.default_root_dir",
+        str(root),
+        "--trainer.logger",
+        "CSVLogger",
+        "--trainer.logger.init_args.save_dir",
+        str(root),
+        "--trainer.enable_progress_bar",
+        "false",
+    ]
     root.mkdir(parents=True, exist_ok=True)
     log = root / "log.txt"
     start = time.perf_counter()
@@ -70,8 +108,12 @@ def run(precision: str, flags: list[str], root: Path) -> dict:
                 metrics.update({k: float(v) for k, v in row.items() if v not in ("", None) and k != "epoch"})
     if "test_acc" not in metrics:
         sys.exit(f"{precision}: no test_acc in {root}/lightning_logs/*/metrics.csv; output:\n{log.read_text()[-3000:]}")
-    return {"precision": precision, "seconds": seconds, "test_acc": metrics["test_acc"],
-            "val_acc": metrics.get("val_acc")}
+    return {
+        "precision": precision,
+        "seconds": seconds,
+        "test_acc": metrics["test_acc"],
+        "val_acc": metrics.get("val_acc"),
+    }
 
 
 def main() -> None:
@@ -90,15 +132,25 @@ def main() -> None:
         rows.append(run(precision, flags, args.out / precision))
         print(rows[-1], flush=True)
     base = rows[0]
-    lines = [f"| precision | wall time (s) | speed-up vs {base['precision']} | test acc | last val acc |",
-             "|---|---:|---:|---:|---:|"]
+    lines = [
+        f"| precision | wall time (s) | speed-up vs {base['precision']} | test acc | last val acc |",
+        "|---|---:|---:|---:|---:|",
+    ]
     for r in rows:
         val = "-" if r["val_acc"] is None else f"{r['val_acc']:.4f}"
-        lines.append(f"| {r['precision']} | {r['seconds']:.1f} | {base['seconds'] / r['seconds']:.2f}x "
-                     f"| {r['test_acc']:.4f} | {val} |")
-    variant = ("tiny" if args.tiny else "pretrained MiniLM-L6, Rotten Tomatoes padded to 512" if args.pretrained_minilm
-               else "BERT-base shape, random init, Rotten Tomatoes padded to 512" if args.offline
-               else "bert-base-cased on IMDB")
+        lines.append(
+            f"| {r['precision']} | {r['seconds']:.1f} | {base['seconds'] / r['seconds']:.2f}x "
+            f"| {r['test_acc']:.4f} | {val} |"
+        )
+    variant = (
+        "tiny"
+        if args.tiny
+        else "pretrained MiniLM-L6, Rotten Tomatoes padded to 512"
+        if args.pretrained_minilm
+        else "BERT-base shape, random init, Rotten Tomatoes padded to 512"
+        if args.offline
+        else "bert-base-cased on IMDB"
+    )
     report(f"Reference experiment (configs/bert-imdb.yaml), {variant}", "\n".join(lines), device, args.record)
 
 

@@ -56,25 +56,43 @@ class _Counted(MixedPrecisionPlugin):
 
 
 def _trainer(plugin: Any, steps: int, callbacks: Any = ()) -> L.Trainer:
-    return L.Trainer(accelerator="cpu", devices=1, max_steps=steps, logger=False, enable_checkpointing=False,
-                     enable_progress_bar=False, enable_model_summary=False, limit_val_batches=0,
-                     callbacks=list(callbacks), **({"precision": plugin} if isinstance(plugin, str) else
-                                                  {"plugins": [plugin]}))
+    return L.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        limit_val_batches=0,
+        callbacks=list(callbacks),
+        **({"precision": plugin} if isinstance(plugin, str) else {"plugins": [plugin]}),
+    )
 
 
 def count_table(steps: int) -> str:
-    rows = ["| precision | optimizer | scheduler | path | host syncs per step (each of the steps) | total |",
-            "|---|---|---|---|---|---:|"]
-    scalers = {"fp16 dynamic": ("16-mixed", lambda: DynamicLossScaler(init_scale=1024.0)),
-               "fp16 static": ("16-mixed", lambda: 512.0), "bf16 check-only": ("bf16-mixed", lambda: None)}
+    rows = [
+        "| precision | optimizer | scheduler | path | host syncs per step (each of the steps) | total |",
+        "|---|---|---|---|---|---:|",
+    ]
+    scalers = {
+        "fp16 dynamic": ("16-mixed", lambda: DynamicLossScaler(init_scale=1024.0)),
+        "fp16 static": ("16-mixed", lambda: 512.0),
+        "bf16 check-only": ("bf16-mixed", lambda: None),
+    }
     cases = [(kind, fused, sched, False) for kind in scalers for fused in (True, False) for sched in (None, "step")]
     cases.append(("bf16 check-only", True, None, True))
     for kind, fused, sched, cpu_default in cases:
         precision, scaler = scalers[kind]
         stepping.DECIDE_CPU_FLAGS_ON_HOST = cpu_default
         torch.manual_seed(0)
-        model = TinyRegressor(optimizer="adam" if fused else "sgd", fused=fused, scheduler=sched,
-                              record_grad_norms=False, inject_inf_at=[3])
+        model = TinyRegressor(
+            optimizer="adam" if fused else "sgd",
+            fused=fused,
+            scheduler=sched,
+            record_grad_norms=False,
+            inject_inf_at=[3],
+        )
         plugin = _Counted(precision, scaler=scaler())
         plugin.counts = []
         _trainer(plugin, steps).fit(model, regression_loader(n=8 * steps))
@@ -102,8 +120,9 @@ def _timed_run(mode: str, steps: int) -> list[float]:
 
     work = build("mlp", "tiny", seed=0)
     module = work.module
-    module.configure_optimizers = lambda: torch.optim.AdamW(module.parameters(), lr=module.lr, weight_decay=0.01,
-                                                            fused=True)
+    module.configure_optimizers = lambda: torch.optim.AdamW(
+        module.parameters(), lr=module.lr, weight_decay=0.01, fused=True
+    )
     stepping.DECIDE_CPU_FLAGS_ON_HOST = mode != "ours-bf16 (device path)"
     plugin: Any = "bf16-mixed" if mode == "builtin-bf16" else MixedPrecisionPlugin("bf16-mixed")
     timer = _StepTimer()
@@ -121,8 +140,10 @@ def time_table(steps: int, repeats: int) -> str:
             runs[mode].append((statistics.median(times), times[len(times) // 10]))
     base = statistics.median(m for m, _ in runs["builtin-bf16"])
     base10 = statistics.median(p for _, p in runs["builtin-bf16"])
-    rows = ["| mode | step CPU ms, median of run medians | p10 | speed vs built-in (median, p10) |",
-            "|---|---:|---:|---:|"]
+    rows = [
+        "| mode | step CPU ms, median of run medians | p10 | speed vs built-in (median, p10) |",
+        "|---|---:|---:|---:|",
+    ]
     for mode in modes:
         median = statistics.median(m for m, _ in runs[mode])
         p10 = statistics.median(p for _, p in runs[mode])
@@ -142,8 +163,12 @@ def main() -> None:
     counts = count_table(args.steps)
     print(counts, flush=True)
     times = time_table(args.timed_steps, args.repeats)
-    report("Host syncs per optimizer step and step time by path (issue 19, item 4)",
-           f"{counts}\n\n{times}", "cpu", args.record)
+    report(
+        "Host syncs per optimizer step and step time by path (issue 19, item 4)",
+        f"{counts}\n\n{times}",
+        "cpu",
+        args.record,
+    )
 
 
 if __name__ == "__main__":

@@ -39,8 +39,12 @@ PRESETS: dict[str, dict[str, dict[str, Any]]] = {
         "resnet18-28": dict(batch=128, size=28, steps=150, warmup=20, lr=1e-3),
         "resnet18-224": dict(batch=64, size=224, steps=100, warmup=20, lr=1e-3),
         "mlp": dict(batch=2048, hidden=8192, depth=4, features=512, steps=100, warmup=20, lr=1e-4, train=200_000),
-        "decoder-2048": dict(batch=8, seq=1024, hidden=2048, layers=4, heads=16, steps=60, warmup=15, lr=3e-4, test=512),
-        "decoder-4096": dict(batch=4, seq=1024, hidden=4096, layers=2, heads=32, steps=60, warmup=15, lr=3e-4, test=512),
+        "decoder-2048": dict(
+            batch=8, seq=1024, hidden=2048, layers=4, heads=16, steps=60, warmup=15, lr=3e-4, test=512
+        ),
+        "decoder-4096": dict(
+            batch=4, seq=1024, hidden=4096, layers=2, heads=32, steps=60, warmup=15, lr=3e-4, test=512
+        ),
     },
     "cpu": {
         "bert-base": dict(batch=4, seq=64, steps=5, warmup=1, lr=1e-4, train=None, test=100),
@@ -65,7 +69,7 @@ PRESETS: dict[str, dict[str, dict[str, Any]]] = {
 class Workload:
     """What a worker needs: the module, the loaders, and how to count its tokens and FLOPs."""
 
-    module: "BenchModule"
+    module: BenchModule
     train: DataLoader
     test: DataLoader
     batch: int
@@ -84,7 +88,11 @@ class BenchModule(L.LightningModule):
     """
 
     def __init__(
-        self, net: nn.Module, lr: float, warmup: int, forward_fn: Callable[[nn.Module, Any], torch.Tensor],
+        self,
+        net: nn.Module,
+        lr: float,
+        warmup: int,
+        forward_fn: Callable[[nn.Module, Any], torch.Tensor],
         resize: Optional[int] = None,
     ) -> None:
         super().__init__()
@@ -178,16 +186,28 @@ def _text(name: str, sizes: dict[str, Any], seed: int) -> Workload:
     from lightning_mp.samples.models.bert import load_sequence_classifier
 
     data = SentimentDataModule(
-        "rotten_tomatoes", train_size=sizes["train"], val_size=1, test_size=sizes["test"], batch_size=sizes["batch"],
-        max_length=sizes["seq"], pad_to_max_length=True, seed=seed,
+        "rotten_tomatoes",
+        train_size=sizes["train"],
+        val_size=1,
+        test_size=sizes["test"],
+        batch_size=sizes["batch"],
+        max_length=sizes["seq"],
+        pad_to_max_length=True,
+        seed=seed,
     )
     data.setup()
     overrides = sizes.get("config", BERT_BASE if name == "bert-base" else {})
     net = load_sequence_classifier("minilm", 2, pretrained=not overrides, config_overrides=overrides)
     net.train()
     module = BenchModule(net, sizes["lr"], sizes["warmup"], _call_hf)
-    return Workload(module, data.train_dataloader(), data.test_dataloader(), *_counts(sizes), sizes["seq"],
-                    transformer_train_flops(net, sizes["seq"]))
+    return Workload(
+        module,
+        data.train_dataloader(),
+        data.test_dataloader(),
+        *_counts(sizes),
+        sizes["seq"],
+        transformer_train_flops(net, sizes["seq"]),
+    )
 
 
 def _images(sizes: dict[str, Any], seed: int) -> Workload:
@@ -205,8 +225,10 @@ def _images(sizes: dict[str, Any], seed: int) -> Workload:
 def _mlp(sizes: dict[str, Any], seed: int) -> Workload:
     features, hidden, classes = sizes["features"], sizes["hidden"], 10
     generator = torch.Generator().manual_seed(seed + 1)
-    teacher = [torch.randn(features, 4 * classes, generator=generator) / features**0.5,
-               torch.randn(4 * classes, classes, generator=generator) / (4 * classes) ** 0.5]
+    teacher = [
+        torch.randn(features, 4 * classes, generator=generator) / features**0.5,
+        torch.randn(4 * classes, classes, generator=generator) / (4 * classes) ** 0.5,
+    ]
     n_train, n_test = sizes["train"], max(256, sizes["train"] // 10)
     inputs = torch.randn(n_train + n_test, features, generator=generator)
     labels = (torch.tanh(inputs @ teacher[0]) @ teacher[1]).argmax(dim=1)
@@ -217,8 +239,13 @@ def _mlp(sizes: dict[str, Any], seed: int) -> Workload:
         width = hidden
     net = nn.Sequential(*layers, nn.Linear(width, classes))
     module = BenchModule(net, sizes["lr"], sizes["warmup"], _call)
-    train = DataLoader(TensorDataset(inputs[:n_train], labels[:n_train]), batch_size=sizes["batch"], shuffle=True,
-                       generator=torch.Generator().manual_seed(seed), drop_last=True)
+    train = DataLoader(
+        TensorDataset(inputs[:n_train], labels[:n_train]),
+        batch_size=sizes["batch"],
+        shuffle=True,
+        generator=torch.Generator().manual_seed(seed),
+        drop_last=True,
+    )
     test = DataLoader(TensorDataset(inputs[n_train:], labels[n_train:]), batch_size=sizes["batch"])
     return Workload(module, train, test, *_counts(sizes))
 
@@ -245,8 +272,13 @@ def _decoder(sizes: dict[str, Any], seed: int) -> Workload:
         count = len(data._datasets[split]) if split == "train" else min(sizes["test"], len(data._datasets[split]))
         windows = torch.stack([data._datasets[split][i] for i in range(count)])
         dataset = TensorDataset(windows[:, :-1], windows[:, 1:])
-        return DataLoader(dataset, batch_size=sizes["batch"], shuffle=shuffle, drop_last=shuffle,
-                          generator=torch.Generator().manual_seed(seed))
+        return DataLoader(
+            dataset,
+            batch_size=sizes["batch"],
+            shuffle=shuffle,
+            drop_last=shuffle,
+            generator=torch.Generator().manual_seed(seed),
+        )
 
     net = GPT(sizes["layers"], sizes["heads"], sizes["hidden"], seq)
     module = DecoderModule(net, sizes["lr"], sizes["warmup"], lambda net, x: net(x).transpose(1, 2))

@@ -38,8 +38,11 @@ class TokenIds(Dataset):
         return len(self.labels)
 
     def __getitem__(self, index: int) -> dict:
-        return {"input_ids": self.ids[index], "attention_mask": torch.ones(16, dtype=torch.long),
-                "labels": self.labels[index]}
+        return {
+            "input_ids": self.ids[index],
+            "attention_mask": torch.ones(16, dtype=torch.long),
+            "labels": self.labels[index],
+        }
 
 
 def main() -> None:
@@ -51,8 +54,14 @@ def main() -> None:
     print(policy.describe("cpu"))
     plugin = MixedPrecisionPlugin("bf16-mixed", policy=policy)
     model = HeadInFp32("minilm", pretrained=False, config_overrides=TINY_BERT, lr=1e-3)
-    trainer = L.Trainer(plugins=[plugin], max_steps=args.steps, logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False)
+    trainer = L.Trainer(
+        plugins=[plugin],
+        max_steps=args.steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     trainer.fit(model, DataLoader(TokenIds(256), batch_size=16))
     print(f"effective policy: {plugin.effective_policy!r}")
     print(f"final training loss: {trainer.callback_metrics['train_loss'].item():.4f}")

@@ -42,7 +42,11 @@ class SpiralClassifier(L.LightningModule):
         self.shard = shard
         self.lr = lr
         self.net = nn.Sequential(
-            nn.Linear(2, hidden), nn.LayerNorm(hidden), nn.GELU(), nn.Linear(hidden, hidden), nn.GELU(),
+            nn.Linear(2, hidden),
+            nn.LayerNorm(hidden),
+            nn.GELU(),
+            nn.Linear(hidden, hidden),
+            nn.GELU(),
             nn.Linear(hidden, 2),
         )
 
@@ -95,9 +99,17 @@ def main() -> None:
     fsdp2 = args.strategy == "fsdp2"
     strategy = ModelParallelStrategy(data_parallel_size=args.devices, tensor_parallel_size=1) if fsdp2 else "ddp"
     trainer = L.Trainer(
-        accelerator=args.accelerator, devices=args.devices, strategy=strategy, plugins=[plugin],
-        max_epochs=args.max_epochs, accumulate_grad_batches=2, gradient_clip_val=1.0, logger=False,
-        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        accelerator=args.accelerator,
+        devices=args.devices,
+        strategy=strategy,
+        plugins=[plugin],
+        max_epochs=args.max_epochs,
+        accumulate_grad_batches=2,
+        gradient_clip_val=1.0,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
     )
     model = SpiralClassifier(shard=fsdp2)
     train = DataLoader(spirals(1000, seed=1), batch_size=32, shuffle=True)
@@ -108,8 +120,10 @@ def main() -> None:
     if trainer.global_rank == 0:
         print(f"{args.strategy} on {trainer.world_size} processes, {plugin!r}")
         print(f"held-out accuracy: {trainer.callback_metrics['val_acc'].item():.3f}")
-        print(f"loss scale: {plugin.scaler.scale:g} after {plugin.scaler.steps} optimizer steps, "
-              f"{plugin.scaler.skipped_steps} skipped")
+        print(
+            f"loss scale: {plugin.scaler.scale:g} after {plugin.scaler.steps} optimizer steps, "
+            f"{plugin.scaler.skipped_steps} skipped"
+        )
         if same is not None:
             print(f"fp32 weights bitwise identical on all {trainer.world_size} ranks: {same}")
     if torch.distributed.is_initialized():  # both ranks done, then the gloo threads end before the interpreter does

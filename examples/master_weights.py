@@ -35,8 +35,14 @@ class Scale(L.LightningModule):
 def train(steps: int, **trainer_kwargs) -> float:
     model = Scale()
     loader = DataLoader(TensorDataset(torch.ones(steps, 16)), batch_size=1)
-    L.Trainer(max_epochs=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-              enable_model_summary=False, **trainer_kwargs).fit(model, loader)
+    L.Trainer(
+        max_epochs=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        **trainer_kwargs,
+    ).fit(model, loader)
     return model.weight.float().mean().item()
 
 

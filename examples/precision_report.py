@@ -62,9 +62,17 @@ def main() -> None:
     scaler = DynamicLossScaler(init_scale=args.init_scale, growth_interval=50)
     plugin = MixedPrecisionPlugin(scaler=scaler, policy={"fp32_modules": args.fp32_modules})
     monitor = PrecisionMonitor(sample_every=10)  # the default is 100; a short run samples more often
-    trainer = L.Trainer(accelerator="cpu", max_steps=args.steps, plugins=[plugin],
-                        callbacks=[monitor], default_root_dir=args.root, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False, log_every_n_steps=10)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        max_steps=args.steps,
+        plugins=[plugin],
+        callbacks=[monitor],
+        default_root_dir=args.root,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        log_every_n_steps=10,
+    )
     trainer.fit(Regressor(), data(args.steps))
     history = monitor.history
     print(f"{history.steps} steps, {len(history.skipped)} skipped; final loss scale {scaler.scale:g}")

@@ -28,7 +28,9 @@ class LoggingPlugin(MixedPrecisionPlugin):
         self.consecutive_skips = 0
         self.skip_log: list[tuple[int, float, list[str]]] = []
 
-    def optimizer_step(self, optimizer: Any, model: L.LightningModule, closure: Callable[[], Any], **kwargs: Any) -> Any:
+    def optimizer_step(
+        self, optimizer: Any, model: L.LightningModule, closure: Callable[[], Any], **kwargs: Any
+    ) -> Any:
         skipped_before = self.scaler.skipped_steps
         scale_before = self.scaler.scale
         names = []
@@ -70,11 +72,17 @@ def main() -> None:
     args = parser.parse_args()
     L.seed_everything(0)
     x = torch.randn(512, 8)
-    y = (x.sum(dim=1, keepdim=True) * 1000.0)  # large targets: the first steps overflow at scale 2**16
+    y = x.sum(dim=1, keepdim=True) * 1000.0  # large targets: the first steps overflow at scale 2**16
     loader = DataLoader(TensorDataset(x, y), batch_size=32)
     plugin = LoggingPlugin("16-mixed", scaler=DynamicLossScaler(init_scale=2.0**16), max_consecutive_skips=20)
-    trainer = L.Trainer(plugins=[plugin], max_epochs=args.max_epochs, logger=False, enable_checkpointing=False,
-                        enable_progress_bar=False, enable_model_summary=False)
+    trainer = L.Trainer(
+        plugins=[plugin],
+        max_epochs=args.max_epochs,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
     trainer.fit(Regressor(), loader)
     print(f"{len(plugin.skip_log)} skipped steps; final scale {plugin.scaler.scale:g}")
 

@@ -6,5 +6,13 @@ from lightning_mp.plugin import MixedPrecisionPlugin
 from lightning_mp.policy import CastPolicy
 from lightning_mp.scaler import DynamicLossScaler
 
-__all__ = ["CastPolicy", "Census", "audit", "DynamicLossScaler", "MasterWeights", "MixedPrecisionPlugin", "PrecisionMonitor"]
+__all__ = [
+    "CastPolicy",
+    "Census",
+    "audit",
+    "DynamicLossScaler",
+    "MasterWeights",
+    "MixedPrecisionPlugin",
+    "PrecisionMonitor",
+]
 __version__ = "0.1.0"

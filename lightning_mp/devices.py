@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from torch import Tensor
 from torch.nn import Module
 
 _WARNED_FP16_ON_CPU = False
@@ -26,3 +27,9 @@ def warn_fp16_on_cpu() -> None:
             "matmul kernels: expect it to be many times slower than fp32. On CPUs with native bf16 (AVX512-BF16 "
             "or AMX), precision='bf16-mixed' is the fast choice; on others, fp32 is (see benchmarks/RESULTS.md)."
         )
+
+
+def local_shard(grad: Tensor) -> Tensor:
+    """A ``DTensor`` gradient's local shard (same storage, so unscaling it in place unscales the DTensor)."""
+    to_local = getattr(grad, "to_local", None)
+    return to_local() if to_local is not None else grad

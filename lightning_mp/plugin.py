@@ -24,20 +24,22 @@ from torch.optim import LBFGS, Optimizer
 from typing_extensions import override
 
 from lightning_mp import stepping
+from lightning_mp.devices import module_device as _module_device
+from lightning_mp.devices import warn_fp16_on_cpu as _warn_fp16_on_cpu
 from lightning_mp.distributed import GradientSync, mixed_precision_policy, sync_for
-from lightning_mp.devices import module_device as _module_device, warn_fp16_on_cpu as _warn_fp16_on_cpu
 from lightning_mp.distributed.sync import reduce_dtype_of
 from lightning_mp.fp8.convert import Fp8Training
 from lightning_mp.master import MasterWeights, MasterWeightsOption, is_norm, masters_for
 from lightning_mp.policy import CastPolicy, ModuleRules, override_context
 from lightning_mp.policy import _override_targets as override_targets
 from lightning_mp.scaler import DynamicLossScaler
-from lightning_mp.settings import foreign_scaler_state
 from lightning_mp.schedulers import guard_scheduler
+from lightning_mp.settings import foreign_scaler_state
 from lightning_mp.unscaled import UnscaledGradients
 
 PrecisionName = Literal["16-mixed", "bf16-mixed"]
 _DTYPES: dict[str, torch.dtype] = {"16-mixed": torch.float16, "bf16-mixed": torch.bfloat16}
+
 
 class MixedPrecisionPlugin(Precision):
     """Mixed-precision training with a loss scaler you can tune and inspect.
@@ -261,11 +263,7 @@ class MixedPrecisionPlugin(Precision):
     # ------------------------------------------------------------------ the optimizer step
     @override
     def optimizer_step(  # type: ignore[override]
-        self,
-        optimizer: Optimizable,
-        model: LightningModule,
-        closure: Callable[[], Any],
-        **kwargs: Any,
+        self, optimizer: Optimizable, model: LightningModule, closure: Callable[[], Any], **kwargs: Any
     ) -> Any:
         if isinstance(optimizer, LBFGS) and (self._checking or self.masters is not None):
             raise MisconfigurationException(

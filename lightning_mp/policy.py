@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import contextlib
 import difflib
-import functools
 import fnmatch
+import functools
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Optional, Union
@@ -55,10 +55,28 @@ OPS: dict[str, tuple[Callable[..., Any], ...]] = {
     "binary_cross_entropy_with_logits": (F.binary_cross_entropy_with_logits,),
     "kl_div": (F.kl_div,),
 }
-_MATMULS = ("linear", "matmul", "mm", "bmm", "addmm", "baddbmm", "conv1d", "conv2d", "conv3d",
-            "scaled_dot_product_attention")
-_LOSSES = ("cross_entropy", "nll_loss", "mse_loss", "l1_loss", "smooth_l1_loss", "binary_cross_entropy",
-           "binary_cross_entropy_with_logits", "kl_div")
+_MATMULS = (
+    "linear",
+    "matmul",
+    "mm",
+    "bmm",
+    "addmm",
+    "baddbmm",
+    "conv1d",
+    "conv2d",
+    "conv3d",
+    "scaled_dot_product_attention",
+)
+_LOSSES = (
+    "cross_entropy",
+    "nll_loss",
+    "mse_loss",
+    "l1_loss",
+    "smooth_l1_loss",
+    "binary_cross_entropy",
+    "binary_cross_entropy_with_logits",
+    "kl_div",
+)
 # What torch.autocast does with each op (measured, torch 2.13): "half" (inputs cast down), "fp32" (inputs cast
 # up), or "input" (runs in its inputs' dtype, which is half after a matmul). CPU autocast leaves the
 # softmax/norm/reduction group to its inputs, so it runs in half there, where CUDA autocast runs it in fp32.
@@ -198,8 +216,12 @@ class CastPolicy:
         fp32 = [op for op in self.fp32_ops if op not in other.low_precision_ops] + list(other.fp32_ops)
         modules = list(dict.fromkeys([*self.fp32_modules, *other.fp32_modules]))
         return replace(
-            self, preset=preset, low_precision_ops=tuple(dict.fromkeys(low)), fp32_ops=tuple(dict.fromkeys(fp32)),
-            fp32_modules=tuple(modules), fp8_exclude=tuple(dict.fromkeys([*self.fp8_exclude, *other.fp8_exclude])),
+            self,
+            preset=preset,
+            low_precision_ops=tuple(dict.fromkeys(low)),
+            fp32_ops=tuple(dict.fromkeys(fp32)),
+            fp32_modules=tuple(modules),
+            fp8_exclude=tuple(dict.fromkeys([*self.fp8_exclude, *other.fp8_exclude])),
             fp8_only=other.fp8_only or self.fp8_only,
         )
 
@@ -230,13 +252,19 @@ class CastPolicy:
             named = not self.fp8_only or any(_rule_matches(r, n, m) for r in self.fp8_only for n, m in chain)
             dims = (module.in_features, module.out_features)
             reason = (
-                f"runs in fp32 ({fp32 or '(root)'} is an fp32 module)" if fp32 is not None
-                else f"fp8_exclude rule {excluded!r}" if excluded is not None
-                else "not named by fp8_only" if not named
-                else f"{type(module).__name__} is a subclass of nn.Linear" if type(module) is not nn.Linear
-                else f"in/out features {dims} are not multiples of 16" if any(d % 16 for d in dims)
+                f"runs in fp32 ({fp32 or '(root)'} is an fp32 module)"
+                if fp32 is not None
+                else f"fp8_exclude rule {excluded!r}"
+                if excluded is not None
+                else "not named by fp8_only"
+                if not named
+                else f"{type(module).__name__} is a subclass of nn.Linear"
+                if type(module) is not nn.Linear
+                else f"in/out features {dims} are not multiples of 16"
+                if any(d % 16 for d in dims)
                 else "the model's output projection (name it in fp8_only to convert it)"
-                if index == len(linears) - 1 and not self.fp8_only else ""
+                if index == len(linears) - 1 and not self.fp8_only
+                else ""
             )
             chosen.append((name, module, reason))
         return chosen
@@ -289,7 +317,7 @@ class _OverrideMode(TorchFunctionMode):
         self.targets = targets
         self.device_type = device_type
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+    def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         dtype = self.targets.get(func)
         if dtype is None:
@@ -346,7 +374,9 @@ class ModuleRules:
             previous: list[bool] = []
             upcast = _caster(torch.float32)
 
-            def pre_hook(mod: nn.Module, args: Any, kwargs: Any, previous: list[bool] = previous) -> Any:
+            def pre_hook(
+                mod: nn.Module, args: Any, kwargs: Any, previous: list[bool] = previous, upcast: Any = upcast
+            ) -> Any:
                 # a plain switch rather than an autocast object entered here and left in post_hook: the
                 # object form breaks under torch.compile, the switch does not
                 previous.append(torch.is_autocast_enabled(device_type))

@@ -20,11 +20,12 @@ from typing import Any, Callable, Optional, Union
 import torch
 from torch import Tensor
 
-from lightning_mp.settings import FP32_MAX, check_number, scaler_for_precision, validated_settings, validated_state
+from lightning_mp import settings as rules
+from lightning_mp.devices import local_shard
+from lightning_mp.settings import FP32_MAX
 from lightning_mp.stepping import DeviceState
 
-# What `unscale_` accepts: tensors whose ``.grad`` is unscaled, or ``(name, tensor)`` pairs so that errors can
-# name the parameters.
+# What `unscale_` accepts: tensors whose ``.grad`` is unscaled, or ``(name, tensor)`` pairs (errors name them).
 NamedOrPlainParams = Iterable[Union[Tensor, tuple[str, Tensor]]]
 
 
@@ -65,10 +66,16 @@ class DynamicLossScaler:
         enabled: bool = True,
         max_consecutive_skips: Optional[int] = 100,
     ) -> None:
-        settings = validated_settings(
-            init_scale=init_scale, growth_factor=growth_factor, backoff_factor=backoff_factor,
-            growth_interval=growth_interval, hysteresis=hysteresis, min_scale=min_scale, max_scale=max_scale,
-            enabled=enabled, max_consecutive_skips=max_consecutive_skips,
+        settings = rules.validated_settings(
+            init_scale=init_scale,
+            growth_factor=growth_factor,
+            backoff_factor=backoff_factor,
+            growth_interval=growth_interval,
+            hysteresis=hysteresis,
+            min_scale=min_scale,
+            max_scale=max_scale,
+            enabled=enabled,
+            max_consecutive_skips=max_consecutive_skips,
         )
         self.growth_factor: float = settings["growth_factor"]
         self.backoff_factor: float = settings["backoff_factor"]
@@ -102,9 +109,11 @@ class DynamicLossScaler:
     def static(cls, scale: float, max_consecutive_skips: Optional[int] = 100) -> DynamicLossScaler:
         """A scaler whose scale never changes; non-finite steps are still reported (and skipped by the caller),
         and ``max_consecutive_skips`` of them in a row raise."""
-        check_number("scale", scale, low=0.0, high=FP32_MAX)
+        rules.check_number("scale", scale, low=0.0, high=FP32_MAX)
         scaler = cls(
-            init_scale=scale, min_scale=min(1.0, scale), max_scale=max(2.0**24, scale),
+            init_scale=scale,
+            min_scale=min(1.0, scale),
+            max_scale=max(2.0**24, scale),
             max_consecutive_skips=max_consecutive_skips,
         )
         scaler.dynamic = False
@@ -119,12 +128,9 @@ class DynamicLossScaler:
 
     @classmethod
     def for_precision(cls, precision: str, scaler: Any) -> Optional[DynamicLossScaler]:
-        """What ``MixedPrecisionPlugin(precision, scaler=...)`` means: a scaler (or ``None`` for no check).
-
-        ``16-mixed``: ``None`` -> a default dynamic scaler; a number -> :meth:`static`; a mapping -> constructor
-        arguments. ``bf16-mixed``: ``None`` -> :meth:`check_only`; a mapping of ``enabled``, ``max_consecutive_skips``.
-        """
-        return scaler_for_precision(cls, precision, scaler)
+        """What ``MixedPrecisionPlugin(precision, scaler=...)`` means: a scaler (or ``None`` for no check); see
+        :func:`lightning_mp.settings.scaler_for_precision` for each accepted form per precision."""
+        return rules.scaler_for_precision(cls, precision, scaler)
 
     # ------------------------------------------------------------------ read-only state
     @property
@@ -208,7 +214,7 @@ class DynamicLossScaler:
                     if not grad.is_coalesced():
                         param.grad = grad = grad.coalesce()
                     grad = grad._values()
-                grad = _local_shard(grad)
+                grad = local_shard(grad)
                 self._last_unscaled.append((name, grad))
                 if first_device is None:
                     first_device = grad.device
@@ -368,9 +374,19 @@ class DynamicLossScaler:
             ValueError: a value is out of range or of the wrong type (the error names the key, the value and
                 ``source``).
         """
-        settings, counters = validated_state(state_dict, defaults=self.state_dict(), source=source)
-        for key in ("growth_factor", "backoff_factor", "growth_interval", "hysteresis", "min_scale", "max_scale",
-                    "enabled", "max_consecutive_skips", "dynamic", "check_only"):
+        settings, counters = rules.validated_state(state_dict, defaults=self.state_dict(), source=source)
+        for key in (
+            "growth_factor",
+            "backoff_factor",
+            "growth_interval",
+            "hysteresis",
+            "min_scale",
+            "max_scale",
+            "enabled",
+            "max_consecutive_skips",
+            "dynamic",
+            "check_only",
+        ):
             setattr(self, key, settings[key])
         self._growth_tracker = counters["growth_tracker"]
         self._hysteresis_tracker = counters["hysteresis_tracker"]
@@ -380,21 +396,4 @@ class DynamicLossScaler:
         self._scale_in_grads = None
         self._set_scale(settings["init_scale"])
 
-    def __repr__(self) -> str:
-        if not self.enabled:
-            return f"{type(self).__name__}(enabled=False)"
-        if self.check_only:
-            return f"{type(self).__name__}.check_only(max_consecutive_skips={self.max_consecutive_skips})"
-        if not self.dynamic:
-            return f"{type(self).__name__}.static({self._scale_value:g})"
-        return (
-            f"{type(self).__name__}(scale={self.scale:g}, growth_factor={self.growth_factor:g}, "
-            f"backoff_factor={self.backoff_factor:g}, growth_interval={self.growth_interval}, "
-            f"hysteresis={self.hysteresis}, min_scale={self.min_scale:g}, max_scale={self.max_scale:g})"
-        )
-
-
-def _local_shard(grad: Tensor) -> Tensor:
-    """A ``DTensor`` gradient's local shard (same storage, so unscaling it in place unscales the DTensor)."""
-    to_local = getattr(grad, "to_local", None)
-    return to_local() if to_local is not None else grad
+    __repr__ = rules.describe_scaler

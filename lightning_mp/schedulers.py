@@ -15,7 +15,7 @@ run with a step-interval scheduler pays one read per optimizer step and a run wi
 from __future__ import annotations
 
 import weakref
-from functools import lru_cache
+from functools import cache
 from typing import Any, Union
 
 from torch import Tensor
@@ -79,7 +79,7 @@ def _rebuild_scheduler(cls: type, state: dict[str, Any]) -> Any:
     return scheduler
 
 
-@lru_cache(maxsize=None)
+@cache
 def _skip_aware_class(cls: type) -> type:
     return type(cls.__name__, (_SkipAwareScheduler, cls), {"__module__": __name__, "__doc__": cls.__doc__})
 

@@ -19,9 +19,18 @@ FP32_MAX = float(torch.finfo(torch.float32).max)
 
 
 def validated_settings(
-    init_scale: Any, growth_factor: Any, backoff_factor: Any, growth_interval: Any, hysteresis: Any,
-    min_scale: Any, max_scale: Any, enabled: Any, max_consecutive_skips: Any, dynamic: Any = True,
-    check_only: Any = False, scale_name: str = "init_scale",
+    init_scale: Any,
+    growth_factor: Any,
+    backoff_factor: Any,
+    growth_interval: Any,
+    hysteresis: Any,
+    min_scale: Any,
+    max_scale: Any,
+    enabled: Any,
+    max_consecutive_skips: Any,
+    dynamic: Any = True,
+    check_only: Any = False,
+    scale_name: str = "init_scale",
 ) -> dict[str, Any]:
     """The constructor's rules, shared with ``load_state_dict``: every value checked, converted, returned."""
     settings: dict[str, Any] = {
@@ -91,16 +100,24 @@ def validated_state(state_dict: Any, defaults: dict[str, Any], source: str) -> t
     merged = {**defaults, "steps": 0, "consecutive_skips": 0, **state_dict}
     try:
         settings = validated_settings(
-            init_scale=merged["scale"], growth_factor=merged["growth_factor"],
-            backoff_factor=merged["backoff_factor"], growth_interval=merged["growth_interval"],
-            hysteresis=merged["hysteresis"], min_scale=merged["min_scale"], max_scale=merged["max_scale"],
-            enabled=merged["enabled"], max_consecutive_skips=merged["max_consecutive_skips"],
-            dynamic=merged["dynamic"], check_only=merged["check_only"], scale_name="scale",
+            init_scale=merged["scale"],
+            growth_factor=merged["growth_factor"],
+            backoff_factor=merged["backoff_factor"],
+            growth_interval=merged["growth_interval"],
+            hysteresis=merged["hysteresis"],
+            min_scale=merged["min_scale"],
+            max_scale=merged["max_scale"],
+            enabled=merged["enabled"],
+            max_consecutive_skips=merged["max_consecutive_skips"],
+            dynamic=merged["dynamic"],
+            check_only=merged["check_only"],
+            scale_name="scale",
         )
         counters = {
             "growth_tracker": check_int("growth_tracker", merged["growth_tracker"], low=0),
-            "hysteresis_tracker": check_int("hysteresis_tracker", merged["hysteresis_tracker"], low=0,
-                                             high=settings["hysteresis"]),
+            "hysteresis_tracker": check_int(
+                "hysteresis_tracker", merged["hysteresis_tracker"], low=0, high=settings["hysteresis"]
+            ),
             "steps": check_int("steps", merged["steps"], low=0),
             "skipped_steps": check_int("skipped_steps", merged["skipped_steps"], low=0),
             "consecutive_skips": check_int("consecutive_skips", merged["consecutive_skips"], low=0),
@@ -122,13 +139,15 @@ def foreign_scaler_state(checkpoint: dict[str, Any], hysteresis: int) -> Optiona
     torch_state = checkpoint.get("MixedPrecision")
     if isinstance(torch_state, dict) and "scale" in torch_state:
         kept = ("growth_factor", "backoff_factor", "growth_interval")
-        return {"scaler": {
-            **{key: torch_state[key] for key in kept if key in torch_state},
-            "scale": float(torch_state["scale"]),
-            "growth_tracker": int(torch_state.get("_growth_tracker", 0)),
-            "hysteresis_tracker": hysteresis,
-            "skipped_steps": 0,
-        }}, "checkpoint['MixedPrecision'] (Lightning's built-in GradScaler state)"
+        return {
+            "scaler": {
+                **{key: torch_state[key] for key in kept if key in torch_state},
+                "scale": float(torch_state["scale"]),
+                "growth_tracker": int(torch_state.get("_growth_tracker", 0)),
+                "hysteresis_tracker": hysteresis,
+                "skipped_steps": 0,
+            }
+        }, "checkpoint['MixedPrecision'] (Lightning's built-in GradScaler state)"
     return None
 
 
@@ -172,4 +191,20 @@ def scaler_for_precision(cls: Any, precision: str, scaler: Any) -> Any:
     raise ValueError(
         f"scaler={scaler!r} is not supported: pass None, a lightning_mp.DynamicLossScaler, a number > 0 "
         "for a static scale, or a mapping of DynamicLossScaler arguments."
+    )
+
+
+def describe_scaler(scaler: Any) -> str:
+    """``repr`` of a ``DynamicLossScaler``: how it was made (disabled, check-only, static) or its settings."""
+    name = type(scaler).__name__
+    if not scaler.enabled:
+        return f"{name}(enabled=False)"
+    if scaler.check_only:
+        return f"{name}.check_only(max_consecutive_skips={scaler.max_consecutive_skips})"
+    if not scaler.dynamic:
+        return f"{name}.static({scaler._scale_value:g})"
+    return (
+        f"{name}(scale={scaler.scale:g}, growth_factor={scaler.growth_factor:g}, "
+        f"backoff_factor={scaler.backoff_factor:g}, growth_interval={scaler.growth_interval}, "
+        f"hysteresis={scaler.hysteresis}, min_scale={scaler.min_scale:g}, max_scale={scaler.max_scale:g})"
     )

@@ -56,8 +56,14 @@ def device_state(values: list[float], device: torch.device) -> torch.Tensor:
 
 
 def update_on_device(
-    state: torch.Tensor, constants: torch.Tensor, found_inf: torch.Tensor, dynamic: bool, growth_interval: int,
-    hysteresis: int, max_scale: float, restore_hysteresis: bool,
+    state: torch.Tensor,
+    constants: torch.Tensor,
+    found_inf: torch.Tensor,
+    dynamic: bool,
+    growth_interval: int,
+    hysteresis: int,
+    max_scale: float,
+    restore_hysteresis: bool,
 ) -> None:
     """One step of the scaler's rules as tensor ops on ``state`` (in place, no host synchronisation).
 
@@ -88,8 +94,14 @@ def update_on_device(
 
 
 def steps_before_an_error_may_be_due(
-    scale: float, hysteresis_tracker: int, consecutive_skips: int, dynamic: bool, backoff_factor: float,
-    min_scale: float, max_consecutive_skips: Optional[int], limit: int = 1000,
+    scale: float,
+    hysteresis_tracker: int,
+    consecutive_skips: int,
+    dynamic: bool,
+    backoff_factor: float,
+    min_scale: float,
+    max_consecutive_skips: Optional[int],
+    limit: int = 1000,
 ) -> int:
     """From a known state, the number of the first step (1 = the next one) at which ``DynamicLossScaler.update``
     could raise: ``max_consecutive_skips`` reached, or a backoff below ``min_scale``. Every step before it is safe
@@ -129,8 +141,13 @@ class DeviceState:
         ``scaler``'s state (exact when nothing is pending) by :func:`steps_before_an_error_may_be_due`."""
         if not self.pending:
             self._due = steps_before_an_error_may_be_due(
-                scaler._scale_value, scaler._hysteresis_tracker, scaler._consecutive_skips, scaler.dynamic,
-                scaler.backoff_factor, scaler.min_scale, scaler.max_consecutive_skips,
+                scaler._scale_value,
+                scaler._hysteresis_tracker,
+                scaler._consecutive_skips,
+                scaler.dynamic,
+                scaler.backoff_factor,
+                scaler.min_scale,
+                scaler.max_consecutive_skips,
             )
         return self._due
 
@@ -141,14 +158,27 @@ class DeviceState:
         if self.tensor is None or self.tensor.device != device:
             if self.pending:  # the gradients moved to another device: read the state there first
                 scaler._read()
-            self.tensor = device_state([
-                scaler._scale_value, scaler._growth_tracker, scaler._hysteresis_tracker, scaler._skipped_steps,
-                scaler._consecutive_skips, 0.0], device)
+            self.tensor = device_state(
+                [
+                    scaler._scale_value,
+                    scaler._growth_tracker,
+                    scaler._hysteresis_tracker,
+                    scaler._skipped_steps,
+                    scaler._consecutive_skips,
+                    0.0,
+                ],
+                device,
+            )
             self.constants = device_state([scaler.growth_factor, scaler.backoff_factor, 1.0], device)
         assert self.constants is not None
         update_on_device(
-            self.tensor, self.constants, found_inf, dynamic=scaler.dynamic, growth_interval=scaler.growth_interval,
-            hysteresis=scaler.hysteresis, max_scale=scaler.max_scale,
+            self.tensor,
+            self.constants,
+            found_inf,
+            dynamic=scaler.dynamic,
+            growth_interval=scaler.growth_interval,
+            hysteresis=scaler.hysteresis,
+            max_scale=scaler.max_scale,
             restore_hysteresis=scaler._hysteresis_tracker != scaler.hysteresis,
         )
         self.pending += 1
@@ -181,6 +211,7 @@ class DeviceState:
 # ------------------------------------------------------------------------------------------ the plugin's step
 #: Decide on the host when the found-inf flag is a CPU tensor (no device to wait for; see the module docstring).
 DECIDE_CPU_FLAGS_ON_HOST = True
+
 
 def skips_on_device(optimizer: Any, masters: Any = None) -> bool:
     """Whether a step of ``optimizer`` (a torch optimizer) can be skipped on the device by a found-inf flag: the

@@ -55,11 +55,19 @@ class UnscaledGradients:
     def _named_params(self, optimizer: Any, names: dict[int, str]) -> list[tuple[str, Tensor]]:
         lists = [group["params"] for group in optimizer.param_groups]
         cached = self._named.get(id(optimizer))
-        if cached is None or len(cached[0]) != len(lists) or not all(  # the same parameters, in the same places
-            len(params) == len(seen) and all(map(operator.is_, params, seen)) for params, seen in zip(lists, cached[0])
+        if (
+            cached is None
+            or len(cached[0]) != len(lists)
+            or not all(  # the same parameters, in the same places
+                len(params) == len(seen) and all(map(operator.is_, params, seen))
+                for params, seen in zip(lists, cached[0])
+            )
         ):
-            named = [(names.get(id(param), f"param_groups[{g}][{i}]"), param)
-                     for g, params in enumerate(lists) for i, param in enumerate(params)]
+            named = [
+                (names.get(id(param), f"param_groups[{g}][{i}]"), param)
+                for g, params in enumerate(lists)
+                for i, param in enumerate(params)
+            ]
             cached = ([list(params) for params in lists], named)
             self._named[id(optimizer)] = cached
         return cached[1]

@@ -50,16 +50,30 @@ def _hf(name: str) -> tuple[nn.Module, str]:
     import transformers
 
     if name == "gpt2":
-        config = transformers.GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=WIDTH, n_layer=2, n_head=2,
-                                          bos_token_id=0, eos_token_id=0)
+        config = transformers.GPT2Config(
+            vocab_size=VOCAB, n_positions=SEQ, n_embd=WIDTH, n_layer=2, n_head=2, bos_token_id=0, eos_token_id=0
+        )
         return transformers.GPT2LMHeadModel(config), "model.transformer.h.0.mlp"
     if name == "llama":
-        config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=WIDTH, intermediate_size=2 * WIDTH,
-                                          num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
-                                          max_position_embeddings=SEQ)
+        config = transformers.LlamaConfig(
+            vocab_size=VOCAB,
+            hidden_size=WIDTH,
+            intermediate_size=2 * WIDTH,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+            max_position_embeddings=SEQ,
+        )
         return transformers.LlamaForCausalLM(config), "model.model.layers.0.mlp"
-    config = transformers.BertConfig(vocab_size=VOCAB, hidden_size=WIDTH, num_hidden_layers=2, num_attention_heads=2,
-                                     intermediate_size=2 * WIDTH, max_position_embeddings=SEQ, num_labels=2)
+    config = transformers.BertConfig(
+        vocab_size=VOCAB,
+        hidden_size=WIDTH,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=2 * WIDTH,
+        max_position_embeddings=SEQ,
+        num_labels=2,
+    )
     return transformers.BertForSequenceClassification(config), "model.bert.encoder.layer.0.output.dense"
 
 
@@ -93,10 +107,14 @@ def build(name: str) -> tuple[nn.Module, str, Callable[[nn.Module, Any], torch.T
     if name == "bert":
         model, target = _hf(name)
         attention = torch.ones(BATCH, SEQ, dtype=torch.long)
-        attention[0, SEQ // 2:] = 0  # padding: the first sample's second half is masked out
+        attention[0, SEQ // 2 :] = 0  # padding: the first sample's second half is masked out
         labels = torch.tensor([0, 1])
-        return model, target, lambda m, b: m(input_ids=b[0], attention_mask=b[1], labels=b[2]).loss, (
-            ids, attention, labels)
+        return (
+            model,
+            target,
+            lambda m, b: m(input_ids=b[0], attention_mask=b[1], labels=b[2]).loss,
+            (ids, attention, labels),
+        )
     if name.startswith("encoder"):
         model = _Encoder(-math.inf if name == "encoder_inf" else torch.finfo(torch.float16).min)
         loss = lambda m, b: nn.functional.cross_entropy(m(b[0]).float().flatten(0, 1), b[0].flatten())  # noqa: E731
@@ -108,10 +126,21 @@ def build(name: str) -> tuple[nn.Module, str, Callable[[nn.Module, Any], torch.T
         loss = lambda m, b: nn.functional.nll_loss(m(b[0], b[0]).float(), b[0].view(-1))  # noqa: E731
         return model, "model.transformer.encoder.layers.0.linear2", loss, (ids,)
     images = torch.randn(BATCH, 3, 8, 8, generator=gen)
-    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.ReLU(), nn.Conv2d(8, 8, 3), nn.ReLU(), nn.AdaptiveAvgPool2d(1),
-                          nn.Flatten(), nn.Linear(8, 10))
-    return model, "model.2", lambda m, b: nn.functional.cross_entropy(m(b[0]).float(), b[1]), (
-        images, torch.tensor([1, 7]))
+    model = nn.Sequential(
+        nn.Conv2d(3, 8, 3),
+        nn.ReLU(),
+        nn.Conv2d(8, 8, 3),
+        nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(8, 10),
+    )
+    return (
+        model,
+        "model.2",
+        lambda m, b: nn.functional.cross_entropy(m(b[0]).float(), b[1]),
+        (images, torch.tensor([1, 7])),
+    )
 
 
 class CorpusModule(L.LightningModule):
@@ -152,8 +181,12 @@ def run(name: str, plant: str, master_weights: bool = False) -> tuple[CorpusModu
     model = CorpusModule(name, plant)
     monitor = PrecisionMonitor(sample_every=0, report=False)
     scaler = DynamicLossScaler(init_scale=2.0**24 if plant == "init_scale" else 2.0**10)
-    trainer = make_trainer(MixedPrecisionPlugin("16-mixed", scaler=scaler, master_weights=master_weights),
-                           callbacks=[monitor], max_steps=3 if plant == "init_scale" else 2, max_epochs=-1)
+    trainer = make_trainer(
+        MixedPrecisionPlugin("16-mixed", scaler=scaler, master_weights=master_weights),
+        callbacks=[monitor],
+        max_steps=3 if plant == "init_scale" else 2,
+        max_epochs=-1,
+    )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         trainer.fit(model)
@@ -169,8 +202,10 @@ def table(models: tuple[str, ...] = MODELS, master_weights: bool = False) -> str
             record = monitor.history.overflows[-1] if monitor.history.overflows else None
             rules = ",".join(a.rule for a in advise(monitor.history))
             where = (record.cause, record.module or "-", record.phase, record.op) if record else ("-",) * 4
-            lines.append(f"| {name} | {plant} | " + " | ".join(where) + f" | {rules or '-'} | "
-                         f"{time.perf_counter() - start:.1f} |")
+            lines.append(
+                f"| {name} | {plant} | " + " | ".join(where) + f" | {rules or '-'} | "
+                f"{time.perf_counter() - start:.1f} |"
+            )
     return "\n".join(lines)
 
 

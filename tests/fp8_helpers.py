@@ -40,9 +40,16 @@ class TinyLlama(L.LightningModule):
         from transformers import LlamaConfig, LlamaForCausalLM
 
         torch.manual_seed(0)
-        config = LlamaConfig(vocab_size=VOCAB, hidden_size=hidden, intermediate_size=2 * hidden,
-                             num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=4,
-                             max_position_embeddings=SEQ, tie_word_embeddings=False)
+        config = LlamaConfig(
+            vocab_size=VOCAB,
+            hidden_size=hidden,
+            intermediate_size=2 * hidden,
+            num_hidden_layers=layers,
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            max_position_embeddings=SEQ,
+            tie_word_embeddings=False,
+        )
         self.model = LlamaForCausalLM(config)
         self.lr = lr
         self.losses: list[float] = []
@@ -82,8 +89,11 @@ class MLPModule(L.LightningModule):
     def __init__(self, mixed: bool = False, lr: float = 1e-2) -> None:
         super().__init__()
         torch.manual_seed(0)
-        self.net = Mixed() if mixed else nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32),
-                                                       nn.GELU(), nn.Linear(32, 16))
+        self.net = (
+            Mixed()
+            if mixed
+            else nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32), nn.GELU(), nn.Linear(32, 16))
+        )
         self.lr = lr
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -107,6 +117,14 @@ def mlp_loader(samples: int = 64, batch_size: int = 16) -> DataLoader:
 
 
 def trainer(plugin: Any, steps: int, **kwargs: Any) -> L.Trainer:
-    options = dict(max_steps=steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                   enable_model_summary=False, accelerator="cpu", devices=1, deterministic=True)
+    options = dict(
+        max_steps=steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        accelerator="cpu",
+        devices=1,
+        deterministic=True,
+    )
     return L.Trainer(plugins=[plugin], **{**options, **kwargs})

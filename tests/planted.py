@@ -44,8 +44,9 @@ class PlantedModel(L.LightningModule):
     """Linear(4, 8) [BatchNorm] Tanh [Dropout] Planted Linear(8, 1), MSE, Adam; logs ``train_loss`` and keeps
     its running mean in a torchmetrics ``MeanMetric``."""
 
-    def __init__(self, planted: Optional[Planted] = None, manual: bool = False, dropout: float = 0.0,
-                 batchnorm: bool = False) -> None:
+    def __init__(
+        self, planted: Optional[Planted] = None, manual: bool = False, dropout: float = 0.0, batchnorm: bool = False
+    ) -> None:
         super().__init__()
         self.automatic_optimization = not manual
         planted = planted or Planted("none", at=-1)

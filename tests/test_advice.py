@@ -5,8 +5,18 @@ import pytest
 
 from lightning_mp.diagnostics import Advice, LayerSample, OverflowRecord, RunHistory, advise
 
-_SCALER = {"scale": 65536.0, "growth_factor": 2.0, "backoff_factor": 0.5, "growth_interval": 2000, "hysteresis": 1,
-           "min_scale": 1.0, "max_scale": 2.0**24, "dynamic": True, "check_only": False, "max_consecutive_skips": 100}
+_SCALER = {
+    "scale": 65536.0,
+    "growth_factor": 2.0,
+    "backoff_factor": 0.5,
+    "growth_interval": 2000,
+    "hysteresis": 1,
+    "min_scale": 1.0,
+    "max_scale": 2.0**24,
+    "dynamic": True,
+    "check_only": False,
+    "max_consecutive_skips": 100,
+}
 _LAYERS = ["embed", "encoder.0.ffn", "encoder.1.ffn", "head"]
 
 
@@ -19,13 +29,31 @@ def _sample(step, scale=65536.0, underflow=(0.001, 0.0, 0.0, 0.0), amax=(16384.0
 def _history(skipped=(), records=(), samples=None, steps=400, scale_changes=None, error="", **scaler):
     scale_changes = scale_changes or [(0, 65536.0)]
     samples = samples if samples is not None else [_sample(step) for step in range(0, steps, 50)]
-    return RunHistory(precision="fp16", scaler={**_SCALER, **scaler}, steps=steps, scale_changes=scale_changes,
-                      skipped=list(skipped), overflows=list(records), samples=samples, sample_every=50, error=error)
+    return RunHistory(
+        precision="fp16",
+        scaler={**_SCALER, **scaler},
+        steps=steps,
+        scale_changes=scale_changes,
+        skipped=list(skipped),
+        overflows=list(records),
+        samples=samples,
+        sample_every=50,
+        error=error,
+    )
 
 
 def _record(step, module="encoder.1.ffn", cause="half_precision", phase="forward", scale=65536.0):
-    return OverflowRecord(step=step, scale_before=scale, scale_after=scale / 2, cause=cause, phase=phase,
-                          module=module, module_class="Linear", op="addmm", input_amax=310.0)
+    return OverflowRecord(
+        step=step,
+        scale_before=scale,
+        scale_after=scale / 2,
+        cause=cause,
+        phase=phase,
+        module=module,
+        module_class="Linear",
+        op="addmm",
+        input_amax=310.0,
+    )
 
 
 def _rules(history):
@@ -81,8 +109,10 @@ def test_hysteresis_rule_fires_on_isolated_bursts_that_are_not_probing():
 
 
 def test_growth_interval_rule_fires_on_underflow_with_ample_headroom():
-    starving = [_sample(step, scale=256.0, underflow=(0.002, 0.05, 0.0, 0.0), amax=(1024.0, 512.0, 256.0, 128.0))
-                for step in range(0, 400, 50)]
+    starving = [
+        _sample(step, scale=256.0, underflow=(0.002, 0.05, 0.0, 0.0), amax=(1024.0, 512.0, 256.0, 128.0))
+        for step in range(0, 400, 50)
+    ]
     advice = _rules(_history(samples=starving))["growth_interval"]
     assert advice.change == "scaler: {growth_interval: 500}"
     assert "encoder.0.ffn, 5.0%" in advice.evidence and "6.0 powers of two below 65504" in advice.evidence
@@ -92,8 +122,10 @@ def test_growth_interval_rule_fires_on_underflow_with_ample_headroom():
 
 
 def test_growth_interval_rule_suggests_a_larger_static_scale_for_a_static_scaler():
-    starving = [_sample(step, scale=256.0, underflow=(0.0, 0.05, 0.0, 0.0), amax=(1024.0, 512.0, 256.0, 128.0))
-                for step in range(0, 400, 50)]
+    starving = [
+        _sample(step, scale=256.0, underflow=(0.0, 0.05, 0.0, 0.0), amax=(1024.0, 512.0, 256.0, 128.0))
+        for step in range(0, 400, 50)
+    ]
     advice = _rules(_history(samples=starving, dynamic=False))["growth_interval"]
     # largest 1024 * 16 = 16384: one to two powers of two of margin left below 65504
     assert advice.change == "a static scale of 4096 (now 256)"
@@ -130,8 +162,17 @@ def test_every_rule_is_advice_with_a_change_and_evidence():
 
 
 def _outside(step, cause):
-    return OverflowRecord(step=step, scale_before=65536.0, scale_after=32768.0, cause=cause, phase="forward",
-                          module="", module_class="(outside any module)", op="mul", input_amax=3e4)
+    return OverflowRecord(
+        step=step,
+        scale_before=65536.0,
+        scale_after=32768.0,
+        cause=cause,
+        phase="forward",
+        module="",
+        module_class="(outside any module)",
+        op="mul",
+        input_amax=3e4,
+    )
 
 
 def test_an_origin_in_training_step_gets_no_fp32_modules_rule_but_the_op_to_compute_in_fp32_there():

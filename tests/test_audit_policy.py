@@ -67,9 +67,11 @@ def test_bert_default_policy_on_cuda_keeps_softmax_layer_norm_and_loss_fp32_and_
     model = BertClassifier(pretrained=False, config_overrides={**TINY_BERT, "attn_implementation": "eager"}).cuda()
     plugin = MixedPrecisionPlugin("16-mixed")
     plugin.connect(model, [], [])
-    batch = {"input_ids": torch.randint(1000, 2000, (4, 32), device="cuda"),
-             "attention_mask": torch.ones(4, 32, dtype=torch.long, device="cuda"),
-             "labels": torch.tensor([0, 1, 0, 1], device="cuda")}
+    batch = {
+        "input_ids": torch.randint(1000, 2000, (4, 32), device="cuda"),
+        "attention_mask": torch.ones(4, 32, dtype=torch.long, device="cuda"),
+        "labels": torch.tensor([0, 1, 0, 1], device="cuda"),
+    }
     census = audit(model, batch, context=plugin.forward_context)
     assert census.half_flops_fraction() >= 0.99
     assert census.dtypes_of("_softmax", phase="forward") == {"float32"}

@@ -13,9 +13,26 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def test_memory_benchmark_runs_and_reports_every_mode(tmp_path):
     out = tmp_path / "rows.json"
-    command = [sys.executable, str(ROOT / "benchmarks" / "memory.py"), "--device", "cpu", "--size", "tiny",
-               "--steps", "1", "--batch", "2", "--seq", "16", "--modes", "fp32", "ours+masters", "ours+remainder",
-               "--json", str(out)]
+    command = [
+        sys.executable,
+        str(ROOT / "benchmarks" / "memory.py"),
+        "--device",
+        "cpu",
+        "--size",
+        "tiny",
+        "--steps",
+        "1",
+        "--batch",
+        "2",
+        "--seq",
+        "16",
+        "--modes",
+        "fp32",
+        "ours+masters",
+        "ours+remainder",
+        "--json",
+        str(out),
+    ]
     done = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     rows = json.loads(out.read_text())
@@ -30,8 +47,16 @@ def test_memory_benchmark_runs_and_reports_every_mode(tmp_path):
 
 
 def test_policy_overhead_benchmark_runs():
-    command = [sys.executable, str(ROOT / "benchmarks" / "policy_overhead.py"), "--steps", "1", "--batch", "2",
-               "--seq", "8"]
+    command = [
+        sys.executable,
+        str(ROOT / "benchmarks" / "policy_overhead.py"),
+        "--steps",
+        "1",
+        "--batch",
+        "2",
+        "--seq",
+        "8",
+    ]
     done = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     for policy in ("autocast", "passthrough", "conservative"):
@@ -39,8 +64,17 @@ def test_policy_overhead_benchmark_runs():
 
 
 def _compare(tmp_path, *extra):
-    command = [sys.executable, str(ROOT / "benchmarks" / "compare.py"), "--device", "cpu", "--preset", "tiny",
-               "--out", str(tmp_path), *extra]
+    command = [
+        sys.executable,
+        str(ROOT / "benchmarks" / "compare.py"),
+        "--device",
+        "cpu",
+        "--preset",
+        "tiny",
+        "--out",
+        str(tmp_path),
+        *extra,
+    ]
     return subprocess.run(command, capture_output=True, text=True, timeout=600)
 
 
@@ -49,10 +83,14 @@ def test_compare_interleaves_the_modes_step_by_step_and_writes_json_markdown_and
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads((tmp_path / "results.json").read_text())
     assert result["reference"] == "builtin-bf16" and set(result["ceilings_flops"]) == {"float32", "bfloat16"}
-    for workload, rows in result["results"].items():
+    for rows in result["results"].values():
         fp32, masters = rows
         assert (fp32["mode"], fp32["dtype"], masters["mode"], masters["dtype"]) == (
-            "fp32", "float32", "ours+masters", "bfloat16")
+            "fp32",
+            "float32",
+            "ours+masters",
+            "bfloat16",
+        )
         # one step each in turn: the global step order alternates between the two processes
         assert fp32["order"] == [0, 2, 4] and masters["order"] == [1, 3, 5]
         for row in rows:
@@ -94,16 +132,31 @@ def test_compare_names_the_mode_that_failed_with_its_traceback_instead_of_hangin
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from compare import run_workload
 
-    args = {"device": "cpu", "preset": "no-such-preset", "steps": 2, "seed": 0, "out": str(tmp_path), "profile": [],
-            "timeout": 300}
+    args = {
+        "device": "cpu",
+        "preset": "no-such-preset",
+        "steps": 2,
+        "seed": 0,
+        "out": str(tmp_path),
+        "profile": [],
+        "timeout": 300,
+    }
     failed = r"(?s)workload 'mlp', mode '(fp32|ours)' failed:.*preset='no-such-preset' is not known"
     with pytest.raises(RuntimeError, match=failed):
         run_workload("mlp", ["fp32", "ours"], args)
 
 
 def test_reference_experiment_runs_the_cli_once_per_precision(tmp_path):
-    command = [sys.executable, str(ROOT / "benchmarks" / "reference.py"), "--tiny", "--precisions", "32-true",
-               "bf16-mixed", "--out", str(tmp_path)]
+    command = [
+        sys.executable,
+        str(ROOT / "benchmarks" / "reference.py"),
+        "--tiny",
+        "--precisions",
+        "32-true",
+        "bf16-mixed",
+        "--out",
+        str(tmp_path),
+    ]
     done = subprocess.run(command, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "| 32-true |" in done.stdout and "| bf16-mixed |" in done.stdout

@@ -37,16 +37,27 @@ def _loader() -> DataLoader:
 
 
 def _fit(tmp_path, callbacks, **kwargs) -> None:
-    trainer = L.Trainer(default_root_dir=tmp_path, callbacks=callbacks, logger=False, enable_progress_bar=False,
-                        enable_model_summary=False, **kwargs)
+    trainer = L.Trainer(
+        default_root_dir=tmp_path,
+        callbacks=callbacks,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        **kwargs,
+    )
     trainer.fit(GetsWorse(), _loader(), _loader())
 
 
 def test_last_ckpt_is_the_final_state_where_lightnings_save_last_is_a_copy_of_the_best(tmp_path):
     ours, lightnings = tmp_path / "ours", tmp_path / "lightning"
-    _fit(tmp_path, [LastCheckpoint(dirpath=str(ours)),
-                    ModelCheckpoint(dirpath=str(lightnings), monitor="score", mode="max", save_last=True)],
-         max_epochs=3)
+    _fit(
+        tmp_path,
+        [
+            LastCheckpoint(dirpath=str(ours)),
+            ModelCheckpoint(dirpath=str(lightnings), monitor="score", mode="max", save_last=True),
+        ],
+        max_epochs=3,
+    )
     assert torch.load(ours / "last.ckpt", weights_only=True)["global_step"] == 12
     assert torch.load(lightnings / "last.ckpt", weights_only=True)["global_step"] == 4  # why LastCheckpoint exists
 
@@ -58,8 +69,12 @@ def test_last_ckpt_is_written_when_fit_stops_mid_epoch_and_every_n_steps(tmp_pat
         def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:
             steps_saved.append(checkpoint["global_step"])
 
-    _fit(tmp_path, [LastCheckpoint(dirpath=str(tmp_path), every_n_train_steps=3), Spy()], max_steps=7,
-         limit_val_batches=0)
+    _fit(
+        tmp_path,
+        [LastCheckpoint(dirpath=str(tmp_path), every_n_train_steps=3), Spy()],
+        max_steps=7,
+        limit_val_batches=0,
+    )
     assert steps_saved == [3, 4, 6, 7]  # every 3 steps, the end of epoch 0 (step 4), the end of fit (step 7)
     assert torch.load(tmp_path / "last.ckpt", weights_only=True)["global_step"] == 7
 

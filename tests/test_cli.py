@@ -15,6 +15,7 @@ import torch
 import yaml
 
 import lightning_mp.cli.app as cli
+import lightning_mp.cli.choice as choice
 from lightning_mp import MixedPrecisionPlugin
 from lightning_mp.cli import main, plugin_for
 from lightning_mp.cli.checks import CLIConfigError
@@ -50,7 +51,7 @@ def _metrics(tmp_path):
 
 # ---------------------------------------------------------------------- trainer.precision -> plugin
 def test_mixed_precision_flags_build_our_plugin_on_gpu(monkeypatch):
-    monkeypatch.setattr(cli, "_runs_on_cpu", lambda accelerator: False)
+    monkeypatch.setattr(choice, "_runs_on_cpu", lambda accelerator: False)
     plugin = plugin_for("16-mixed", "gpu", None, {"master_weights": True, "scaler": {"init_scale": 1024.0}})
     assert isinstance(plugin, MixedPrecisionPlugin) and plugin.precision == "16-mixed"
     assert plugin.master_weights and plugin.scaler.scale == 1024.0
@@ -61,7 +62,7 @@ def test_mixed_precision_flags_build_our_plugin_on_gpu(monkeypatch):
 
 @pytest.mark.parametrize("native_bf16, expected", [(True, "bf16-mixed"), (False, None)])
 def test_16_mixed_on_cpu_falls_back_with_a_warning(monkeypatch, native_bf16, expected):
-    monkeypatch.setattr(cli, "cpu_has_native_bf16", lambda: native_bf16)
+    monkeypatch.setattr(choice, "cpu_has_native_bf16", lambda: native_bf16)
     with pytest.warns(UserWarning, match="without a GPU"):
         plugin = plugin_for("16-mixed", "cpu", None, {"scaler": {"init_scale": 8.0}})
     assert (plugin.precision if plugin else None) == expected
@@ -76,9 +77,17 @@ def test_precision_flag_and_precision_plugin_together_are_refused():
 
 def test_cli_refuses_conflicting_flags(tmp_path, capsys):
     with pytest.raises(SystemExit) as exited:
-        main(["fit", "--config", str(CONFIGS / "digits.yaml"), *_short(tmp_path),
-              "--trainer.precision=bf16-mixed",
-              "--trainer.plugins=lightning_mp.MixedPrecisionPlugin", "--trainer.plugins.precision=bf16-mixed"])
+        main(
+            [
+                "fit",
+                "--config",
+                str(CONFIGS / "digits.yaml"),
+                *_short(tmp_path),
+                "--trainer.precision=bf16-mixed",
+                "--trainer.plugins=lightning_mp.MixedPrecisionPlugin",
+                "--trainer.plugins.precision=bf16-mixed",
+            ]
+        )
     assert exited.value.code == 2
     assert "Drop trainer.precision" in capsys.readouterr().err
     assert not list(tmp_path.rglob("*.ckpt"))
@@ -113,18 +122,25 @@ def test_every_config_keeps_a_true_last_checkpoint(config):
 
 
 def test_explicit_fp16_plugin_logs_loss_scale_and_skipped_steps(tmp_path):
-    main(["fit", "--config", str(CONFIGS / "digits.yaml"), *_short(tmp_path, steps=3),
-          "--trainer.precision=null",
-          "--trainer.plugins=lightning_mp.MixedPrecisionPlugin",
-          "--trainer.plugins.precision=16-mixed",
-          "--trainer.plugins.scaler={init_scale: 1024.0}"])
+    main(
+        [
+            "fit",
+            "--config",
+            str(CONFIGS / "digits.yaml"),
+            *_short(tmp_path, steps=3),
+            "--trainer.precision=null",
+            "--trainer.plugins=lightning_mp.MixedPrecisionPlugin",
+            "--trainer.plugins.precision=16-mixed",
+            "--trainer.plugins.scaler={init_scale: 1024.0}",
+        ]
+    )
     rows = [row for row in _metrics(tmp_path) if row.get("loss_scale")]
     assert rows and float(rows[-1]["loss_scale"]) == 1024.0
     assert float(rows[-1]["skipped_steps"]) == 0.0
 
 
 def test_mixed_precision_section_reaches_the_plugin(tmp_path, monkeypatch):
-    monkeypatch.setattr(cli, "_runs_on_cpu", lambda accelerator: False)  # 16-mixed as on a GPU, run on CPU
+    monkeypatch.setattr(choice, "_runs_on_cpu", lambda accelerator: False)  # 16-mixed as on a GPU, run on CPU
     seen = {}
     original = cli.MixedPrecisionCLI._instantiate_trainer
 
@@ -134,9 +150,17 @@ def test_mixed_precision_section_reaches_the_plugin(tmp_path, monkeypatch):
         return trainer
 
     monkeypatch.setattr(cli.MixedPrecisionCLI, "_instantiate_trainer", spy)
-    main(["fit", "--config", str(CONFIGS / "digits.yaml"), *_short(tmp_path, steps=1),
-          "--trainer.accelerator=cpu", "--mixed_precision.master_weights=true",
-          "--mixed_precision.scaler={init_scale: 256.0, hysteresis: 2}"])
+    main(
+        [
+            "fit",
+            "--config",
+            str(CONFIGS / "digits.yaml"),
+            *_short(tmp_path, steps=1),
+            "--trainer.accelerator=cpu",
+            "--mixed_precision.master_weights=true",
+            "--mixed_precision.scaler={init_scale: 256.0, hysteresis: 2}",
+        ]
+    )
     plugin = seen["plugin"]
     assert isinstance(plugin, MixedPrecisionPlugin) and plugin.precision == "16-mixed" and plugin.master_weights
     assert plugin.scaler.hysteresis == 2 and plugin.scaler.steps == 1
@@ -144,17 +168,24 @@ def test_mixed_precision_section_reaches_the_plugin(tmp_path, monkeypatch):
 
 def test_rerun_in_the_same_directory_works(tmp_path):
     for _ in range(2):
-        main(["fit", "--config", str(CONFIGS / "digits.yaml"), *_short(tmp_path, steps=1),
-              "--test_after_fit=false"])
+        main(["fit", "--config", str(CONFIGS / "digits.yaml"), *_short(tmp_path, steps=1), "--test_after_fit=false"])
     assert (tmp_path / "lightning_logs").exists() or list(tmp_path.rglob("config.yaml"))
 
 
-
-
 def test_bert_config_with_a_tiny_bert(tmp_path):
-    main(["fit", "--config", str(CONFIGS / "bert.yaml"), *_short(tmp_path), *TINY_BERT,
-          "--data.init_args.train_size=16", "--data.init_args.val_size=16", "--data.init_args.test_size=16",
-          "--data.init_args.batch_size=8"])
+    main(
+        [
+            "fit",
+            "--config",
+            str(CONFIGS / "bert.yaml"),
+            *_short(tmp_path),
+            *TINY_BERT,
+            "--data.init_args.train_size=16",
+            "--data.init_args.val_size=16",
+            "--data.init_args.test_size=16",
+            "--data.init_args.batch_size=8",
+        ]
+    )
     rows = _metrics(tmp_path)
     assert any(row.get("test_acc") for row in rows) and any(row.get("val_f1") for row in rows)
 
@@ -166,11 +197,23 @@ def test_bert_imdb_config_on_an_aclimdb_folder(tmp_path):
             (folder / split / label).mkdir(parents=True)
             for i in range(6):
                 (folder / split / label / f"{i}_7.txt").write_text(f"{words} number {i}")
-    main(["fit", "--config", str(CONFIGS / "bert-imdb.yaml"), *_short(tmp_path / "run"), *TINY_BERT,
-          "--model.init_args.model_name_or_path=minilm", "--data.init_args.tokenizer=minilm",
-          f"--data.init_args.path={folder}", "--data.init_args.train_size=8", "--data.init_args.val_size=2",
-          "--data.init_args.test_size=4",
-          "--data.init_args.batch_size=4", "--data.init_args.max_length=16"])
+    main(
+        [
+            "fit",
+            "--config",
+            str(CONFIGS / "bert-imdb.yaml"),
+            *_short(tmp_path / "run"),
+            *TINY_BERT,
+            "--model.init_args.model_name_or_path=minilm",
+            "--data.init_args.tokenizer=minilm",
+            f"--data.init_args.path={folder}",
+            "--data.init_args.train_size=8",
+            "--data.init_args.val_size=2",
+            "--data.init_args.test_size=4",
+            "--data.init_args.batch_size=4",
+            "--data.init_args.max_length=16",
+        ]
+    )
     assert any(row.get("test_acc") for row in _metrics(tmp_path / "run"))
 
 
@@ -201,17 +244,36 @@ def test_resnet18_mnist_config_on_idx_files(tmp_path):
             handle.write(struct.pack(">IIII", 0x803, count, 28, 28) + images.numpy().tobytes())
         with gzip.open(folder / f"{prefix}-labels-idx1-ubyte.gz", "wb") as handle:
             handle.write(struct.pack(">II", 0x801, count) + labels.numpy().tobytes())
-    main(["fit", "--config", str(CONFIGS / "resnet18-mnist.yaml"), *_short(tmp_path / "run"),
-          f"--data.init_args.path={folder}", "--data.init_args.val_size=8", "--data.init_args.batch_size=8",
-          "--model.init_args.width=8"])
+    main(
+        [
+            "fit",
+            "--config",
+            str(CONFIGS / "resnet18-mnist.yaml"),
+            *_short(tmp_path / "run"),
+            f"--data.init_args.path={folder}",
+            "--data.init_args.val_size=8",
+            "--data.init_args.batch_size=8",
+            "--model.init_args.width=8",
+        ]
+    )
     assert any(row.get("test_acc") for row in _metrics(tmp_path / "run"))
 
 
 def test_python_dash_m_entry_point_runs_without_the_args_warning_and_ends_with_the_summary(tmp_path):
     done = subprocess.run(
-        [sys.executable, "-m", "lightning_mp", "fit", "--config", str(CONFIGS / "digits.yaml"),
-         *_short(tmp_path, steps=1)],
-        capture_output=True, text=True, timeout=300, cwd=ROOT,
+        [
+            sys.executable,
+            "-m",
+            "lightning_mp",
+            "fit",
+            "--config",
+            str(CONFIGS / "digits.yaml"),
+            *_short(tmp_path, steps=1),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
         env={**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])},
     )
     assert done.returncode == 0, done.stderr[-3000:]
@@ -221,8 +283,17 @@ def test_python_dash_m_entry_point_runs_without_the_args_warning_and_ends_with_t
 
 
 def test_any_lightning_module_by_class_path(tmp_path):
-    main(["fit", "--config", str(CONFIGS / "digits.yaml"), *_short(tmp_path, steps=2),
-          "--model=tests.helpers.DigitsMLP", "--model.hidden=16", "--test_after_fit=false"])
+    main(
+        [
+            "fit",
+            "--config",
+            str(CONFIGS / "digits.yaml"),
+            *_short(tmp_path, steps=2),
+            "--model=tests.helpers.DigitsMLP",
+            "--model.hidden=16",
+            "--test_after_fit=false",
+        ]
+    )
     assert list(tmp_path.rglob("*.ckpt"))
 
 
@@ -242,13 +313,33 @@ def test_test_subcommand_on_the_saved_last_checkpoint(tmp_path):
     main(["fit", "--config", str(CONFIGS / "digits.yaml"), *_short(tmp_path, steps=2), "--test_after_fit=false"])
     last = next(tmp_path.rglob("last.ckpt"))
     assert torch.load(last, weights_only=True)["global_step"] == 2  # the final state, not a copy of the best
-    main(["test", "--config", str(CONFIGS / "digits.yaml"), f"--trainer.default_root_dir={tmp_path / 'test'}",
-          "--trainer.limit_test_batches=1", f"--ckpt_path={last}"])
+    main(
+        [
+            "test",
+            "--config",
+            str(CONFIGS / "digits.yaml"),
+            f"--trainer.default_root_dir={tmp_path / 'test'}",
+            "--trainer.limit_test_batches=1",
+            f"--ckpt_path={last}",
+        ]
+    )
     assert any(row.get("test_acc") for row in _metrics(tmp_path / "test"))
 
 
 def test_plugin_options_without_a_mixed_precision_flag_warn_that_they_are_not_used(tmp_path):
-    with pytest.warns(UserWarning, match=r"mixed_precision options \['master_weights'\] are valid but not used: "
-                                         r"trainer.precision='32-true'"):
-        main(["fit", "--config", str(CONFIGS / "digits.yaml"), *_short(tmp_path, steps=1),
-              "--trainer.precision=32-true", "--mixed_precision.master_weights=true", "--test_after_fit=false"])
+    with pytest.warns(
+        UserWarning,
+        match=r"mixed_precision options \['master_weights'\] are valid but not used: "
+        r"trainer.precision='32-true'",
+    ):
+        main(
+            [
+                "fit",
+                "--config",
+                str(CONFIGS / "digits.yaml"),
+                *_short(tmp_path, steps=1),
+                "--trainer.precision=32-true",
+                "--mixed_precision.master_weights=true",
+                "--test_after_fit=false",
+            ]
+        )

@@ -30,55 +30,102 @@ def _plugins_yaml(init_args: str, class_path: str = PLUGIN) -> str:
 # case: (extra arguments, files to write first {name: bytes | str | None (a folder)}, fragments the one line holds)
 CASES = {
     "32-true with a plugin": (
-        ["--trainer.precision=32-true", f"--trainer.plugins={PLUGIN}"], {},
-        ["trainer.precision='32-true' and a precision plugin in trainer.plugins (MixedPrecisionPlugin)",
-         "--trainer.precision null"]),
+        ["--trainer.precision=32-true", f"--trainer.plugins={PLUGIN}"],
+        {},
+        [
+            "trainer.precision='32-true' and a precision plugin in trainer.plugins (MixedPrecisionPlugin)",
+            "--trainer.precision null",
+        ],
+    ),
     "ckpt random bytes": (
-        ["--ckpt_path=random.ckpt"], {"random.ckpt": bytes(range(256)) * 8},
-        ["--ckpt_path random.ckpt is not a checkpoint torch.load can read (2048 bytes)", "not a file torch.save"]),
+        ["--ckpt_path=random.ckpt"],
+        {"random.ckpt": bytes(range(256)) * 8},
+        ["--ckpt_path random.ckpt is not a checkpoint torch.load can read (2048 bytes)", "not a file torch.save"],
+    ),
     "ckpt text": (
-        ["--ckpt_path=notes.ckpt"], {"notes.ckpt": "version https://git-lfs.github.com/spec/v1\n"},
-        ["--ckpt_path notes.ckpt is not a checkpoint torch.load can read", "b'version https://"]),
+        ["--ckpt_path=notes.ckpt"],
+        {"notes.ckpt": "version https://git-lfs.github.com/spec/v1\n"},
+        ["--ckpt_path notes.ckpt is not a checkpoint torch.load can read", "b'version https://"],
+    ),
     "ckpt empty": (["--ckpt_path=empty.ckpt"], {"empty.ckpt": b""}, ["--ckpt_path empty.ckpt is an empty file"]),
     "ckpt folder": (
-        ["--ckpt_path=checkpoints"], {"checkpoints": None, "checkpoints/last.ckpt": b"x"},
-        ["--ckpt_path checkpoints is a folder (last.ckpt in it), not a checkpoint"]),
+        ["--ckpt_path=checkpoints"],
+        {"checkpoints": None, "checkpoints/last.ckpt": b"x"},
+        ["--ckpt_path checkpoints is a folder (last.ckpt in it), not a checkpoint"],
+    ),
     "ckpt missing": (["--ckpt_path=gone.ckpt"], {}, ["--ckpt_path gone.ckpt: no such file"]),
     "ckpt bare state dict": (
-        ["--ckpt_path=weights.pt"], {"weights.pt": {"layer.weight": torch.zeros(2)}},
-        ["--ckpt_path weights.pt holds a bare state dict (1 tensors) and no 'state_dict'"]),
+        ["--ckpt_path=weights.pt"],
+        {"weights.pt": {"layer.weight": torch.zeros(2)}},
+        ["--ckpt_path weights.pt holds a bare state dict (1 tensors) and no 'state_dict'"],
+    ),
     "scaler edited by hand": (
-        ["--ckpt_path=edited.ckpt"], {"edited.ckpt": "EDITED"},
-        ["--ckpt_path edited.ckpt: ['MixedPrecisionPlugin']['scaler']: backoff_factor=2.0 is not allowed",
-         "> 0 and < 1", "edited by hand"]),
+        ["--ckpt_path=edited.ckpt"],
+        {"edited.ckpt": "EDITED"},
+        [
+            "--ckpt_path edited.ckpt: ['MixedPrecisionPlugin']['scaler']: backoff_factor=2.0 is not allowed",
+            "> 0 and < 1",
+            "edited by hand",
+        ],
+    ),
     "monitor out of range": (
-        ["--precision_monitor.sample_every=-5"], {},
-        ["PrecisionMonitor(sample_every=-5): must be an integer >= 0"]),
+        ["--precision_monitor.sample_every=-5"],
+        {},
+        ["PrecisionMonitor(sample_every=-5): must be an integer >= 0"],
+    ),
     "monitor not a number": (
-        ["--precision_monitor.log_top=many"], {}, ["--precision_monitor.log_top: Expected a <class 'int'>", "many"]),
+        ["--precision_monitor.log_top=many"],
+        {},
+        ["--precision_monitor.log_top: Expected a <class 'int'>", "many"],
+    ),
     "fsdp": (
-        ["--trainer.strategy=fsdp", "--trainer.precision=bf16-mixed"], {},
-        ["trainer.strategy='fsdp' with MixedPrecisionPlugin", "FSDPPrecision", "--trainer.strategy ddp"]),
+        ["--trainer.strategy=fsdp", "--trainer.precision=bf16-mixed"],
+        {},
+        ["trainer.strategy='fsdp' with MixedPrecisionPlugin", "FSDPPrecision", "--trainer.strategy ddp"],
+    ),
     "deepspeed": (
-        ["--trainer.strategy=deepspeed_stage_2", "--trainer.precision=bf16-mixed"], {},
-        ["trainer.strategy='deepspeed_stage_2' with MixedPrecisionPlugin", "DeepSpeedPrecision"]),
+        ["--trainer.strategy=deepspeed_stage_2", "--trainer.precision=bf16-mixed"],
+        {},
+        ["trainer.strategy='deepspeed_stage_2' with MixedPrecisionPlugin", "DeepSpeedPrecision"],
+    ),
     "plugin argument typo": (
-        ["--config=plugins.yaml"], {"plugins.yaml": _plugins_yaml("{master_weight: true}")},
-        ["trainer.plugins[0] (lightning_mp.MixedPrecisionPlugin): 'master_weight' is not an argument",
-         "did you mean 'master_weights'?", "it takes precision, scaler, master_weights, keep_norm_fp32, policy"]),
+        ["--config=plugins.yaml"],
+        {"plugins.yaml": _plugins_yaml("{master_weight: true}")},
+        [
+            "trainer.plugins[0] (lightning_mp.MixedPrecisionPlugin): 'master_weight' is not an argument",
+            "did you mean 'master_weights'?",
+            "it takes precision, scaler, master_weights, keep_norm_fp32, policy",
+        ],
+    ),
     "plugin class typo": (
-        ["--config=plugins.yaml"], {"plugins.yaml": _plugins_yaml("{}", "lightning_mp.MixedPrecisionPlugn")},
-        ["trainer.plugins[0]: class_path 'lightning_mp.MixedPrecisionPlugn' cannot be imported",
-         "did you mean lightning_mp.MixedPrecisionPlugin?"]),
+        ["--config=plugins.yaml"],
+        {"plugins.yaml": _plugins_yaml("{}", "lightning_mp.MixedPrecisionPlugn")},
+        [
+            "trainer.plugins[0]: class_path 'lightning_mp.MixedPrecisionPlugn' cannot be imported",
+            "did you mean lightning_mp.MixedPrecisionPlugin?",
+        ],
+    ),
 }
 
 
 def _edited_checkpoint(folder: Path) -> dict:
     """A real checkpoint of a 1-step bf16 fit with the plugin, its scaler's backoff_factor edited to 2.0."""
-    main(["fit", "--config", DIGITS, "--model=tests.helpers.DigitsMLP", "--trainer.precision=bf16-mixed",
-          f"--trainer.default_root_dir={folder}", "--trainer.max_steps=1", "--trainer.limit_val_batches=0",
-          "--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false", "--test_after_fit=false",
-          "--precision_monitor.enabled=false"])
+    main(
+        [
+            "fit",
+            "--config",
+            DIGITS,
+            "--model=tests.helpers.DigitsMLP",
+            "--trainer.precision=bf16-mixed",
+            f"--trainer.default_root_dir={folder}",
+            "--trainer.max_steps=1",
+            "--trainer.limit_val_batches=0",
+            "--trainer.enable_progress_bar=false",
+            "--trainer.enable_model_summary=false",
+            "--test_after_fit=false",
+            "--precision_monitor.enabled=false",
+        ]
+    )
     checkpoint = torch.load(next(folder.rglob("last.ckpt")), weights_only=True)
     assert checkpoint["MixedPrecisionPlugin"]["scaler"]["backoff_factor"] == 0.5
     checkpoint["MixedPrecisionPlugin"]["scaler"]["backoff_factor"] = 2.0
@@ -98,11 +145,26 @@ def _run(case: str, folder: Path, edited: dict) -> subprocess.CompletedProcess:
             torch.save(edited if content == "EDITED" else content, target)
         else:
             target.write_text(content)
-    command = [sys.executable, "-m", "lightning_mp", "fit", "--config", DIGITS, *extra,
-               "--trainer.default_root_dir=runs", "--trainer.max_steps=1", "--trainer.limit_val_batches=1",
-               "--trainer.num_sanity_val_steps=0", "--trainer.enable_progress_bar=false", "--test_after_fit=false"]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-           "OMP_NUM_THREADS": "1"}
+    command = [
+        sys.executable,
+        "-m",
+        "lightning_mp",
+        "fit",
+        "--config",
+        DIGITS,
+        *extra,
+        "--trainer.default_root_dir=runs",
+        "--trainer.max_steps=1",
+        "--trainer.limit_val_batches=1",
+        "--trainer.num_sanity_val_steps=0",
+        "--trainer.enable_progress_bar=false",
+        "--test_after_fit=false",
+    ]
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+        "OMP_NUM_THREADS": "1",
+    }
     return subprocess.run(command, cwd=folder, env=env, capture_output=True, text=True, timeout=300)
 
 
@@ -136,22 +198,41 @@ def test_any_precision_flag_next_to_a_precision_plugin_is_refused_naming_both(pr
 
     with pytest.raises(CLIConfigError) as refused:
         choose_precision(precision, "cpu", [{"class_path": PLUGIN}], {})
-    assert f"trainer.precision={precision!r} and a precision plugin in trainer.plugins (MixedPrecisionPlugin)" \
-        in str(refused.value)
+    assert f"trainer.precision={precision!r} and a precision plugin in trainer.plugins (MixedPrecisionPlugin)" in str(
+        refused.value
+    )
     with pytest.raises(CLIConfigError, match=r"holds 2 precision plugins \(MixedPrecisionPlugin, MixedPrecision"):
-        choose_precision(None, "cpu", [MixedPrecisionPlugin(), {"class_path": "lightning.pytorch.plugins."
-                                                                "precision.MixedPrecision", "init_args": {
-                                                                    "precision": "bf16-mixed", "device": "cpu"}}], {})
+        choose_precision(
+            None,
+            "cpu",
+            [
+                MixedPrecisionPlugin(),
+                {
+                    "class_path": "lightning.pytorch.plugins.precision.MixedPrecision",
+                    "init_args": {"precision": "bf16-mixed", "device": "cpu"},
+                },
+            ],
+            {},
+        )
 
 
-@pytest.mark.parametrize("argument, expected", [
-    ("--model.init_args.widht=3", "--model: lightning_mp.samples.ResNetClassifier: Option 'widht' is not accepted "
-                                  "(did you mean 'width'?); ResNetClassifier takes depth, num_classes, in_channels, "
-                                  "width, stem, lr, momentum, weight_decay."),
-    ("--data.init_args.batch_size=abc", "--data: lightning_mp.samples.ImageDataModule: Parser key \"batch_size\": "
-                                        "Expected a <class 'int'>. Got value: abc"),
-    ("--trainer.max_stepz=3", "unrecognized arguments: --trainer.max_stepz=3"),
-])
+@pytest.mark.parametrize(
+    "argument, expected",
+    [
+        (
+            "--model.init_args.widht=3",
+            "--model: lightning_mp.samples.ResNetClassifier: Option 'widht' is not accepted "
+            "(did you mean 'width'?); ResNetClassifier takes depth, num_classes, in_channels, "
+            "width, stem, lr, momentum, weight_decay.",
+        ),
+        (
+            "--data.init_args.batch_size=abc",
+            '--data: lightning_mp.samples.ImageDataModule: Parser key "batch_size": '
+            "Expected a <class 'int'>. Got value: abc",
+        ),
+        ("--trainer.max_stepz=3", "unrecognized arguments: --trainer.max_stepz=3"),
+    ],
+)
 def test_a_mistyped_model_or_data_argument_is_one_line_naming_the_class_and_its_arguments(
     tmp_path, capsys, argument, expected
 ):

@@ -79,13 +79,16 @@ CASES = {
     "resnet-fp32": ["--trainer.precision=32-true", "--model.init_args.width=4"],
     # dropout + real fp16 with a dynamic scaler that overflows and backs off: RNG and scaler state resume too
     "dropout-fp16-plugin": [
-        "--model=tests.test_cli_resume.DropoutDigits", "--trainer.precision=null",
-        "--trainer.plugins=lightning_mp.MixedPrecisionPlugin", "--trainer.plugins.precision=16-mixed",
+        "--model=tests.test_cli_resume.DropoutDigits",
+        "--trainer.precision=null",
+        "--trainer.plugins=lightning_mp.MixedPrecisionPlugin",
+        "--trainer.plugins.precision=16-mixed",
         "--trainer.plugins.scaler={init_scale: 1048576.0, growth_interval: 4}",
     ],
     # dropout + bf16 with lean master weights (bf16 weights + 16-bit remainders): fp32 checkpoints, exact resume
     "dropout-bf16-remainder": [
-        "--model=tests.test_cli_resume.DropoutDigits", "--trainer.precision=bf16-mixed",
+        "--model=tests.test_cli_resume.DropoutDigits",
+        "--trainer.precision=bf16-mixed",
         "--mixed_precision.master_weights=remainder",
     ],
 }
@@ -93,17 +96,34 @@ CASES = {
 
 def _command(root: Path, config: Path, extra: list[str], *more: str) -> list[str]:
     return [
-        sys.executable, "-m", "lightning_mp", "fit", "--config", str(DIGITS), "--config", str(config),
-        f"--trainer.default_root_dir={root}", "--trainer.max_epochs=3", "--trainer.limit_val_batches=2",
-        "--trainer.log_every_n_steps=1", "--trainer.enable_progress_bar=false",
-        "--trainer.enable_model_summary=false", "--test_after_fit=false",
-        "--data.init_args.train_size=256", "--data.init_args.batch_size=32", *extra, *more,
+        sys.executable,
+        "-m",
+        "lightning_mp",
+        "fit",
+        "--config",
+        str(DIGITS),
+        "--config",
+        str(config),
+        f"--trainer.default_root_dir={root}",
+        "--trainer.max_epochs=3",
+        "--trainer.limit_val_batches=2",
+        "--trainer.log_every_n_steps=1",
+        "--trainer.enable_progress_bar=false",
+        "--trainer.enable_model_summary=false",
+        "--test_after_fit=false",
+        "--data.init_args.train_size=256",
+        "--data.init_args.batch_size=32",
+        *extra,
+        *more,
     ]
 
 
 def _env() -> dict[str, str]:
-    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
-            "OMP_NUM_THREADS": "1"}
+    return {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+        "OMP_NUM_THREADS": "1",
+    }
 
 
 def _run(command: list[str]) -> None:

@@ -27,12 +27,18 @@ def fsdp2_checkpoints(tmp_path_factory) -> Path:
 
 def _consolidate(*args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    return subprocess.run([sys.executable, "-m", "lightning_mp", "consolidate", *map(str, args)], env=env,
-                          capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "lightning_mp", "consolidate", *map(str, args)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
-@pytest.mark.parametrize("masters, run, folder", [("off", "sharded", "ckpt-off"), ("on", "sharded", "ckpt-on"),
-                                                  ("on", "file", "ckpt-file")])
+@pytest.mark.parametrize(
+    "masters, run, folder", [("off", "sharded", "ckpt-off"), ("on", "sharded", "ckpt-on"), ("on", "file", "ckpt-file")]
+)
 def test_consolidated_checkpoint_loads_strictly_and_holds_the_weights_the_run_ended_with(
     fsdp2_checkpoints, tmp_path, masters, run, folder
 ):
@@ -57,17 +63,31 @@ def test_consolidated_checkpoint_loads_strictly_and_holds_the_weights_the_run_en
 def test_lightnings_consolidation_fails_on_the_trainers_distributed_checkpoint(fsdp2_checkpoints, tmp_path):
     """Why the command exists: the tool Lightning documents for Trainer checkpoints expects Fabric's "model" key."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    done = subprocess.run([sys.executable, "-m", "lightning.pytorch.utilities.consolidate_checkpoint",
-                           str(fsdp2_checkpoints / "ckpt-on" / "epoch=1.ckpt"), "--output_file",
-                           str(tmp_path / "out.ckpt")], env=env, capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "lightning.pytorch.utilities.consolidate_checkpoint",
+            str(fsdp2_checkpoints / "ckpt-on" / "epoch=1.ckpt"),
+            "--output_file",
+            str(tmp_path / "out.ckpt"),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert done.returncode != 0 and "KeyError: 'model'" in done.stderr, done.stderr[-3000:]
 
 
-@pytest.mark.parametrize("given, fragment", [
-    ("missing", "missing: no such file or folder."),
-    ("folder", "is a folder without .metadata: not a distributed checkpoint"),
-    ("text.ckpt", "is not a checkpoint torch.load can read"),
-])
+@pytest.mark.parametrize(
+    "given, fragment",
+    [
+        ("missing", "missing: no such file or folder."),
+        ("folder", "is a folder without .metadata: not a distributed checkpoint"),
+        ("text.ckpt", "is not a checkpoint torch.load can read"),
+    ],
+)
 def test_consolidate_refuses_what_is_not_a_checkpoint_in_one_line(tmp_path, given, fragment):
     (tmp_path / "folder").mkdir()
     (tmp_path / "text.ckpt").write_text("not a checkpoint\n")

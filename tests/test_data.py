@@ -14,8 +14,8 @@ import torch
 
 from lightning_mp.samples.data import ImageDataModule, SentimentDataModule
 from lightning_mp.samples.data import images as images_module
-from lightning_mp.samples.data.images import IDX_IMAGES_MAGIC, IDX_LABELS_MAGIC, read_idx
 from lightning_mp.samples.data._split import split_indices
+from lightning_mp.samples.data.images import IDX_IMAGES_MAGIC, IDX_LABELS_MAGIC, read_idx
 from lightning_mp.samples.data.sentiment import read_rotten_tomatoes
 from lightning_mp.samples.resources import FASHION_MNIST_DIR, SourceUnavailableError
 
@@ -52,7 +52,9 @@ def test_split_is_deterministic_by_seed_differs_across_seeds_and_has_no_overlap(
 
 
 def test_split_is_the_same_in_another_process():
-    code = "from lightning_mp.samples.data._split import split_indices; print(split_indices(500, seed=3)['val'].tolist())"
+    code = (
+        "from lightning_mp.samples.data._split import split_indices; print(split_indices(500, seed=3)['val'].tolist())"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=Path.cwd())
     assert json.loads(out.stdout) == split_indices(500, seed=3)["val"].tolist()
 
@@ -254,8 +256,9 @@ def test_pad_to_max_length_gives_every_batch_the_same_shape(tmp_path):
     file = tmp_path / "lengths.jsonl"
     texts = ["ok", "a bit longer review here", "word " * 300, "short one"]
     file.write_text("".join(json.dumps({"text": t, "label": i % 2}) + "\n" for i, t in enumerate(texts)), "utf-8")
-    dm = SentimentDataModule(source="jsonl", path=str(file), val_size=1, test_size=1, max_length=16,
-                             pad_to_max_length=True)
+    dm = SentimentDataModule(
+        source="jsonl", path=str(file), val_size=1, test_size=1, max_length=16, pad_to_max_length=True
+    )
     dm.setup("fit")
     dataset = dm.train_dataloader().dataset
     for pair in ([0], [0, 1]):

@@ -85,16 +85,28 @@ class ManualRegressor(TinyRegressor):
 
 def _scaler(kind: str):
     # fp16: a scale the tiny model's gradients fit under (2**16 would overflow them), growth within the run
-    return {"fp16-dynamic": DynamicLossScaler(init_scale=1024.0, growth_interval=2), "fp16-static": 512.0,
-            "bf16-check": None}[kind]
+    return {
+        "fp16-dynamic": DynamicLossScaler(init_scale=1024.0, growth_interval=2),
+        "fp16-static": 512.0,
+        "bf16-check": None,
+    }[kind]
 
 
 def _precision(kind: str) -> str:
     return "bf16-mixed" if kind == "bf16-check" else "16-mixed"
 
 
-def _run(kind: str, masters: bool, manual: bool, accumulate: int, inject=(1,), steps: int = 4, fused: bool = True,
-         observer: bool = False, optimizer: str = "adam"):
+def _run(
+    kind: str,
+    masters: bool,
+    manual: bool,
+    accumulate: int,
+    inject=(1,),
+    steps: int = 4,
+    fused: bool = True,
+    observer: bool = False,
+    optimizer: str = "adam",
+):
     with seeded():
         kwargs = dict(optimizer=optimizer, fused=fused, record_grad_norms=False, inject_inf_at=inject, lr=1e-2)
         model = ManualRegressor(accumulate=accumulate, **kwargs) if manual else TinyRegressor(**kwargs)
@@ -110,8 +122,13 @@ def _run(kind: str, masters: bool, manual: bool, accumulate: int, inject=(1,), s
 
 
 MATRIX = [
-    pytest.param(kind, masters, manual, accumulate, id=f"{kind}-{'masters' if masters else 'fp32'}-"
-                 f"{'manual' if manual else 'auto'}-acc{accumulate}")
+    pytest.param(
+        kind,
+        masters,
+        manual,
+        accumulate,
+        id=f"{kind}-{'masters' if masters else 'fp32'}-{'manual' if manual else 'auto'}-acc{accumulate}",
+    )
     for kind in ("fp16-dynamic", "fp16-static", "bf16-check")
     for masters in (False, True)
     for manual in (False, True)
@@ -120,8 +137,9 @@ MATRIX = [
 
 
 @pytest.mark.parametrize("kind, masters, manual, accumulate", MATRIX)
-def test_no_host_sync_in_the_step_and_the_device_skip_equals_the_host_skip(kind, masters, manual, accumulate,
-                                                                           step_syncs):
+def test_no_host_sync_in_the_step_and_the_device_skip_equals_the_host_skip(
+    kind, masters, manual, accumulate, step_syncs
+):
     model, plugin = _run(kind, masters, manual, accumulate)
     assert step_syncs == [0, 0, 0, 0]  # 4 optimizer steps, a non-finite one among them, not one host sync
     assert plugin.scaler.pending_updates == 4  # nothing read the state yet
@@ -155,8 +173,9 @@ def test_a_non_fused_optimizer_is_decided_on_the_host_once_per_step(step_syncs):
 
 def test_a_step_interval_scheduler_reads_the_flag_at_the_step_and_holds_on_the_skipped_one(step_syncs):
     with seeded():
-        model = TinyRegressor(optimizer="adam", fused=True, scheduler="step", inject_inf_at=[1],
-                              record_grad_norms=False)
+        model = TinyRegressor(
+            optimizer="adam", fused=True, scheduler="step", inject_inf_at=[1], record_grad_norms=False
+        )
     plugin = MixedPrecisionPlugin("bf16-mixed")
     make_trainer(plugin, max_steps=4).fit(model, regression_loader())
     assert step_syncs == [1, 1, 1, 1]
@@ -181,8 +200,9 @@ def test_fp16_dynamic_reads_only_on_the_steps_where_an_error_may_be_due(step_syn
 
 def test_max_consecutive_skips_fires_at_the_step_it_is_due_naming_the_parameter(step_syncs):
     with seeded():
-        model = TinyRegressor(optimizer="adam", fused=True, record_grad_norms=False, inject_inf_at=range(100),
-                              inject_param="net.2.weight")
+        model = TinyRegressor(
+            optimizer="adam", fused=True, record_grad_norms=False, inject_inf_at=range(100), inject_param="net.2.weight"
+        )
     plugin = MixedPrecisionPlugin("bf16-mixed", scaler={"max_consecutive_skips": 3})
     with pytest.raises(FloatingPointError, match=r"3 optimizer steps in a row.*net\.2\.weight"):
         make_trainer(plugin, max_steps=10).fit(model, regression_loader())
@@ -196,8 +216,9 @@ def test_min_scale_fires_at_the_step_it_is_due_naming_the_parameter(step_syncs):
     # the fifth non-finite step would go below min_scale
     scaler = DynamicLossScaler(init_scale=8.0, hysteresis=2, max_consecutive_skips=None)
     with seeded():
-        model = TinyRegressor(optimizer="adam", fused=True, record_grad_norms=False, inject_inf_at=range(100),
-                              inject_param="net.0.weight")
+        model = TinyRegressor(
+            optimizer="adam", fused=True, record_grad_norms=False, inject_inf_at=range(100), inject_param="net.0.weight"
+        )
     with pytest.raises(FloatingPointError, match=r"min_scale=1.*net\.0\.weight"):
         make_trainer(MixedPrecisionPlugin(scaler=scaler), max_steps=10).fit(model, regression_loader())
     assert len(step_syncs) == 5 and step_syncs[:4] == [0, 0, 0, 0] and step_syncs[4] >= 1

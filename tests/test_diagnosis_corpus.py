@@ -32,8 +32,7 @@ CELLS = [(name, plant, False) for name in MODELS for plant in PLANTS]
 CELLS += [(name, plant, True) for name in ("gpt2", "bert_eager", "encoder_min") for plant in PLANTS]
 
 
-@pytest.mark.parametrize("name, plant, masters", CELLS,
-                         ids=[f"{n}-{p}{'-masters' if m else ''}" for n, p, m in CELLS])
+@pytest.mark.parametrize("name, plant, masters", CELLS, ids=[f"{n}-{p}{'-masters' if m else ''}" for n, p, m in CELLS])
 def test_every_corpus_cell_names_the_planted_cause_module_phase_and_op(name, plant, masters):
     model, monitor = run(name, plant, master_weights=masters)
     history = monitor.history

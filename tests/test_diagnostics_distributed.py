@@ -6,7 +6,6 @@ import socket
 from pathlib import Path
 
 import pytest
-
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -30,9 +29,16 @@ def _rank(rank: int, port: int, results) -> None:
     try:
         # rank r: 10 values, r + 1 zeros, 2 flushed, 3 subnormal, no non-finite, amax 5 * (r + 1)
         rows = torch.tensor([[10.0, rank + 1.0, 2.0, 3.0, 0.0, 5.0 * (rank + 1)]])
-        (row,), = read_rows(reduce_rows(rows))
-        located = OverflowRecord(step=7, scale_before=8.0, phase="forward", module="enc.1", module_class="Linear",
-                                 op="addmm", cause="half_precision")
+        ((row,),) = read_rows(reduce_rows(rows))
+        located = OverflowRecord(
+            step=7,
+            scale_before=8.0,
+            phase="forward",
+            module="enc.1",
+            module_class="Linear",
+            op="addmm",
+            cause="half_precision",
+        )
         record = located if rank == 1 else OverflowRecord(step=7, scale_before=8.0)  # only rank 1 overflowed
         merged = _merged_across_ranks(record)
         results[rank] = (row, merged.module, merged.ranks, merged.cause)
@@ -61,8 +67,9 @@ def monitored(tmp_path_factory) -> Path:
 
 @pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize("plant", ["one", "every"])
-def test_monitor_on_two_ranks_trains_to_the_end_and_the_ranks_agree_on_every_skip_and_the_report(monitored, case,
-                                                                                                   plant):
+def test_monitor_on_two_ranks_trains_to_the_end_and_the_ranks_agree_on_every_skip_and_the_report(
+    monitored, case, plant
+):
     rank0, rank1 = (ranks[plant] for ranks in load_ranks(monitored / case))
     assert rank0["skipped"] == rank1["skipped"] == [PLANT_AT]  # the overflowing step only, on both ranks
     assert len(rank0["steps"]) == 8 and rank0["steps"] == rank1["steps"]  # every batch of both epochs ran
@@ -72,7 +79,11 @@ def test_monitor_on_two_ranks_trains_to_the_end_and_the_ranks_agree_on_every_ski
     assert "net.0.weight" in record["nonfinite_params"]
     if case.startswith("ddp"):  # replayed (in fp32 too, with masters swapped in) on every rank, in lockstep
         assert (record["phase"], record["module"], record["op"], record["cause"]) == (
-            "forward", "net.0", "_to_copy", "half_precision")
+            "forward",
+            "net.0",
+            "_to_copy",
+            "half_precision",
+        )
         assert record["ranks"] == ([0] if plant == "one" else [0, 1])
     else:  # FSDP2: the sharded model is not replayed; each rank's non-finite shards, merged
         assert (record["cause"], record["phase"]) == ("gradients_only", "")

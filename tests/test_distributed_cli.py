@@ -18,11 +18,28 @@ ROOT = Path(__file__).resolve().parent.parent
 @pytest.mark.parametrize("precision", ["16-mixed", "bf16-mixed"])
 def test_cli_trains_digits_on_two_ddp_cpu_processes_with_master_weights(tmp_path, precision):
     command = [
-        sys.executable, "-m", "lightning_mp", "fit", "--config", str(ROOT / "configs" / "digits.yaml"),
-        "--trainer.strategy", "ddp", "--trainer.devices", "2", "--trainer.accelerator", "cpu",
-        "--trainer.precision", precision, "--mixed_precision.master_weights", "true",
-        f"--trainer.default_root_dir={tmp_path}", "--trainer.max_steps=3", "--trainer.limit_val_batches=1",
-        "--trainer.limit_test_batches=1", "--trainer.num_sanity_val_steps=0", "--trainer.enable_progress_bar=false",
+        sys.executable,
+        "-m",
+        "lightning_mp",
+        "fit",
+        "--config",
+        str(ROOT / "configs" / "digits.yaml"),
+        "--trainer.strategy",
+        "ddp",
+        "--trainer.devices",
+        "2",
+        "--trainer.accelerator",
+        "cpu",
+        "--trainer.precision",
+        precision,
+        "--mixed_precision.master_weights",
+        "true",
+        f"--trainer.default_root_dir={tmp_path}",
+        "--trainer.max_steps=3",
+        "--trainer.limit_val_batches=1",
+        "--trainer.limit_test_batches=1",
+        "--trainer.num_sanity_val_steps=0",
+        "--trainer.enable_progress_bar=false",
     ]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
@@ -41,18 +58,31 @@ def test_cli_trains_digits_on_two_ddp_cpu_processes_with_master_weights(tmp_path
     assert {t.dtype for t in checkpoint["state_dict"].values() if t.is_floating_point()} == {torch.float32}
 
 
-@pytest.mark.parametrize("strategy, fragment", [
-    ("fsdp", "Lightning's FSDPStrategy (FSDP1)"),
-    ("fsdp_cpu_offload", "Lightning's FSDPStrategy (FSDP1)"),
-    ("{class_path: lightning.pytorch.strategies.FSDPStrategy}", "Lightning's FSDPStrategy (FSDP1)"),
-    ("deepspeed_stage_2", "DeepSpeed runs its own loss scaler"),
-])
+@pytest.mark.parametrize(
+    "strategy, fragment",
+    [
+        ("fsdp", "Lightning's FSDPStrategy (FSDP1)"),
+        ("fsdp_cpu_offload", "Lightning's FSDPStrategy (FSDP1)"),
+        ("{class_path: lightning.pytorch.strategies.FSDPStrategy}", "Lightning's FSDPStrategy (FSDP1)"),
+        ("deepspeed_stage_2", "DeepSpeed runs its own loss scaler"),
+    ],
+)
 @pytest.mark.parametrize("plugin", ["trainer.precision", "trainer.plugins"])
 def test_cli_refuses_fsdp1_and_deepspeed_with_what_to_use_instead(tmp_path, capsys, strategy, fragment, plugin):
-    precision = ["--trainer.precision", "bf16-mixed"] if plugin == "trainer.precision" else [
-        "--trainer.precision", "null", "--trainer.plugins", "lightning_mp.MixedPrecisionPlugin"]
-    args = ["fit", "--config", str(ROOT / "configs" / "digits.yaml"), "--trainer.strategy", strategy, *precision,
-            f"--trainer.default_root_dir={tmp_path}"]
+    precision = (
+        ["--trainer.precision", "bf16-mixed"]
+        if plugin == "trainer.precision"
+        else ["--trainer.precision", "null", "--trainer.plugins", "lightning_mp.MixedPrecisionPlugin"]
+    )
+    args = [
+        "fit",
+        "--config",
+        str(ROOT / "configs" / "digits.yaml"),
+        "--trainer.strategy",
+        strategy,
+        *precision,
+        f"--trainer.default_root_dir={tmp_path}",
+    ]
     with pytest.raises(SystemExit) as exited:
         main(args)
     err = capsys.readouterr().err
@@ -81,15 +111,41 @@ def test_cli_test_loss_on_two_ddp_processes_is_the_mean_over_both_ranks_shards(t
     from lightning_mp.samples import ImageDataModule, ResNetClassifier
 
     config = str(ROOT / "configs" / "digits.yaml")
-    main(["fit", "--config", config, "--trainer.precision=32-true", f"--trainer.default_root_dir={tmp_path / 'fit'}",
-          "--model.init_args.width=8", "--trainer.max_steps=15", "--trainer.limit_val_batches=0", "--trainer.enable_progress_bar=false",
-          "--test_after_fit=false", "--precision_monitor.enabled=false"])
+    main(
+        [
+            "fit",
+            "--config",
+            config,
+            "--trainer.precision=32-true",
+            f"--trainer.default_root_dir={tmp_path / 'fit'}",
+            "--model.init_args.width=8",
+            "--trainer.max_steps=15",
+            "--trainer.limit_val_batches=0",
+            "--trainer.enable_progress_bar=false",
+            "--test_after_fit=false",
+            "--precision_monitor.enabled=false",
+        ]
+    )
     checkpoint = next((tmp_path / "fit").rglob("last.ckpt"))
     command = [
-        sys.executable, "-m", "lightning_mp", "test", "--config", config, "--trainer.strategy", "ddp",
-        "--trainer.devices", "2", "--trainer.accelerator", "cpu", "--trainer.precision", "32-true",
-        f"--trainer.default_root_dir={tmp_path / 'test'}", "--trainer.limit_test_batches=2",
-        "--trainer.enable_progress_bar=false", f"--ckpt_path={checkpoint}",
+        sys.executable,
+        "-m",
+        "lightning_mp",
+        "test",
+        "--config",
+        config,
+        "--trainer.strategy",
+        "ddp",
+        "--trainer.devices",
+        "2",
+        "--trainer.accelerator",
+        "cpu",
+        "--trainer.precision",
+        "32-true",
+        f"--trainer.default_root_dir={tmp_path / 'test'}",
+        "--trainer.limit_test_batches=2",
+        "--trainer.enable_progress_bar=false",
+        f"--ckpt_path={checkpoint}",
     ]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
@@ -107,7 +163,7 @@ def test_cli_test_loss_on_two_ddp_processes_is_the_mean_over_both_ranks_shards(t
     dataset = data.test_dataloader().dataset
     losses = []
     for rank in range(2):
-        indices = list(DistributedSampler(dataset, num_replicas=2, rank=rank, shuffle=False))[:2 * 64]
+        indices = list(DistributedSampler(dataset, num_replicas=2, rank=rank, shuffle=False))[: 2 * 64]
         images, labels = (torch.stack(items) for items in zip(*(dataset[i] for i in indices)))
         with torch.no_grad():
             losses.append(torch.nn.functional.cross_entropy(model(images), labels, reduction="none"))

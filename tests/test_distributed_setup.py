@@ -25,8 +25,15 @@ def test_deepspeed_is_refused_with_how_to_configure_its_own_fp16_and_bf16():
     with pytest.raises(ValueError) as error:
         sync_for(strategy, MixedPrecisionPlugin(master_weights=True))
     message = str(error.value)
-    for fragment in ("DeepSpeedStrategy", "own loss scaler", "precision='16-mixed'", "precision='bf16-mixed'",
-                     '"fp16": {"enabled": true', '"bf16": {"enabled": true}', "initial_scale_power"):
+    for fragment in (
+        "DeepSpeedStrategy",
+        "own loss scaler",
+        "precision='16-mixed'",
+        "precision='bf16-mixed'",
+        '"fp16": {"enabled": true',
+        '"bf16": {"enabled": true}',
+        "initial_scale_power",
+    ):
         assert fragment in message, fragment
 
 
@@ -34,17 +41,29 @@ def test_deepspeed_is_refused_with_how_to_configure_its_own_fp16_and_bf16():
 @CUDA_AND_DEEPSPEED
 def test_deepspeed_trainer_is_refused_before_the_first_step():
     model = TinyRegressor()
-    trainer = L.Trainer(accelerator="cuda", devices=1, strategy="deepspeed_stage_2", max_steps=1, logger=False,
-                        enable_checkpointing=False, plugins=[MixedPrecisionPlugin()])
+    trainer = L.Trainer(
+        accelerator="cuda",
+        devices=1,
+        strategy="deepspeed_stage_2",
+        max_steps=1,
+        logger=False,
+        enable_checkpointing=False,
+        plugins=[MixedPrecisionPlugin()],
+    )
     with pytest.raises(ValueError, match="DeepSpeed runs its own loss scaler"):
         trainer.fit(model, regression_loader())
     assert trainer.global_step == 0
 
 
-@pytest.mark.parametrize("value, expected", [
-    ("float32", torch.float32), (torch.bfloat16, torch.bfloat16), ("bf16", torch.bfloat16),
-    ("torch.float16", torch.float16),
-])
+@pytest.mark.parametrize(
+    "value, expected",
+    [
+        ("float32", torch.float32),
+        (torch.bfloat16, torch.bfloat16),
+        ("bf16", torch.bfloat16),
+        ("torch.float16", torch.float16),
+    ],
+)
 def test_reduce_dtype_accepts_dtypes_and_their_names(value, expected):
     assert MixedPrecisionPlugin(reduce_dtype=value).reduce_dtype == expected
 
@@ -61,6 +80,11 @@ def test_fsdp1_strategy_is_refused_with_what_to_use_instead():
     with pytest.raises(ValueError) as error:
         sync_for(FSDPStrategy(), MixedPrecisionPlugin())
     message = str(error.value)
-    for fragment in ("Lightning's FSDPStrategy (FSDP1)", "ModelParallelStrategy(data_parallel_size=",
-                     "fsdp2_policy()", "fully_shard(block", "strategy='ddp'"):
+    for fragment in (
+        "Lightning's FSDPStrategy (FSDP1)",
+        "ModelParallelStrategy(data_parallel_size=",
+        "fsdp2_policy()",
+        "fully_shard(block",
+        "strategy='ddp'",
+    ):
         assert fragment in message, fragment

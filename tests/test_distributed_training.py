@@ -147,7 +147,7 @@ def test_resumed_run_continues_as_the_uninterrupted_one(launched, masters):
     _, out = launched
     for rank in load_ranks(out / masters):
         full, resumed = rank["full"], rank["resumed"]
-        assert resumed["steps"] == full["steps"][len(full["steps"]) - len(resumed["steps"]):]
+        assert resumed["steps"] == full["steps"][len(full["steps"]) - len(resumed["steps"]) :]
         assert resumed["scaler"] == full["scaler"]
         for name, value in full["weights"].items():
             assert torch.equal(resumed["weights"][name], value), name
@@ -201,7 +201,7 @@ def test_fsdp2_run_resumed_from_a_full_single_file_checkpoint_continues_as_the_u
     for rank in load_ranks(out / "on"):
         full, resumed = rank["full"], rank["resumed_from_file"]
         assert resumed["scaler"] == full["scaler"]
-        assert resumed["steps"] == full["steps"][len(full["steps"]) - len(resumed["steps"]):]
+        assert resumed["steps"] == full["steps"][len(full["steps"]) - len(resumed["steps"]) :]
         for name, value in full["weights"].items():
             assert torch.equal(resumed["weights"][name], value), name
 
@@ -272,8 +272,14 @@ def test_world_size_one_on_cuda_matches_one_device(strategy, precision):
     from tests.distributed.common import shard_net
 
     parallel = "ddp" if strategy == "ddp" else ModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=1)
-    run = fit(precision, True, strategy=parallel, devices=1, accelerator="cuda",
-              shard=shard_net if strategy == "fsdp2" else None)
+    run = fit(
+        precision,
+        True,
+        strategy=parallel,
+        devices=1,
+        accelerator="cuda",
+        shard=shard_net if strategy == "fsdp2" else None,
+    )
     ref = fit(precision, True, strategy="auto", devices=1, accelerator="cuda")
     assert run["steps"] == ref["steps"] and run["param_dtype"] == _DTYPE[precision]
     for name, value in ref["weights"].items():

@@ -116,13 +116,13 @@ def docs_sandbox(tmp_path, monkeypatch):
 def test_docs_code_block_runs(block: Block, docs_sandbox):
     namespace = {"__name__": "__docs__", **standins()}
     for earlier in block.chain:
-        exec(compile(earlier.source, str(earlier.page), "exec"), namespace)  # noqa: S102  (running it is the test)
+        exec(compile(earlier.source, str(earlier.page), "exec"), namespace)
     code = compile(block.source, str(block.page), "exec")
     if block.directive and block.directive[0] == "raises":
         with pytest.raises(getattr(builtins, block.directive[1])):
-            exec(code, namespace)  # noqa: S102
+            exec(code, namespace)
     else:
-        exec(code, namespace)  # noqa: S102
+        exec(code, namespace)
 
 
 def test_every_python_fence_of_the_docs_is_collected():
@@ -159,6 +159,6 @@ def test_the_parser_reads_directives_chains_and_indented_fences(tmp_path):
     assert second.chain == [first] and second.directive == ("continue", "")
     assert fourth.directive == ("skip", "needs a GPU")
     namespace: dict = {}
-    exec(compile(third.source, "page.md", "exec"), namespace)  # noqa: S102  (dedented out of the list item)
+    exec(compile(third.source, "page.md", "exec"), namespace)
     assert namespace["c"] == 3
     assert [b.lang for b in code_blocks(page)] == ["python", "python", "py", "python", "bash"]

@@ -20,8 +20,10 @@ gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA dev
 
 # ---------------------------------------------------------------------- the argument
 def test_fp8_none_never_imports_torchao():
-    code = ("import sys, lightning_mp; lightning_mp.MixedPrecisionPlugin('bf16-mixed'); "
-            "print(any(m.split('.')[0] == 'torchao' for m in sys.modules))")
+    code = (
+        "import sys, lightning_mp; lightning_mp.MixedPrecisionPlugin('bf16-mixed'); "
+        "print(any(m.split('.')[0] == 'torchao' for m in sys.modules))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
 
@@ -35,7 +37,7 @@ def test_a_bad_fp8_value_is_refused_naming_it_and_the_recipes(bad):
 
 def test_missing_torchao_is_an_error_naming_the_fp8_extra(monkeypatch):
     monkeypatch.setitem(sys.modules, "torchao.float8", None)  # what an uninstalled package looks like to import
-    with pytest.raises(ImportError, match=r'lightning_mp\[fp8\]'):
+    with pytest.raises(ImportError, match=r"lightning_mp\[fp8\]"):
         MixedPrecisionPlugin("bf16-mixed", fp8="tensorwise")
 
 
@@ -116,8 +118,9 @@ def test_the_setup_table_gives_every_linear_layer_its_decision_and_reason(caplog
 
 
 def test_fp32_modules_are_never_fp8_and_fp8_only_can_name_the_output_projection():
-    plugin = MixedPrecisionPlugin("bf16-mixed", fp8="tensorwise",
-                                  policy={"fp32_modules": ["net.2"], "fp8_only": ["net.2", "net.4"]})
+    plugin = MixedPrecisionPlugin(
+        "bf16-mixed", fp8="tensorwise", policy={"fp32_modules": ["net.2"], "fp8_only": ["net.2", "net.4"]}
+    )
     trainer(plugin, 1).fit(MLPModule(), mlp_loader())
     reasons = {layer.name: (layer.converted, layer.reason) for layer in plugin.fp8.layers}
     assert reasons["net.0"] == (False, "not named by fp8_only")
@@ -171,8 +174,9 @@ def test_fp8_with_16_mixed_trains_with_the_loss_scaler():
 
 def test_checkpoint_state_dict_is_plain_fp32_and_loads_strictly_into_an_unconverted_model(tmp_path):
     model = MLPModule()
-    trainer(MixedPrecisionPlugin("bf16-mixed", fp8="tensorwise", master_weights=True), 3,
-            default_root_dir=tmp_path).fit(model, mlp_loader())
+    trainer(
+        MixedPrecisionPlugin("bf16-mixed", fp8="tensorwise", master_weights=True), 3, default_root_dir=tmp_path
+    ).fit(model, mlp_loader())
     path = tmp_path / "fp8.ckpt"
     model.trainer.save_checkpoint(path)
     state = torch.load(path, weights_only=True)["state_dict"]
@@ -189,11 +193,19 @@ def test_resumed_fp8_run_continues_bit_exactly(tmp_path, masters):
 
     def run(ckpt: object = None, save: bool = False) -> dict[str, torch.Tensor]:
         model = MLPModule()
-        callbacks = [ModelCheckpoint(dirpath=tmp_path, filename="{epoch}", every_n_epochs=1, save_top_k=-1,
-                                     save_on_train_epoch_end=True)] if save else []
+        callbacks = (
+            [
+                ModelCheckpoint(
+                    dirpath=tmp_path, filename="{epoch}", every_n_epochs=1, save_top_k=-1, save_on_train_epoch_end=True
+                )
+            ]
+            if save
+            else []
+        )
         plugin = MixedPrecisionPlugin("bf16-mixed", fp8="tensorwise", master_weights=masters)
         trainer(plugin, -1, max_epochs=2, callbacks=callbacks, enable_checkpointing=save).fit(
-            model, mlp_loader(), ckpt_path=ckpt)
+            model, mlp_loader(), ckpt_path=ckpt
+        )
         assert plugin.fp8.converted == ["net.0", "net.2"]
         return {name: p.detach().clone() for name, p in model.named_parameters()}
 

@@ -15,9 +15,24 @@ pytest.importorskip("torchao")
 
 
 def test_compare_runs_the_decoder_in_fp8_ours_and_torchao_by_hand_against_bf16(tmp_path):
-    command = [sys.executable, str(ROOT / "benchmarks" / "compare.py"), "--device", "cpu", "--preset", "tiny",
-               "--workloads", "decoder", "--modes", "builtin-bf16", "fp8", "torchao-fp8", "--steps", "3",
-               "--out", str(tmp_path)]
+    command = [
+        sys.executable,
+        str(ROOT / "benchmarks" / "compare.py"),
+        "--device",
+        "cpu",
+        "--preset",
+        "tiny",
+        "--workloads",
+        "decoder",
+        "--modes",
+        "builtin-bf16",
+        "fp8",
+        "torchao-fp8",
+        "--steps",
+        "3",
+        "--out",
+        str(tmp_path),
+    ]
     done = subprocess.run(command, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads((tmp_path / "results.json").read_text())

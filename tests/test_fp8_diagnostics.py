@@ -26,8 +26,12 @@ def test_cast_stats_count_flushed_subnormal_and_saturated_values_as_hand_compute
     row = dict(zip(COLUMNS, cast_stats(rows, torch.float8_e4m3fn, True, True).tolist()))
     assert row["scale"] == 128.0 and row["flush"] == 1 and row["subnormal"] == 0  # 2^-17 * 128 = 2^-10 < 2^-9
     # a fixed scale too large for the values saturates them: 500 rounds past 448 (the step at the top is 32)
-    row = dict(zip(COLUMNS, cast_stats(torch.tensor([500.0, 463.0, 1.0]) / 448.0 * 448.0, torch.float8_e4m3fn,
-                                       False, False).tolist()))
+    row = dict(
+        zip(
+            COLUMNS,
+            cast_stats(torch.tensor([500.0, 463.0, 1.0]) / 448.0 * 448.0, torch.float8_e4m3fn, False, False).tolist(),
+        )
+    )
     assert row["saturated"] == 0  # dynamic: scale 448/500, nothing beyond max
 
 

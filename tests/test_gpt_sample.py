@@ -14,9 +14,16 @@ from lightning_mp.samples.models.gpt import GPT, GPTLanguageModel
 from lightning_mp.samples.resources import SourceUnavailableError
 
 ROOT = Path(__file__).resolve().parent.parent
-TINY = ["--model.init_args.n_layer=1", "--model.init_args.n_embd=32", "--model.init_args.n_head=2",
-        "--model.init_args.block_size=16", "--model.init_args.warmup_steps=2", "--data.init_args.block_size=16",
-        "--data.init_args.batch_size=4", "--data.init_args.max_bytes=4000"]
+TINY = [
+    "--model.init_args.n_layer=1",
+    "--model.init_args.n_embd=32",
+    "--model.init_args.n_head=2",
+    "--model.init_args.block_size=16",
+    "--model.init_args.warmup_steps=2",
+    "--data.init_args.block_size=16",
+    "--data.init_args.batch_size=4",
+    "--data.init_args.max_bytes=4000",
+]
 
 
 def _text(tmp_path: Path) -> Path:
@@ -80,10 +87,24 @@ def test_gpt_config_trains_and_logs_validation_perplexity(tmp_path, fp8):
     if fp8:
         pytest.importorskip("torchao")
     extra = [f"--mixed_precision.fp8={fp8}"] if fp8 else []
-    main(["fit", "--config", str(ROOT / "configs" / "gpt.yaml"), f"--trainer.default_root_dir={tmp_path}",
-          "--trainer.max_steps=4", "--trainer.val_check_interval=4", "--trainer.limit_val_batches=2",
-          "--trainer.enable_progress_bar=false", "--trainer.log_every_n_steps=1", "--test_after_fit=false",
-          "--data.init_args.source=file", f"--data.init_args.path={_text(tmp_path)}", *TINY, *extra])
+    main(
+        [
+            "fit",
+            "--config",
+            str(ROOT / "configs" / "gpt.yaml"),
+            f"--trainer.default_root_dir={tmp_path}",
+            "--trainer.max_steps=4",
+            "--trainer.val_check_interval=4",
+            "--trainer.limit_val_batches=2",
+            "--trainer.enable_progress_bar=false",
+            "--trainer.log_every_n_steps=1",
+            "--test_after_fit=false",
+            "--data.init_args.source=file",
+            f"--data.init_args.path={_text(tmp_path)}",
+            *TINY,
+            *extra,
+        ]
+    )
     import csv
 
     rows = list(csv.DictReader(sorted(tmp_path.rglob("metrics.csv"))[-1].open()))
@@ -99,8 +120,15 @@ def test_gpt_language_model_learns_a_repeated_text(tmp_path):
     torch.manual_seed(0)
     model = GPTLanguageModel(n_layer=1, n_head=2, n_embd=32, block_size=16, lr=1e-2, warmup_steps=2)
     data = TextDataModule(source="file", path=str(_text(tmp_path)), block_size=16, batch_size=8)
-    trainer = L.Trainer(max_steps=60, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=2)
+    trainer = L.Trainer(
+        max_steps=60,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=2,
+    )
     trainer.fit(model, data)
     trainer.validate(model, data, verbose=False)
     assert trainer.callback_metrics["val_ppl"] < 8.0  # from 256 (uniform over bytes) on a 40-byte repeated line

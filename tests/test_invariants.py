@@ -29,8 +29,15 @@ CLIPS = {"none": None, "norm": ("norm", 0.5), "value": ("value", 0.02)}
 class MatrixModel(L.LightningModule):
     """embed -> mid -> head (tied to embed) -> out, MSE loss. Batch-indexed events: a ``None`` step, an inf."""
 
-    def __init__(self, manual: bool, clip: Optional[tuple[str, float]], accumulate: int, none_step: bool,
-                 two_optimizers: bool, reference: bool) -> None:
+    def __init__(
+        self,
+        manual: bool,
+        clip: Optional[tuple[str, float]],
+        accumulate: int,
+        none_step: bool,
+        two_optimizers: bool,
+        reference: bool,
+    ) -> None:
         super().__init__()
         self.automatic_optimization = not manual
         self.embed = nn.Linear(4, 4, bias=False)
@@ -56,6 +63,7 @@ class MatrixModel(L.LightningModule):
         # the inf is planted in the gradient of the second optimizer's parameter (with one optimizer: the only
         # one) during backward, so it reaches the fp32 masters too
         if not self.reference and self._batch_idx == self.inject_batch:
+
             def plant(grad: torch.Tensor) -> torch.Tensor:
                 grad = grad.clone()
                 grad[0, 0] = float("inf")
@@ -95,8 +103,9 @@ class MatrixModel(L.LightningModule):
             return
         optimizer.step(closure=optimizer_closure)
 
-    def configure_gradient_clipping(self, optimizer: Any, gradient_clip_val: Any = None,
-                                    gradient_clip_algorithm: Any = None) -> None:
+    def configure_gradient_clipping(
+        self, optimizer: Any, gradient_clip_val: Any = None, gradient_clip_algorithm: Any = None
+    ) -> None:
         # Lightning's own fp32 path fails on value clipping with no gradients (a None step); the plugin skips it
         if self.reference and all(p.grad is None for p in self.parameters()):
             return
@@ -132,6 +141,7 @@ class EventLog(L.Callback):
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         for optimizer in trainer.optimizers:  # after connect: with masters these hold the fp32 masters
+
             def hook(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
                 self.events.append(("S", frozenset(id(p) for g in opt.param_groups for p in g["params"])))
 
@@ -147,7 +157,9 @@ class EventLog(L.Callback):
                 unscaled[params] = unscaled.get(params, 0) + 1
             else:
                 steps += 1
-                assert unscaled.get(params, 0) == 1, f"a step saw its gradients unscaled {unscaled.get(params, 0)} times"
+                assert unscaled.get(params, 0) == 1, (
+                    f"a step saw its gradients unscaled {unscaled.get(params, 0)} times"
+                )
         return steps
 
 
@@ -159,8 +171,14 @@ def _loader(accumulate: int) -> DataLoader:
     return DataLoader(TensorDataset(x, y), batch_size=BATCH, shuffle=False)
 
 
-def _run(manual: bool, clip: str, accumulate: int, none_step: bool, two_optimizers: bool,
-         plugin: Optional[MixedPrecisionPlugin]) -> tuple[MatrixModel, Optional[EventLog]]:
+def _run(
+    manual: bool,
+    clip: str,
+    accumulate: int,
+    none_step: bool,
+    two_optimizers: bool,
+    plugin: Optional[MixedPrecisionPlugin],
+) -> tuple[MatrixModel, Optional[EventLog]]:
     with seeded():
         model = MatrixModel(manual, CLIPS[clip], accumulate, none_step, two_optimizers, reference=plugin is None)
     log = EventLog(plugin) if plugin is not None else None
@@ -195,8 +213,12 @@ def test_every_step_sees_gradients_unscaled_exactly_once_and_nonfinite_steps_are
         _REFERENCES[key] = {name: p.detach().clone() for name, p in reference.named_parameters()}
     expected = _REFERENCES[key]
     with seeded():
-        initial = {name: p.detach().clone() for name, p in MatrixModel(
-            manual, CLIPS[clip], accumulate, none_step, two_optimizers, reference=True).named_parameters()}
+        initial = {
+            name: p.detach().clone()
+            for name, p in MatrixModel(
+                manual, CLIPS[clip], accumulate, none_step, two_optimizers, reference=True
+            ).named_parameters()
+        }
 
     plugin = MixedPrecisionPlugin(
         scaler=DynamicLossScaler(init_scale=1024.0, growth_interval=1000), master_weights=masters

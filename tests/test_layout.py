@@ -17,11 +17,24 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "lightning_mp"
-PUBLIC_NAMES = ["CastPolicy", "Census", "DynamicLossScaler", "MasterWeights", "MixedPrecisionPlugin",
-                "PrecisionMonitor", "audit"]
+PUBLIC_NAMES = [
+    "CastPolicy",
+    "Census",
+    "DynamicLossScaler",
+    "MasterWeights",
+    "MixedPrecisionPlugin",
+    "PrecisionMonitor",
+    "audit",
+]
 APPLICATIONS = ("lightning_mp.cli", "lightning_mp.samples")
-NUMERICS = ("lightning_mp.scaler", "lightning_mp.settings", "lightning_mp.master", "lightning_mp.policy",
-            "lightning_mp.unscaled", "lightning_mp.schedulers")
+NUMERICS = (
+    "lightning_mp.scaler",
+    "lightning_mp.settings",
+    "lightning_mp.master",
+    "lightning_mp.policy",
+    "lightning_mp.unscaled",
+    "lightning_mp.schedulers",
+)
 
 
 def _module_name(path: Path) -> str:
@@ -44,7 +57,9 @@ def _imports(path: Path, module_level_only: bool) -> set[str]:
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:
-                base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else []))
+                base = ".".join(
+                    package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else [])
+                )
             for alias in node.names:
                 found.add(f"{base}.{alias.name}" if f"{base}.{alias.name}" in MODULES else base)
     return {name for name in found if name in MODULES}
@@ -66,7 +81,9 @@ def _module_level(statements: list[ast.stmt]):
 def test_library_at_the_top_has_at_most_ten_modules():
     top = sorted(path.name for path in PACKAGE.glob("*.py"))
     assert len(top) <= 10, top
-    assert {"cli", "samples", "master", "distributed", "diagnostics"} <= {p.name for p in PACKAGE.iterdir() if p.is_dir()}
+    assert {"cli", "samples", "master", "distributed", "diagnostics"} <= {
+        p.name for p in PACKAGE.iterdir() if p.is_dir()
+    }
 
 
 @pytest.mark.parametrize("name", sorted(MODULES))
@@ -83,7 +100,7 @@ def test_no_module_level_import_cycle():
         state[name] = 1
         for target in sorted(graph[name]):
             if state.get(target) == 1:
-                cycle = path[path.index(target):] + [target]
+                cycle = path[path.index(target) :] + [target]
                 pytest.fail("module-level import cycle: " + " -> ".join(cycle))
             if target not in state:
                 visit(target, path + [target])
@@ -97,7 +114,9 @@ def test_no_module_level_import_cycle():
 def test_dependency_arrows_point_one_way():
     for name, path in MODULES.items():
         imported = _imports(path, module_level_only=False)
-        if not name.startswith(APPLICATIONS) and name != "lightning_mp.__main__":  # the library never imports its applications, not even lazily
+        if (
+            not name.startswith(APPLICATIONS) and name != "lightning_mp.__main__"
+        ):  # the library never imports its applications, not even lazily
             assert not {m for m in imported if m.startswith(APPLICATIONS)}, (name, imported)
         if name.startswith("lightning_mp.samples"):  # samples know nothing of the CLI
             assert not {m for m in imported if m.startswith("lightning_mp.cli")}, (name, imported)

@@ -214,8 +214,9 @@ def test_torchao_8bit_and_4bit_adamw_run_exactly_with_their_small_state(monkeypa
     # torchao compiles its per-parameter step (a minute of CPU here); eager runs the same function, for both sides
     monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: fn)
     for make, state_type in ((torchao_optim.AdamW8bit, "OptimState8bit"), (torchao_optim.AdamW4bit, "OptimState4bit")):
-        store, model, reference, optimizer = _generic_case(lambda ps, make=make: make(ps, lr=1e-2), chunk_size=1 << 20,
-                                                           steps=2, width=256)
+        store, model, reference, optimizer = _generic_case(
+            lambda ps, make=make: make(ps, lr=1e-2), chunk_size=1 << 20, steps=2, width=256
+        )
         for param, ref in zip(model.parameters(), reference.parameters()):
             assert torch.equal(_exact(store, param), ref), make.__name__
         weight_state = next(iter(optimizer.state.values()))  # the 256x300 weight's proxy
@@ -249,8 +250,17 @@ def test_remainder_with_fp16_is_refused_saying_why_and_what_to_use():
         MixedPrecisionPlugin("16-mixed", master_weights="remainder")
 
 
-@pytest.mark.parametrize("bad", ["yes", 1, {"kind": "remainder", "chunk": 4}, {"kind": "remainder", "chunk_size": 1000},
-                                 {"kind": "remainder", "accumulate_grads_in": "fp16"}, {"kind": "other"}])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        "yes",
+        1,
+        {"kind": "remainder", "chunk": 4},
+        {"kind": "remainder", "chunk_size": 1000},
+        {"kind": "remainder", "accumulate_grads_in": "fp16"},
+        {"kind": "other"},
+    ],
+)
 def test_bad_master_weights_values_are_refused_by_name(bad):
     with pytest.raises(ValueError, match="master_weights|chunk_size|accumulate_grads_in"):
         MixedPrecisionPlugin("bf16-mixed", master_weights=bad)

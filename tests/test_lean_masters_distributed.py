@@ -52,7 +52,7 @@ def test_ranks_agree_bitwise_and_skip_the_same_step(ranks, reference):
 def test_resumed_run_continues_as_the_uninterrupted_one(ranks):
     for rank in ranks:
         full, resumed = rank["full"], rank["resumed"]
-        assert resumed["steps"] == full["steps"][len(full["steps"]) - len(resumed["steps"]):]
+        assert resumed["steps"] == full["steps"][len(full["steps"]) - len(resumed["steps"]) :]
         for name, value in full["weights"].items():
             assert torch.equal(resumed["weights"][name], value), name
 

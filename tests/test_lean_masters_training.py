@@ -83,8 +83,13 @@ def _replay(initial: list[torch.Tensor], seen: list[list[torch.Tensor]], optimiz
 
 @pytest.mark.parametrize(
     ("optimizer", "accumulate", "clip", "inject"),
-    [("adamw", 1, None, ()), ("adamw", 2, ("norm", 0.5), ()), ("adamw", 1, ("value", 0.05), ()),
-     ("sgd", 2, ("norm", 0.01), ()), ("adamw", 1, ("norm", 0.5), (2, 3))],
+    [
+        ("adamw", 1, None, ()),
+        ("adamw", 2, ("norm", 0.5), ()),
+        ("adamw", 1, ("value", 0.05), ()),
+        ("sgd", 2, ("norm", 0.01), ()),
+        ("adamw", 1, ("norm", 0.5), (2, 3)),
+    ],
 )
 def test_trainer_run_equals_its_gradients_replayed_on_fp32_bitwise(optimizer, accumulate, clip, inject):
     """With ``inject``, those steps' gradients hold an inf: skipped, and their clipping must not leak into the next."""
@@ -275,8 +280,9 @@ def test_bytes_per_parameter_at_rest_with_adamw_is_14():
     model = Plain()
     count = sum(p.numel() for p in model.parameters())
     loader = DataLoader(TensorDataset(torch.randn(8, 32), torch.randn(8, 1)), batch_size=4)
-    make_trainer(MixedPrecisionPlugin("bf16-mixed", master_weights="remainder"), max_steps=2,
-                 callbacks=[counter]).fit(model, loader)
+    make_trainer(MixedPrecisionPlugin("bf16-mixed", master_weights="remainder"), max_steps=2, callbacks=[counter]).fit(
+        model, loader
+    )
     # 2 (bf16 weight) + 2 (remainder) + 2 (bf16 gradient) + 8 (AdamW's fp32 moments), no fp32 copy anywhere
     assert counter.total == 14 * count
 

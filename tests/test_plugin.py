@@ -82,8 +82,9 @@ def test_step_scheduler_keeps_its_class_state_dict_and_pickles():
     trainer = _fit(model, MixedPrecisionPlugin(precision="bf16-mixed"))
     scheduler = trainer.lr_scheduler_configs[0].scheduler
     assert isinstance(scheduler, torch.optim.lr_scheduler.StepLR)
-    assert set(scheduler.state_dict()) == set(torch.optim.lr_scheduler.StepLR(
-        torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=1.0), 1).state_dict())
+    assert set(scheduler.state_dict()) == set(
+        torch.optim.lr_scheduler.StepLR(torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=1.0), 1).state_dict()
+    )
     import pickle
 
     assert type(pickle.loads(pickle.dumps(scheduler))) is torch.optim.lr_scheduler.StepLR

@@ -157,7 +157,9 @@ def _checkpoint_after_two_epochs(tmp_path, plugin):
 
 
 def test_resume_with_a_subclass_of_the_saving_plugin_keeps_the_scaler_state(tmp_path):
-    path, saving = _checkpoint_after_two_epochs(tmp_path, MixedPrecisionPlugin(scaler=DynamicLossScaler(init_scale=1024.0)))
+    path, saving = _checkpoint_after_two_epochs(
+        tmp_path, MixedPrecisionPlugin(scaler=DynamicLossScaler(init_scale=1024.0))
+    )
     resuming = SubclassedPlugin()
     with seeded():
         model = TinyRegressor()

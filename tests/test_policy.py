@@ -68,10 +68,10 @@ def test_same_op_in_both_lists_is_refused():
         CastPolicy(low_precision_ops=["softmax"], fp32_ops=["softmax", "sum"])
 
 
-@pytest.mark.parametrize("bad, fragment", [
-    (dict(preset="fastest"), "preset='fastest'"),
-    (dict(fp32_ops="softmax"), "fp32_ops='softmax' must be a list"),
-])
+@pytest.mark.parametrize(
+    "bad, fragment",
+    [(dict(preset="fastest"), "preset='fastest'"), (dict(fp32_ops="softmax"), "fp32_ops='softmax' must be a list")],
+)
 def test_bad_fields_name_the_value(bad, fragment):
     with pytest.raises(ValueError, match=fragment.replace("(", r"\(")):
         CastPolicy(**bad)
@@ -79,7 +79,9 @@ def test_bad_fields_name_the_value(bad, fragment):
 
 def test_policy_is_frozen_comparable_and_coerced_from_name_or_mapping():
     policy = CastPolicy(preset="conservative", fp32_ops=["linear"], fp32_modules=["classifier"])
-    assert policy == CastPolicy.coerce({"preset": "conservative", "fp32_ops": ["linear"], "fp32_modules": ["classifier"]})
+    assert policy == CastPolicy.coerce(
+        {"preset": "conservative", "fp32_ops": ["linear"], "fp32_modules": ["classifier"]}
+    )
     assert CastPolicy.coerce("fast") == CastPolicy(preset="fast") and CastPolicy.coerce(None) == CastPolicy()
     with pytest.raises(AttributeError):
         policy.preset = "fast"
@@ -159,7 +161,9 @@ class PolicyRegressor(L.LightningModule):
         x, y = batch
         with OpDtypes() as record:
             self.net(x)
-        self.val_dtypes |= record.seen.get("addmm", set()) | record.seen.get("linear", set())  # linear under inference_mode
+        self.val_dtypes |= record.seen.get("addmm", set()) | record.seen.get(
+            "linear", set()
+        )  # linear under inference_mode
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=0.01)
@@ -232,17 +236,28 @@ def test_policy_from_yaml_through_the_plugin_init_args(tmp_path, monkeypatch):
 
     monkeypatch.setattr(cli.MixedPrecisionCLI, "_instantiate_trainer", spy)
     digits = Path(__file__).resolve().parent.parent / "configs" / "digits.yaml"
-    cli.main(["fit", "--config", str(digits), "--config", str(config), f"--trainer.default_root_dir={tmp_path}",
-              "--trainer.max_steps=1", "--trainer.precision=null", "--test_after_fit=false",
-              "--trainer.limit_val_batches=0"])
+    cli.main(
+        [
+            "fit",
+            "--config",
+            str(digits),
+            "--config",
+            str(config),
+            f"--trainer.default_root_dir={tmp_path}",
+            "--trainer.max_steps=1",
+            "--trainer.precision=null",
+            "--test_after_fit=false",
+            "--trainer.limit_val_batches=0",
+        ]
+    )
     assert seen["trainer"].precision_plugin.policy == CastPolicy(fp32_ops=["softmax"])
 
 
 def test_mixed_precision_section_takes_a_policy(monkeypatch):
-    import lightning_mp.cli.app as cli
+    import lightning_mp.cli.choice as choice
     from lightning_mp.cli import plugin_for
 
-    monkeypatch.setattr(cli, "_runs_on_cpu", lambda accelerator: False)
+    monkeypatch.setattr(choice, "_runs_on_cpu", lambda accelerator: False)
     plugin = plugin_for("bf16-mixed", "gpu", None, {"policy": {"preset": "fast", "fp32_modules": ["classifier"]}})
     assert plugin.policy == CastPolicy(preset="fast", fp32_modules=["classifier"])
 

@@ -21,7 +21,9 @@ def _docs_python_blocks() -> list[tuple[str, str]]:
 
 def test_ci_runs_the_readme_setup_and_test_command():
     ci_commands = [
-        line for line in (ROOT / ".ci" / "run").read_text().splitlines() if line and not line.startswith(("#", "set ", "cd "))
+        line
+        for line in (ROOT / ".ci" / "run").read_text().splitlines()
+        if line and not line.startswith(("#", "set ", "cd "))
     ]
     readme_commands = [line for block in _code_blocks("bash") for line in block.splitlines()]
     assert ci_commands and all(command in readme_commands for command in ci_commands)
@@ -57,6 +59,7 @@ def _extra_requirements(extra: str, optional: dict[str, list[str]]) -> set[str]:
 def test_the_readme_first_command_installs_what_the_precision_report_figure_needs():
     import ast
     import sys
+
     import tomllib
 
     first = next(line for block in _code_blocks("bash") for line in block.splitlines() if "pip install -e" in line)
@@ -66,10 +69,14 @@ def test_the_readme_first_command_installs_what_the_precision_report_figure_need
     installed = set().union(*(_extra_requirements(extra, optional) for extra in extras))
     # what the report's PNG imports: the third-party packages named in lightning_mp/diagnostics/plots.py
     tree = ast.parse((ROOT / "lightning_mp" / "diagnostics" / "plots.py").read_text())
-    imported = {alias.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import)
-                for alias in node.names}
-    imported |= {node.module.split(".")[0] for node in ast.walk(tree)
-                 if isinstance(node, ast.ImportFrom) and node.module and node.level == 0}
+    imported = {
+        alias.name.split(".")[0] for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names
+    }
+    imported |= {
+        node.module.split(".")[0]
+        for node in ast.walk(tree)
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0
+    }
     third_party = imported - set(sys.stdlib_module_names) - {"lightning_mp", "torch", "numpy"}
     assert third_party == {"matplotlib"}
     assert third_party <= installed, f"README's first command installs {sorted(installed)}"

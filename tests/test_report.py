@@ -14,15 +14,40 @@ from tests.test_cli import CONFIGS, _short
 
 
 def _history():
-    samples = [LayerSample(step, 1024.0, "param_grads", ["a", "b"],
-                           [[100.0, 1.0, 2.0, 3.0, 0.0, 10.0], [50.0, 0.0, 0.0, 0.0, 1.0, math.inf]])
-               for step in (0, 10, 20)]
-    record = OverflowRecord(step=12, scale_before=2048.0, scale_after=1024.0, cause="half_precision",
-                            phase="forward", module="b", module_class="Linear", op="addmm", input_amax=3.5,
-                            nonfinite_params=["b.weight"], replays=2, seconds=0.01)
-    return RunHistory(precision="fp16", scaler={"scale": 2048.0, "growth_interval": 2000, "hysteresis": 1},
-                      steps=25, scale_changes=[(0, 2048.0), (13, 1024.0)], skipped=[12], overflows=[record],
-                      samples=samples, sample_every=10)
+    samples = [
+        LayerSample(
+            step,
+            1024.0,
+            "param_grads",
+            ["a", "b"],
+            [[100.0, 1.0, 2.0, 3.0, 0.0, 10.0], [50.0, 0.0, 0.0, 0.0, 1.0, math.inf]],
+        )
+        for step in (0, 10, 20)
+    ]
+    record = OverflowRecord(
+        step=12,
+        scale_before=2048.0,
+        scale_after=1024.0,
+        cause="half_precision",
+        phase="forward",
+        module="b",
+        module_class="Linear",
+        op="addmm",
+        input_amax=3.5,
+        nonfinite_params=["b.weight"],
+        replays=2,
+        seconds=0.01,
+    )
+    return RunHistory(
+        precision="fp16",
+        scaler={"scale": 2048.0, "growth_interval": 2000, "hysteresis": 1},
+        steps=25,
+        scale_changes=[(0, 2048.0), (13, 1024.0)],
+        skipped=[12],
+        overflows=[record],
+        samples=samples,
+        sample_every=10,
+    )
 
 
 def test_history_round_trips_through_json_with_infinite_values(tmp_path):
@@ -59,8 +84,9 @@ def test_report_without_matplotlib_still_writes_the_markdown_and_says_how_to_get
 
 def test_report_of_a_trainer_uses_its_monitor_and_a_missing_history_is_a_clear_error(tmp_path):
     monitor = PrecisionMonitor(sample_every=2, report=False)
-    trainer, _ = fit_planted(PlantedModel(Planted("forward", at=1)), monitor=monitor, steps=3,
-                             default_root_dir=tmp_path)
+    trainer, _ = fit_planted(
+        PlantedModel(Planted("forward", at=1)), monitor=monitor, steps=3, default_root_dir=tmp_path
+    )
     assert not (tmp_path / "precision_report.md").exists()  # report=False: nothing written after fit
     files = report(trainer, out_dir=tmp_path / "out")
     assert "net.3 (Planted), forward, op mul" in files.markdown.read_text()
@@ -69,18 +95,38 @@ def test_report_of_a_trainer_uses_its_monitor_and_a_missing_history_is_a_clear_e
 
 
 def test_a_short_cli_fit_writes_the_report_into_the_log_dir_and_enabled_false_turns_it_off(tmp_path):
-    fp16 = ["--trainer.precision=null", "--trainer.plugins=lightning_mp.MixedPrecisionPlugin",
-            "--trainer.plugins.precision=16-mixed", "--trainer.plugins.scaler={init_scale: 2.0e+9, max_scale: 2.0e+9}",
-            "--model=tests.helpers.DigitsMLP", "--model.hidden=8", "--test_after_fit=false"]
-    main(["fit", "--config", str(CONFIGS / "digits.yaml"), *_short(tmp_path / "on", *fp16, steps=4),
-          "--precision_monitor.sample_every=2"])
+    fp16 = [
+        "--trainer.precision=null",
+        "--trainer.plugins=lightning_mp.MixedPrecisionPlugin",
+        "--trainer.plugins.precision=16-mixed",
+        "--trainer.plugins.scaler={init_scale: 2.0e+9, max_scale: 2.0e+9}",
+        "--model=tests.helpers.DigitsMLP",
+        "--model.hidden=8",
+        "--test_after_fit=false",
+    ]
+    main(
+        [
+            "fit",
+            "--config",
+            str(CONFIGS / "digits.yaml"),
+            *_short(tmp_path / "on", *fp16, steps=4),
+            "--precision_monitor.sample_every=2",
+        ]
+    )
     run_dir = next((tmp_path / "on").rglob(HISTORY_FILE)).parent
     assert (run_dir / "precision_report.md").is_file() and (run_dir / "precision_report.png").is_file()
     history = RunHistory.load(run_dir)
     assert history.skipped and history.overflows[0].cause == "loss_scale"  # 2e9 overflows the scaled gradients
     assert [s.step for s in history.samples] == [0, 2]
-    main(["fit", "--config", str(CONFIGS / "digits.yaml"), *_short(tmp_path / "off", *fp16, steps=1),
-          "--precision_monitor.enabled=false"])
+    main(
+        [
+            "fit",
+            "--config",
+            str(CONFIGS / "digits.yaml"),
+            *_short(tmp_path / "off", *fp16, steps=1),
+            "--precision_monitor.enabled=false",
+        ]
+    )
     assert not list((tmp_path / "off").rglob(HISTORY_FILE))
 
 
@@ -108,8 +154,9 @@ def test_a_bf16_run_report_speaks_of_bf16_not_of_fp16_or_a_loss_scale(tmp_path):
     from tests.helpers import TinyRegressor, make_trainer, regression_loader
 
     monitor = PrecisionMonitor(sample_every=1, report=False)
-    make_trainer(MixedPrecisionPlugin("bf16-mixed"), callbacks=[monitor], max_steps=2,
-                 default_root_dir=tmp_path).fit(TinyRegressor(), regression_loader())
+    make_trainer(MixedPrecisionPlugin("bf16-mixed"), callbacks=[monitor], max_steps=2, default_root_dir=tmp_path).fit(
+        TinyRegressor(), regression_loader()
+    )
     text = render_markdown(monitor.history, png_error="(not drawn)")
     assert text.startswith("# Mixed-precision report\n\nbf16 run: 2 optimizer steps, 0 skipped")
     assert "At the last sample (step 1, bf16), the 10 layers with the largest share of zero gradient values" in text

@@ -10,7 +10,6 @@ import lightning as L
 import pytest
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_mp import CastPolicy, DynamicLossScaler, MixedPrecisionPlugin
 from lightning_mp.scaler import FP32_MAX
@@ -137,8 +136,16 @@ def test_scheduler_with_frequency_counts_only_optimizer_steps_that_ran(skips, ex
 # ---------------------------------------------------------------------- 5: corrupt checkpoints
 @pytest.mark.parametrize(
     "key, value",
-    [("scale", -4.0), ("scale", float("nan")), ("backoff_factor", 2.0), ("growth_interval", 0),
-     ("hysteresis_tracker", 7), ("enabled", "yes"), ("max_scale", 1e300), ("skipped_steps", -1)],
+    [
+        ("scale", -4.0),
+        ("scale", float("nan")),
+        ("backoff_factor", 2.0),
+        ("growth_interval", 0),
+        ("hysteresis_tracker", 7),
+        ("enabled", "yes"),
+        ("max_scale", 1e300),
+        ("skipped_steps", -1),
+    ],
 )
 def test_load_state_dict_refuses_corrupt_state_naming_key_value_and_source(key, value):
     state = DynamicLossScaler().state_dict()

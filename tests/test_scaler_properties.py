@@ -103,8 +103,7 @@ def scaler_settings(draw) -> dict:
 
 # a step: None (finite) or where to plant a non-finite value: (parameter index, element index, kind)
 step_strategy = st.one_of(
-    st.none(),
-    st.tuples(st.integers(0, len(PARAMS) - 1), st.integers(0, 3), st.sampled_from(sorted(NONFINITE))),
+    st.none(), st.tuples(st.integers(0, len(PARAMS) - 1), st.integers(0, 3), st.sampled_from(sorted(NONFINITE)))
 )
 # steps come in runs of the same kind, so that growth intervals and hysteresis allowances get used up
 step_sequences = st.lists(st.tuples(step_strategy, st.integers(1, 6)), min_size=1, max_size=12).map(

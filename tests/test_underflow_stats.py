@@ -13,8 +13,19 @@ from tests.helpers import HostSyncCounter, TinyRegressor, make_trainer, regressi
 from tests.planted import PlantedModel, fit_planted
 
 # scaled magnitudes on both sides of each boundary (fp16's smallest subnormal 2**-24, smallest normal 2**-14)
-_SCALED = [0.0, 2.0**-30, 2.0**-25, 2.0**-24 * (1 - 2.0**-20), 2.0**-24, 2.0**-20, 2.0**-14 * (1 - 2.0**-20),
-           2.0**-14, 1.0, 3.0, 60000.0]
+_SCALED = [
+    0.0,
+    2.0**-30,
+    2.0**-25,
+    2.0**-24 * (1 - 2.0**-20),
+    2.0**-24,
+    2.0**-20,
+    2.0**-14 * (1 - 2.0**-20),
+    2.0**-14,
+    1.0,
+    3.0,
+    60000.0,
+]
 
 
 def _reference(grad: torch.Tensor, scale: float) -> list[float]:
@@ -60,15 +71,16 @@ def test_nonfinite_values_are_counted_and_make_amax_infinite_and_headroom_negati
 def test_grouped_stats_sum_counts_and_take_the_largest_magnitude_per_module():
     pairs = [("a", torch.tensor([0.0, 1.0])), ("b", torch.tensor([4.0])), ("a", torch.tensor([0.0, -3.0, 2.0**-20]))]
     names, rows = grouped_stats(pairs, 1.0)
-    (a, b), = read_rows(rows)
+    ((a, b),) = read_rows(rows)
     assert names == ["a", "b"]
     assert a == [5, 2, 0, 1, 0, 3.0] and b == [1, 0, 0, 0, 0, 4.0]
 
 
 def _syncs(monitor, steps=6):
     torch.manual_seed(0)
-    trainer = make_trainer(MixedPrecisionPlugin(scaler=DynamicLossScaler(init_scale=1024.0)),
-                           callbacks=[monitor], max_steps=steps)
+    trainer = make_trainer(
+        MixedPrecisionPlugin(scaler=DynamicLossScaler(init_scale=1024.0)), callbacks=[monitor], max_steps=steps
+    )
     with HostSyncCounter() as counter:
         trainer.fit(TinyRegressor(record_grad_norms=False), regression_loader())
     return counter.calls, monitor
@@ -94,8 +106,9 @@ def test_activation_hooks_run_only_on_sampled_steps_and_cover_every_leaf_module(
             return super().training_step(batch, batch_idx)
 
     monitor = PrecisionMonitor(sample_every=4, activation_grads=True, report=False)
-    trainer = make_trainer(MixedPrecisionPlugin(scaler=DynamicLossScaler(init_scale=1024.0)),
-                           callbacks=[monitor], max_steps=6)
+    trainer = make_trainer(
+        MixedPrecisionPlugin(scaler=DynamicLossScaler(init_scale=1024.0)), callbacks=[monitor], max_steps=6
+    )
     trainer.fit(Probe(record_grad_norms=False), regression_loader())
     assert hooked == [3, 0, 0, 0, 3, 0]  # Linear, Tanh, Linear at steps 0 and 4
     activations = monitor.history.samples_of("activation_grads")
@@ -105,16 +118,18 @@ def test_activation_hooks_run_only_on_sampled_steps_and_cover_every_leaf_module(
 
 
 def test_master_weights_sample_the_fp32_master_gradients_named_as_the_model():
-    _, monitor = fit_planted(PlantedModel(), monitor=PrecisionMonitor(sample_every=2, report=False),
-                             master_weights=True, steps=3)
+    _, monitor = fit_planted(
+        PlantedModel(), monitor=PrecisionMonitor(sample_every=2, report=False), master_weights=True, steps=3
+    )
     sample = monitor.history.samples[0]
     assert sample.layers == ["net.0", "net.4"] and sample.column("numel") == [40.0, 9.0]
     assert sample.scale == 1024.0 and all(h is not None and h > 0 for h in sample.headroom())
 
 
 def test_bf16_samples_zeros_and_amax_with_scale_1():
-    _, monitor = fit_planted(PlantedModel(), monitor=PrecisionMonitor(sample_every=1, report=False),
-                             precision="bf16-mixed", steps=2)
+    _, monitor = fit_planted(
+        PlantedModel(), monitor=PrecisionMonitor(sample_every=1, report=False), precision="bf16-mixed", steps=2
+    )
     assert monitor.history.precision == "bf16"
     assert [s.scale for s in monitor.history.samples] == [1.0, 1.0]
     assert all(amax > 0 for amax in monitor.history.samples[0].column("amax"))

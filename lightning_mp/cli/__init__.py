@@ -11,7 +11,8 @@
 An application of the library: nothing in the library imports it.
 """
 
-from lightning_mp.cli.app import MixedPrecisionCLI, choose_precision, cpu_has_native_bf16, main, plugin_for
+from lightning_mp.cli.app import MixedPrecisionCLI, main
 from lightning_mp.cli.checkpoints import LastCheckpoint
+from lightning_mp.cli.choice import choose_precision, cpu_has_native_bf16, plugin_for
 
 __all__ = ["LastCheckpoint", "MixedPrecisionCLI", "choose_precision", "cpu_has_native_bf16", "main", "plugin_for"]

@@ -9,19 +9,15 @@ from __future__ import annotations
 
 import sys
 from argparse import ArgumentError
-from pathlib import Path
 from typing import Any, Optional
 
-import torch
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
-from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 import lightning_mp.samples  # noqa: F401  (registers the sample models and data modules for short class names)
 from lightning_mp.cli.checks import (
     SPECIAL_CKPT_PATHS,
     CLIConfigError,
-    as_list,
     check_checkpoint_class,
     check_checkpoint_file,
     check_checkpoint_weights,
@@ -29,22 +25,22 @@ from lightning_mp.cli.checks import (
     check_plugin_specs,
     check_strategy,
     class_spec,
-    import_class,
 )
-from lightning_mp.cli.choice import PrecisionChoice
+from lightning_mp.cli.choice import (
+    _OURS,
+    _PLUGIN_DEFAULTS,
+    _PLUGIN_OPTIONS,
+    PrecisionChoice,
+    _has_our_plugin,
+    _plain,
+    choose_precision,
+)
 from lightning_mp.cli.errors import explain_parse_error, one_line
 from lightning_mp.cli.report import StepsThisRun, effective_config_yaml, fit_summary, pop_print_config
 from lightning_mp.diagnostics import PrecisionMonitor
 from lightning_mp.distributed.strategies import end_distributed_run
 from lightning_mp.plugin import MixedPrecisionPlugin
 from lightning_mp.samples.resources import SourceUnavailableError
-
-_OURS = {"16-mixed": "16-mixed", "16": "16-mixed", "bf16-mixed": "bf16-mixed", "bf16": "bf16-mixed"}
-_PLUGIN_OPTIONS = ("scaler", "master_weights", "keep_norm_fp32", "policy", "reduce_dtype", "fp8")
-_PLUGIN_DEFAULTS = {
-    "scaler": None, "master_weights": False, "keep_norm_fp32": True, "policy": None, "reduce_dtype": "float32",
-    "fp8": None,
-}
 
 
 class MixedPrecisionCLI(LightningCLI):
@@ -75,13 +71,17 @@ class MixedPrecisionCLI(LightningCLI):
             help="Options of the MixedPrecisionPlugin that trainer.precision 16-mixed / bf16-mixed builds",
         )
         parser.add_class_arguments(
-            PrecisionMonitor, "precision_monitor", instantiate=False,
+            PrecisionMonitor,
+            "precision_monitor",
+            instantiate=False,
             help="PrecisionMonitor: loss scale, skipped steps and where they overflowed, sampled gradient underflow, "
             "the report after fit (--precision_monitor.enabled false turns it off)",
         )
         parser.add_argument("--precision_monitor.enabled", type=bool, default=True, help="Add the PrecisionMonitor")
         parser.add_argument(
-            "--test_after_fit", type=bool, default=True,
+            "--test_after_fit",
+            type=bool,
+            default=True,
             help="After fit, run the test loop on the best checkpoint (or the last weights) if the data has a test set",
         )
 
@@ -116,8 +116,15 @@ class MixedPrecisionCLI(LightningCLI):
                 rank_zero_info(f"lightning_mp: the model is built with the settings saved in {ckpt_path}: {shown}.")
         if print_flags is not None:
             dumped = parser.dump(self.config, skip_link_targets=False, skip_none=False, format="yaml")
-            print(effective_config_yaml(dumped, self.subcommand, self.precision_choice, _PLUGIN_DEFAULTS,
-                                        skip_none="skip_null" in print_flags))
+            print(
+                effective_config_yaml(
+                    dumped,
+                    self.subcommand,
+                    self.precision_choice,
+                    _PLUGIN_DEFAULTS,
+                    skip_none="skip_null" in print_flags,
+                )
+            )
             sys.exit(0)
 
     def init_parser(self, **kwargs: Any) -> LightningArgumentParser:
@@ -154,8 +161,11 @@ class MixedPrecisionCLI(LightningCLI):
         if self._get(self.config, "test_after_fit", default=True) and not self.trainer.interrupted:
             self._test_after_fit()
         choice = self.precision_choice
-        rank_zero_info(fit_summary(self.trainer, choice.describe("Trained") if choice else "", self.tested_on,
-                                   self.summary_extras()))
+        rank_zero_info(
+            fit_summary(
+                self.trainer, choice.describe("Trained") if choice else "", self.tested_on, self.summary_extras()
+            )
+        )
 
     def summary_extras(self) -> list[str]:
         """More sentences for the end-of-fit summary: where the precision report was written."""
@@ -164,16 +174,21 @@ class MixedPrecisionCLI(LightningCLI):
             files = getattr(callback, "report_files", None) if isinstance(callback, PrecisionMonitor) else None
             if files is not None:
                 figure = f" and {files.png}" if files.png is not None else f" (no figure: {files.png_error})"
-                extras.append(f"The precision report (loss scale, skipped steps, gradient statistics, and what to "
-                              f"change) is {files.markdown}{figure}")
+                extras.append(
+                    f"The precision report (loss scale, skipped steps, gradient statistics, and what to "
+                    f"change) is {files.markdown}{figure}"
+                )
         return extras
 
     def _test_after_fit(self) -> None:
         datamodule = self.datamodule
         if datamodule is None or not _has_test_data(datamodule):
             return
-        best = [cb.best_model_path for cb in self.trainer.checkpoint_callbacks
-                if getattr(cb, "monitor", None) and getattr(cb, "best_model_path", "")]
+        best = [
+            cb.best_model_path
+            for cb in self.trainer.checkpoint_callbacks
+            if getattr(cb, "monitor", None) and getattr(cb, "best_model_path", "")
+        ]
         checkpoint = best[0] if best else None
         self.trainer.test(self.model, datamodule=datamodule, ckpt_path=checkpoint)
         self.tested_on = f"the best checkpoint {checkpoint}" if checkpoint else "the final weights"
@@ -202,154 +217,6 @@ class MixedPrecisionCLI(LightningCLI):
 # ------------------------------------------------------------------------------------ trainer.precision
 
 
-def choose_precision(
-    precision: Optional[str], accelerator: Optional[str], plugins: Any, options: dict[str, Any]
-) -> PrecisionChoice:
-    """Decide what trains, validating every ``mixed_precision`` option whatever is chosen.
-
-    The options are checked by building ``MixedPrecisionPlugin(<requested precision>, **options)`` (the default
-    precision when ``trainer.precision`` is not a mixed one), so the CLI refuses exactly what the API refuses,
-    also where the CPU fallback then trains in bf16 or fp32 and some options do not apply.
-
-    Raises:
-        CLIConfigError: any ``precision`` together with a precision plugin in ``trainer.plugins``, two precision
-            plugins there, or an option
-            that ``MixedPrecisionPlugin`` refuses (the message is the plugin's own).
-    """
-    precision = None if precision is None else str(precision)
-    changed = sorted(key for key, value in options.items() if value != _PLUGIN_DEFAULTS.get(key))
-    given = _precision_plugins(plugins)
-    requested = _OURS.get(precision or "")
-    _validate_options(requested or "16-mixed", options, precision)
-    if len(given) > 1:
-        raise CLIConfigError(f"trainer.plugins holds {len(given)} precision plugins ({', '.join(given)}): Lightning "
-                             "takes one. Keep the one that should train.")
-    if given and precision is not None:  # any precision flag: Lightning refuses it next to a precision plugin
-        raise CLIConfigError(
-            f"trainer.precision={precision!r} and a precision plugin in trainer.plugins ({', '.join(given)}) were "
-            "both given: Lightning accepts only one. Drop trainer.precision (--trainer.precision null) to use the "
-            "plugin as configured, or drop the plugin (MixedPrecisionPlugin's options go under mixed_precision)."
-        )
-    if requested is None:
-        if given:
-            trains, reason = "trainer.plugins", f"{', '.join(given)}, used as configured there"
-        else:
-            trains = precision or "32-true"
-            flag = f"trainer.precision={precision!r}" if precision is not None else "trainer.precision not set"
-            reason = f"{flag}: the CLI adds MixedPrecisionPlugin only for 16-mixed or bf16-mixed"
-        warning = (
-            f"mixed_precision options {changed} are valid but not used: {reason}." if changed else None
-        )
-        return PrecisionChoice(precision, trains, reason, None, options, tuple(changed), warning)
-    if requested == "16-mixed" and _runs_on_cpu(accelerator):
-        return _cpu_fallback(precision, options, changed)
-    where = "on CPU" if _runs_on_cpu(accelerator) else "on the GPU"
-    reason = f"trainer.precision={precision!r} {where}"
-    return PrecisionChoice(precision, requested, reason, MixedPrecisionPlugin(requested, **options), options)
-
-
-def _cpu_fallback(precision: Optional[str], options: dict[str, Any], changed: list[str]) -> PrecisionChoice:
-    # 16-mixed without a GPU: bf16 (Lightning's convention) on CPUs with native bf16, else fp32. fp16 and bf16
-    # matmuls on CPUs without AVX512-BF16 or AMX run on fallback kernels far slower than fp32 (see
-    # benchmarks/RESULTS.md). An explicit MixedPrecisionPlugin in trainer.plugins is honoured as given.
-    if cpu_has_native_bf16():
-        unused = ("scaler",) if "scaler" in changed else ()
-        reason = (
-            f"trainer.precision={precision!r} without a GPU, on a CPU with native bf16 (AVX512-BF16 or AMX): "
-            "bf16-mixed instead, as Lightning does (fp16 has no fast CPU kernels); for real fp16, put "
-            "MixedPrecisionPlugin in trainer.plugins"
-        )
-        note = "; mixed_precision.scaler is valid but not used (bf16 needs no loss scaling)" if unused else ""
-        plugin = MixedPrecisionPlugin("bf16-mixed", **{k: v for k, v in options.items() if k != "scaler"})
-        return PrecisionChoice(precision, "bf16-mixed", reason, plugin, options, unused, f"{reason}{note}.", True)
-    reason = (
-        f"trainer.precision={precision!r} without a GPU, on a CPU with no native bf16 (no AVX512-BF16 or AMX), "
-        "where bf16 and fp16 run many times slower than fp32: the CPU fallback chose fp32 (32-true); set "
-        "trainer.precision=bf16-mixed, or put MixedPrecisionPlugin in trainer.plugins, to train in half precision"
-    )
-    note = f"; mixed_precision options {changed} are valid but not used in fp32" if changed else ""
-    return PrecisionChoice(precision, "32-true", reason, None, options, tuple(changed), f"{reason}{note}.", True)
-
-
-def _validate_options(precision: str, options: dict[str, Any], flag: Optional[str]) -> None:
-    try:
-        MixedPrecisionPlugin(precision, **options)
-    except (ValueError, TypeError) as err:
-        given = f"trainer.precision={flag!r}" if flag in _OURS else f"MixedPrecisionPlugin(precision={precision!r})"
-        changed = {key: value for key, value in options.items() if value != _PLUGIN_DEFAULTS.get(key)}
-        raise CLIConfigError(f"mixed_precision options {changed} are refused with {given}: {err}") from err
-
-
-def _has_our_plugin(plugins: Any) -> bool:
-    """Whether ``trainer.plugins`` holds a MixedPrecisionPlugin (an instance, or a class spec of it or a subclass)."""
-    for value in as_list(plugins):
-        cls = type(value) if isinstance(value, Precision) else import_class((class_spec(value) or ("",))[0])
-        if cls is not None and issubclass(cls, MixedPrecisionPlugin):
-            return True
-    return False
-
-
-def _precision_plugins(plugins: Any) -> list[str]:
-    """Names of the precision plugins in ``trainer.plugins`` (instances or class specs not yet instantiated)."""
-    names = []
-    for value in as_list(plugins):
-        if isinstance(value, Precision):
-            names.append(type(value).__name__)
-        elif (spec := class_spec(value)) is not None:
-            cls = import_class(spec[0])
-            if cls is not None and issubclass(cls, Precision):
-                names.append(cls.__name__)
-    return names
-
-
-def plugin_for(
-    precision: Optional[str], accelerator: Optional[str], plugins: Any, options: dict[str, Any]
-) -> Optional[MixedPrecisionPlugin]:
-    """The plugin that ``trainer.precision`` asks for, or ``None`` (fp32 and other precisions pass through).
-
-    Warns about a CPU fallback or unused options (see :func:`choose_precision`).
-
-    Raises:
-        CLIConfigError: see :func:`choose_precision`.
-    """
-    choice = choose_precision(precision, accelerator, plugins, options)
-    if choice.warning:
-        rank_zero_warn(choice.warning)
-    return choice.plugin
-
-
-def _runs_on_cpu(accelerator: Optional[str]) -> bool:
-    name = str(accelerator or "auto").lower()
-    if name == "cpu":
-        return True
-    if name in ("auto", "gpu", "cuda"):
-        return not torch.cuda.is_available() and not (name == "auto" and torch.backends.mps.is_available())
-    return False
-
-
-def cpu_has_native_bf16() -> bool:
-    """Whether the CPU has bf16 matmul instructions (x86: AVX512-BF16 or AMX-BF16; Arm: BF16)."""
-    cpuinfo = Path("/proc/cpuinfo")
-    if not cpuinfo.is_file():
-        return True  # not Linux: assume Lightning's convention holds
-    flags = set()
-    for line in cpuinfo.read_text(errors="ignore").splitlines():
-        if line.startswith(("flags", "Features")):
-            flags.update(line.split(":", 1)[1].split())
-    return bool(flags & {"avx512_bf16", "amx_bf16", "bf16"})
-
-
-# ------------------------------------------------------------------------------------------ helpers
-
-
-def _plain(value: Any) -> Any:
-    """jsonargparse hands a scaler mapping over as a class spec Namespace: back to a plain dict of arguments."""
-    init_args = getattr(value, "init_args", None)
-    if init_args is not None:
-        return init_args.as_dict() if hasattr(init_args, "as_dict") else dict(init_args)
-    return value.as_dict() if hasattr(value, "as_dict") else value
-
-
 def _has_test_data(datamodule: Any) -> bool:
     # LightningDataModule always defines test_dataloader; the base one raises "not implemented"
     from lightning.pytorch import LightningDataModule
@@ -372,8 +239,10 @@ def main(args: Optional[list[str]] = None) -> None:
         print(f"lightning_mp: error: {err}", file=sys.stderr)
         raise SystemExit(2) from err
     except ArgumentError as err:  # LightningCLI re-parsing the hyperparameters saved in --ckpt_path
-        print(f"lightning_mp: error: the settings saved in --ckpt_path do not parse: {one_line(str(err))}",
-              file=sys.stderr)
+        print(
+            f"lightning_mp: error: the settings saved in --ckpt_path do not parse: {one_line(str(err))}",
+            file=sys.stderr,
+        )
         raise SystemExit(2) from err
     except ValueError as err:  # jsonargparse wraps errors raised while it builds the model or data
         cause = _cause_of_type(err, SourceUnavailableError)

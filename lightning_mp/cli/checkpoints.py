@@ -42,8 +42,12 @@ class LastCheckpoint(ModelCheckpoint):
                 f"every_n_train_steps={every_n_train_steps!r} is not allowed: use an int >= 0 (0: epoch ends only)."
             )
         super().__init__(
-            dirpath=dirpath, save_top_k=0, save_last=True, every_n_train_steps=every_n_train_steps,
-            save_on_train_epoch_end=True, enable_version_counter=False,  # overwrite: never a last-v1.ckpt
+            dirpath=dirpath,
+            save_top_k=0,
+            save_last=True,
+            every_n_train_steps=every_n_train_steps,
+            save_on_train_epoch_end=True,
+            enable_version_counter=False,  # overwrite: never a last-v1.ckpt
         )
         self._train_loaders: list[Any] = []  # the resumable training loaders of the running fit
         self._pending_loader_states: Optional[list[dict[str, Any]]] = None

@@ -67,7 +67,7 @@ def check_plugin_specs(plugins: Any) -> None:
             parsed = parser.parse_object({"plugin": {"class_path": spec[0], "init_args": spec[1]}})
             instantiate = getattr(parser, "instantiate", None) or parser.instantiate_classes
             instantiate(parsed)
-        except Exception as err:  # noqa: BLE001 - any failure of the user's plugin is reported with its message
+        except Exception as err:
             raise CLIConfigError(f"trainer.plugins[{index}] ({spec[0]}): {err}") from err
 
 
@@ -143,26 +143,34 @@ def check_checkpoint_file(ckpt_path: Optional[str], scaler_defaults: Optional[di
         if not (path / _META).is_file():
             inside = sorted(p.name for p in path.iterdir() if p.name.endswith(".ckpt"))[:5]
             shown = f" ({', '.join(inside)} in it)" if inside else ""
-            raise CLIConfigError(f"{where} is a folder{shown}, not a checkpoint: pass a .ckpt file, or a distributed "
-                                 f"checkpoint folder (one with {_META} in it).")
+            raise CLIConfigError(
+                f"{where} is a folder{shown}, not a checkpoint: pass a .ckpt file, or a distributed "
+                f"checkpoint folder (one with {_META} in it)."
+            )
         path, where = path / _META, f"{where} ({_META})"
     size = path.stat().st_size
     if size == 0:
-        raise CLIConfigError(f"{where} is an empty file (0 bytes), as a save cut short leaves it: pass another "
-                             "checkpoint.")
+        raise CLIConfigError(
+            f"{where} is an empty file (0 bytes), as a save cut short leaves it: pass another checkpoint."
+        )
     try:
         checkpoint = torch.load(path, map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(path))
-    except Exception as err:  # noqa: BLE001 - every way torch.load fails is reported, with its reason
-        raise CLIConfigError(f"{where} is not a checkpoint torch.load can read ({size} bytes): {_load_error(path, err)}."
-                             ) from err
+    except Exception as err:
+        raise CLIConfigError(
+            f"{where} is not a checkpoint torch.load can read ({size} bytes): {_load_error(path, err)}."
+        ) from err
     if not isinstance(checkpoint, dict):
-        raise CLIConfigError(f"{where} holds a {type(checkpoint).__name__}, not a Lightning checkpoint (a dict with "
-                             "'state_dict', 'global_step', ...).")
+        raise CLIConfigError(
+            f"{where} holds a {type(checkpoint).__name__}, not a Lightning checkpoint (a dict with "
+            "'state_dict', 'global_step', ...)."
+        )
     if "state_dict" not in checkpoint and path.name != _META:
         bare = checkpoint and all(isinstance(value, torch.Tensor) for value in checkpoint.values())
         what = f"a bare state dict ({len(checkpoint)} tensors)" if bare else f"keys {sorted(checkpoint)[:8]}"
-        raise CLIConfigError(f"{where} holds {what} and no 'state_dict': it is not a checkpoint the Trainer wrote "
-                             "(load a bare state dict with model.load_state_dict(torch.load(path)) instead).")
+        raise CLIConfigError(
+            f"{where} holds {what} and no 'state_dict': it is not a checkpoint the Trainer wrote "
+            "(load a bare state dict with model.load_state_dict(torch.load(path)) instead)."
+        )
     check_scaler_states(checkpoint, where, scaler_defaults)
 
 
@@ -197,14 +205,12 @@ def _load_error(path: Path, err: Exception) -> str:
     return f"{type(err).__name__}: {detail}"
 
 
-
-
 def _load(ckpt_path: str) -> Optional[dict[str, Any]]:
     """The checkpoint, memory-mapped; ``None`` when it cannot be read that way (Lightning's own load then reports
     what is wrong with it)."""
     try:
         checkpoint = torch.load(ckpt_path, map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(ckpt_path))
-    except Exception:  # noqa: BLE001 - not ours to report: the Trainer loads it next and raises its own error
+    except Exception:
         return None
     return checkpoint if isinstance(checkpoint, dict) else None
 
@@ -277,8 +283,11 @@ def check_checkpoint_weights(ckpt_path: Optional[str], model: LightningModule, l
     ]
     problems = [
         f"{label} ({len(items)}): {', '.join(items[:limit])}{', ...' if len(items) > limit else ''}"
-        for label, items in (("not in the checkpoint", missing), ("not in the model", unexpected),
-                             ("different shapes", reshaped))
+        for label, items in (
+            ("not in the checkpoint", missing),
+            ("not in the model", unexpected),
+            ("different shapes", reshaped),
+        )
         if items
     ]
     if problems:

@@ -56,8 +56,10 @@ def _read_distributed(path: Path, key: str) -> dict[str, torch.Tensor]:
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     if not (path / ".metadata").is_file():
-        raise ConsolidateError(f"{path} is a folder without .metadata: not a distributed checkpoint (pass the "
-                               "folder the Trainer saved, e.g. checkpoints/epoch=1-step=8.ckpt/, or a .ckpt file).")
+        raise ConsolidateError(
+            f"{path} is a folder without .metadata: not a distributed checkpoint (pass the "
+            "folder the Trainer saved, e.g. checkpoints/epoch=1-step=8.ckpt/, or a .ckpt file)."
+        )
     metadata = dcp.FileSystemReader(str(path)).read_metadata()
     weights: dict[str, torch.Tensor] = {}
     skipped = []
@@ -84,7 +86,7 @@ def _read_distributed(path: Path, key: str) -> dict[str, torch.Tensor]:
 def _read_file(path: Path, key: str) -> dict[str, torch.Tensor]:
     try:
         loaded = torch.load(path, map_location="cpu", weights_only=True, mmap=zipfile.is_zipfile(path))
-    except Exception as err:  # noqa: BLE001 - every way torch.load fails is reported, with its reason
+    except Exception as err:
         first = next((line for line in str(err).splitlines() if line.strip()), type(err).__name__)
         raise ConsolidateError(f"{path} is not a checkpoint torch.load can read: {first}") from err
     if not isinstance(loaded, dict) or not isinstance(loaded.get(key), dict):
@@ -98,7 +100,7 @@ def main(args: Optional[list[str]] = None) -> None:
     parser = argparse.ArgumentParser(
         prog="python -m lightning_mp consolidate",
         description="Write the model weights of a checkpoint (an FSDP2 distributed checkpoint folder or a .ckpt "
-                    "file) as one fp32 state dict, for model.load_state_dict(torch.load(OUT), strict=True).",
+        "file) as one fp32 state dict, for model.load_state_dict(torch.load(OUT), strict=True).",
     )
     parser.add_argument("checkpoint", help="the distributed checkpoint folder, or a .ckpt file")
     parser.add_argument("output", help="the file to write, e.g. model.pt")
@@ -110,9 +112,11 @@ def main(args: Optional[list[str]] = None) -> None:
         print(f"lightning_mp: error: {err}", file=sys.stderr)
         raise SystemExit(2) from err
     size = sum(t.numel() * t.element_size() for t in state.values())
-    print(f"lightning_mp: wrote {len(state)} tensors ({size / 2**20:.1f} MiB, floating point in fp32) from "
-          f"{parsed.checkpoint} to {parsed.output}; load them with model.load_state_dict(torch.load("
-          f"{str(parsed.output)!r}), strict=True).")
+    print(
+        f"lightning_mp: wrote {len(state)} tensors ({size / 2**20:.1f} MiB, floating point in fp32) from "
+        f"{parsed.checkpoint} to {parsed.output}; load them with model.load_state_dict(torch.load("
+        f"{str(parsed.output)!r}), strict=True)."
+    )
 
 
 if __name__ == "__main__":

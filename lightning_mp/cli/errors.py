@@ -59,7 +59,7 @@ def _class_problems(details: str) -> list[tuple[str, str]]:
         if problem is None:
             continue
         depth, reason = len(line) - len(line.lstrip()), []
-        for after in lines[index + 1:]:
+        for after in lines[index + 1 :]:
             if len(after) - len(after.lstrip()) <= depth:
                 break
             reason.append(after)
@@ -93,8 +93,10 @@ def explain_plugins(value: Any) -> Optional[str]:
         path, init_args = str(item["class_path"]), dict(item.get("init_args") or {})
         cls = import_class(path)
         if cls is None:
-            return f"{where}: class_path {path!r} cannot be imported ({_import_problem(path)}); a plugin is " \
-                   f"{_PLUGIN_KINDS}, e.g. lightning_mp.MixedPrecisionPlugin."
+            return (
+                f"{where}: class_path {path!r} cannot be imported ({_import_problem(path)}); a plugin is "
+                f"{_PLUGIN_KINDS}, e.g. lightning_mp.MixedPrecisionPlugin."
+            )
         if not issubclass(cls, _PLUGIN_BASES):
             return f"{where}: {path} is not a Lightning plugin: a plugin is {_PLUGIN_KINDS}."
         accepted = _arguments(cls)
@@ -102,8 +104,10 @@ def explain_plugins(value: Any) -> Optional[str]:
         if unknown:
             close = difflib.get_close_matches(unknown[0], accepted or [], n=1)
             hint = f" (did you mean {close[0]!r}?)" if close else ""
-            return f"{where} ({path}): {unknown[0]!r} is not an argument of {cls.__name__}{hint}; it takes " \
-                   f"{', '.join(accepted or [])}."
+            return (
+                f"{where} ({path}): {unknown[0]!r} is not an argument of {cls.__name__}{hint}; it takes "
+                f"{', '.join(accepted or [])}."
+            )
         try:
             check_plugin_specs([item])
         except CLIConfigError as err:

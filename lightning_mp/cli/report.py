@@ -17,12 +17,7 @@ from lightning_mp.cli.checks import as_list
 from lightning_mp.plugin import MixedPrecisionPlugin
 
 
-def fit_summary(
-    trainer: L.Trainer,
-    precision: str,
-    tested_on: Optional[str] = None,
-    extra: Sequence[str] = (),
-) -> str:
+def fit_summary(trainer: L.Trainer, precision: str, tested_on: Optional[str] = None, extra: Sequence[str] = ()) -> str:
     """One paragraph: the optimizer steps this run trained (counted from where a resume started, when the CLI's
     :class:`StepsThisRun` is attached), the precision used and why (``precision``), the loss scale and skipped
     steps (of the whole run, resumes included), master weights on/off, the checkpoints (last and best), the logs.
@@ -66,10 +61,13 @@ def _steps_sentence(trainer: L.Trainer) -> str:
         return f"lightning_mp: fit ran {total} optimizer steps{ending}."
     first = counters[0].first_step
     if first is None and total > 0:
-        reached = f"max_steps={trainer.max_steps}" if 0 <= trainer.max_steps <= total else \
-            f"max_epochs={trainer.max_epochs}"
-        return (f"lightning_mp: fit ran no optimizer step: it resumed at step {total}, where {reached} was already "
-                f"reached{ending}.")
+        reached = (
+            f"max_steps={trainer.max_steps}" if 0 <= trainer.max_steps <= total else f"max_epochs={trainer.max_epochs}"
+        )
+        return (
+            f"lightning_mp: fit ran no optimizer step: it resumed at step {total}, where {reached} was already "
+            f"reached{ending}."
+        )
     first = first or 0
     resumed = f", resuming at step {first} ({total} in all)" if first else ""
     return f"lightning_mp: fit ran {total - first} optimizer steps{resumed}{ending}."
@@ -155,8 +153,10 @@ def effective_config_yaml(
         if "scaler" in choice.unused:
             init_args["scaler"] = None
         trainer["precision"] = None
-        trainer["plugins"] = [*as_list(trainer.get("plugins")),
-                              {"class_path": "lightning_mp.MixedPrecisionPlugin", "init_args": init_args}]
+        trainer["plugins"] = [
+            *as_list(trainer.get("plugins")),
+            {"class_path": "lightning_mp.MixedPrecisionPlugin", "init_args": init_args},
+        ]
     elif choice.fallback:
         trainer["precision"] = choice.trains  # 32-true
     if skip_none:
@@ -165,8 +165,10 @@ def effective_config_yaml(
     if choice.unused:
         header.append(f"# mixed_precision options not used here: {list(choice.unused)}.")
     if choice.fallback:
-        header.append(f"# What trains on this machine; trainer.precision={choice.requested!r} in the config you gave "
-                      "chooses again on another one.")
+        header.append(
+            f"# What trains on this machine; trainer.precision={choice.requested!r} in the config you gave "
+            "chooses again on another one."
+        )
     return "\n".join(header) + "\n" + yaml.safe_dump(dumped, sort_keys=False)
 
 

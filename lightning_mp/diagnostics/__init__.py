@@ -13,6 +13,16 @@ from lightning_mp.diagnostics.monitor import PrecisionMonitor
 from lightning_mp.diagnostics.run_report import ReportFiles, report
 
 __all__ = [
-    "Advice", "Census", "Finding", "LayerSample", "OverflowRecord", "PrecisionMonitor", "ReportFiles", "Row",
-    "RunHistory", "advise", "audit", "report",
+    "Advice",
+    "Census",
+    "Finding",
+    "LayerSample",
+    "OverflowRecord",
+    "PrecisionMonitor",
+    "ReportFiles",
+    "Row",
+    "RunHistory",
+    "advise",
+    "audit",
+    "report",
 ]

@@ -22,7 +22,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Optional
 
-from lightning_mp.diagnostics.history import OverflowRecord, RunHistory, format_number as _number
+from lightning_mp.diagnostics.history import OverflowRecord, RunHistory
+from lightning_mp.diagnostics.history import format_number as _number
 from lightning_mp.diagnostics.history import format_scale as _scale
 from lightning_mp.fp8.stats import fp8_advice
 
@@ -75,9 +76,11 @@ def _fp32_modules(history: RunHistory) -> Optional[Advice]:
     if len(steps) < 2 or len(steps) * 2 <= skipped:
         return None
     phases = sorted({r.phase for r in records})
-    evidence = (f"{records[0].place()} was where the inf/NaN was born in {len(steps)} of {skipped} skipped steps "
-                f"({'/'.join(phases)}; steps {_steps(steps)}, op {records[0].op}), and it stays non-finite in half "
-                "precision without the loss scale but finite in fp32.")
+    evidence = (
+        f"{records[0].place()} was where the inf/NaN was born in {len(steps)} of {skipped} skipped steps "
+        f"({'/'.join(phases)}; steps {_steps(steps)}, op {records[0].op}), and it stays non-finite in half "
+        "precision without the loss scale but finite in fp32."
+    )
     if not module:  # training_step's own code, or the root module's forward: no module rule reaches it alone
         where = "training_step" if module_class == "(outside any module)" else f"{module_class}.forward"
         return Advice(
@@ -109,7 +112,8 @@ def _init_scale(history: RunHistory) -> Optional[Advice]:
         f"scaler: {{init_scale: {_number(target)}}}",
         f"{len(early)} of the first {STARTUP_STEPS} optimizer steps were skipped for the loss scale (steps "
         f"{_steps(early)}) while the scale fell from {_scale(start)} to {_scale(target)}"
-        + (f", where step {first_finite} was the first to run" if first_finite is not None else "") + ".",
+        + (f", where step {first_finite} was the first to run" if first_finite is not None else "")
+        + ".",
     )
 
 
@@ -126,10 +130,14 @@ def _bursts(steps: list[int]) -> list[list[int]]:
 def _hysteresis(history: RunHistory) -> Optional[Advice]:
     if history.precision != "fp16" or not history.scaler.get("dynamic", False):
         return None
-    growths = [step for (step, scale), (_, before) in zip(history.scale_changes[1:], history.scale_changes)
-               if scale > before]
-    spikes = [step for step in history.skipped if step >= STARTUP_STEPS
-              and not any(0 <= step - grown <= PROBE_STEPS for grown in growths)]
+    growths = [
+        step for (step, scale), (_, before) in zip(history.scale_changes[1:], history.scale_changes) if scale > before
+    ]
+    spikes = [
+        step
+        for step in history.skipped
+        if step >= STARTUP_STEPS and not any(0 <= step - grown <= PROBE_STEPS for grown in growths)
+    ]
     bursts = _bursts(spikes)
     if len(bursts) < MIN_BURSTS:
         return None
@@ -176,8 +184,12 @@ def _growth_interval(history: RunHistory) -> Optional[Advice]:
         f"{share:.1%}), while the largest scaled gradient of any layer stayed {headroom:.1f} powers of two below "
         f"65504 (scale {_scale(sample.scale)}, growth_interval={interval}): the scale could be about "
         f"2^{int(headroom) - 1} times higher."
-        + (f" {len(unavoidable)} backoffs came from overflows that no scale avoids (steps {_steps(unavoidable)}): "
-           "fix those first (fp32_modules), they keep pushing the scale down." if unavoidable else ""),
+        + (
+            f" {len(unavoidable)} backoffs came from overflows that no scale avoids (steps {_steps(unavoidable)}): "
+            "fix those first (fp32_modules), they keep pushing the scale down."
+            if unavoidable
+            else ""
+        ),
     )
 
 
@@ -188,12 +200,15 @@ def _bf16(history: RunHistory) -> Optional[Advice]:
     later = [step for step in history.skipped if step >= STARTUP_STEPS]
     after = max(history.steps - STARTUP_STEPS, 0)
     if after and len(later) >= 5 and len(later) / after > FIGHTING_SKIP_RATE:
-        reasons.append(f"{len(later)} of {after} optimizer steps after the first {STARTUP_STEPS} were skipped "
-                       f"({len(later) / after:.1%})")
+        reasons.append(
+            f"{len(later)} of {after} optimizer steps after the first {STARTUP_STEPS} were skipped "
+            f"({len(later) / after:.1%})"
+        )
     half = [r.step for r in history.overflows if r.cause == "half_precision"]
     if len(half) >= FIGHTING_HALF_OVERFLOWS:
-        reasons.append(f"{len(half)} skipped steps overflowed half precision even without the loss scale "
-                       f"(steps {_steps(half)})")
+        reasons.append(
+            f"{len(half)} skipped steps overflowed half precision even without the loss scale (steps {_steps(half)})"
+        )
     if "FloatingPointError" in history.error:
         reasons.append(f"the run ended with {history.error.splitlines()[0][:200]}")
     if not reasons:
@@ -234,5 +249,11 @@ def _steps(steps: list[int], shown: int = 8) -> str:
 
 
 RULES: list[Callable[[RunHistory], Optional[Advice]]] = [
-    _fp32_modules, _init_scale, _hysteresis, _growth_interval, _bf16, _model, _fp8,
+    _fp32_modules,
+    _init_scale,
+    _hysteresis,
+    _growth_interval,
+    _bf16,
+    _model,
+    _fp8,
 ]

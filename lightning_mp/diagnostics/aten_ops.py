@@ -19,8 +19,8 @@ import math
 from typing import Any
 
 import torch
-from torch.utils.flop_counter import flop_registry
 from torch.utils._pytree import tree_leaves
+from torch.utils.flop_counter import flop_registry
 
 from lightning_mp.diagnostics.census import is_half
 
@@ -139,4 +139,3 @@ def risk(op: str, dtype: str, args: tuple, out: Any, large_reduction: int) -> st
         if inputs and outputs and inputs[0].numel() // max(outputs[0].numel(), 1) >= large_reduction:
             return f"reduces >= {large_reduction} elements per output in half precision; accumulate in float32"
     return SENSITIVE_OPS.get(op)
-

@@ -118,8 +118,7 @@ class Census:
         if fraction is None:
             return "matmul FLOPs in half precision: n/a (no matmul FLOPs recorded)"
         fp8 = self.fp8_flops_fraction()
-        return f"matmul FLOPs in half precision: {100 * fraction:.1f}%" + (
-            f"; in fp8: {100 * fp8:.1f}%" if fp8 else "")
+        return f"matmul FLOPs in half precision: {100 * fraction:.1f}%" + (f"; in fp8: {100 * fp8:.1f}%" if fp8 else "")
 
     def table(self) -> str:
         """A fixed-width table sorted by FLOPs then calls (both descending), the summary line and the findings."""
@@ -150,4 +149,3 @@ class Census:
         fp8 = self.fp8_flops_fraction() if any(r.flops for r in self.rows) else None
         return {"rows": rows, "risky": risky, "large_reduction": self.large_reduction,
                 "half_flops_fraction": self._fraction_or_none(), "fp8_flops_fraction": fp8}  # fmt: skip
-

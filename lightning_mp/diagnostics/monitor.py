@@ -65,8 +65,12 @@ class PrecisionMonitor(L.Callback):
         log_top: int = 5,
         report: bool = True,
     ) -> None:
-        for name, value in (("prog_bar", prog_bar), ("localise_overflows", localise_overflows),
-                            ("activation_grads", activation_grads), ("report", report)):
+        for name, value in (
+            ("prog_bar", prog_bar),
+            ("localise_overflows", localise_overflows),
+            ("activation_grads", activation_grads),
+            ("report", report),
+        ):
             if not isinstance(value, bool):
                 raise ValueError(f"PrecisionMonitor({name}={value!r}): must be True or False.")
         for name, value in (("sample_every", sample_every), ("log_top", log_top)):
@@ -114,9 +118,21 @@ class PrecisionMonitor(L.Callback):
         scaler = _our_scaler(trainer)
         if scaler is not None:
             state = scaler.state_dict()
-            self.history.scaler = {key: state[key] for key in (
-                "scale", "growth_factor", "backoff_factor", "growth_interval", "hysteresis", "min_scale",
-                "max_scale", "dynamic", "check_only", "max_consecutive_skips")}
+            self.history.scaler = {
+                key: state[key]
+                for key in (
+                    "scale",
+                    "growth_factor",
+                    "backoff_factor",
+                    "growth_interval",
+                    "hysteresis",
+                    "min_scale",
+                    "max_scale",
+                    "dynamic",
+                    "check_only",
+                    "max_consecutive_skips",
+                )
+            }
 
     @override
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
@@ -224,8 +240,13 @@ class PrecisionMonitor(L.Callback):
             record = self._localiser.localise(plugin, optimizer, model, step, self._names)
         except Exception as error:  # a diagnostic must not end the run: the failure is reported, not hidden
             rank_zero_warn(f"PrecisionMonitor could not localise the overflow of step {step}: {error!r}")
-            record = OverflowRecord(step=step, scale_before=float(plugin.scaler.scale), cause="failed",
-                                    note=repr(error), nonfinite_params=nonfinite_params(optimizer, self._names))
+            record = OverflowRecord(
+                step=step,
+                scale_before=float(plugin.scaler.scale),
+                cause="failed",
+                note=repr(error),
+                nonfinite_params=nonfinite_params(optimizer, self._names),
+            )
         record = _merged_across_ranks(record)
         self.history.overflows.append(record)
         if record.located:
@@ -233,8 +254,9 @@ class PrecisionMonitor(L.Callback):
             if trainer.is_global_zero and self.log_top:
                 top = sorted(self._overflow_counts.items(), key=lambda item: -item[1])[: self.log_top]
                 for logger in trainer.loggers:
-                    logger.log_metrics({f"overflows/{name or '(training_step)'}": float(count) for name, count in top},
-                                       step=step)
+                    logger.log_metrics(
+                        {f"overflows/{name or '(training_step)'}": float(count) for name, count in top}, step=step
+                    )
 
     def _fill_scale_after(self, scale: float) -> None:
         for record in reversed(self.history.overflows):

@@ -27,9 +27,9 @@ it costs a few extra kernels per operation.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from functools import partial
-from collections.abc import Iterator, Sequence
 from typing import Any, Optional
 
 import torch
@@ -42,8 +42,9 @@ from lightning_mp.diagnostics.aten_ops import IGNORED_OPS
 
 OUTSIDE = "(outside any module)"
 #: ops that return uninitialised memory (whatever bits were there, NaN included): never checked
-UNINITIALISED_OPS = frozenset({"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided",
-                               "empty_permuted"})
+UNINITIALISED_OPS = frozenset(
+    {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "empty_permuted"}
+)
 
 
 @dataclass(frozen=True)
@@ -72,7 +73,8 @@ def _leaves(value: Any) -> Iterator[Any]:
 
 def _floats(value: Any) -> list[Tensor]:
     return [
-        t for t in _leaves(value)
+        t
+        for t in _leaves(value)
         if isinstance(t, Tensor) and t.is_floating_point() and not t.is_sparse and t.numel() > 0
     ]
 
@@ -208,8 +210,9 @@ class NonFiniteTrace:
             self._last_backward_module = module
         return self._last_backward_module  # nodes made below torch functions (autocast's casts): the consumer's
 
-    def _record(self, op: str, in_extremes: list[Tensor], parents: list[Optional[int]], outputs: list[Tensor],
-                constant: bool) -> None:
+    def _record(
+        self, op: str, in_extremes: list[Tensor], parents: list[Optional[int]], outputs: list[Tensor], constant: bool
+    ) -> None:
         index = len(self._ops)
         # on the trace's device (a CPU scalar may join a CUDA op), in float64 (a float64 value above float32's range
         # is not an inf)
@@ -266,15 +269,18 @@ class NonFiniteTrace:
         try:
             sizes = [len(flags) for flags in self._flags]
             values = torch.cat(self._flags).tolist() if self._flags else []
-            bad = torch.stack([(~torch.isfinite(r.detach()).all()).to(self.device) for r in roots]).tolist() \
-                if roots else []
+            bad = (
+                torch.stack([(~torch.isfinite(r.detach()).all()).to(self.device) for r in roots]).tolist()
+                if roots
+                else []
+            )
         finally:
             self.paused = False
         rows, start = [], 0
         for parents, size in zip(self._inputs, sizes):
-            extremes, start = values[start:start + size], start + size
-            inputs, outputs = extremes[:2 * len(parents)], extremes[2 * len(parents):]
-            leaves = [v for i, parent in enumerate(parents) if parent is None for v in inputs[2 * i:2 * i + 2]]
+            extremes, start = values[start : start + size], start + size
+            inputs, outputs = extremes[: 2 * len(parents)], extremes[2 * len(parents) :]
+            leaves = [v for i, parent in enumerate(parents) if parent is None for v in inputs[2 * i : 2 * i + 2]]
             rows.append(_Row(_kinds(inputs), _kinds(outputs), _finite_amax(inputs), any(_kinds(leaves))))
         return rows, bad
 
@@ -307,9 +313,13 @@ class NonFiniteTrace:
         # tensor the backward read (a mask of -inf fed to a fused attention backward) did not start it. Then the
         # first op that read inf/NaN from outside the trace (data, parameters; a mask made before it), then
         # non-finite constants written on purpose
-        preferences = ([i for i in born if self._ops[i][1] == self.phase], born,
-                       [i for i in order if rows[i].leaf_bad and not self._ops[i][3]],
-                       [i for i in order if rows[i].born or rows[i].leaf_bad], order)
+        preferences = (
+            [i for i in born if self._ops[i][1] == self.phase],
+            born,
+            [i for i in order if rows[i].leaf_bad and not self._ops[i][3]],
+            [i for i in order if rows[i].born or rows[i].leaf_bad],
+            order,
+        )
         return self._origin(rows, next(group for group in preferences if group)[0])
 
     def _origin(self, rows: list[list[float]], index: int) -> Origin:

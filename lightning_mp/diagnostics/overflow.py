@@ -96,8 +96,10 @@ class OverflowLocaliser:
             record.cause = "gradients_only"
         elif _sharded(model):
             record.cause = "gradients_only"
-            record.note = ("FSDP2 shards the parameters: a replay would all-gather and reduce-scatter them and write "
-                           "the sharded gradients, so only the gradients are inspected")
+            record.note = (
+                "FSDP2 shards the parameters: a replay would all-gather and reduce-scatter them and write "
+                "the sharded gradients, so only the gradients are inspected"
+            )
         elif not self.window:
             record.note = "no micro-batch was remembered for this step"
         else:
@@ -194,21 +196,20 @@ class _Replay:
             if self.micro.cuda_rng is not None:
                 torch.cuda.set_rng_state(self.micro.cuda_rng, self.device)
             weights = _fp32_weights(self.model, self.plugin) if fp32 else _own_weights(self.model)
-            with torch.enable_grad(), weights as params:
-                with trace:
-                    with _precision_context(self.plugin, fp32):
-                        output = self.model.training_step(self.micro.batch, self.micro.batch_idx)
-                    loss = _loss_of(output)
-                    if loss is None:
-                        return None
-                    origin = trace.origin([loss])  # a non-finite loss: the forward explains it, no backward needed
-                    if origin is not None:
-                        return origin
-                    if params and loss.requires_grad:
-                        scaled = loss.float() / self.accumulate * scale  # what the closure's backward started from
-                        trace.phase = "backward"
-                        grads = torch.autograd.grad(scaled, params, allow_unused=True)
-                        return trace.origin([grad for grad in grads if grad is not None])
+            with torch.enable_grad(), weights as params, trace:
+                with _precision_context(self.plugin, fp32):
+                    output = self.model.training_step(self.micro.batch, self.micro.batch_idx)
+                loss = _loss_of(output)
+                if loss is None:
+                    return None
+                origin = trace.origin([loss])  # a non-finite loss: the forward explains it, no backward needed
+                if origin is not None:
+                    return origin
+                if params and loss.requires_grad:
+                    scaled = loss.float() / self.accumulate * scale  # what the closure's backward started from
+                    trace.phase = "backward"
+                    grads = torch.autograd.grad(scaled, params, allow_unused=True)
+                    return trace.origin([grad for grad in grads if grad is not None])
         return None
 
 
@@ -254,8 +255,7 @@ def _fp32_weights(model: nn.Module, plugin: Any) -> Iterator[list[Tensor]]:
     parameters, or call them unused, on the next step).
     """
     masters = getattr(plugin, "masters", None)
-    fp32 = {id(param): master.detach().requires_grad_(param.requires_grad)
-            for param, master in _exact_pairs(masters)}
+    fp32 = {id(param): master.detach().requires_grad_(param.requires_grad) for param, master in _exact_pairs(masters)}
     slots: list[tuple[dict[str, Any], str, Any]] = []
     try:
         for module in model.modules():
@@ -276,8 +276,12 @@ def _fp32_weights(model: nn.Module, plugin: Any) -> Iterator[list[Tensor]]:
 @contextlib.contextmanager
 def _undone(model: nn.Module) -> Iterator[None]:
     """Module buffers (BatchNorm statistics, counters) and torchmetrics states are put back afterwards."""
-    buffers = [(module, name, buffer.clone()) for module in model.modules()
-               for name, buffer in module._buffers.items() if buffer is not None]
+    buffers = [
+        (module, name, buffer.clone())
+        for module in model.modules()
+        for name, buffer in module._buffers.items()
+        if buffer is not None
+    ]
     metrics = [(module, _metric_state(module)) for module in model.modules() if hasattr(module, "_copy_state_dict")]
     try:
         yield

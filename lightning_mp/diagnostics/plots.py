@@ -13,7 +13,8 @@ from pathlib import Path
 from typing import Any
 
 from lightning_mp.diagnostics.history import LayerSample, RunHistory
-from lightning_mp.fp8.stats import CASTS, shares as fp8_shares
+from lightning_mp.fp8.stats import CASTS
+from lightning_mp.fp8.stats import shares as fp8_shares
 
 #: at most this many layers are drawn in a heatmap (the ones with the largest values, kept in model order)
 MAX_LAYERS = 40
@@ -57,22 +58,59 @@ def plot_history(history: RunHistory, path: Path) -> Path:
     _plot_scale(axes[0], history)
     if samples and fp16:
         shares = [[100 * v for v in s.underflow_share()] for s in samples]
-        _heatmap(figure, axes[1], samples, shares, "% of gradient values below fp16's normal range after scaling "
-                 "(subnormal or flushed)", "magma_r", "underflow %", pick=max, low=0.0)
+        _heatmap(
+            figure,
+            axes[1],
+            samples,
+            shares,
+            "% of gradient values below fp16's normal range after scaling (subnormal or flushed)",
+            "magma_r",
+            "underflow %",
+            pick=max,
+            low=0.0,
+        )
         headroom = [[_finite_or(h, math.nan) for h in s.headroom()] for s in samples]
-        _heatmap(figure, axes[2], samples, headroom, "headroom: powers of two between the largest scaled gradient and "
-                 f"65504 (red: overflow near; {OVERFLOW_BITS:g} = overflowed; blank: all zero)", "RdYlGn", "bits",
-                 pick=lambda v: -min(v), low=OVERFLOW_BITS)
+        _heatmap(
+            figure,
+            axes[2],
+            samples,
+            headroom,
+            "headroom: powers of two between the largest scaled gradient and "
+            f"65504 (red: overflow near; {OVERFLOW_BITS:g} = overflowed; blank: all zero)",
+            "RdYlGn",
+            "bits",
+            pick=lambda v: -min(v),
+            low=OVERFLOW_BITS,
+        )
     elif samples:
         zeros = [[100 * v for v in s.zero_share()] for s in samples]
-        _heatmap(figure, axes[1], samples, zeros, f"% of gradient values that are exactly zero ({history.precision})",
-                 "magma_r", "zeros %", pick=max, low=0.0)
+        _heatmap(
+            figure,
+            axes[1],
+            samples,
+            zeros,
+            f"% of gradient values that are exactly zero ({history.precision})",
+            "magma_r",
+            "zeros %",
+            pick=max,
+            low=0.0,
+        )
     if fp8:
         layers = [f"{layer} {cast}" for cast in CASTS for layer in fp8[-1]["layers"]]
         fp8_as = [LayerSample(r["step"], 1.0, "fp8", layers, []) for r in fp8]
         flushed = [[100 * v for cast in CASTS for v in fp8_shares(r, cast, "flush")] for r in fp8]
-        _heatmap(figure, axes[-1], fp8_as, flushed, f"% of values flushed below fp8's smallest subnormal after "
-                 f"scaling, per fp8 layer and cast ({history.fp8_recipe})", "magma_r", "flushed %", pick=max, low=0.0)
+        _heatmap(
+            figure,
+            axes[-1],
+            fp8_as,
+            flushed,
+            f"% of values flushed below fp8's smallest subnormal after "
+            f"scaling, per fp8 layer and cast ({history.fp8_recipe})",
+            "magma_r",
+            "flushed %",
+            pick=max,
+            low=0.0,
+        )
     figure.tight_layout()
     figure.savefig(path, dpi=100)
     plt.close(figure)
@@ -97,15 +135,24 @@ def _plot_scale(axis: Any, history: RunHistory) -> None:
         steps = [s for s in history.skipped if (records[s].cause if s in records else "not_reproduced") == cause]
         if steps:
             ys = [history.scale_at(s) or 1.0 for s in steps]
-            modules = Counter(records[s].module or records[s].module_class for s in steps
-                              if s in records and records[s].located)
+            modules = Counter(
+                records[s].module or records[s].module_class for s in steps if s in records and records[s].located
+            )
             where = f", mostly {modules.most_common(1)[0][0]}" if modules else ""
-            axis.scatter(steps, ys, marker="x", color=CAUSE_COLOURS[cause], s=40, zorder=3,
-                         label=f"skipped: {cause.replace('_', ' ')} ({len(steps)}{where})")
+            axis.scatter(
+                steps,
+                ys,
+                marker="x",
+                color=CAUSE_COLOURS[cause],
+                s=40,
+                zorder=3,
+                label=f"skipped: {cause.replace('_', ' ')} ({len(steps)}{where})",
+            )
     title = f"loss scale over optimizer steps ({history.precision}, {len(history.skipped)} of {history.steps} skipped)"
     if not history.scale_changes:
-        title = (f"skipped optimizer steps ({history.precision}, no loss scale: {len(history.skipped)} of "
-                 f"{history.steps})")
+        title = (
+            f"skipped optimizer steps ({history.precision}, no loss scale: {len(history.skipped)} of {history.steps})"
+        )
         axis.set_yticks([])
     axis.set_title(title, fontsize=10)
     axis.set_xlabel("optimizer step")
@@ -115,8 +162,17 @@ def _plot_scale(axis: Any, history: RunHistory) -> None:
         axis.legend(fontsize=8, loc="best")
 
 
-def _heatmap(figure: Any, axis: Any, samples: list[LayerSample], values: list[list[float]], title: str,
-             cmap: str, label: str, pick: Any, low: float) -> None:
+def _heatmap(
+    figure: Any,
+    axis: Any,
+    samples: list[LayerSample],
+    values: list[list[float]],
+    title: str,
+    cmap: str,
+    label: str,
+    pick: Any,
+    low: float,
+) -> None:
     layers = samples[-1].layers
     grid = _aligned(samples, values)
     chosen = list(range(len(layers)))
@@ -131,8 +187,9 @@ def _heatmap(figure: Any, axis: Any, samples: list[LayerSample], values: list[li
     steps = [s.step for s in samples]
     ticks = list(range(0, len(steps), max(1, math.ceil(len(steps) / 12))))
     axis.set_xticks(ticks, [str(steps[t]) for t in ticks], fontsize=7)
-    axis.set_yticks(range(len(chosen)), [layers[i] or "(root)" for i in chosen],
-                    fontsize=max(4, min(8, 400 // max(len(chosen), 1))))
+    axis.set_yticks(
+        range(len(chosen)), [layers[i] or "(root)" for i in chosen], fontsize=max(4, min(8, 400 // max(len(chosen), 1)))
+    )
     axis.set_xlabel("sampled optimizer step")
     axis.set_title(title, fontsize=10)
     figure.colorbar(image, ax=axis, label=label, fraction=0.03, pad=0.01)

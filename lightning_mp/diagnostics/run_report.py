@@ -82,16 +82,26 @@ def render_markdown(history: RunHistory, png_error: str = "") -> str:
     lines = ["# Mixed-precision report", "", _summary(history), ""]
     if history.error:
         lines += [f"**The run ended with an error:** `{history.error.splitlines()[0][:300]}`", ""]
-    lines += [f"![loss scale and per-layer gradient statistics]({PNG_FILE})" if not png_error
-              else f"(No figure: {png_error})", ""]
+    lines += [
+        f"![loss scale and per-layer gradient statistics]({PNG_FILE})"
+        if not png_error
+        else f"(No figure: {png_error})",
+        "",
+    ]
     lines += ["## Advice", ""]
     advice = advise(history)
     if not advice:
-        lines += ["Nothing to change: no rule found its symptom in this run (see "
-                  "`lightning_mp/diagnostics/advice.py` for the rules and thresholds).", ""]
+        lines += [
+            "Nothing to change: no rule found its symptom in this run (see "
+            "`lightning_mp/diagnostics/advice.py` for the rules and thresholds).",
+            "",
+        ]
     if len(advice) > 1:
-        lines += ["Apply the first item, run again and read the new report: later items may be consequences of "
-                  "earlier ones (an overflowing module keeps pushing the scale down).", ""]
+        lines += [
+            "Apply the first item, run again and read the new report: later items may be consequences of "
+            "earlier ones (an overflowing module keeps pushing the scale down).",
+            "",
+        ]
     for number, item in enumerate(advice, 1):
         lines += [f"{number}. **{item.rule}**: `{item.change}`", f"   - Evidence: {item.evidence}", ""]
     lines += _overflow_section(history) + _layers_section(history) + fp8_section(history) + _legend()
@@ -105,16 +115,20 @@ def _summary(history: RunHistory) -> str:
     if history.scale_changes:
         first, final = history.scale_changes[0][1], history.scale_changes[-1][1]
         lowest = min(scale for _, scale in history.scale_changes)
-        text += f" Loss scale {format_scale(first)} at the start, {format_scale(final)} at the end (lowest " \
-                f"{format_scale(lowest)})."
+        text += (
+            f" Loss scale {format_scale(first)} at the start, {format_scale(final)} at the end (lowest "
+            f"{format_scale(lowest)})."
+        )
     if history.scaler and not history.scaler.get("check_only"):
         settings = ("growth_interval", "hysteresis", "backoff_factor", "growth_factor", "min_scale", "max_scale")
         text += " Scaler: " + ", ".join(_setting(key, history.scaler[key]) for key in settings if key in history.scaler)
         text += "" if history.scaler.get("dynamic", True) else " (static)"
         text += "."
     if history.sample_every:
-        text += f" Gradient statistics sampled every {history.sample_every} optimizer steps " \
-                f"({len(history.samples_of('param_grads'))} samples)."
+        text += (
+            f" Gradient statistics sampled every {history.sample_every} optimizer steps "
+            f"({len(history.samples_of('param_grads'))} samples)."
+        )
     return text
 
 
@@ -129,27 +143,40 @@ def _overflow_section(history: RunHistory) -> list[str]:
     if not history.skipped:
         return lines + ["No optimizer step was skipped.", ""]
     if not history.overflows:
-        return lines + [f"{len(history.skipped)} steps were skipped (steps {history.skipped[:20]}); overflow "
-                        "localisation was off (`PrecisionMonitor(localise_overflows=True)` turns it on).", ""]
+        return lines + [
+            f"{len(history.skipped)} steps were skipped (steps {history.skipped[:20]}); overflow "
+            "localisation was off (`PrecisionMonitor(localise_overflows=True)` turns it on).",
+            "",
+        ]
     groups: dict[tuple[str, str, str], list[Any]] = {}
     for record in history.overflows:
         key = (record.where(), record.cause, record.module_class if record.located else "")
         groups.setdefault(key, []).append(record)
-    lines += ["| where the inf/NaN was born | cause | skipped steps | first | last | largest finite input |",
-              "|---|---|---:|---:|---:|---:|"]
+    lines += [
+        "| where the inf/NaN was born | cause | skipped steps | first | last | largest finite input |",
+        "|---|---|---:|---:|---:|---:|",
+    ]
     for (where, cause, _), records in sorted(groups.items(), key=lambda item: -len(item[1])):
         amax = max((r.input_amax for r in records if r.input_amax is not None), default=None)
-        lines.append(f"| {where} | {cause} | {len(records)} | {records[0].step} | {records[-1].step} | "
-                     f"{'-' if amax is None else f'{amax:.4g}'} |")
-    lines += ["", "Every skipped step:", "",
-              "| step | scale before -> after | where | cause | non-finite gradients | replays | seconds |",
-              "|---:|---|---|---|---|---:|---:|"]
+        lines.append(
+            f"| {where} | {cause} | {len(records)} | {records[0].step} | {records[-1].step} | "
+            f"{'-' if amax is None else f'{amax:.4g}'} |"
+        )
+    lines += [
+        "",
+        "Every skipped step:",
+        "",
+        "| step | scale before -> after | where | cause | non-finite gradients | replays | seconds |",
+        "|---:|---|---|---|---|---:|---:|",
+    ]
     for record in history.overflows[:MAX_ROWS]:
         params = ", ".join(record.nonfinite_params[:3]) + (" ..." if len(record.nonfinite_params) > 3 else "")
         after = "-" if record.scale_after is None else format_scale(record.scale_after)
-        lines.append(f"| {record.step} | {format_scale(record.scale_before)} -> {after} | {record.where()} | "
-                     f"{record.cause} | "
-                     f"{params or '-'} | {record.replays} | {record.seconds:.3f} |")
+        lines.append(
+            f"| {record.step} | {format_scale(record.scale_before)} -> {after} | {record.where()} | "
+            f"{record.cause} | "
+            f"{params or '-'} | {record.replays} | {record.seconds:.3f} |"
+        )
     if len(history.overflows) > MAX_ROWS:
         lines.append(f"| ... | | {len(history.overflows) - MAX_ROWS} more in {HISTORY_FILE} | | | | |")
     costs = [r.seconds for r in history.overflows]
@@ -164,16 +191,25 @@ def _layers_section(history: RunHistory) -> list[str]:
         return lines + ["No samples (`PrecisionMonitor(sample_every=N)` with N > 0 takes them).", ""]
     last = samples[-1]
     if history.precision == "fp16":
-        lines += [f"At the last sample (step {last.step}, scale {format_scale(last.scale)}), the {WORST_LAYERS} "
-                  "layers with the largest share of values below fp16's normal range after scaling:", ""]
+        lines += [
+            f"At the last sample (step {last.step}, scale {format_scale(last.scale)}), the {WORST_LAYERS} "
+            "layers with the largest share of values below fp16's normal range after scaling:",
+            "",
+        ]
     else:  # no loss scale, and a range as wide as fp32's: zeros are what is left to see
-        lines += [f"At the last sample (step {last.step}, {history.precision}), the {WORST_LAYERS} layers with the "
-                  "largest share of zero gradient values:", ""]
+        lines += [
+            f"At the last sample (step {last.step}, {history.precision}), the {WORST_LAYERS} layers with the "
+            "largest share of zero gradient values:",
+            "",
+        ]
     lines += _layer_table(last, history.precision)
     activations = history.samples_of("activation_grads")
     if activations:
-        lines += ["", f"Activation gradients (leaf module outputs, as autograd held them) at step "
-                  f"{activations[-1].step}:", ""] + _layer_table(activations[-1], history.precision)
+        lines += [
+            "",
+            f"Activation gradients (leaf module outputs, as autograd held them) at step {activations[-1].step}:",
+            "",
+        ] + _layer_table(activations[-1], history.precision)
     return lines + [""]
 
 
@@ -184,15 +220,20 @@ def _layer_table(sample: LayerSample, precision: str) -> list[str]:
     if precision != "fp16":
         return ["| layer | values | zeros | largest magnitude |", "|---|---:|---:|---:|"] + [
             f"| {sample.layers[i] or '(root)'} | {numel[i]:.0f} | {zeros[i]:.2%} | {sample.column('amax')[i]:.3g} |"
-            for i in order]
-    rows = ["| layer | values | zeros | flush to zero | subnormal | largest scaled | headroom (powers of 2) |",
-            "|---|---:|---:|---:|---:|---:|---:|"]
+            for i in order
+        ]
+    rows = [
+        "| layer | values | zeros | flush to zero | subnormal | largest scaled | headroom (powers of 2) |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
     for i in order:
         room = headroom[i]
         text = "-" if room is None else ("overflow" if room == -math.inf else f"{room:.1f}")
         count = numel[i] or 1.0
-        rows.append(f"| {sample.layers[i] or '(root)'} | {numel[i]:.0f} | {zeros[i]:.2%} | {flush[i] / count:.2%} | "
-                    f"{subnormal[i] / count:.2%} | {sample.column('amax')[i]:.3g} | {text} |")
+        rows.append(
+            f"| {sample.layers[i] or '(root)'} | {numel[i]:.0f} | {zeros[i]:.2%} | {flush[i] / count:.2%} | "
+            f"{subnormal[i] / count:.2%} | {sample.column('amax')[i]:.3g} | {text} |"
+        )
     return rows
 
 

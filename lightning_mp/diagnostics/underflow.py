@@ -58,8 +58,16 @@ def tensor_stats(grad: Tensor, scale: Scale = 1.0) -> Tensor:
     nonfinite = magnitude.numel() - torch.isfinite(magnitude).sum()
     amax = magnitude.amax().float() if magnitude.numel() else torch.zeros((), device=grad.device)
     numel = torch.full((), float(magnitude.numel()), device=grad.device)
-    return torch.stack([numel, zeros.float(), (below_subnormal - zeros).float(),
-                        (below_normal - below_subnormal).float(), nonfinite.float(), amax * scale])
+    return torch.stack(
+        [
+            numel,
+            zeros.float(),
+            (below_subnormal - zeros).float(),
+            (below_normal - below_subnormal).float(),
+            nonfinite.float(),
+            amax * scale,
+        ]
+    )
 
 
 def grouped_stats(named_grads: Sequence[tuple[str, Tensor]], scale: Scale = 1.0) -> tuple[list[str], Tensor]:
@@ -103,7 +111,7 @@ def read_rows(*tables: Tensor) -> list[list[list[float]]]:
     out, start = [], 0
     for table in tables:
         width = table.shape[1] if table.dim() == 2 else 1
-        out.append([flat[start + i * width:start + (i + 1) * width] for i in range(len(table))])
+        out.append([flat[start + i * width : start + (i + 1) * width] for i in range(len(table))])
         start += len(table) * width
     return out
 
@@ -198,4 +206,3 @@ def names_of_params(model: nn.Module, masters: Optional[Any] = None) -> dict[int
             if id(param) in names:
                 names[id(master)] = names[id(param)]
     return names
-

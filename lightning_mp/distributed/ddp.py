@@ -152,8 +152,10 @@ def _reduce_hook(state: _HookState, bucket: torch.distributed.GradBucket) -> tor
         done: torch.futures.Future[torch.Tensor] = torch.futures.Future()
         done.set_result(buffer)
         return done
-    sent = buffer.div_(world_size(state.group)) if state.reduce_dtype == buffer.dtype else (
-        buffer.div(world_size(state.group)).to(state.reduce_dtype)
+    sent = (
+        buffer.div_(world_size(state.group))
+        if state.reduce_dtype == buffer.dtype
+        else (buffer.div(world_size(state.group)).to(state.reduce_dtype))
     )
     future = torch.distributed.all_reduce(sent, group=state.group, async_op=True).get_future()
 

@@ -18,10 +18,10 @@ DEEPSPEED_REFUSAL = (
     "  fp16:  Trainer(strategy=DeepSpeedStrategy(stage=2, loss_scale=0, initial_scale_power=16, "
     "loss_scale_window=1000, hysteresis=2, min_loss_scale=1), precision='16-mixed')\n"
     "         (loss_scale=0 is dynamic scaling; 2**initial_scale_power is the first scale, loss_scale_window the "
-    "growth interval), or in a DeepSpeed config: {{\"fp16\": {{\"enabled\": true, \"loss_scale\": 0, "
-    "\"initial_scale_power\": 16, \"loss_scale_window\": 1000, \"hysteresis\": 2, \"min_loss_scale\": 1}}}}\n"
+    'growth interval), or in a DeepSpeed config: {{"fp16": {{"enabled": true, "loss_scale": 0, '
+    '"initial_scale_power": 16, "loss_scale_window": 1000, "hysteresis": 2, "min_loss_scale": 1}}}}\n'
     "  bf16:  Trainer(strategy='deepspeed_stage_2', precision='bf16-mixed'), or {{\"bf16\": {{\"enabled\": true}}}}\n"
-    "  Gradient clipping: Trainer(gradient_clip_val=...) or {{\"gradient_clipping\": 1.0}} in the config. "
+    '  Gradient clipping: Trainer(gradient_clip_val=...) or {{"gradient_clipping": 1.0}} in the config. '
     "DeepSpeed keeps fp32 master weights itself in both modes."
 )
 

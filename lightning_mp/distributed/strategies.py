@@ -98,4 +98,3 @@ def end_distributed_run(trainer: Any) -> None:
         torch.distributed.destroy_process_group()
     for child in getattr(getattr(trainer.strategy, "launcher", None), "procs", []):
         child.wait()
-

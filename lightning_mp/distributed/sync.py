@@ -106,9 +106,14 @@ def gather_names(names: list[str], group: Optional[Any] = None) -> list[str]:
 
 
 _REDUCE_DTYPES = {
-    "float32": torch.float32, "fp32": torch.float32, "32": torch.float32,
-    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-    "float16": torch.float16, "fp16": torch.float16, "16": torch.float16,
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "16": torch.float16,
 }
 
 

@@ -116,11 +116,15 @@ def linear_config(fp8: Fp8Spec, device: torch.device, fsdp2: bool = False) -> tu
         if tensorwise and not config.enable_fsdp_float8_all_gather:
             config = dataclasses.replace(config, enable_fsdp_float8_all_gather=True)
         if config.enable_fsdp_float8_all_gather:
-            notes.append("FSDP2 all-gathers the fp8 layers' weights in fp8; their scales are precomputed after "
-                         "every optimizer step.")
+            notes.append(
+                "FSDP2 all-gathers the fp8 layers' weights in fp8; their scales are precomputed after "
+                "every optimizer step."
+            )
         else:
-            notes.append(f"FSDP2 all-gathers the weights in high precision: torchao's fp8 all-gather needs "
-                         f"tensorwise weight scaling, and recipe {recipe_of(fp8)!r} is not tensorwise.")
+            notes.append(
+                f"FSDP2 all-gathers the weights in high precision: torchao's fp8 all-gather needs "
+                f"tensorwise weight scaling, and recipe {recipe_of(fp8)!r} is not tensorwise."
+            )
     return config, notes
 
 

@@ -84,20 +84,22 @@ class Fp8Training:
             done = isinstance(layer, float8.float8_linear.Float8Linear)
             if not reason and not done:
                 chosen.add(name)
-            layers.append(Fp8Layer(name, layer.in_features, layer.out_features, done or not reason,
-                                   "" if done else reason))
+            layers.append(
+                Fp8Layer(name, layer.in_features, layer.out_features, done or not reason, "" if done else reason)
+            )
         if chosen and fsdp2:
             _refuse_sharded(module, chosen)
         if chosen:
-            float8.convert_to_float8_training(module, config=self.config,
-                                              module_filter_fn=lambda _, fqn: fqn in chosen)
+            float8.convert_to_float8_training(module, config=self.config, module_filter_fn=lambda _, fqn: fqn in chosen)
             if device.type != "cuda":  # Float8Linear follows CUDA's autocast only: do here what it does there
                 for name in chosen:
                     _follow_autocast(module.get_submodule(name), device.type)
         self.layers = layers
         for rule, close in _unmatched_fp8_rules(plugin.effective_policy, module).items():
-            rank_zero_warn(f"CastPolicy {rule} matches no module of {type(module).__name__}, so it does nothing. "
-                           f"Closest module names and classes: {close or 'none'}.")
+            rank_zero_warn(
+                f"CastPolicy {rule} matches no module of {type(module).__name__}, so it does nothing. "
+                f"Closest module names and classes: {close or 'none'}."
+            )
         rank_zero_info(self.table(type(module).__name__))
         if not self.converted:
             reasons = sorted({layer.reason for layer in layers})
@@ -115,8 +117,11 @@ class Fp8Training:
         converted = [layer for layer in self.layers if layer.converted]
         weights = sum(layer.in_features * layer.out_features for layer in self.layers) or 1
         share = sum(layer.in_features * layer.out_features for layer in converted) / weights
-        lines = [f"lightning_mp fp8 ({self.recipe}, {self.mode}): {len(converted)} of {len(self.layers)} nn.Linear "
-                 f"layers of {model_name} train in fp8 ({share:.1%} of their weights)", *self.notes]
+        lines = [
+            f"lightning_mp fp8 ({self.recipe}, {self.mode}): {len(converted)} of {len(self.layers)} nn.Linear "
+            f"layers of {model_name} train in fp8 ({share:.1%} of their weights)",
+            *self.notes,
+        ]
         width = max([len(layer.name) for layer in self.layers] + [5])
         lines.append(f"{'layer':{width}}  {'in x out':>13}  fp8  reason")
         for layer in self.layers:

@@ -54,13 +54,14 @@ def cast_stats(tensor: Tensor, dtype: torch.dtype, rowwise: bool, power_of_two: 
     scaled = magnitude * scale
     smallest_subnormal = info.tiny * info.eps
     zeros = (magnitude == 0).sum()
-    flush = ((scaled < smallest_subnormal).sum() - zeros)
-    subnormal = ((scaled < info.tiny).sum() - (scaled < smallest_subnormal).sum())
+    flush = (scaled < smallest_subnormal).sum() - zeros
+    subnormal = (scaled < info.tiny).sum() - (scaled < smallest_subnormal).sum()
     # above the maximum by more than half a step of the top binade: it would round beyond max, and is clamped
     saturated = (scaled > info.max + 2.0 ** math.floor(math.log2(info.max)) * info.eps / 2).sum()
     numel = torch.full((), float(values.numel()), device=values.device)
-    return torch.stack([numel, zeros.float(), flush.float(), subnormal.float(), saturated.float(),
-                        magnitude.amax(), scale.min()])
+    return torch.stack(
+        [numel, zeros.float(), flush.float(), subnormal.float(), saturated.float(), magnitude.amax(), scale.min()]
+    )
 
 
 class Fp8Sampler:
@@ -106,8 +107,9 @@ class Fp8Sampler:
     def _add(self, name: str, cast: str, row: Tensor) -> None:
         previous = self._rows.get((name, cast))
         if previous is not None:
-            row = torch.cat([previous[:5] + row[:5], torch.maximum(previous[5:6], row[5:6]),
-                             torch.minimum(previous[6:], row[6:])])
+            row = torch.cat(
+                [previous[:5] + row[:5], torch.maximum(previous[5:6], row[5:6]), torch.minimum(previous[6:], row[6:])]
+            )
         self._rows[(name, cast)] = row
 
     def disarm(self) -> None:
@@ -154,8 +156,11 @@ def _worst(history: Any) -> Optional[tuple[list[tuple[str, str, float, float]], 
             for layer, share in zip(record["layers"], shares(record, cast, "flush")):
                 if share >= FLUSH_SHARE:
                     hits.setdefault((layer, cast), []).append(share)
-    found = [(layer, cast, values[-1], record_amax(recent[-1], layer, cast))
-             for (layer, cast), values in hits.items() if 2 * len(values) >= len(recent)]
+    found = [
+        (layer, cast, values[-1], record_amax(recent[-1], layer, cast))
+        for (layer, cast), values in hits.items()
+        if 2 * len(values) >= len(recent)
+    ]
     return (sorted(found, key=lambda item: -item[2]), len(recent), recent[-1]["step"]) if found else None
 
 
@@ -171,14 +176,20 @@ def fp8_advice(history: Any) -> Optional[tuple[str, str]]:
         return None
     found, samples, step = worst
     layers = list(dict.fromkeys(layer for layer, _, _, _ in found))
-    detail = "; ".join(f"{layer} {cast}: {share:.1%} flushed (amax {amax:.3g})"
-                       for layer, cast, share, amax in found[:4])
-    evidence = (f"in at least half of the last {samples} samples (last at step {step}) {len(layers)} fp8 layer(s) "
-                f"lost >= {FLUSH_SHARE:.0%} of a cast's values below fp8's smallest subnormal after scaling: "
-                f"{detail}. One large value (amax) sets the scale of the whole tensor, so the small ones flush.")
+    detail = "; ".join(
+        f"{layer} {cast}: {share:.1%} flushed (amax {amax:.3g})" for layer, cast, share, amax in found[:4]
+    )
+    evidence = (
+        f"in at least half of the last {samples} samples (last at step {step}) {len(layers)} fp8 layer(s) "
+        f"lost >= {FLUSH_SHARE:.0%} of a cast's values below fp8's smallest subnormal after scaling: "
+        f"{detail}. One large value (amax) sets the scale of the whole tensor, so the small ones flush."
+    )
     if history.fp8_recipe == "tensorwise":
-        return ("fp8: rowwise  (MixedPrecisionPlugin(fp8='rowwise'): one scale per row, so an outlier row does not "
-                "flush the others)", evidence)
+        return (
+            "fp8: rowwise  (MixedPrecisionPlugin(fp8='rowwise'): one scale per row, so an outlier row does not "
+            "flush the others)",
+            evidence,
+        )
     shown = ", ".join(f'"{layer}"' for layer in layers[:6])
     return (f"policy: {{fp8_exclude: [{shown}]}}  (those layers stay in bf16)", evidence)
 
@@ -188,15 +199,21 @@ def fp8_section(history: Any) -> list[str]:
     if not history.fp8_samples:
         return []
     last = history.fp8_samples[-1]
-    lines = ["## fp8 casts per layer", "",
-             f"At the last sample (step {last['step']}, recipe {history.fp8_recipe or 'unknown'}), per converted layer "
-             "and cast: the share of values that flush below fp8's smallest subnormal after scaling, that are "
-             "subnormal, that saturate at the fp8 maximum, the largest magnitude and the scale.", "",
-             "| layer | cast | values | flush | subnormal | saturate | amax | scale |",
-             "|---|---|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        "## fp8 casts per layer",
+        "",
+        f"At the last sample (step {last['step']}, recipe {history.fp8_recipe or 'unknown'}), per converted layer "
+        "and cast: the share of values that flush below fp8's smallest subnormal after scaling, that are "
+        "subnormal, that saturate at the fp8 maximum, the largest magnitude and the scale.",
+        "",
+        "| layer | cast | values | flush | subnormal | saturate | amax | scale |",
+        "|---|---|---:|---:|---:|---:|---:|---:|",
+    ]
     for cast in CASTS:
         for layer, row in zip(last["layers"], last["casts"][cast]):
             count = row[0] or 1.0
-            lines.append(f"| {layer} | {cast} | {row[0]:.0f} | {row[2] / count:.2%} | {row[3] / count:.2%} | "
-                         f"{row[4] / count:.2%} | {row[5]:.3g} | {row[6]:.3g} |")
+            lines.append(
+                f"| {layer} | {cast} | {row[0]:.0f} | {row[2] / count:.2%} | {row[3] / count:.2%} | "
+                f"{row[4] / count:.2%} | {row[5]:.3g} | {row[6]:.3g} |"
+            )
     return lines + [""]

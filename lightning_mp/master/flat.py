@@ -81,13 +81,17 @@ class MasterWeights:
         if self._module is not None:
             self.restore()
         self._module = module
-        kept = {id(param) for module_name, owner in module.named_modules() if self.keep_fp32(module_name, owner)
-                for param in owner.parameters(recurse=False)}
+        kept = {
+            id(param)
+            for module_name, owner in module.named_modules()
+            if self.keep_fp32(module_name, owner)
+            for param in owner.parameters(recurse=False)
+        }
         for module_name, owner in module.named_modules():
             if self.keep_fp32(module_name, owner):
                 continue
             prefix = f"{module_name}." if module_name else ""
-            for name, param in owner.named_parameters(recurse=False):
+            for _name, param in owner.named_parameters(recurse=False):
                 if not param.is_floating_point() or id(param) in self._params or id(param) in kept:
                     continue
                 self._params[id(param)] = param  # a model that arrives in half precision gets masters too

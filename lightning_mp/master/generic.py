@@ -109,8 +109,9 @@ class GenericChunkedStep:
         if found_inf is not None and bool(found_inf.item()):  # a host synchronisation (see module doc)
             return
         groups = self.optimizer.param_groups
-        apply_grad_ops_in_place([p for params in self._model_params for p in params if self.store.offset_of(p) is None],
-                                grad_ops)
+        apply_grad_ops_in_place(
+            [p for params in self._model_params for p in params if self.store.offset_of(p) is None], grad_ops
+        )
         chunks = [(index, chunk) for index, slices in enumerate(self.slices) for chunk in self._chunks(slices)]
         options = [_snapshot(group) for group in groups]
         try:
@@ -139,8 +140,11 @@ class GenericChunkedStep:
             if s.param.grad is None:
                 continue
             joined = self.store.offset_of(s.param) is not None
-            if current and (filled + s.numel > self.chunk_size or current[0].param.device != s.param.device
-                            or (self.store.offset_of(current[0].param) is not None) != joined):
+            if current and (
+                filled + s.numel > self.chunk_size
+                or current[0].param.device != s.param.device
+                or (self.store.offset_of(current[0].param) is not None) != joined
+            ):
                 chunks.append(current)
                 current, filled = [], 0
             current.append(s)
@@ -154,8 +158,8 @@ class GenericChunkedStep:
         first = chunk[0].param
         if self.store.offset_of(first) is None:  # fp32 parameters: the proxies are views of the parameters
             for s in chunk:
-                s.proxy.data = s.param.detach().view(-1)[s.start:s.end].view(s.shape)
-                s.proxy.grad = s.param.grad.detach().view(-1)[s.start:s.end].view(s.shape)
+                s.proxy.data = s.param.detach().view(-1)[s.start : s.end].view(s.shape)
+                s.proxy.grad = s.param.grad.detach().view(-1)[s.start : s.end].view(s.shape)
             return None
         values, grads = self.store._staging.buffers(first.device)
         if sum(s.numel for s in chunk) > values.numel():  # one row longer than chunk_size
@@ -167,7 +171,7 @@ class GenericChunkedStep:
             offset = self.store.offset_of(s.param)
             high, low = self.store.flat_slices(first.device, offset + s.start, offset + s.end)
             self.store.join_into(high, low, values[view])
-            grads[view].copy_(s.param.grad.detach().reshape(-1)[s.start:s.end])
+            grads[view].copy_(s.param.grad.detach().reshape(-1)[s.start : s.end])
             s.proxy.data = values[view].view(s.shape)
             s.proxy.grad = grads[view].view(s.shape)
             position += s.numel

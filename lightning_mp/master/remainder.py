@@ -30,8 +30,14 @@ from torch.optim import Optimizer
 from lightning_mp.master.bits import join_fp32, join_fp32_into, split_fp32_into
 from lightning_mp.master.flat import MasterWeights, is_norm
 from lightning_mp.master.generic import GenericChunkedStep
-from lightning_mp.master.step import FUSED_UNIT, Staging, apply_grad_ops_in_place, fused_update, plan_chunks
-from lightning_mp.master.step import uses_fused_kernel
+from lightning_mp.master.step import (
+    FUSED_UNIT,
+    Staging,
+    apply_grad_ops_in_place,
+    fused_update,
+    plan_chunks,
+    uses_fused_kernel,
+)
 
 #: Default chunk per device type: 2**18 elements on CPU (3 MiB of fp32 transients per step: the eager join and split
 #: stay in cache; measured in benchmarks/lean_step.py), 2**25 on GPUs (384 MiB: a chunk's dozen kernel launches must
@@ -181,7 +187,9 @@ class RemainderMasters(MasterWeights):
                     for start in range(0, value.numel(), step):  # the split's temporaries: one chunk's worth
                         stop = min(start + step, value.numel())
                         piece = value[start:stop].to(device, torch.float32)
-                        split_fp32_into(piece, high[offset + start:offset + stop], low[offset + start:offset + stop])
+                        split_fp32_into(
+                            piece, high[offset + start : offset + stop], low[offset + start : offset + stop]
+                        )
                     param.data = high[offset:end].view_as(param)
                     self._layout[id(param)] = (device, offset)
                     offset = end
@@ -269,8 +277,9 @@ class RemainderMasters(MasterWeights):
             return
         for index, group in enumerate(optimizer.param_groups):
             apply_grad_ops_in_place([p for p in group["params"] if id(p) not in self._layout], grad_ops)
-            fused_update(optimizer, group, self._plan(optimizer, index, group), self, self._staging, grad_ops,
-                         found_inf)
+            fused_update(
+                optimizer, group, self._plan(optimizer, index, group), self, self._staging, grad_ops, found_inf
+            )
 
     def _plan(self, optimizer: Optimizer, index: int, group: dict[str, Any]) -> list[Any]:
         key = tuple(id(p) for p in group["params"])

@@ -34,7 +34,6 @@ import torch
 from torch import Tensor
 from torch.optim import SGD, Adam, AdamW, Optimizer
 
-
 #: torch's fused CPU kernels split each tensor into units of this many elements (FusedAdamKernel.cpp, grain size).
 FUSED_UNIT = 32768
 #: Optimizer classes whose update is done by torch's fused kernels on the lean state (exact subclasses only).
@@ -78,7 +77,9 @@ def plan_chunks(params: list[Tensor], offsets: dict[int, Optional[int]], chunk_s
         for start in range(0, param.numel(), chunk_size):
             piece = Piece(param, start, min(start + chunk_size, param.numel()), offset)
             contiguous = (
-                current and offset is not None and current[-1].flat_offset is not None
+                current
+                and offset is not None
+                and current[-1].flat_offset is not None
                 and current[-1].flat_offset + current[-1].end == offset + start
                 and current[-1].param.device == param.device
             )
@@ -135,14 +136,14 @@ class ChunkView:
                 self.value_pieces.append(self.values[view])
                 grad = piece.param.grad
                 if grad is not None:
-                    self.grads_flat[view].copy_(grad.detach().reshape(-1)[piece.start:piece.end])
+                    self.grads_flat[view].copy_(grad.detach().reshape(-1)[piece.start : piece.end])
                 self.grad_pieces.append(self.grads_flat[view] if grad is not None else None)
                 position += piece.numel
             apply_grad_ops(self.grads_flat, grad_ops)
         else:  # an fp32 parameter: updated in place; its gradient was clipped in place before the chunks
-            self.value_pieces = [p.param.detach().view(-1)[p.start:p.end] for p in pieces]
+            self.value_pieces = [p.param.detach().view(-1)[p.start : p.end] for p in pieces]
             self.grad_pieces = [
-                p.param.grad.detach().view(-1)[p.start:p.end] if p.param.grad is not None else None for p in pieces
+                p.param.grad.detach().view(-1)[p.start : p.end] if p.param.grad is not None else None for p in pieces
             ]
 
     def write_back(self) -> None:
@@ -209,17 +210,28 @@ def fused_update(
                 state = states[id(piece.param)]
                 values.append(value)
                 grads.append(grad)
-                exp_avgs.append(state["exp_avg"].view(-1)[piece.start:piece.end])
-                exp_avg_sqs.append(state["exp_avg_sq"].view(-1)[piece.start:piece.end])
+                exp_avgs.append(state["exp_avg"].view(-1)[piece.start : piece.end])
+                exp_avg_sqs.append(state["exp_avg_sq"].view(-1)[piece.start : piece.end])
                 if group["amsgrad"]:
-                    max_sqs.append(state["max_exp_avg_sq"].view(-1)[piece.start:piece.end])
+                    max_sqs.append(state["max_exp_avg_sq"].view(-1)[piece.start : piece.end])
                 piece_steps.append(state["step"])
             if values:
                 kernel(
-                    values, grads, exp_avgs, exp_avg_sqs, max_sqs, piece_steps,
-                    amsgrad=group["amsgrad"], lr=_on(lr, device), beta1=beta1, beta2=beta2,
-                    weight_decay=group["weight_decay"], eps=group["eps"], maximize=group["maximize"],
-                    grad_scale=None, found_inf=_on(found, device),
+                    values,
+                    grads,
+                    exp_avgs,
+                    exp_avg_sqs,
+                    max_sqs,
+                    piece_steps,
+                    amsgrad=group["amsgrad"],
+                    lr=_on(lr, device),
+                    beta1=beta1,
+                    beta2=beta2,
+                    weight_decay=group["weight_decay"],
+                    eps=group["eps"],
+                    maximize=group["maximize"],
+                    grad_scale=None,
+                    found_inf=_on(found, device),
                 )
             view.write_back()
         if found is not None:
@@ -246,12 +258,21 @@ def fused_update(
             values.append(value)
             grads.append(grad)
             if momentum != 0:
-                bufs.append(buffers[id(piece.param)].view(-1)[piece.start:piece.end])
+                bufs.append(buffers[id(piece.param)].view(-1)[piece.start : piece.end])
         if values:
             torch._fused_sgd_(
-                values, grads, bufs, weight_decay=group["weight_decay"], momentum=momentum,
-                lr=_on(group["lr"], device), dampening=group["dampening"], nesterov=group["nesterov"],
-                maximize=group["maximize"], is_first_step=first_step, grad_scale=None, found_inf=_on(found, device),
+                values,
+                grads,
+                bufs,
+                weight_decay=group["weight_decay"],
+                momentum=momentum,
+                lr=_on(group["lr"], device),
+                dampening=group["dampening"],
+                nesterov=group["nesterov"],
+                maximize=group["maximize"],
+                is_first_step=first_step,
+                grad_scale=None,
+                found_inf=_on(found, device),
             )
         view.write_back()
 

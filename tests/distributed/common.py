@@ -53,8 +53,15 @@ class Net(L.LightningModule):
 
     # the user's side of FSDP2: the LayerNorm on its own (the plugin keeps norms in fp32), then the whole net
 
-    def __init__(self, inject: bool = True, shard: Any = None, inject_rank: int = 0, inject_every: bool = False,
-                 per_rank_batch: int = GLOBAL_BATCH, fused: bool = False) -> None:
+    def __init__(
+        self,
+        inject: bool = True,
+        shard: Any = None,
+        inject_rank: int = 0,
+        inject_every: bool = False,
+        per_rank_batch: int = GLOBAL_BATCH,
+        fused: bool = False,
+    ) -> None:
         super().__init__()
         self.fused = fused  # SGD(fused=True): the step is skipped on the device (lightning_mp.stepping)
         self.per_rank_batch = per_rank_batch
@@ -97,8 +104,9 @@ class Net(L.LightningModule):
         if self.inject and at_step and self.global_rank == self.inject_rank:
             _local(weight.grad)[0, 0] = float("inf")
 
-    def configure_gradient_clipping(self, optimizer: Any, gradient_clip_val: Any = None,
-                                    gradient_clip_algorithm: Optional[str] = None) -> None:
+    def configure_gradient_clipping(
+        self, optimizer: Any, gradient_clip_val: Any = None, gradient_clip_algorithm: Optional[str] = None
+    ) -> None:
         params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
         if self.trainer.global_step == 0:
             self.record["grads"] = _full(params[0].grad)  # the (unscaled, reduced) gradient the optimizer sees
@@ -127,12 +135,18 @@ def shard_net(module: Net, plugin: MixedPrecisionPlugin) -> None:
     fully_shard(module.net, mesh=mesh, mp_policy=plugin.fsdp2_policy())
 
 
-def make_plugin(precision: str, masters: Any, reduce_dtype: str = "float32",
-                scaler: Optional[DynamicLossScaler] = None, policy: Any = None) -> MixedPrecisionPlugin:
+def make_plugin(
+    precision: str,
+    masters: Any,
+    reduce_dtype: str = "float32",
+    scaler: Optional[DynamicLossScaler] = None,
+    policy: Any = None,
+) -> MixedPrecisionPlugin:
     if scaler is None and precision == "16-mixed":
         scaler = DynamicLossScaler(init_scale=1024.0, growth_interval=3)
-    return MixedPrecisionPlugin(precision, scaler=scaler, master_weights=masters, reduce_dtype=reduce_dtype,
-                                policy=policy)
+    return MixedPrecisionPlugin(
+        precision, scaler=scaler, master_weights=masters, reduce_dtype=reduce_dtype, policy=policy
+    )
 
 
 def fit(
@@ -155,25 +169,45 @@ def fit(
 ) -> dict[str, Any]:
     """One run; what it recorded, the final fp32 weights (whole, on every rank) and the scaler state."""
     torch.manual_seed(0)
-    model = model_class(inject=inject, shard=shard, per_rank_batch=GLOBAL_BATCH // devices // accumulate,
-                        **model_kwargs)
+    model = model_class(
+        inject=inject, shard=shard, per_rank_batch=GLOBAL_BATCH // devices // accumulate, **model_kwargs
+    )
     plugin = make_plugin(precision, masters, reduce_dtype, scaler, policy)
     callbacks: list[Callback] = [StepRecorder(), *extra_callbacks]
     if checkpoint_dir is not None:
-        callbacks.append(ModelCheckpoint(dirpath=checkpoint_dir, filename="{epoch}", save_top_k=-1,
-                                         every_n_epochs=1, save_on_train_epoch_end=True))
+        callbacks.append(
+            ModelCheckpoint(
+                dirpath=checkpoint_dir,
+                filename="{epoch}",
+                save_top_k=-1,
+                every_n_epochs=1,
+                save_on_train_epoch_end=True,
+            )
+        )
     trainer = L.Trainer(
-        accelerator=accelerator, devices=devices, strategy=strategy, plugins=[plugin], max_epochs=EPOCHS,
-        accumulate_grad_batches=accumulate, gradient_clip_val=CLIP, logger=False, enable_progress_bar=False,
-        enable_model_summary=False, enable_checkpointing=checkpoint_dir is not None, callbacks=callbacks,
-        deterministic=True, use_distributed_sampler=False,
+        accelerator=accelerator,
+        devices=devices,
+        strategy=strategy,
+        plugins=[plugin],
+        max_epochs=EPOCHS,
+        accumulate_grad_batches=accumulate,
+        gradient_clip_val=CLIP,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=checkpoint_dir is not None,
+        callbacks=callbacks,
+        deterministic=True,
+        use_distributed_sampler=False,
     )
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         trainer.fit(model, ckpt_path=resume_from)
     model.record["warnings"] = sorted({str(w.message) for w in caught})
     weights = {name: _full(param).cpu() for name, param in model.named_parameters()}
-    model.record["plugin_pickles"] = pickle.loads(pickle.dumps(plugin)).scaler.state_dict() == plugin.scaler.state_dict()
+    model.record["plugin_pickles"] = (
+        pickle.loads(pickle.dumps(plugin)).scaler.state_dict() == plugin.scaler.state_dict()
+    )
     return {**model.record, "weights": weights, "scaler": plugin.scaler.state_dict(), "rank": trainer.global_rank}
 
 

@@ -21,15 +21,27 @@ def main() -> None:
     out, precision = Path(sys.argv[1]), sys.argv[2]
     for masters in (False, True):
         setting = "on" if masters else "off"
-        results = {"sharded": fit(precision, masters, checkpoint_dir=out / f"ckpt-{setting}", shard=shard_net,
-                                  strategy=ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1))}
+        results = {
+            "sharded": fit(
+                precision,
+                masters,
+                checkpoint_dir=out / f"ckpt-{setting}",
+                shard=shard_net,
+                strategy=ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1),
+            )
+        }
         if masters:
-            strategy = ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1,
-                                             save_distributed_checkpoint=False)
-            results["file"] = fit(precision, masters, checkpoint_dir=out / "ckpt-file", shard=shard_net,
-                                  strategy=strategy)
-        save({name: {"weights": run["weights"], "param_dtype": run["param_dtype"]} for name, run in results.items()},
-             out / setting, results["sharded"]["rank"])
+            strategy = ModelParallelStrategy(
+                data_parallel_size=2, tensor_parallel_size=1, save_distributed_checkpoint=False
+            )
+            results["file"] = fit(
+                precision, masters, checkpoint_dir=out / "ckpt-file", shard=shard_net, strategy=strategy
+            )
+        save(
+            {name: {"weights": run["weights"], "param_dtype": run["param_dtype"]} for name, run in results.items()},
+            out / setting,
+            results["sharded"]["rank"],
+        )
     finish()
 
 

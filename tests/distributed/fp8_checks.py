@@ -89,9 +89,19 @@ def run(strategy_name: str, masters: bool) -> dict[str, Any]:
 
         WeightWithDynamicFloat8CastTensor.fsdp_pre_all_gather = spy
     monitor = PrecisionMonitor(sample_every=4, report=False)  # fp8 cast statistics, reduced over the ranks
-    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, plugins=[plugin], max_steps=8,
-                        logger=False, enable_progress_bar=False, enable_model_summary=False, callbacks=[monitor],
-                        enable_checkpointing=False, use_distributed_sampler=False)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=strategy,
+        plugins=[plugin],
+        max_steps=8,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[monitor],
+        enable_checkpointing=False,
+        use_distributed_sampler=False,
+    )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         trainer.fit(model)
@@ -104,9 +114,16 @@ def run(strategy_name: str, masters: bool) -> dict[str, Any]:
             record["scales"].append((float(precomputed), float(torch.finfo(torch.float8_e4m3fn).max / amax)))
     from torchao.float8.float8_linear import Float8Linear
 
-    return {**record, "fp8_samples": monitor.history.fp8_samples, "losses": model.losses, "converted": plugin.fp8.converted, "config": repr(plugin.fp8.config),
-            "float8_layers": [n for n, m in model.named_modules() if isinstance(m, Float8Linear)],
-            "weights": {name: _full(p) for name, p in model.named_parameters()}, "rank": trainer.global_rank}
+    return {
+        **record,
+        "fp8_samples": monitor.history.fp8_samples,
+        "losses": model.losses,
+        "converted": plugin.fp8.converted,
+        "config": repr(plugin.fp8.config),
+        "float8_layers": [n for n, m in model.named_modules() if isinstance(m, Float8Linear)],
+        "weights": {name: _full(p) for name, p in model.named_parameters()},
+        "rank": trainer.global_rank,
+    }
 
 
 def main() -> None:

@@ -59,10 +59,16 @@ def main() -> None:
         results["accumulated"] = fit(precision, masters, accumulate=2, **run)
         if masters:
             full_ckpt = out / "ckpt-full-file"
-            fit(precision, masters, checkpoint_dir=full_ckpt, strategy=strategy(save_distributed_checkpoint=False),
-                shard=shard_net)
-            results["resumed_from_file"] = fit(precision, masters, resume_from=full_ckpt / "epoch=0.ckpt",
-                                               strategy=strategy(), shard=shard_net)
+            fit(
+                precision,
+                masters,
+                checkpoint_dir=full_ckpt,
+                strategy=strategy(save_distributed_checkpoint=False),
+                shard=shard_net,
+            )
+            results["resumed_from_file"] = fit(
+                precision, masters, resume_from=full_ckpt / "epoch=0.ckpt", strategy=strategy(), shard=shard_net
+            )
             results["policy"] = fit(precision, masters, policy=POLICY, strategy=strategy(), shard=shard_with_fp32_head)
             try:  # the head left inside the half-precision group: refused at setup, naming it
                 fit(precision, masters, policy=POLICY, strategy=strategy(), shard=shard_net)
@@ -73,11 +79,21 @@ def main() -> None:
             results["norm_in_half"] = fit(precision, masters, strategy=strategy(), shard=shard_net_whole)
         if setting == settings[-1]:
             # every step non-finite in rank 1's shard only, at the minimum scale: both ranks raise, naming it
-            at_min = DynamicLossScaler(init_scale=1.0, min_scale=1.0) if precision == "16-mixed" else (
-                DynamicLossScaler.check_only(max_consecutive_skips=1))
+            at_min = (
+                DynamicLossScaler(init_scale=1.0, min_scale=1.0)
+                if precision == "16-mixed"
+                else (DynamicLossScaler.check_only(max_consecutive_skips=1))
+            )
             try:
-                fit(precision, masters, scaler=at_min, inject_rank=1, inject_every=True, strategy=strategy(),
-                    shard=shard_net)
+                fit(
+                    precision,
+                    masters,
+                    scaler=at_min,
+                    inject_rank=1,
+                    inject_every=True,
+                    strategy=strategy(),
+                    shard=shard_net,
+                )
                 results["min_scale_error"] = None
             except FloatingPointError as error:
                 results["min_scale_error"] = str(error)

@@ -22,8 +22,18 @@ def free_port() -> int:
 
 
 # set by a launcher or by Lightning in an earlier run of this process: they would change how Lightning sees the ranks
-_LAUNCHER_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK", "TORCHELASTIC_RUN_ID",
-                       "PL_GLOBAL_SEED", "PL_TRAINER_GPUS", "SLURM_NTASKS", "SLURM_JOB_NAME")
+_LAUNCHER_VARIABLES = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_WORLD_SIZE",
+    "GROUP_RANK",
+    "ROLE_RANK",
+    "TORCHELASTIC_RUN_ID",
+    "PL_GLOBAL_SEED",
+    "PL_TRAINER_GPUS",
+    "SLURM_NTASKS",
+    "SLURM_JOB_NAME",
+)
 _PORT_TAKEN = ("Address already in use", "EADDRINUSE")
 
 

@@ -32,11 +32,7 @@ def test_amp_ddp(strategy, devices, plugin_cls):
     ``precision="16-mixed"`` case becomes our plugin itself, the custom case a subclass of it.
     """
     trainer = Trainer(
-        fast_dev_run=True,
-        accelerator="cpu",
-        devices=devices,
-        strategy=strategy,
-        plugins=[plugin_cls("16-mixed")],
+        fast_dev_run=True, accelerator="cpu", devices=devices, strategy=strategy, plugins=[plugin_cls("16-mixed")]
     )
     assert isinstance(trainer.precision_plugin, plugin_cls)
 
@@ -219,9 +215,7 @@ def test_amp_fused_optimizer_parity(tmp_path, master_weights):
         seed_everything(1234)
         model = FusedOptimizerParityModel(fused)
         trainer = trainer_with(
-            MixedPrecisionPlugin("16-mixed", master_weights=master_weights),
-            default_root_dir=tmp_path,
-            max_steps=5,
+            MixedPrecisionPlugin("16-mixed", master_weights=master_weights), default_root_dir=tmp_path, max_steps=5
         )
         trainer.fit(model)
         return list(model.parameters())

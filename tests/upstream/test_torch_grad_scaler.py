@@ -345,8 +345,7 @@ def test_grad_scaling_autocast(optimizer_kwargs, try_pickle, master_weights):
     ("optimizer_ctor", "optimizer_kwargs"),
     list(
         product(
-            (torch.optim.Adam, torch.optim.AdamW),
-            ({"fused": True, "amsgrad": False}, {"fused": True, "amsgrad": True}),
+            (torch.optim.Adam, torch.optim.AdamW), ({"fused": True, "amsgrad": False}, {"fused": True, "amsgrad": True})
         )
     ),
 )

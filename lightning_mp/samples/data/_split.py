@@ -100,8 +100,11 @@ class SplitDataModule(L.LightningDataModule):
         dataset = self._datasets[split]
         # Each loader has its own generator: iterating a DataLoader draws a worker seed from its generator, or from
         # the global RNG without one, which would change the random stream (dropout) the model sees after a resume.
-        common = {"num_workers": self.num_workers, "collate_fn": self.collate_fn,
-                  "generator": torch.Generator().manual_seed(self.seed)}
+        common = {
+            "num_workers": self.num_workers,
+            "collate_fn": self.collate_fn,
+            "generator": torch.Generator().manual_seed(self.seed),
+        }
         if not shuffle:
             return DataLoader(dataset, batch_size=self.batch_size, **common)
         sampler = EpochShuffleSampler(dataset, seed=self.seed)

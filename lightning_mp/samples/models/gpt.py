@@ -46,8 +46,9 @@ class Block(nn.Module):
         self.ln_1 = nn.LayerNorm(n_embd)
         self.attn = CausalSelfAttention(n_embd, n_head, dropout)
         self.ln_2 = nn.LayerNorm(n_embd)
-        self.mlp = nn.Sequential(nn.Linear(n_embd, 4 * n_embd), nn.GELU(), nn.Linear(4 * n_embd, n_embd),
-                                 nn.Dropout(dropout))
+        self.mlp = nn.Sequential(
+            nn.Linear(n_embd, 4 * n_embd), nn.GELU(), nn.Linear(4 * n_embd, n_embd), nn.Dropout(dropout)
+        )
 
     def forward(self, x: Tensor) -> Tensor:
         x = x + self.attn(self.ln_1(x))
@@ -57,8 +58,15 @@ class Block(nn.Module):
 class GPT(nn.Module):
     """Token and position embeddings, ``n_layer`` blocks, a final LayerNorm and the output projection ``lm_head``."""
 
-    def __init__(self, n_layer: int = 4, n_head: int = 4, n_embd: int = 128, block_size: int = 128,
-                 dropout: float = 0.0, vocab_size: int = VOCAB_SIZE) -> None:
+    def __init__(
+        self,
+        n_layer: int = 4,
+        n_head: int = 4,
+        n_embd: int = 128,
+        block_size: int = 128,
+        dropout: float = 0.0,
+        vocab_size: int = VOCAB_SIZE,
+    ) -> None:
         super().__init__()
         if n_embd % n_head:
             raise ValueError(f"n_embd={n_embd} must be a multiple of n_head={n_head}.")
@@ -108,8 +116,17 @@ class GPTLanguageModel(L.LightningModule):
     Batches are (batch, length + 1) byte ids: the model reads the first ``length`` and predicts the last ``length``.
     """
 
-    def __init__(self, n_layer: int = 4, n_head: int = 4, n_embd: int = 128, block_size: int = 128,
-                 dropout: float = 0.0, lr: float = 1e-3, weight_decay: float = 0.1, warmup_steps: int = 100) -> None:
+    def __init__(
+        self,
+        n_layer: int = 4,
+        n_head: int = 4,
+        n_embd: int = 128,
+        block_size: int = 128,
+        dropout: float = 0.0,
+        lr: float = 1e-3,
+        weight_decay: float = 0.1,
+        warmup_steps: int = 100,
+    ) -> None:
         super().__init__()
         self.save_hyperparameters()
         self.model = GPT(n_layer, n_head, n_embd, block_size, dropout)
@@ -140,9 +157,11 @@ class GPTLanguageModel(L.LightningModule):
     def configure_optimizers(self) -> Any:
         decay = [p for p in self.parameters() if p.dim() >= 2]
         no_decay = [p for p in self.parameters() if p.dim() < 2]
-        optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": self.hparams.weight_decay},
-                                       {"params": no_decay, "weight_decay": 0.0}], lr=self.hparams.lr,
-                                      betas=(0.9, 0.95))
+        optimizer = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": self.hparams.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+            lr=self.hparams.lr,
+            betas=(0.9, 0.95),
+        )
         total = max(int(self.trainer.estimated_stepping_batches), 1) if self._trainer is not None else 1000
         warmup = min(self.hparams.warmup_steps, total)
 

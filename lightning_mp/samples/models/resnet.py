@@ -47,8 +47,12 @@ class ResNet(nn.Module):
         if stem == "small":
             layers = [nn.Conv2d(in_channels, width, 3, padding=1, bias=False), nn.BatchNorm2d(width), nn.ReLU()]
         elif stem == "imagenet":
-            layers = [nn.Conv2d(in_channels, width, 7, stride=2, padding=3, bias=False), nn.BatchNorm2d(width),
-                      nn.ReLU(), nn.MaxPool2d(3, stride=2, padding=1)]
+            layers = [
+                nn.Conv2d(in_channels, width, 7, stride=2, padding=3, bias=False),
+                nn.BatchNorm2d(width),
+                nn.ReLU(),
+                nn.MaxPool2d(3, stride=2, padding=1),
+            ]
         else:
             raise ValueError(f"stem={stem!r} is not supported: use 'small' or 'imagenet'.")
         self.stem = nn.Sequential(*layers)
