@@ -187,7 +187,7 @@ def test_checkpoint_state_dict_is_plain_fp32_and_loads_strictly_into_an_unconver
     assert torch.equal(fresh.net[0].weight, model.net[0].weight.detach())
 
 
-@pytest.mark.parametrize("masters", [False, True], ids=["no-masters", "masters"])
+@pytest.mark.parametrize("masters", [False, True, "remainder"], ids=["no-masters", "masters", "remainder"])
 def test_resumed_fp8_run_continues_bit_exactly(tmp_path, masters):
     from lightning.pytorch.callbacks import ModelCheckpoint
 
