@@ -72,22 +72,6 @@ def sync_for(strategy: Any, plugin: Any) -> GradientSync:
 _NOT_DDP = {"XLAStrategy"}
 
 
-def check_strategy_name(strategy: Any) -> None:
-    """Refuse, before a Trainer is built, a strategy the plugin cannot run under: ``trainer.strategy`` as a name
-    (``"fsdp"``, ``"deepspeed_stage_2"``, ...) or an instance. Lightning's own ``TypeError`` for FSDP1 would
-    otherwise come first, without saying what to use instead.
-
-    Raises:
-        ValueError: an FSDP1 or DeepSpeed strategy (see :func:`sync_for`).
-    """
-    if isinstance(strategy, DeepSpeedStrategy) or (isinstance(strategy, str) and strategy.startswith("deepspeed")):
-        refuse_deepspeed(strategy)
-    if isinstance(strategy, FSDPStrategy) or (
-        isinstance(strategy, str) and strategy in FSDPStrategy.get_registered_strategies()
-    ):
-        refuse_fsdp1(strategy)
-
-
 def end_distributed_run(trainer: Any) -> None:
     """Both ranks done, the process group down, and (on the launching rank, which hosts the rendezvous store) the
     ranks it launched exited, before this process exits: exiting first can abort it ("terminate called ...")."""
