@@ -1,8 +1,10 @@
 """Every configuration `python -m lightning_mp` refuses says so in one line, `lightning_mp: error: ...`, exit status 2,
 before any work: run as a user runs it (the real CLI in a subprocess), reading stderr and the exit status.
 
-The subprocesses of the parametrized test start together (four at a time) in one module fixture: each one spends
-most of its few seconds importing Lightning.
+Each family of refusal (a precision flag, a checkpoint, the plugin's YAML) runs once as a real subprocess, the
+three together in one module fixture (each spends most of its few seconds importing Lightning); every case also
+runs in-process through the same ``main`` that ``python -m lightning_mp`` calls, which is what the exit status and
+the one line come from.
 """
 
 from __future__ import annotations
@@ -132,9 +134,28 @@ def _edited_checkpoint(folder: Path) -> dict:
     return checkpoint
 
 
-def _run(case: str, folder: Path, edited: dict) -> subprocess.CompletedProcess:
-    extra, files, _ = CASES[case]
+#: one case per family of refusal, run as a real subprocess as well
+SUBPROCESS_CASES = ("32-true with a plugin", "ckpt random bytes", "plugin argument typo")
+
+
+def _arguments(case: str) -> list[str]:
+    return [
+        "fit",
+        "--config",
+        DIGITS,
+        *CASES[case][0],
+        "--trainer.default_root_dir=runs",
+        "--trainer.max_steps=1",
+        "--trainer.limit_val_batches=1",
+        "--trainer.num_sanity_val_steps=0",
+        "--trainer.enable_progress_bar=false",
+        "--test_after_fit=false",
+    ]
+
+
+def _write_files(case: str, folder: Path, edited: dict) -> None:
     folder.mkdir(parents=True)
+    files = CASES[case][1]
     for name, content in files.items():
         target = folder / name
         if content is None:
@@ -145,21 +166,11 @@ def _run(case: str, folder: Path, edited: dict) -> subprocess.CompletedProcess:
             torch.save(edited if content == "EDITED" else content, target)
         else:
             target.write_text(content)
-    command = [
-        sys.executable,
-        "-m",
-        "lightning_mp",
-        "fit",
-        "--config",
-        DIGITS,
-        *extra,
-        "--trainer.default_root_dir=runs",
-        "--trainer.max_steps=1",
-        "--trainer.limit_val_batches=1",
-        "--trainer.num_sanity_val_steps=0",
-        "--trainer.enable_progress_bar=false",
-        "--test_after_fit=false",
-    ]
+
+
+def _run(case: str, folder: Path, edited: dict) -> subprocess.CompletedProcess:
+    _write_files(case, folder, edited)
+    command = [sys.executable, "-m", "lightning_mp", *_arguments(case)]
     env = {
         **os.environ,
         "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
@@ -169,25 +180,44 @@ def _run(case: str, folder: Path, edited: dict) -> subprocess.CompletedProcess:
 
 
 @pytest.fixture(scope="module")
-def refusals(tmp_path_factory) -> dict[str, tuple[Path, subprocess.CompletedProcess]]:
+def edited(tmp_path_factory) -> dict:
+    return _edited_checkpoint(tmp_path_factory.mktemp("source"))
+
+
+@pytest.fixture(scope="module")
+def refusals(tmp_path_factory, edited) -> dict[str, tuple[Path, subprocess.CompletedProcess]]:
     root = tmp_path_factory.mktemp("refusals")
-    edited = _edited_checkpoint(root / "source")
-    folders = {case: root / f"case{index}" for index, case in enumerate(CASES)}
-    with ThreadPoolExecutor(max_workers=4) as pool:
-        done = dict(zip(CASES, pool.map(lambda case: _run(case, folders[case], edited), CASES)))
-    return {case: (folders[case], done[case]) for case in CASES}
+    folders = {case: root / f"case{index}" for index, case in enumerate(SUBPROCESS_CASES)}
+    with ThreadPoolExecutor(max_workers=len(SUBPROCESS_CASES)) as pool:
+        done = dict(zip(SUBPROCESS_CASES, pool.map(lambda case: _run(case, folders[case], edited), SUBPROCESS_CASES)))
+    return {case: (folders[case], done[case]) for case in SUBPROCESS_CASES}
+
+
+def _assert_refused(case: str, folder: Path, returncode: int, stderr: str, stdout: str) -> None:
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    assert returncode == 2, stderr[-3000:]
+    assert len(lines) == 1 and lines[0].startswith("lightning_mp: error: "), stderr[-3000:]
+    for fragment in CASES[case][2]:
+        assert fragment in lines[0], lines[0]
+    assert "Traceback" not in stderr + stdout
+    assert not (folder / "runs").exists()  # before any work: no log folder, no checkpoint
+
+
+@pytest.mark.parametrize("case", SUBPROCESS_CASES)
+def test_a_refused_configuration_is_one_error_line_exit_2_before_any_work_in_a_subprocess(refusals, case):
+    folder, done = refusals[case]
+    _assert_refused(case, folder, done.returncode, done.stderr, done.stdout)
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_a_refused_configuration_is_one_error_line_exit_2_before_any_work(refusals, case):
-    folder, done = refusals[case]
-    lines = [line for line in done.stderr.splitlines() if line.strip()]
-    assert done.returncode == 2, done.stderr[-3000:]
-    assert len(lines) == 1 and lines[0].startswith("lightning_mp: error: "), done.stderr[-3000:]
-    for fragment in CASES[case][2]:
-        assert fragment in lines[0], lines[0]
-    assert "Traceback" not in done.stderr + done.stdout
-    assert not (folder / "runs").exists()  # before any work: no log folder, no checkpoint
+def test_a_refused_configuration_is_one_error_line_exit_2_before_any_work(tmp_path, monkeypatch, capsys, edited, case):
+    folder = tmp_path / "case"
+    _write_files(case, folder, edited)
+    monkeypatch.chdir(folder)
+    with pytest.raises(SystemExit) as exited:
+        main(_arguments(case))
+    out = capsys.readouterr()
+    _assert_refused(case, folder, exited.value.code, out.err, out.out)
 
 
 @pytest.mark.parametrize("precision", ["32-true", "32", "16-true", "bf16-true", "64-true", "transformer-engine"])
