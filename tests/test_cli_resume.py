@@ -131,6 +131,16 @@ def _run(command: list[str]) -> None:
     assert done.returncode == 0, done.stderr[-4000:]
 
 
+def _start(command: list[str]) -> subprocess.Popen:
+    """A run in the background (the uninterrupted one runs while the other is killed: they share nothing)."""
+    return subprocess.Popen(command, cwd=ROOT, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+
+def _finish(process: subprocess.Popen) -> None:
+    _, stderr = process.communicate(timeout=300)
+    assert process.returncode == 0, stderr[-4000:]
+
+
 def _kill_at_marker(command: list[str], marker: Path) -> None:
     process = subprocess.Popen(command, cwd=ROOT, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     deadline = time.monotonic() + 240
@@ -176,13 +186,14 @@ def test_killed_fit_resumed_from_last_ckpt_reproduces_the_uninterrupted_run(tmp_
     freeze_config.write_text(CALLBACKS + FREEZE.format(step=FREEZE_AT, marker=marker))
     whole, killed = tmp_path / "whole", tmp_path / "killed"
 
-    _run(_command(whole, config, CASES[case]))
+    uninterrupted = _start(_command(whole, config, CASES[case]))
     _kill_at_marker(_command(killed, freeze_config, CASES[case]), marker)
     last = killed / "lightning_logs" / "version_0" / "checkpoints" / "last.ckpt"
     saved = torch.load(last, weights_only=True)
     assert saved["global_step"] == 10  # the last multiple of 5 before the kill: mid-epoch (epoch 1, 2 of 8 batches)
     assert saved["loops"]["fit_loop"]["state_dict"]["combined_loader"] == [{"epoch": 1, "batches": 2}]
     _run(_command(killed, config, CASES[case], f"--ckpt_path={last}"))
+    _finish(uninterrupted)
 
     expected, resumed = _rows(whole / "lightning_logs" / "version_0"), _rows(killed / "lightning_logs" / "version_1")
     assert sorted(resumed) == [step for step in sorted(expected) if step >= 10]  # steps 11..24 and the epoch ends
