@@ -1,7 +1,7 @@
 """What the ported upstream tests share: our plugin in place of Lightning's, and where gradients live.
 
 Upstream tests read gradients from ``self.parameters()``. With ``master_weights=True`` our plugin moves each
-half gradient into the fp32 master right after ``on_after_backward`` (README, "fp32 master weights"), so the
+half gradient into the fp32 master right after ``on_after_backward`` (docs/master-weights.md, "What happens, and when"), so the
 optimizer, ``on_before_optimizer_step`` and clipping see them on the masters (``main_params``). The helpers
 below read gradients where the optimizer reads them, so one assertion serves both modes.
 """

@@ -64,7 +64,7 @@ def test_multiple_optimizers_manual_call_counts(tmp_path, master_weights):
     (its 16-mixed case).
 
     Adapted: upstream counts ``GradScaler.step`` calls; every ``opt.step()`` is one step of our scaler
-    (README), so we count ``scaler.steps``.
+    (docs/loss-scaling.md, "Manual optimization"), so we count ``scaler.steps``.
     """
     model = ManualOptModel()
     limit_train_batches = 2

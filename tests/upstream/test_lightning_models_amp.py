@@ -71,7 +71,9 @@ def test_amp_cpus(tmp_path, precision, master_weights):
 
 def _amp_cpus_in_two_processes(tmp_path):
     for precision in ("16-mixed", "bf16-mixed"):
-        _fit_test_predict(tmp_path / precision, precision, devices=2, strategy="ddp")
+        for masters in (False, True, "remainder") if precision == "bf16-mixed" else (False, True):
+            folder = tmp_path / f"{precision}-{masters}"
+            _fit_test_predict(folder, precision, masters, devices=2, strategy="ddp")
 
 
 def test_amp_cpus_ddp(tmp_path):
@@ -79,8 +81,8 @@ def test_amp_cpus_ddp(tmp_path):
 
     Adapted: two real CPU processes (gloo) started once for both precisions, with Lightning's ``ddp``
     strategy joining them, instead of ``ddp_spawn`` starting two processes for each fit, test and predict
-    (six times as many process starts; the point, AMP under DDP on CPU, is the same). Master weights are not
-    run here: the plugin refuses them under DDP for now (README, "Limits").
+    (six times as many process starts; the point, AMP under DDP on CPU, is the same). Each precision also runs
+    with fp32 master weights, and bf16 with the lean ``"remainder"`` masters (docs/many-devices.md, "DDP").
     """
     run_in_two_processes(_amp_cpus_in_two_processes, tmp_path)
 

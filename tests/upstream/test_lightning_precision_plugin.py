@@ -226,7 +226,7 @@ def test_configure_model(precision, expected_dtype):
 
     Adapted: a layer created in ``configure_model`` is fp32 there (we convert after it, we do not change the
     default dtype), runs in half precision during ``test``, and the model has its fp32 values back afterwards
-    (README: evaluation on its own gives the model back with its exact fp32 weights).
+    (docs/master-weights.md: evaluation on its own gives the model back with its exact fp32 weights).
     """
     seen = []
 

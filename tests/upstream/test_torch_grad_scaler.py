@@ -5,7 +5,7 @@ Sources (github:pytorch/pytorch): the ``test_grad_scaling_*`` / ``test_grad_scal
 before torch made them device-generic) and test/test_torch.py (device-generic), and their helpers
 ``_create_scaling_models_optimizers`` / ``_create_scaling_case`` (torch/testing/_internal/common_cuda.py) and
 ``_run_scaling_case``. torch's ``scaler.step(opt); scaler.update()`` becomes our explicit
-``unscale_`` -> ``found_inf`` -> step unless non-finite -> ``update`` (README, "The loss scaler on its own").
+``unscale_`` -> ``found_inf`` -> step unless non-finite -> ``update`` (docs/loss-scaling.md, "The scaler on its own").
 See tests/upstream/README.md for what was ported and dropped.
 """
 
