@@ -26,7 +26,9 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 from lightning_mp import MixedPrecisionPlugin
 from tests.distributed.common import finish, save
 
-EPOCHS = 2  # 64 samples, 2 ranks, batch 8: 4 steps per epoch (max_epochs: see test_fp8_fsdp2.py on max_steps)
+# 64 samples, 2 ranks, batch 8: 4 steps per epoch. max_epochs, not max_steps: Lightning 2.6.6 itself (one device, no
+# plugin) resumed with max_steps from a checkpoint saved at a training epoch's end runs batch 0 again as batch 4
+EPOCHS = 2
 
 
 class Net(L.LightningModule):
