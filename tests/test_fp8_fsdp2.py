@@ -35,11 +35,12 @@ def _equal_weights(a, b):
     return sorted(a) == sorted(b) and all(torch.equal(a[name], b[name]) for name in a)
 
 
-def test_sharding_before_fp8_conversion_is_refused_at_setup_before_any_step(ranks):
-    """The Linear layers were fully_shard-ed on their own (FSDPLinear) without fp8_convert: refused, not trained in
-    bf16 with a warning that no layer is eligible."""
+@pytest.mark.parametrize("run", ["refused", "refused_root"])
+def test_sharding_before_fp8_conversion_is_refused_at_setup_before_any_step(ranks, run):
+    """fully_shard without fp8_convert first: on each Linear (FSDPLinear: refused, not skipped as a subclass and
+    trained in bf16 with a warning that no layer is eligible), or on the root only."""
     for rank in ranks:
-        refused = rank["refused"]
+        refused = rank[run]
         assert refused["losses"] == []
         assert "layers net.0, net.3 were sharded with fully_shard before being converted to fp8" in refused["error"]
         assert "fp8_convert(self) before fully_shard" in refused["error"] and "fsdp2_shard(self" in refused["error"]
@@ -91,6 +92,8 @@ def test_fp8_fsdp2_checkpoint_holds_plain_fp32_tensors_that_load_strictly_into_a
         assert {entry.properties.dtype for entry in model_entries.values()} == {torch.float32}
         consolidate(last, tmp_path / "model.pt")
         state = torch.load(tmp_path / "model.pt", weights_only=True)
+    # the live state_dict holds torchao's fp8 all-gather wrappers (inside DTensors); what Lightning saved does not
+    assert ranks[0][run]["state_dict_kinds"] == ["Tensor", "WeightWithDynamicFloat8CastTensor"]
     assert {type(value) for value in state.values()} == {torch.Tensor}  # no float8 or FSDP subclass
     assert {value.dtype for value in state.values()} == {torch.float32}
     model = Net()  # as built: never converted, never sharded

@@ -2,7 +2,8 @@
 
     python tests/distributed/fp8_fsdp2_checks.py OUT
 
-- ``refused``: configure_model shards without converting first; the plugin's setup must refuse before any step.
+- ``refused``, ``refused_root``: configure_model shards without converting first (each Linear on its own, or only
+  the root); the plugin's setup must refuse before any step.
 - ``manual``: ``plugin.fp8_convert(self)`` then ``fully_shard`` by hand (the norm alone, two blocks, the net).
 - ``helper``: ``plugin.fsdp2_shard(self, blocks=..., root=self.net)``, the same grouping in one call; writes a
   distributed checkpoint after each epoch (OUT/ckpt-<masters>/), and ``resumed`` continues from the first one.
@@ -55,6 +56,9 @@ class Net(L.LightningModule):
         if self.how == "manual":
             plugin.fp8_convert(self)  # before fully_shard: FSDP2 keeps the modules it shards
         mesh = self.device_mesh["data_parallel"]
+        if self.how == "unconverted_root":  # the Linear layers stay nn.Linear, inside the sharded root
+            fully_shard(self.net, mesh=mesh, mp_policy=plugin.fsdp2_policy())
+            return
         fully_shard(self.net[2], mesh=mesh, mp_policy=plugin.fsdp2_policy("net.2", self.net[2]))
         for index in (0, 3):
             fully_shard(self.net[index], mesh=mesh, mp_policy=plugin.fsdp2_policy())
@@ -138,7 +142,11 @@ def run(
 
 def main() -> None:
     out = Path(sys.argv[1])
-    results: dict[str, Any] = {"refused": run("unconverted", True), "manual": run("manual", True)}
+    results: dict[str, Any] = {
+        "refused": run("unconverted", True),
+        "refused_root": run("unconverted_root", False),
+        "manual": run("manual", True),
+    }
     for masters in (True, False):
         folder = out / f"ckpt-{'on' if masters else 'off'}"
         results[f"helper-{masters}"] = run("helper", masters, checkpoints=folder)
