@@ -59,6 +59,21 @@ def test_fsdp2_shard_converts_then_shards_like_the_manual_order(ranks):
     assert _equal_weights(ranks[0]["helper-True"]["weights"], ranks[1]["helper-True"]["weights"])
 
 
+def test_fsdp2_shard_without_fp8_shards_in_the_same_order_as_by_hand(ranks):
+    for rank in ranks:
+        plain, helper = rank["plain"], rank["helper_plain"]
+        assert helper["losses"] == plain["losses"] and _equal_weights(helper["weights"], plain["weights"])
+        assert helper["layers"] == {
+            "0": "FSDPLinear",
+            "1": "GELU",
+            "2": "FSDPLayerNorm",
+            "3": "FSDPLinear",
+            "4": "GELU",
+            "5": "Linear",
+        }
+        assert helper["norm_dtypes"] == ["torch.float32"] and helper["warnings"] == []
+
+
 @pytest.mark.parametrize(
     "run, resumed", [("helper-True", "resumed-True"), ("helper-False", "resumed-False"), ("file", "file_resumed")]
 )

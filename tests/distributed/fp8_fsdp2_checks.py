@@ -7,6 +7,7 @@
 - ``manual``: ``plugin.fp8_convert(self)`` then ``fully_shard`` by hand (the norm alone, two blocks, the net).
 - ``helper``: ``plugin.fsdp2_shard(self, blocks=..., root=self.net)``, the same grouping in one call; writes a
   distributed checkpoint after each epoch (OUT/ckpt-<masters>/), and ``resumed`` continues from the first one.
+- ``plain``, ``helper_plain``: the same two ways with ``fp8=None``.
 - ``file``: as ``helper`` with single-file checkpoints (OUT/ckpt-file/), and ``file_resumed``.
 Saved to OUT/rank<r>.pt: losses, the whole final weights, layer types, what each fp8 layer's weight is.
 """
@@ -89,14 +90,19 @@ def _full(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def run(
-    how: str, masters: bool, checkpoints: Optional[Path] = None, resume: Optional[Path] = None, files: bool = False
+    how: str,
+    masters: bool,
+    checkpoints: Optional[Path] = None,
+    resume: Optional[Path] = None,
+    files: bool = False,
+    fp8: Any = "tensorwise",
 ) -> dict[str, Any]:
     from lightning.pytorch.strategies import ModelParallelStrategy
 
     strategy = ModelParallelStrategy(
         data_parallel_size=2, tensor_parallel_size=1, save_distributed_checkpoint=not files
     )
-    plugin = MixedPrecisionPlugin("bf16-mixed", fp8="tensorwise", master_weights=masters)
+    plugin = MixedPrecisionPlugin("bf16-mixed", fp8=fp8, master_weights=masters)
     model = Net(how)
     callbacks = []
     if checkpoints is not None:
@@ -151,6 +157,8 @@ def main() -> None:
         folder = out / f"ckpt-{'on' if masters else 'off'}"
         results[f"helper-{masters}"] = run("helper", masters, checkpoints=folder)
         results[f"resumed-{masters}"] = run("helper", masters, resume=folder / "epoch=0.ckpt")
+    results["plain"] = run("plain", True, fp8=None)  # without fp8: the same order by hand and with fsdp2_shard
+    results["helper_plain"] = run("helper", True, fp8=None)
     results["file"] = run("helper", True, checkpoints=out / "ckpt-file", files=True)
     results["file_resumed"] = run("helper", True, resume=out / "ckpt-file" / "epoch=0.ckpt", files=True)
     save(results, out, torch.distributed.get_rank())
