@@ -69,7 +69,7 @@ class MixedPrecisionPlugin(Precision):
             bytes); names such as ``"bf16"`` work too. No effect on one device. See docs/many-devices.md.
         fp8: ``None`` (default), a torchao recipe name (``"tensorwise"``, ``"rowwise"``, ``"rowwise_with_gw_hp"``) or
             a ``torchao.float8.Float8LinearConfig``: the policy's eligible ``nn.Linear`` layers train in fp8 (needs
-            the ``fp8`` extra; see :mod:`lightning_mp.fp8`). Under FSDP2 shard with :meth:`fsdp2_shard` (it converts first).
+            the ``fp8`` extra; see :mod:`lightning_mp.fp8`). Under FSDP2 shard with :meth:`fsdp2_shard` (it converts).
 
     The autocast device is the device the model lives on, found when Lightning connects the plugin; ``fp16``
     is honoured on CPU too (Lightning's built-in switches to bf16 there), with a one-time warning that it is
@@ -171,8 +171,8 @@ class MixedPrecisionPlugin(Precision):
         return self.fp8.convert(module, self, getattr(getattr(module, "_trainer", None), "strategy", None))
 
     def fsdp2_shard(self, module: Module, blocks: Any = (), root: Any = None, mesh: Any = None, **kw: Any) -> Module:
-        """In ``configure_model``: fp8 conversion (with ``fp8=``), then ``fully_shard`` of the fp32 modules, the
-        ``blocks`` and the ``root`` with this plugin's policies; see :func:`lightning_mp.distributed.shard.fsdp2_shard`."""
+        """In ``configure_model``: fp8 conversion (with ``fp8=``), then ``fully_shard`` of the fp32 modules, of the
+        ``blocks``, then of the ``root``, with this plugin's policies. See :mod:`lightning_mp.distributed.shard`."""
         return fsdp2_shard(self, module, blocks, root, mesh, **kw)
 
     # ------------------------------------------------------------------ setup

@@ -1,6 +1,7 @@
 """FSDP2 in one call: fp8 conversion, then ``fully_shard`` with the plugin's policies, in the order FSDP2 needs.
 
-``plugin.fsdp2_shard(self, blocks=self.model.layers, root=self.model)`` in ``configure_model`` does what a user otherwise writes by hand:
+``plugin.fsdp2_shard(self, blocks=self.model.layers, root=self.model)`` in ``configure_model`` does what a user
+otherwise writes by hand:
 
 1. with ``fp8=``, convert the eligible layers (:meth:`~lightning_mp.MixedPrecisionPlugin.fp8_convert`): FSDP2 keeps
    the modules it shards and torchao's fp8 all-gather wraps the weights before they are sharded, so conversion
@@ -12,8 +13,9 @@
 
 Why the plugin cannot do step 1 by itself in Lightning 2.6: ``configure_model`` (where users call ``fully_shard``)
 runs before the precision plugin's ``convert_module``, and the plugin's ``module_init_context`` around it is entered
-without the model. torchao's ``convert_to_float8_training`` on an already sharded model swaps modules that FSDP2
-no longer manages: the first forward fails with ``aten.mm.default got mixed torch.Tensor and DTensor``.
+without the model. torchao's ``convert_to_float8_training`` on an already sharded model swaps in new modules, while
+FSDP2 keeps gathering the parameters into the old ones: the first forward fails with ``aten.mm.default got mixed
+torch.Tensor and DTensor``.
 """
 
 from __future__ import annotations
