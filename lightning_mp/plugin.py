@@ -27,6 +27,7 @@ from lightning_mp import stepping
 from lightning_mp.devices import module_device as _module_device
 from lightning_mp.devices import warn_fp16_on_cpu as _warn_fp16_on_cpu
 from lightning_mp.distributed import GradientSync, mixed_precision_policy, sync_for
+from lightning_mp.distributed.shard import fsdp2_shard
 from lightning_mp.distributed.sync import reduce_dtype_of
 from lightning_mp.fp8.convert import Fp8Training
 from lightning_mp.master import MasterWeights, MasterWeightsOption, is_norm, masters_for
@@ -68,7 +69,7 @@ class MixedPrecisionPlugin(Precision):
             bytes); names such as ``"bf16"`` work too. No effect on one device. See docs/many-devices.md.
         fp8: ``None`` (default), a torchao recipe name (``"tensorwise"``, ``"rowwise"``, ``"rowwise_with_gw_hp"``) or
             a ``torchao.float8.Float8LinearConfig``: the policy's eligible ``nn.Linear`` layers train in fp8 (needs
-            the ``fp8`` extra; see :mod:`lightning_mp.fp8`). Under FSDP2 call :meth:`fp8_convert` before fully_shard.
+            the ``fp8`` extra; see :mod:`lightning_mp.fp8`). Under FSDP2 shard with :meth:`fsdp2_shard` (it converts).
 
     The autocast device is the device the model lives on, found when Lightning connects the plugin; ``fp16``
     is honoured on CPU too (Lightning's built-in switches to bf16 there), with a one-time warning that it is
@@ -168,6 +169,11 @@ class MixedPrecisionPlugin(Precision):
             raise ValueError("fp8_convert() converts layers to fp8, but this plugin has fp8=None: pass fp8=...")
         self._resolve_policy(module)  # the module's configure_precision_policy() counts here too
         return self.fp8.convert(module, self, getattr(getattr(module, "_trainer", None), "strategy", None))
+
+    def fsdp2_shard(self, module: Module, blocks: Any = (), root: Any = None, mesh: Any = None, **kw: Any) -> Module:
+        """In ``configure_model``: fp8 conversion (with ``fp8=``), then ``fully_shard`` of the fp32 modules, of the
+        ``blocks``, then of the ``root``, with this plugin's policies. See :mod:`lightning_mp.distributed.shard`."""
+        return fsdp2_shard(self, module, blocks, root, mesh, **kw)
 
     # ------------------------------------------------------------------ setup
     @override

@@ -251,6 +251,7 @@ class CastPolicy:
             excluded = next((r for r in self.fp8_exclude for n, m in chain if _rule_matches(r, n, m)), None)
             named = not self.fp8_only or any(_rule_matches(r, n, m) for r in self.fp8_only for n, m in chain)
             dims = (module.in_features, module.out_features)
+            cls = type(module)  # fully_shard makes an nn.Linear an FSDPLinear(FSDPModule, nn.Linear): still plain
             reason = (
                 f"runs in fp32 ({fp32 or '(root)'} is an fp32 module)"
                 if fp32 is not None
@@ -259,7 +260,7 @@ class CastPolicy:
                 else "not named by fp8_only"
                 if not named
                 else f"{type(module).__name__} is a subclass of nn.Linear"
-                if type(module) is not nn.Linear
+                if cls is not nn.Linear and (cls.__name__, cls.__bases__[1:]) != ("FSDPLinear", (nn.Linear,))
                 else f"in/out features {dims} are not multiples of 16"
                 if any(d % 16 for d in dims)
                 else "the model's output projection (name it in fp8_only to convert it)"

@@ -1,11 +1,11 @@
 """Which ``nn.Linear`` layers train in fp8, converting them with torchao, and the table that says why.
 
-:class:`Fp8Training` is the plugin's fp8 part. At setup (``convert_module``, or ``plugin.fp8_convert(module)`` in
-``configure_model`` before ``fully_shard`` under FSDP2) it asks the cast policy which layers are eligible
-(:meth:`lightning_mp.CastPolicy.fp8_layers`), swaps them for torchao's ``Float8Linear`` in place (parameters keep
-their identity, so master weights and optimizers are unaffected), logs a table of every ``nn.Linear`` with its
-reason, and warns, naming fp8, when no layer is eligible. Under FSDP2 with fp8 all-gather it precomputes the fp8
-weight scales after every optimizer step (one all-reduce for all layers), as torchao asks.
+:class:`Fp8Training` is the plugin's fp8 part. At setup (``convert_module``; under FSDP2 ``plugin.fsdp2_shard(self)``
+or ``plugin.fp8_convert(self)`` in ``configure_model``, before ``fully_shard``) it asks the cast policy which layers
+are eligible (:meth:`lightning_mp.CastPolicy.fp8_layers`), swaps them for torchao's ``Float8Linear`` in place
+(parameters keep their identity, so master weights and optimizers are unaffected), logs a table of every
+``nn.Linear`` with its reason, and warns, naming fp8, when no layer is eligible. Under FSDP2 with fp8 all-gather it
+precomputes the fp8 weight scales after every optimizer step (one all-reduce for all layers), as torchao asks.
 
 ``Float8Linear`` keeps plain ``weight``/``bias`` parameters, so a converted model's ``state_dict`` has the same keys
 and plain tensors as the unconverted one and loads strictly into it. fp8 casts are taken from the weights the
@@ -94,6 +94,8 @@ class Fp8Training:
             if device.type != "cuda":  # Float8Linear follows CUDA's autocast only: do here what it does there
                 for name in chosen:
                     _follow_autocast(module.get_submodule(name), device.type)
+        if not chosen and layers == self.layers:  # e.g. convert_module after fp8_convert: the table was shown
+            return module
         self.layers = layers
         for rule, close in _unmatched_fp8_rules(plugin.effective_policy, module).items():
             rank_zero_warn(
@@ -187,7 +189,8 @@ def _refuse_sharded(module: nn.Module, chosen: set[str]) -> None:
         raise ValueError(
             f"MixedPrecisionPlugin(fp8=...) under FSDP2: layers {shown} were sharded with fully_shard before being "
             "converted to fp8, and FSDP2 keeps the modules it sharded. Convert first: in configure_model call "
-            "self.trainer.precision_plugin.fp8_convert(self) before fully_shard(...)."
+            "self.trainer.precision_plugin.fp8_convert(self) before fully_shard(...), or shard with "
+            "self.trainer.precision_plugin.fsdp2_shard(self, blocks=..., root=...), which converts first."
         )
 
 
