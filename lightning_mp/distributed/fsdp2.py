@@ -21,6 +21,7 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.nn import Module
 
+from lightning_mp.distributed.fsdp2_lean import ShardedRemainderMasters
 from lightning_mp.distributed.sync import ProcessGroupSync
 
 
@@ -59,33 +60,24 @@ def compute_dtypes(model: Module) -> dict[int, torch.dtype]:
     return dtypes
 
 
-def refuse_lean_masters(plugin: Any) -> None:
-    """FSDP2 with ``master_weights="remainder"``: refused at setup (before any training), saying what to use.
-
-    Raises:
-        ValueError: the plugin holds lean masters.
-    """
-    if getattr(plugin.masters, "kind", None) == "remainder":
-        raise ValueError(
-            "MixedPrecisionPlugin(master_weights='remainder') is not supported under ModelParallelStrategy (FSDP2) "
-            "yet: FSDP2 shards and all-gathers the parameters it owns, and keeping them as sharded bf16 parameters "
-            "plus sharded 16-bit remainders needs an update on each rank's local shards that this plugin does not "
-            "have. Use master_weights=True under FSDP2 (its sharded fp32 parameters are the masters: 4 bytes per "
-            "parameter divided over the ranks), or master_weights='remainder' with strategy='ddp' or one device."
-        )
-
-
 class FSDP2Sync(ProcessGroupSync):
-    """The plugin's side of FSDP2: FSDP2 keeps the masters; skips are agreed over all ranks.
+    """The plugin's side of FSDP2: FSDP2 keeps the masters (or, with lean masters, the plugin keeps remainders of
+    its bf16 shards); skips are agreed over all ranks.
 
     Args:
         strategy: Lightning's ``ModelParallelStrategy`` (its root device is read).
+        lean: the plugin has ``master_weights="remainder"``: its store is made sharded
+            (:class:`~lightning_mp.distributed.fsdp2_lean.ShardedRemainderMasters`) and converts the shards.
     """
 
-    owns_masters = True
-
-    def __init__(self, strategy: Any) -> None:
+    def __init__(self, strategy: Any, lean: bool = False) -> None:
         super().__init__(strategy.root_device)
+        self.owns_masters = not lean
+
+    def adopt(self, masters: Any) -> Any:
+        if self.owns_masters or masters is None or isinstance(masters, ShardedRemainderMasters):
+            return masters
+        return ShardedRemainderMasters.like(masters)
 
     def connect(self, model: Module, plugin: Any) -> None:
         if not plugin.master_weights:
