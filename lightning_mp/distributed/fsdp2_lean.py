@@ -2,8 +2,9 @@
 
 ``master_weights="remainder"`` with ``ModelParallelStrategy``. The user shards the model in ``configure_model`` with
 ``plugin.fsdp2_policy(...)`` (``param_dtype`` bf16, fp32 for the modules the plugin keeps in fp32, ``reduce_dtype``
-the plugin's). Then, once, before the first forward (:meth:`ShardedRemainderMasters.convert`), each rank splits the
-exact fp32 values of its local shards of every parameter that FSDP2 computes in bf16 into
+the plugin's). Then, just before the first forward (:meth:`ShardedRemainderMasters.convert` prepares it; Lightning
+has restored any checkpoint into the fp32 shards by then, exactly), each rank splits the exact fp32 values of its
+local shards of every parameter that FSDP2 computes in bf16 into
 
 - a bf16 local shard, written into a new (padded) storage that FSDP2 takes as its own (``_sharded_param_data``):
   the sharded parameter becomes a bf16 ``DTensor``, so FSDP2 all-gathers it as it is (no cast) and reduce-scatters
@@ -25,8 +26,10 @@ gradients become fp32 and FSDP2 adds each micro-batch's reduced gradient (rounde
 reduction) into them: 4 bytes while accumulating.
 
 Checkpoints: the model's ``state_dict`` holds fp32 ``DTensor`` values (bf16 shard joined with its remainder), so a
-distributed checkpoint stores the exact fp32 shards and a full one the exact fp32 tensors; loading either (or any
-fp32 state dict) splits the loaded values back into bf16 + remainder. Optimizer states are fp32 ``DTensor`` s made
+distributed checkpoint stores the exact fp32 shards and a full one the exact fp32 tensors. Loading: before the first
+forward (Lightning's resume) into the fp32 shards, exactly; later, ``load_state_dict`` with fp32 values (a distributed
+checkpoint's load goes this way) is split back into bf16 + remainder exactly, but torch's ``set_model_state_dict``
+with a *full* state dict copies each slice into the bf16 shard in place (rounding it) before any hook sees it. Optimizer states are fp32 ``DTensor`` s made
 at setup (torch's distributed checkpoint would otherwise initialise them with a zero step, in bf16).
 """
 
@@ -75,15 +78,20 @@ class ShardedRemainderMasters(RemainderMasters):
         self._shards: dict[int, tuple[Any, Any, Tensor]] = {}  # id(param) -> (FSDPParam, its group, int16 remainder)
         self._starts: list[int] = []  # where each shard starts in the (virtual) flat layout, ascending
         self._at: list[nn.Parameter] = []  # the parameter starting there
+        self._pending: list[tuple[Any, Any]] = []  # (FSDPParam, group) to split before the first forward
+        self._forward_hooks: list[Any] = []
 
     # ------------------------------------------------------------------ setup
     def convert(self, module: nn.Module) -> nn.Module:
-        """Make every floating parameter that FSDP2 computes in bf16 a bf16 sharded parameter plus a remainder, from
-        its exact fp32 shard. Runs after ``fully_shard`` (Lightning's ``configure_model``), before the first forward.
+        """Prepare the split of every floating parameter that FSDP2 computes in bf16 into a bf16 sharded parameter
+        plus a remainder, made from its exact fp32 shard just before the first forward (of training, or of the
+        sanity check), after Lightning restored any checkpoint into the fp32 shards. Runs after ``fully_shard``.
 
         Raises:
             ValueError: no module is sharded with ``fully_shard``, or a shard is a tensor subclass (fp8 all-gather).
         """
+        from torch.distributed.fsdp import FSDPModule
+
         if self._module is not None:
             self.restore()
         found = fsdp_params(module)
@@ -95,19 +103,39 @@ class ShardedRemainderMasters(RemainderMasters):
                 "mp_policy=self.trainer.precision_plugin.fsdp2_policy()) (and on the root)."
             )
         self._module = module
+        self._pending = []
+        for fsdp_param, group in found:
+            param = fsdp_param.sharded_param
+            if group.mp_policy.param_dtype != torch.bfloat16 or not param.is_floating_point():
+                continue  # an fp32 group (norms, fp32_modules): trained in fp32, no remainder
+            if type(local_of(param)) is not torch.Tensor:
+                raise ValueError(
+                    f"master_weights='remainder' under FSDP2 cannot split the shard of {fsdp_param._param_fqn or ''} "
+                    f"({type(local_of(param)).__name__}, a tensor subclass such as torchao's fp8 all-gather weights): "
+                    "use master_weights=True under FSDP2 with fp8, or 'remainder' without fp8."
+                )
+            self._pending.append((fsdp_param, group))
+        # FSDP2 registers its own pre-forward hooks first (prepend): these run before them, on whichever sharded
+        # module runs first, so the shards are bf16 before FSDP2 fixes its dtypes at its lazy initialisation
+        self._forward_hooks = [
+            owner.register_forward_pre_hook(self._split_before_forward, prepend=True)
+            for owner in module.modules()
+            if isinstance(owner, FSDPModule)
+        ]
+        return module
+
+    def _split_before_forward(self, module: nn.Module, args: Any) -> None:
+        if self._pending:
+            self.split_shards()
+
+    def split_shards(self) -> None:
+        """Split the fp32 shards now (done before the first forward; a no-op once done)."""
+        assert self._module is not None
         offset = 0
         with torch.no_grad():
-            for fsdp_param, group in found:
+            for fsdp_param, group in self._pending:
                 param = fsdp_param.sharded_param
-                if group.mp_policy.param_dtype != torch.bfloat16 or not param.is_floating_point():
-                    continue  # an fp32 group (norms, fp32_modules): trained in fp32, no remainder
                 local = local_of(param)
-                if type(local) is not torch.Tensor:
-                    raise ValueError(
-                        f"master_weights='remainder' under FSDP2 cannot split the shard of {fsdp_param._param_fqn or ''}"
-                        f" ({type(local).__name__}, a tensor subclass such as torchao's fp8 all-gather weights): use "
-                        "master_weights=True under FSDP2 with fp8, or 'remainder' without fp8."
-                    )
                 low = torch.empty(local.shape, dtype=torch.int16, device=local.device)
                 high = _swap_shard(fsdp_param, local, torch.bfloat16, partial(self._split, low=low))
                 self._params[id(param)] = param
@@ -116,17 +144,21 @@ class ShardedRemainderMasters(RemainderMasters):
                 self._starts.append(offset)
                 self._at.append(param)
                 offset += high.numel() + 1  # a gap: plan_chunks never joins two shards into one chunk
-        for name, param in module.named_parameters(remove_duplicate=False):
+        self._pending = []
+        for hook in self._forward_hooks:
+            hook.remove()
+        for name, param in self._module.named_parameters(remove_duplicate=False):
             if id(param) in self._params:
                 self._names.setdefault(id(param), []).append(name)
-        owners = {id(m): m for m in module.modules() for p in m.parameters(recurse=False) if id(p) in self._params}
+        owners = {
+            id(m): m for m in self._module.modules() for p in m.parameters(recurse=False) if id(p) in self._params
+        }
         for owner in owners.values():  # per owning module: DCP loads full checkpoints one submodule at a time
             self._hooks += [
                 owner._register_state_dict_hook(self._state_dict_hook),
                 owner.register_load_state_dict_pre_hook(self._load_state_dict_pre_hook),
                 owner.register_load_state_dict_post_hook(self._load_state_dict_post_hook),
             ]
-        return module
 
     def _split(self, value: Tensor, high: Tensor, low: Tensor) -> None:
         flat, high, low = value.reshape(-1), high.view(-1), low.view(-1)
@@ -258,7 +290,7 @@ class ShardedRemainderMasters(RemainderMasters):
             for key, (fsdp_param, _, low) in self._shards.items():
                 param = self._params[key]
                 _swap_shard(fsdp_param, local_of(param), torch.float32, partial(_join_into, low=low))
-        for hook in self._hooks + self._optimizer_hooks:
+        for hook in self._hooks + self._optimizer_hooks + self._forward_hooks:
             hook.remove()
         self._staging.release()
         self._reset()
