@@ -137,13 +137,14 @@ class ShardedRemainderMasters(RemainderMasters):
                 param = fsdp_param.sharded_param
                 local = local_of(param)
                 low = torch.empty(local.shape, dtype=torch.int16, device=local.device)
-                high = _swap_shard(fsdp_param, local, torch.bfloat16, partial(self._split, low=low))
+                high = _swap_shard(fsdp_param, group, local, torch.bfloat16, partial(self._split, low=low))
                 self._params[id(param)] = param
                 self._shards[id(param)] = (fsdp_param, group, low)
                 self._layout[id(param)] = (high.device, offset)
                 self._starts.append(offset)
                 self._at.append(param)
                 offset += high.numel() + 1  # a gap: plan_chunks never joins two shards into one chunk
+        _retype_groups([group for _, group in self._pending])
         self._pending = []
         for hook in self._forward_hooks:
             hook.remove()
@@ -286,10 +287,18 @@ class ShardedRemainderMasters(RemainderMasters):
     def restore(self) -> None:
         """Give FSDP2 fp32 shards again holding the exact values (a later forward all-gathers them in the policy's
         ``param_dtype``); optimizer state stays keyed by the same parameters. Hooks and remainders are released."""
+        from torch.distributed.fsdp import FSDPModule
+
+        for owner in self._module.modules() if self._module is not None else ():
+            if isinstance(owner, FSDPModule):
+                owner.reshard()  # after a forward without backward (validation) the root holds unsharded parameters
         with torch.no_grad():
-            for key, (fsdp_param, _, low) in self._shards.items():
+            for key, (fsdp_param, group, low) in self._shards.items():
                 param = self._params[key]
-                _swap_shard(fsdp_param, local_of(param), torch.float32, partial(_join_into, low=low))
+                _swap_shard(fsdp_param, group, local_of(param), torch.float32, partial(_join_into, low=low))
+                if param.grad is not None and param.grad.dtype != torch.float32:  # a gradient left by the last step
+                    _retype_dtensor(param.grad, local_of(param.grad).float())
+            _retype_groups([group for _, group, _ in self._shards.values()])
         for hook in self._hooks + self._optimizer_hooks + self._forward_hooks:
             hook.remove()
         self._staging.release()
@@ -303,9 +312,10 @@ class ShardedRemainderMasters(RemainderMasters):
         )
 
 
-def _swap_shard(fsdp_param: Any, local: Tensor, dtype: torch.dtype, fill: Any) -> Tensor:
+def _swap_shard(fsdp_param: Any, group: Any, local: Tensor, dtype: torch.dtype, fill: Any) -> Tensor:
     """Give ``fsdp_param`` a new padded storage of ``dtype`` whose local shard ``fill(local, shard)`` writes; the
-    sharded parameter (same object) becomes a ``DTensor`` of that dtype viewing it. Returns the new local shard."""
+    sharded parameter (same object) becomes a ``DTensor`` of that dtype viewing it. Returns the new local shard.
+    Once every parameter of an already initialised ``group`` is swapped, call :func:`_retype_groups`."""
     param = fsdp_param.sharded_param
     padded = torch.zeros(fsdp_param.padded_sharded_param_size, dtype=dtype, device=local.device)
     if getattr(fsdp_param, "pin_memory", False):
@@ -316,12 +326,18 @@ def _swap_shard(fsdp_param: Any, local: Tensor, dtype: torch.dtype, fill: Any) -
     _retype_dtensor(param, shard)
     fsdp_param._sharded_param_data = padded.view(-1)
     fsdp_param.reset_sharded_param()
-    if hasattr(fsdp_param, "orig_dtype"):  # FSDP2 already ran (a second fit): its dtypes and all-gather buffers
-        fsdp_param.init_dtype_attrs(fsdp_param.mp_policy)
+    if hasattr(group, "_orig_dtype"):  # FSDP2 already ran (a fit before): its all-gather buffers (and dtypes, below)
         fsdp_param.all_gather_outputs = []
         if hasattr(fsdp_param, "_unsharded_param"):
             del fsdp_param._unsharded_param
     return shard
+
+
+def _retype_groups(groups: list[Any]) -> None:
+    """FSDP2 groups that already ran: their dtypes again, from their parameters' new ones."""
+    for group in {id(g): g for g in groups}.values():
+        if hasattr(group, "_orig_dtype"):
+            group._init_mp_dtypes()
 
 
 def _join_into(high: Tensor, out: Tensor, low: Tensor) -> None:
