@@ -4,6 +4,7 @@ The 2-rank runs are tests/distributed/fsdp2_lean_checks.py (one launch for the m
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
@@ -13,7 +14,7 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning_mp import MixedPrecisionPlugin
 from lightning_mp.distributed import sync_for
 from lightning_mp.distributed.fsdp2_lean import ShardedRemainderMasters
-from tests.distributed.common import INJECT_AT, Net, fit, load_ranks
+from tests.distributed.common import CLIP, INJECT_AT, Net, fit, load_ranks
 from tests.distributed.launch import launch
 
 _EPS = torch.finfo(torch.bfloat16).eps
@@ -52,12 +53,25 @@ def test_two_ranks_match_one_process_with_the_whole_batch_and_fp32_masters(ranks
 
 def test_ranks_agree_bitwise_and_skip_the_step_with_an_inf_in_one_ranks_shard(ranks, reference):
     (rank0, rank1), _ = ranks
-    for run in (*RUNS, "replay_adamw", "replay_sgd", "rest"):
+    for run in (*RUNS, "replay_adamw", "replay_sgd", "rest", "validated"):
         for name, value in rank0[run]["weights"].items():
             assert torch.equal(value, rank1[run]["weights"][name]), (run, name)
     assert rank0["full"]["steps"] == rank1["full"]["steps"] == reference[1]["steps"]
     counts = [0] + [count for _, _, count in rank0["full"]["steps"]]
     assert [s for s in range(len(counts) - 1) if counts[s + 1] > counts[s]] == [INJECT_AT]
+
+
+def test_every_step_clips_by_a_norm_equal_to_one_processes(ranks, reference):
+    """Clipping is applied inside the step (the bf16 gradient shards keep their values), so its effect shows in the
+    weights (matched above); here: it is active at every finite step and the gradient norm matches one process."""
+    (rank0, _), _ = ranks
+    ref = reference[1]
+    finite = [step for step, norm in enumerate(ref["norms"]) if math.isfinite(norm)]
+    assert finite == [step for step, norm in enumerate(rank0["full"]["norms"]) if math.isfinite(norm)]
+    assert len(finite) == len(ref["norms"]) - 1  # the injected inf
+    for step in finite:
+        assert ref["norms"][step] > CLIP
+        assert rank0["full"]["norms"][step] == pytest.approx(ref["norms"][step], rel=10 * _EPS)
 
 
 @pytest.mark.parametrize("run", ["resumed", "resumed_from_file"])
@@ -79,6 +93,27 @@ def test_a_full_checkpoint_holds_fp32_weights_that_load_strictly_into_an_fp32_mo
     assert bool(low_bits.any())
     model = Net()
     model.load_state_dict(state, strict=True)
+
+
+def test_a_distributed_checkpoint_consolidates_to_the_same_fp32_weights_as_the_full_one(ranks, tmp_path):
+    """The two checkpoints of the same run after epoch 0: the sharded one's fp32 shards, consolidated in one process,
+    equal the full file's fp32 tensors bit for bit."""
+    from lightning_mp.cli.consolidate import consolidate
+
+    _, out = ranks
+    consolidated = consolidate(out / "ckpt" / "epoch=0.ckpt", tmp_path / "model.pt")
+    full = torch.load(out / "ckpt-file" / "epoch=0.ckpt", weights_only=False)["state_dict"]
+    assert sorted(consolidated) == sorted(full)
+    for name, value in full.items():
+        assert consolidated[name].dtype == torch.float32 and torch.equal(consolidated[name], value), name
+
+
+def test_validate_after_fit_splits_again_and_leaves_the_exact_weights(ranks):
+    for rank in ranks[0]:
+        record = rank["validated"]
+        for name, value in record["before"].items():
+            assert value.dtype == torch.float32 and torch.equal(record["after"][name], value), name
+    assert ranks[0][0]["validated"]["val_loss"] == ranks[0][1]["validated"]["val_loss"]
 
 
 @pytest.mark.parametrize("optimizer", ["adamw", "sgd"])

@@ -13,6 +13,7 @@ saves what it saw to OUT/rank<r>.pt.
 from __future__ import annotations
 
 import gc
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -21,8 +22,9 @@ import lightning as L
 import torch
 from lightning.pytorch.strategies import ModelParallelStrategy
 
+from lightning_mp import MixedPrecisionPlugin
 from lightning_mp.master.step import local_of
-from tests.distributed.common import Net, finish, fit, save, shard_net
+from tests.distributed.common import GLOBAL_BATCH, Net, _full, finish, fit, loader, save, shard_net
 from tests.distributed.fsdp2_checks import POLICY, shard_net_whole, shard_with_fp32_head
 
 
@@ -124,6 +126,48 @@ class AtRest(L.Callback):
         }
 
 
+class Validated(Net):
+    """Shards itself once (a later ``validate`` runs ``configure_model`` again) and has a validation step."""
+
+    def configure_model(self) -> None:
+        from torch.distributed.fsdp import FSDPModule
+
+        if not isinstance(self.net, FSDPModule):
+            super().configure_model()
+
+    def validation_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = torch.nn.functional.mse_loss(self.net(x).float(), y)
+        self.log("val_loss", loss, sync_dist=True)
+        return loss
+
+
+def fit_then_validate() -> dict[str, Any]:
+    """``trainer.validate`` after ``fit`` with the same trainer: the shards are split again for the forward, and
+    restored to the same exact fp32 values after it."""
+    model = Validated(shard=shard_net)
+    plugin = MixedPrecisionPlugin("bf16-mixed", master_weights="remainder")
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=strategy(),
+        plugins=[plugin],
+        max_epochs=1,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        use_distributed_sampler=False,
+        num_sanity_val_steps=0,
+    )
+    data = loader(GLOBAL_BATCH // 2, int(os.environ["LOCAL_RANK"]), 2)
+    trainer.fit(model, data)
+    before = {name: _full(param) for name, param in model.named_parameters()}
+    metrics = trainer.validate(model, data, verbose=False)
+    after = {name: _full(param) for name, param in model.named_parameters()}
+    return {"before": before, "after": after, "val_loss": metrics[0]["val_loss"], "weights": after}
+
+
 def _storage_bytes(tensors: Any) -> int:
     return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())
 
@@ -173,6 +217,7 @@ def main() -> None:
         extra_callbacks=[AtRest()],
         shard=shard_net,
     )
+    results["validated"] = fit_then_validate()
     save(results, out, results["full"]["rank"])
     finish()
 
