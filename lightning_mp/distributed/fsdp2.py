@@ -4,6 +4,8 @@ FSDP2 owns parameter storage: each rank holds an fp32 shard of every parameter (
 ``MixedPrecisionPolicy.param_dtype`` for compute and reduce-scatters gradients in ``reduce_dtype`` back into fp32
 shards. With ``param_dtype`` half those fp32 shards *are* sharded master weights, so ``master_weights=True`` here
 means that policy, and the plugin builds no masters of its own (it casts nothing, swaps nothing in the optimizer).
+``master_weights="remainder"`` uses the same policy and makes the shards bf16 plus remainders
+(:mod:`~lightning_mp.distributed.fsdp2_lean`).
 :func:`mixed_precision_policy` (``plugin.fsdp2_policy(...)``) gives the policy that matches the plugin, so
 ``configure_model`` does not restate dtypes.
 
@@ -28,7 +30,7 @@ from lightning_mp.distributed.sync import ProcessGroupSync
 def mixed_precision_policy(plugin: Any, name: str = "", module: Optional[Module] = None) -> Any:
     """The ``torch.distributed.fsdp.MixedPrecisionPolicy`` that matches ``plugin``, for ``fully_shard``.
 
-    - ``master_weights=True``: ``param_dtype`` is the plugin's half dtype (compute in half, fp32 sharded masters),
+    - ``master_weights=True`` or ``"remainder"``: ``param_dtype`` is the plugin's half dtype (compute in half, fp32 sharded masters),
       except for a ``module`` (qualified ``name``) that the plugin keeps in fp32 (its policy's ``fp32_modules``,
       ``keeps_fp32()``, and normalisation layers when ``keep_norm_fp32``): ``param_dtype=torch.float32``, inputs
       cast to fp32. Shard such modules on their own with this policy, before their parent.

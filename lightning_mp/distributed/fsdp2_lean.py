@@ -29,8 +29,12 @@ Checkpoints: the model's ``state_dict`` holds fp32 ``DTensor`` values (bf16 shar
 distributed checkpoint stores the exact fp32 shards and a full one the exact fp32 tensors. Loading: before the first
 forward (Lightning's resume) into the fp32 shards, exactly; later, ``load_state_dict`` with fp32 values (a distributed
 checkpoint's load goes this way) is split back into bf16 + remainder exactly, but torch's ``set_model_state_dict``
-with a *full* state dict copies each slice into the bf16 shard in place (rounding it) before any hook sees it. Optimizer states are fp32 ``DTensor`` s made
-at setup (torch's distributed checkpoint would otherwise initialise them with a zero step, in bf16).
+with a *full* state dict copies each slice into the bf16 shard in place (rounding it) before any hook sees it.
+Optimizer states are fp32 ``DTensor`` s made at setup (torch's distributed checkpoint would otherwise initialise them
+with a step on the bf16 parameters, in bf16).
+
+This module swaps FSDP2's shard storage through its internals (``FSDPParam._sharded_param_data``,
+``reset_sharded_param``, the group's ``_init_mp_dtypes``), as of torch 2.13; tested there on CPU (gloo).
 """
 
 from __future__ import annotations
@@ -104,13 +108,14 @@ class ShardedRemainderMasters(RemainderMasters):
             )
         self._module = module
         self._pending = []
+        names = {id(param): name for name, param in module.named_parameters()}
         for fsdp_param, group in found:
             param = fsdp_param.sharded_param
             if group.mp_policy.param_dtype != torch.bfloat16 or not param.is_floating_point():
                 continue  # an fp32 group (norms, fp32_modules): trained in fp32, no remainder
             if type(local_of(param)) is not torch.Tensor:
                 raise ValueError(
-                    f"master_weights='remainder' under FSDP2 cannot split the shard of {fsdp_param._param_fqn or ''} "
+                    f"master_weights='remainder' under FSDP2 cannot split the shard of {names.get(id(param))} "
                     f"({type(local_of(param)).__name__}, a tensor subclass such as torchao's fp8 all-gather weights): "
                     "use master_weights=True under FSDP2 with fp8, or 'remainder' without fp8."
                 )
