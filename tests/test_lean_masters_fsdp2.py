@@ -169,6 +169,23 @@ def test_kept_fp32_modules_stay_fp32_shards_and_a_norm_in_the_bf16_group_warns(r
     assert any("normalisation-layer parameters compute in" in w for w in rank0["norm_in_half"]["warnings"])
 
 
+def test_fp8_tensorwise_all_gather_is_refused_at_setup_and_rowwise_trains(ranks):
+    (rank0, rank1), _ = ranks
+    error = rank0["fp8"]["tensorwise"]["error"]
+    assert "cannot split the shard of net.0.weight" in error and "fp8='rowwise'" in error
+    assert "master_weights=True" in error and rank1["fp8"]["tensorwise"]["error"] == error
+    rowwise = rank0["fp8"]["rowwise"]
+    assert rowwise["store"] == "ShardedRemainderMasters" and all(math.isfinite(loss) for loss in rowwise["losses"])
+    for name, value in rowwise["weights"].items():
+        assert value.dtype == torch.float32 and torch.equal(value, rank1["fp8"]["rowwise"]["weights"][name]), name
+        # AdamW (lr 2e-2) moves each element by about lr per step whatever its gradient's size, so an element whose
+        # gradient is near zero may follow a one-ulp difference of the forward (fp8 casts, the bf16 rounding of
+        # ties); nearly all elements match to half a bf16 spacing
+        difference = (value - rank0["fp8"]["rowwise_fp32_masters"]["weights"][name]).abs()
+        assert (difference <= 0.5 * _EPS).float().mean() >= 0.99, name
+        assert difference.max() <= 4 * 2e-2, name
+
+
 def test_fsdp2_gives_lean_masters_a_sharded_store_and_other_optimizers_are_refused_naming_what_works():
     plugin = MixedPrecisionPlugin("bf16-mixed", master_weights="remainder")
     strategy = ModelParallelStrategy()

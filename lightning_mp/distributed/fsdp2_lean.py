@@ -117,7 +117,8 @@ class ShardedRemainderMasters(RemainderMasters):
                 raise ValueError(
                     f"master_weights='remainder' under FSDP2 cannot split the shard of {names.get(id(param))} "
                     f"({type(local_of(param)).__name__}, a tensor subclass such as torchao's fp8 all-gather weights): "
-                    "use master_weights=True under FSDP2 with fp8, or 'remainder' without fp8."
+                    "with fp8 use a rowwise recipe (fp8='rowwise': all-gathered in bf16, works with 'remainder'), or "
+                    "master_weights=True under FSDP2."
                 )
             self._pending.append((fsdp_param, group))
         # FSDP2 registers its own pre-forward hooks first (prepend): these run before them, on whichever sharded

@@ -168,6 +168,42 @@ def fit_then_validate() -> dict[str, Any]:
     return {"before": before, "after": after, "val_loss": metrics[0]["val_loss"], "weights": after}
 
 
+def fp8_runs() -> dict[str, Any]:
+    """fp8 (emulated) with lean masters: tensorwise all-gathers through a tensor subclass, refused at setup; rowwise
+    keeps plain bf16 shards and trains (against fp32 masters, the same recipe)."""
+    from tests.distributed.fp8_checks import FP8Net
+    from tests.distributed.fp8_checks import _full as full_weight
+
+    results: dict[str, Any] = {}
+    for key, recipe, masters in (
+        ("tensorwise", "tensorwise", "remainder"),
+        ("rowwise", "rowwise", "remainder"),
+        ("rowwise_fp32_masters", "rowwise", True),
+    ):
+        plugin = MixedPrecisionPlugin("bf16-mixed", fp8=recipe, master_weights=masters)
+        model = FP8Net(shard=True)
+        trainer = L.Trainer(
+            accelerator="cpu",
+            devices=2,
+            strategy=strategy(),
+            plugins=[plugin],
+            max_steps=4,
+            logger=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            enable_checkpointing=False,
+            use_distributed_sampler=False,
+        )
+        try:
+            trainer.fit(model)
+        except ValueError as error:
+            results[key] = {"error": str(error)}
+            continue
+        weights = {name: full_weight(param) for name, param in model.named_parameters()}
+        results[key] = {"losses": model.losses, "weights": weights, "store": type(plugin.masters).__name__}
+    return results
+
+
 def _storage_bytes(tensors: Any) -> int:
     return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())
 
@@ -218,6 +254,7 @@ def main() -> None:
         shard=shard_net,
     )
     results["validated"] = fit_then_validate()
+    results["fp8"] = fp8_runs()
     save(results, out, results["full"]["rank"])
     finish()
 
