@@ -118,7 +118,8 @@ class FSDP2Sync(ProcessGroupSync):
             rank_zero_warn(
                 f"MixedPrecisionPlugin(keep_norm_fp32=True) under FSDP2: {len(norms_in_half)} normalisation-layer "
                 f"parameters compute in {plugin.dtype} because their module is sharded with its parent "
-                f"({norms_in_half[0]}, ...). Their fp32 shards are still the masters. To compute them in fp32, "
+                f"({norms_in_half[0]}, ...). Their exact fp32 values are still kept (fp32 shards, or with "
+                "master_weights='remainder' bf16 shards + remainders). To compute them in fp32, "
                 "shard each norm on its own with fully_shard(norm, mp_policy=plugin.fsdp2_policy(name, norm)), or "
                 "pass keep_norm_fp32=False to silence this."
             )
