@@ -30,10 +30,11 @@ from lightning_mp.distributed.sync import ProcessGroupSync
 def mixed_precision_policy(plugin: Any, name: str = "", module: Optional[Module] = None) -> Any:
     """The ``torch.distributed.fsdp.MixedPrecisionPolicy`` that matches ``plugin``, for ``fully_shard``.
 
-    - ``master_weights=True`` or ``"remainder"``: ``param_dtype`` is the plugin's half dtype (compute in half, fp32 sharded masters),
-      except for a ``module`` (qualified ``name``) that the plugin keeps in fp32 (its policy's ``fp32_modules``,
-      ``keeps_fp32()``, and normalisation layers when ``keep_norm_fp32``): ``param_dtype=torch.float32``, inputs
-      cast to fp32. Shard such modules on their own with this policy, before their parent.
+    - ``master_weights=True`` or ``"remainder"``: ``param_dtype`` is the plugin's half dtype (compute in half; fp32
+      sharded masters, or bf16 shards + remainders), except for a ``module`` (qualified ``name``) that the plugin keeps
+      in fp32 (its policy's ``fp32_modules``, ``keeps_fp32()``, and normalisation layers when ``keep_norm_fp32``):
+      ``param_dtype=torch.float32``, inputs cast to fp32. Shard such modules on their own with this policy, before
+      their parent.
     - ``master_weights=False``: ``param_dtype=None`` (fp32 parameters; autocast casts per op, as on one device).
     - ``reduce_dtype`` is the plugin's (fp32 by default); ``output_dtype`` is left alone.
     """

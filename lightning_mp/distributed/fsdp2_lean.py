@@ -19,22 +19,17 @@ fused optimizer computes on fp32 shards holding the exact values, bitwise. A chu
 bf16 halves are separate FSDP2 storages). Other optimizers are refused at setup (their per-parameter state would be
 keyed by fp32 proxies that distributed checkpoints cannot map to the model's parameters).
 
-Memory at rest per rank and local element with AdamW: 2 (bf16 shard) + 2 (remainder) + 2 (bf16 gradient shard,
-between the backward and the step) + 8 (fp32 moments, sharded like the parameter) = 14 bytes. Gradient
-accumulation (``accumulate_grads_in=torch.float32``, the default): before each further backward the sharded
-gradients become fp32 and FSDP2 adds each micro-batch's reduced gradient (rounded to bf16 once, after the fp32
-reduction) into them: 4 bytes while accumulating.
+Memory at rest per rank and local element with AdamW: 2 (bf16 shard) + 2 (remainder) + 2 (bf16 gradient shard) + 8
+(fp32 moments, sharded like the parameter) = 14 bytes. With fp32 accumulation (the default) the gradient shards
+become fp32 before each further backward and FSDP2 adds each micro-batch's reduced (bf16) gradient into them.
 
-Checkpoints: the model's ``state_dict`` holds fp32 ``DTensor`` values (bf16 shard joined with its remainder), so a
-distributed checkpoint stores the exact fp32 shards and a full one the exact fp32 tensors. Loading: before the first
-forward (Lightning's resume) into the fp32 shards, exactly; later, ``load_state_dict`` with fp32 values (a distributed
-checkpoint's load goes this way) is split back into bf16 + remainder exactly, but torch's ``set_model_state_dict``
-with a *full* state dict copies each slice into the bf16 shard in place (rounding it) before any hook sees it.
-Optimizer states are fp32 ``DTensor`` s made at setup (torch's distributed checkpoint would otherwise initialise them
-with a step on the bf16 parameters, in bf16).
-
-This module swaps FSDP2's shard storage through its internals (``FSDPParam._sharded_param_data``,
-``reset_sharded_param``, the group's ``_init_mp_dtypes``), as of torch 2.13; tested there on CPU (gloo).
+Checkpoints: the model's ``state_dict`` holds fp32 ``DTensor`` s (bf16 shard joined with its remainder): distributed
+checkpoints store exact fp32 shards, full ones exact fp32 tensors. Loading before the first forward (Lightning's
+resume) goes into the fp32 shards; later, ``load_state_dict`` with fp32 values is split back exactly, but torch's
+``set_model_state_dict`` with a *full* state dict copies each slice into the bf16 shard in place (rounding it) before
+any hook sees it. Optimizer states are fp32 ``DTensor`` s made at setup (torch's distributed checkpoint would
+otherwise make them with a step on the bf16 parameters, in bf16). FSDP2's internals used here
+(``_sharded_param_data``, ``reset_sharded_param``, ``_init_mp_dtypes``) are those of torch 2.13, tested on CPU/gloo.
 """
 
 from __future__ import annotations
