@@ -2,6 +2,7 @@
 
     python examples/ddp.py                          # 2 CPU processes, DDP, bf16 model + fp32 master weights
     python examples/ddp.py --strategy fsdp2         # FSDP2: fully_shard with the plugin's policy (sharded masters)
+    python examples/ddp.py --strategy fsdp2 --remainder  # lean masters: bf16 shards + 16-bit remainders
     python examples/ddp.py --precision 16-mixed     # fp16 + dynamic loss scaling (slow on CPUs: short run)
     python examples/ddp.py --accelerator cuda --devices 4 --precision 16-mixed
 
@@ -88,6 +89,9 @@ def main() -> None:
     parser.add_argument("--strategy", choices=["ddp", "fsdp2"], default="ddp")
     parser.add_argument("--precision", choices=["16-mixed", "bf16-mixed"], default="bf16-mixed")
     parser.add_argument("--no-master-weights", action="store_true", help="keep an fp32 model (autocast only)")
+    parser.add_argument(
+        "--remainder", action="store_true", help="lean masters: bf16 weights + 16-bit remainders (bf16-mixed only)"
+    )
     parser.add_argument("--accelerator", default="cpu")
     parser.add_argument("--devices", type=int, default=2)
     parser.add_argument("--max-epochs", type=int, default=10)
@@ -95,7 +99,8 @@ def main() -> None:
 
     L.seed_everything(0)
     scaler = DynamicLossScaler(init_scale=2.0**12, growth_interval=100) if args.precision == "16-mixed" else None
-    plugin = MixedPrecisionPlugin(args.precision, scaler=scaler, master_weights=not args.no_master_weights)
+    masters = "remainder" if args.remainder else not args.no_master_weights
+    plugin = MixedPrecisionPlugin(args.precision, scaler=scaler, master_weights=masters)
     fsdp2 = args.strategy == "fsdp2"
     strategy = ModelParallelStrategy(data_parallel_size=args.devices, tensor_parallel_size=1) if fsdp2 else "ddp"
     trainer = L.Trainer(

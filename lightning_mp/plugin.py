@@ -181,10 +181,11 @@ class MixedPrecisionPlugin(Precision):
         # Runs once per fit/validate/test/predict, before the model moves to its device and before
         # configure_optimizers, so the optimizers are built on the half parameters and connect() swaps in masters.
         # The conversion is in place: DDP discards the returned module. Under FSDP2 its sharded fp32 parameters are
-        # the masters, so nothing is converted (lightning_mp.distributed refuses DeepSpeed and FSDP1 here).
+        # the masters (nothing converted) or, lean, the shards are split (lightning_mp.distributed.fsdp2_lean).
         self._resolve_policy(module)
         trainer = getattr(module, "_trainer", None)
         self._sync = sync_for(trainer.strategy if trainer is not None else None, self)
+        self.masters = self._sync.adopt(self.masters)  # FSDP2: lean masters on the local shards
         if self.fp8 is not None:  # before the masters: Float8Linear keeps the parameters, the masters see them
             self.fp8.convert(module, self, trainer.strategy if trainer is not None else None)
         if self.masters is None or self._sync.owns_masters:

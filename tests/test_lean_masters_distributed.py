@@ -1,5 +1,6 @@
-"""Lean master weights on 2 real CPU processes (gloo, DDP) against one process with the whole global batch; FSDP2
-refused at setup. The 2-rank runs are tests/distributed/ddp_lean_checks.py (one launch for the module)."""
+"""Lean master weights on 2 real CPU processes (gloo, DDP) against one process with the whole global batch (FSDP2 in
+tests/test_lean_masters_fsdp2.py). The 2-rank runs are tests/distributed/ddp_lean_checks.py (one launch for the
+module)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_mp import MixedPrecisionPlugin
 from tests.distributed.common import INJECT_AT, fit, load_ranks
 from tests.distributed.launch import launch
 
@@ -66,13 +66,3 @@ def test_bf16_accumulation_and_bf16_reduction_train_like_the_reference(ranks, re
 def test_fp32_accumulation_under_ddp_is_refused_at_setup_saying_what_to_use(ranks):
     error = ranks[0]["fp32_accumulation_error"]
     assert error is not None and "accumulate_grads_in': 'bf16'" in error and "master_weights=True" in error
-
-
-def test_fsdp2_with_lean_masters_is_refused_at_setup():
-    from lightning.pytorch.strategies import ModelParallelStrategy
-
-    from lightning_mp.distributed import sync_for
-
-    plugin = MixedPrecisionPlugin("bf16-mixed", master_weights="remainder")
-    with pytest.raises(ValueError, match=r"not supported under ModelParallelStrategy.*master_weights=True"):
-        sync_for(ModelParallelStrategy(), plugin)

@@ -4,6 +4,8 @@ FSDP2 owns parameter storage: each rank holds an fp32 shard of every parameter (
 ``MixedPrecisionPolicy.param_dtype`` for compute and reduce-scatters gradients in ``reduce_dtype`` back into fp32
 shards. With ``param_dtype`` half those fp32 shards *are* sharded master weights, so ``master_weights=True`` here
 means that policy, and the plugin builds no masters of its own (it casts nothing, swaps nothing in the optimizer).
+``master_weights="remainder"`` uses the same policy and makes the shards bf16 plus remainders
+(:mod:`~lightning_mp.distributed.fsdp2_lean`).
 :func:`mixed_precision_policy` (``plugin.fsdp2_policy(...)``) gives the policy that matches the plugin, so
 ``configure_model`` does not restate dtypes.
 
@@ -21,16 +23,18 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.nn import Module
 
+from lightning_mp.distributed.fsdp2_lean import ShardedRemainderMasters
 from lightning_mp.distributed.sync import ProcessGroupSync
 
 
 def mixed_precision_policy(plugin: Any, name: str = "", module: Optional[Module] = None) -> Any:
     """The ``torch.distributed.fsdp.MixedPrecisionPolicy`` that matches ``plugin``, for ``fully_shard``.
 
-    - ``master_weights=True``: ``param_dtype`` is the plugin's half dtype (compute in half, fp32 sharded masters),
-      except for a ``module`` (qualified ``name``) that the plugin keeps in fp32 (its policy's ``fp32_modules``,
-      ``keeps_fp32()``, and normalisation layers when ``keep_norm_fp32``): ``param_dtype=torch.float32``, inputs
-      cast to fp32. Shard such modules on their own with this policy, before their parent.
+    - ``master_weights=True`` or ``"remainder"``: ``param_dtype`` is the plugin's half dtype (compute in half; fp32
+      sharded masters, or bf16 shards + remainders), except for a ``module`` (qualified ``name``) that the plugin keeps
+      in fp32 (its policy's ``fp32_modules``, ``keeps_fp32()``, and normalisation layers when ``keep_norm_fp32``):
+      ``param_dtype=torch.float32``, inputs cast to fp32. Shard such modules on their own with this policy, before
+      their parent.
     - ``master_weights=False``: ``param_dtype=None`` (fp32 parameters; autocast casts per op, as on one device).
     - ``reduce_dtype`` is the plugin's (fp32 by default); ``output_dtype`` is left alone.
     """
@@ -59,33 +63,24 @@ def compute_dtypes(model: Module) -> dict[int, torch.dtype]:
     return dtypes
 
 
-def refuse_lean_masters(plugin: Any) -> None:
-    """FSDP2 with ``master_weights="remainder"``: refused at setup (before any training), saying what to use.
-
-    Raises:
-        ValueError: the plugin holds lean masters.
-    """
-    if getattr(plugin.masters, "kind", None) == "remainder":
-        raise ValueError(
-            "MixedPrecisionPlugin(master_weights='remainder') is not supported under ModelParallelStrategy (FSDP2) "
-            "yet: FSDP2 shards and all-gathers the parameters it owns, and keeping them as sharded bf16 parameters "
-            "plus sharded 16-bit remainders needs an update on each rank's local shards that this plugin does not "
-            "have. Use master_weights=True under FSDP2 (its sharded fp32 parameters are the masters: 4 bytes per "
-            "parameter divided over the ranks), or master_weights='remainder' with strategy='ddp' or one device."
-        )
-
-
 class FSDP2Sync(ProcessGroupSync):
-    """The plugin's side of FSDP2: FSDP2 keeps the masters; skips are agreed over all ranks.
+    """The plugin's side of FSDP2: FSDP2 keeps the masters (or, with lean masters, the plugin keeps remainders of
+    its bf16 shards); skips are agreed over all ranks.
 
     Args:
         strategy: Lightning's ``ModelParallelStrategy`` (its root device is read).
+        lean: the plugin has ``master_weights="remainder"``: its store is made sharded
+            (:class:`~lightning_mp.distributed.fsdp2_lean.ShardedRemainderMasters`) and converts the shards.
     """
 
-    owns_masters = True
-
-    def __init__(self, strategy: Any) -> None:
+    def __init__(self, strategy: Any, lean: bool = False) -> None:
         super().__init__(strategy.root_device)
+        self.owns_masters = not lean
+
+    def adopt(self, masters: Any) -> Any:
+        if self.owns_masters or masters is None or isinstance(masters, ShardedRemainderMasters):
+            return masters
+        return ShardedRemainderMasters.like(masters)
 
     def connect(self, model: Module, plugin: Any) -> None:
         if not plugin.master_weights:
@@ -124,7 +119,8 @@ class FSDP2Sync(ProcessGroupSync):
             rank_zero_warn(
                 f"MixedPrecisionPlugin(keep_norm_fp32=True) under FSDP2: {len(norms_in_half)} normalisation-layer "
                 f"parameters compute in {plugin.dtype} because their module is sharded with its parent "
-                f"({norms_in_half[0]}, ...). Their fp32 shards are still the masters. To compute them in fp32, "
+                f"({norms_in_half[0]}, ...). Their exact fp32 values are still kept (fp32 shards, or with "
+                "master_weights='remainder' bf16 shards + remainders). To compute them in fp32, "
                 "shard each norm on its own with fully_shard(norm, mp_policy=plugin.fsdp2_policy(name, norm)), or "
                 "pass keep_norm_fp32=False to silence this."
             )

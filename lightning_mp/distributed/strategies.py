@@ -6,8 +6,8 @@ strategy                               what the plugin does
 ``SingleDeviceStrategy``               nothing more (:class:`~lightning_mp.distributed.sync.GradientSync`)
 ``DDPStrategy`` (``ddp``,              agreed skips; with masters, fp32 master gradients reduced once per step
 ``ddp_spawn``, ``ddp_fork``, ...)      (:class:`~lightning_mp.distributed.ddp.DDPSync`)
-``ModelParallelStrategy`` (FSDP2)      agreed skips; FSDP2's sharded fp32 parameters are the masters
-                                       (:class:`~lightning_mp.distributed.fsdp2.FSDP2Sync`)
+``ModelParallelStrategy`` (FSDP2)      agreed skips; FSDP2's sharded fp32 parameters are the masters, or
+                                       bf16 shards + remainders (:class:`~lightning_mp.distributed.fsdp2.FSDP2Sync`)
 ``DeepSpeedStrategy``                  refused: DeepSpeed has its own scaler and masters (:mod:`.deepspeed`)
 ``FSDPStrategy`` (FSDP1)               refused: see :mod:`.fsdp1`
 other parallel strategies              agreed skips over the default process group; master weights refused
@@ -31,7 +31,7 @@ from lightning.pytorch.strategies import (
 from lightning_mp.distributed.ddp import DDPSync
 from lightning_mp.distributed.deepspeed import refuse_deepspeed
 from lightning_mp.distributed.fsdp1 import refuse_fsdp1
-from lightning_mp.distributed.fsdp2 import FSDP2Sync, refuse_lean_masters
+from lightning_mp.distributed.fsdp2 import FSDP2Sync
 from lightning_mp.distributed.sync import GradientSync, ProcessGroupSync
 
 #: Strategies under which ``master_weights=True`` is supported.
@@ -59,8 +59,7 @@ def sync_for(strategy: Any, plugin: Any) -> GradientSync:
             "Use one of those, or master_weights=False."
         )
     if isinstance(strategy, ModelParallelStrategy):
-        refuse_lean_masters(plugin)
-        return FSDP2Sync(strategy)
+        return FSDP2Sync(strategy, lean=getattr(plugin.masters, "kind", None) == "remainder")
     if known and isinstance(strategy, DDPStrategy):
         return DDPSync(strategy, plugin.reduce_dtype)
     if isinstance(strategy, ParallelStrategy):

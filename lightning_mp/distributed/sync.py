@@ -28,6 +28,11 @@ class GradientSync:
 
     owns_masters = False
 
+    def adopt(self, masters: Any) -> Any:
+        """The master-weights store to use under this strategy, given the plugin's (FSDP2 makes lean masters
+        sharded; here: the plugin's own, or the one a sharded store was made from)."""
+        return getattr(masters, "single_device", masters)
+
     def connect(self, model: Module, plugin: Any) -> None:
         """Called from the plugin's ``connect`` with what the strategy hands it (a wrapper, for DDP)."""
 

@@ -40,6 +40,12 @@ FUSED_UNIT = 32768
 FUSED_TYPES = (AdamW, Adam, SGD)
 
 
+def local_of(tensor: Tensor) -> Tensor:
+    """This rank's shard of a sharded (``DTensor``) tensor, the same storage; any other tensor as it is. The update
+    runs on local shards: a DTensor op here would be a collective or a reshard."""
+    return getattr(tensor, "_local_tensor", tensor)
+
+
 def uses_fused_kernel(optimizer: Optimizer) -> bool:
     """Whether ``optimizer``'s update runs through torch's fused kernel here (else: the generic chunked path)."""
     if type(optimizer) not in FUSED_TYPES:
@@ -74,8 +80,9 @@ def plan_chunks(params: list[Tensor], offsets: dict[int, Optional[int]], chunk_s
     filled = 0
     for param in params:
         offset = offsets[id(param)]
-        for start in range(0, param.numel(), chunk_size):
-            piece = Piece(param, start, min(start + chunk_size, param.numel()), offset)
+        numel = local_of(param).numel()
+        for start in range(0, numel, chunk_size):
+            piece = Piece(param, start, min(start + chunk_size, numel), offset)
             contiguous = (
                 current
                 and offset is not None
@@ -136,14 +143,15 @@ class ChunkView:
                 self.value_pieces.append(self.values[view])
                 grad = piece.param.grad
                 if grad is not None:
-                    self.grads_flat[view].copy_(grad.detach().reshape(-1)[piece.start : piece.end])
+                    self.grads_flat[view].copy_(local_of(grad).detach().reshape(-1)[piece.start : piece.end])
                 self.grad_pieces.append(self.grads_flat[view] if grad is not None else None)
                 position += piece.numel
             apply_grad_ops(self.grads_flat, grad_ops)
         else:  # an fp32 parameter: updated in place; its gradient was clipped in place before the chunks
-            self.value_pieces = [p.param.detach().view(-1)[p.start : p.end] for p in pieces]
+            self.value_pieces = [local_of(p.param).detach().view(-1)[p.start : p.end] for p in pieces]
             self.grad_pieces = [
-                p.param.grad.detach().view(-1)[p.start : p.end] if p.param.grad is not None else None for p in pieces
+                local_of(p.param.grad).detach().view(-1)[p.start : p.end] if p.param.grad is not None else None
+                for p in pieces
             ]
 
     def write_back(self) -> None:
@@ -165,16 +173,22 @@ def apply_grad_ops_in_place(params: list[Tensor], grad_ops: list[tuple[str, Any]
     """The same deferred clipping on gradients that are updated in place (fp32 parameters)."""
     for param in params:
         if param.grad is not None and param.grad.dtype == torch.float32 and param.dtype == torch.float32:
-            apply_grad_ops(param.grad, grad_ops)
+            apply_grad_ops(local_of(param.grad), grad_ops)
+
+
+def fp32_zeros_like(param: Tensor) -> Tensor:
+    """fp32 zeros shaped (and, for a DTensor, sharded) like ``param``: a new optimizer state tensor."""
+    return torch.zeros_like(param, dtype=torch.float32, memory_format=torch.contiguous_format)
 
 
 def _state_for(optimizer: Optimizer, param: Tensor, keys: tuple[str, ...]) -> dict[str, Any]:
     state = optimizer.state[param]
     if "step" not in state:
-        # as torch.optim.Adam/SGD initialise with fused=True: fp32 zeros shaped like the parameter, fp32 step
+        # as torch.optim.Adam/SGD initialise with fused=True: fp32 zeros shaped like the parameter (sharded like it,
+        # for a DTensor), fp32 step
         state["step"] = torch.tensor(0.0, dtype=torch.float32, device=param.device)
         for key in keys:
-            state[key] = torch.zeros(param.shape, dtype=torch.float32, device=param.device)
+            state[key] = fp32_zeros_like(param)
     return state
 
 
@@ -188,7 +202,8 @@ def fused_update(
     found_inf: Optional[Tensor],
 ) -> None:
     """One step of ``group`` (of a ``torch.optim.Adam``/``AdamW``/``SGD``) on the lean state, chunk by chunk."""
-    stepped = {id(p): p for chunk in chunks for piece in chunk for p in [piece.param] if p.grad is not None}
+    # every parameter with a gradient, also one whose (local) shard is empty: its state and step exist on every rank
+    stepped = {id(p): p for p in group["params"] if p.grad is not None}
     if not stepped:
         return
     found = found_inf.to(torch.float32).reshape(()) if found_inf is not None else None  # 0-dim, as torch's
@@ -210,10 +225,10 @@ def fused_update(
                 state = states[id(piece.param)]
                 values.append(value)
                 grads.append(grad)
-                exp_avgs.append(state["exp_avg"].view(-1)[piece.start : piece.end])
-                exp_avg_sqs.append(state["exp_avg_sq"].view(-1)[piece.start : piece.end])
+                exp_avgs.append(local_of(state["exp_avg"]).view(-1)[piece.start : piece.end])
+                exp_avg_sqs.append(local_of(state["exp_avg_sq"]).view(-1)[piece.start : piece.end])
                 if group["amsgrad"]:
-                    max_sqs.append(state["max_exp_avg_sq"].view(-1)[piece.start : piece.end])
+                    max_sqs.append(local_of(state["max_exp_avg_sq"]).view(-1)[piece.start : piece.end])
                 piece_steps.append(state["step"])
             if values:
                 kernel(
@@ -246,7 +261,7 @@ def fused_update(
             state = optimizer.state[param]
             if state.get("momentum_buffer") is None:
                 # zeros, not torch's empty_like: a first step skipped by found_inf leaves defined values behind
-                state["momentum_buffer"] = torch.zeros(param.shape, dtype=torch.float32, device=param.device)
+                state["momentum_buffer"] = fp32_zeros_like(param)
             buffers[key] = state["momentum_buffer"]
     for chunk in chunks:
         view = ChunkView(chunk, store, staging, grad_ops)
@@ -258,7 +273,7 @@ def fused_update(
             values.append(value)
             grads.append(grad)
             if momentum != 0:
-                bufs.append(buffers[id(piece.param)].view(-1)[piece.start : piece.end])
+                bufs.append(local_of(buffers[id(piece.param)]).view(-1)[piece.start : piece.end])
         if values:
             torch._fused_sgd_(
                 values,

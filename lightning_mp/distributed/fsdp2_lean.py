@@ -1,0 +1,397 @@
+"""Lean master weights under FSDP2: sharded bf16 parameters plus sharded 16-bit remainders, no fp32 shard at rest.
+
+``master_weights="remainder"`` with ``ModelParallelStrategy``. The user shards the model in ``configure_model`` with
+``plugin.fsdp2_policy(...)`` (``param_dtype`` bf16, fp32 for the modules the plugin keeps in fp32, ``reduce_dtype``
+the plugin's). Then, just before the first forward (:meth:`ShardedRemainderMasters.convert` prepares it; Lightning
+has restored any checkpoint into the fp32 shards by then, exactly), each rank splits the exact fp32 values of its
+local shards of every parameter that FSDP2 computes in bf16 into
+
+- a bf16 local shard, written into a new (padded) storage that FSDP2 takes as its own (``_sharded_param_data``):
+  the sharded parameter becomes a bf16 ``DTensor``, so FSDP2 all-gathers it as it is (no cast) and reduce-scatters
+  the bf16 gradients in ``reduce_dtype`` (fp32 by default) into bf16 sharded gradients;
+- an int16 remainder of the same local shape (:mod:`lightning_mp.master.bits`).
+
+Parameters of modules sharded with ``param_dtype=torch.float32`` (normalisation layers, the policy's
+``fp32_modules``) stay fp32 shards without remainder, updated in place. The step
+(:meth:`~lightning_mp.master.RemainderMasters.fused_step`) walks each local shard in chunks, joins bf16 + remainder
+into fp32, runs torch's fused AdamW/Adam/SGD kernel on it and this rank's gradient shard, and splits back: what torch's
+fused optimizer computes on fp32 shards holding the exact values, bitwise. A chunk never spans two shards (their
+bf16 halves are separate FSDP2 storages). Other optimizers are refused at setup (their per-parameter state would be
+keyed by fp32 proxies that distributed checkpoints cannot map to the model's parameters).
+
+Memory at rest per rank and local element with AdamW: 2 (bf16 shard) + 2 (remainder) + 2 (bf16 gradient shard) + 8
+(fp32 moments, sharded like the parameter) = 14 bytes. With fp32 accumulation (the default) the gradient shards
+become fp32 before each further backward and FSDP2 adds each micro-batch's reduced (bf16) gradient into them.
+
+Checkpoints: the model's ``state_dict`` holds fp32 ``DTensor`` s (bf16 shard joined with its remainder): distributed
+checkpoints store exact fp32 shards, full ones exact fp32 tensors. Loading before the first forward (Lightning's
+resume) goes into the fp32 shards; later, ``load_state_dict`` with fp32 values is split back exactly, but torch's
+``set_model_state_dict`` with a *full* state dict copies each slice into the bf16 shard in place (rounding it) before
+any hook sees it. Optimizer states are fp32 ``DTensor`` s made at setup (torch's distributed checkpoint would
+otherwise make them with a step on the bf16 parameters, in bf16). FSDP2's internals used here
+(``_sharded_param_data``, ``reset_sharded_param``, ``_init_mp_dtypes``) are those of torch 2.13, tested on CPU/gloo.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_right
+from functools import partial
+from typing import Any, Optional
+
+import torch
+from torch import Tensor, nn
+from torch.optim import Optimizer
+
+from lightning_mp.master.bits import join_fp32, split_fp32_into
+from lightning_mp.master.remainder import RemainderMasters, _restore_fp32_state, _stash_fp32_state
+from lightning_mp.master.step import fp32_zeros_like, local_of, uses_fused_kernel
+
+
+def fsdp_params(module: nn.Module) -> list[Any]:
+    """Every ``FSDPParam`` of the ``fully_shard`` groups inside ``module``, with the group's ``mp_policy``."""
+    from torch.distributed.fsdp import FSDPModule
+
+    found: dict[int, Any] = {}
+    for owner in module.modules():
+        if isinstance(owner, FSDPModule):
+            for group in owner._get_fsdp_state()._fsdp_param_groups or []:
+                for fsdp_param in group.fsdp_params:
+                    found.setdefault(id(fsdp_param), (fsdp_param, group))
+    return list(found.values())
+
+
+class ShardedRemainderMasters(RemainderMasters):
+    """:class:`~lightning_mp.master.RemainderMasters` on FSDP2's local shards (see module doc). Made by the FSDP2
+    strategy's side of the plugin from the plugin's own store (:meth:`like`); same options."""
+
+    @classmethod
+    def like(cls, masters: RemainderMasters) -> ShardedRemainderMasters:
+        sharded = cls(
+            masters.dtype, masters.keep_fp32, masters.chunk_size, masters.accumulate_grads_in, masters.compile
+        )
+        sharded.single_device = masters
+        return sharded
+
+    def _reset(self) -> None:
+        super()._reset()
+        self._shards: dict[int, tuple[Any, Any, Tensor]] = {}  # id(param) -> (FSDPParam, its group, int16 remainder)
+        self._starts: list[int] = []  # where each shard starts in the (virtual) flat layout, ascending
+        self._at: list[nn.Parameter] = []  # the parameter starting there
+        self._pending: list[tuple[Any, Any]] = []  # (FSDPParam, group) to split before the first forward
+        self._forward_hooks: list[Any] = []
+
+    # ------------------------------------------------------------------ setup
+    def convert(self, module: nn.Module) -> nn.Module:
+        """Prepare the split of every floating parameter that FSDP2 computes in bf16 into a bf16 sharded parameter
+        plus a remainder, made from its exact fp32 shard just before the first forward (of training, or of the
+        sanity check), after Lightning restored any checkpoint into the fp32 shards. Runs after ``fully_shard``.
+
+        Raises:
+            ValueError: no module is sharded with ``fully_shard``, or a shard is a tensor subclass (fp8 all-gather).
+        """
+        from torch.distributed.fsdp import FSDPModule
+
+        if self._module is not None:
+            self.restore()
+        found = fsdp_params(module)
+        if not found:
+            raise ValueError(
+                "MixedPrecisionPlugin(master_weights='remainder') under ModelParallelStrategy keeps FSDP2's sharded "
+                "parameters in bf16 with 16-bit remainders, but no module of the model was sharded with fully_shard. "
+                "In configure_model call fully_shard(module, mesh=self.device_mesh['data_parallel'], "
+                "mp_policy=self.trainer.precision_plugin.fsdp2_policy()) (and on the root)."
+            )
+        self._module = module
+        self._pending = []
+        names = {id(param): name for name, param in module.named_parameters()}
+        for fsdp_param, group in found:
+            param = fsdp_param.sharded_param
+            if group.mp_policy.param_dtype != torch.bfloat16 or not param.is_floating_point():
+                continue  # an fp32 group (norms, fp32_modules): trained in fp32, no remainder
+            if type(local_of(param)) is not torch.Tensor:
+                raise ValueError(
+                    f"master_weights='remainder' under FSDP2 cannot split the shard of {names.get(id(param))} "
+                    f"({type(local_of(param)).__name__}, a tensor subclass such as torchao's fp8 all-gather weights): "
+                    "with fp8 use a rowwise recipe (fp8='rowwise': all-gathered in bf16, works with 'remainder'), or "
+                    "master_weights=True under FSDP2."
+                )
+            self._pending.append((fsdp_param, group))
+        # FSDP2 registers its own pre-forward hooks first (prepend): these run before them, on whichever sharded
+        # module runs first, so the shards are bf16 before FSDP2 fixes its dtypes at its lazy initialisation
+        self._forward_hooks = [
+            owner.register_forward_pre_hook(self._split_before_forward, prepend=True)
+            for owner in module.modules()
+            if isinstance(owner, FSDPModule)
+        ]
+        return module
+
+    def _split_before_forward(self, module: nn.Module, args: Any) -> None:
+        if self._pending:
+            self.split_shards()
+
+    def split_shards(self) -> None:
+        """Split the fp32 shards now (done before the first forward; a no-op once done)."""
+        assert self._module is not None
+        offset = 0
+        with torch.no_grad():
+            for fsdp_param, group in self._pending:
+                param = fsdp_param.sharded_param
+                local = local_of(param)
+                low = torch.empty(local.shape, dtype=torch.int16, device=local.device)
+                high = _swap_shard(fsdp_param, group, local, torch.bfloat16, partial(self._split, low=low))
+                self._params[id(param)] = param
+                self._shards[id(param)] = (fsdp_param, group, low)
+                self._layout[id(param)] = (high.device, offset)
+                self._starts.append(offset)
+                self._at.append(param)
+                offset += high.numel() + 1  # a gap: plan_chunks never joins two shards into one chunk
+        _retype_groups([group for _, group in self._pending])
+        self._pending = []
+        for hook in self._forward_hooks:
+            hook.remove()
+        for name, param in self._module.named_parameters(remove_duplicate=False):
+            if id(param) in self._params:
+                self._names.setdefault(id(param), []).append(name)
+        owners = {
+            id(m): m for m in self._module.modules() for p in m.parameters(recurse=False) if id(p) in self._params
+        }
+        for owner in owners.values():  # per owning module: DCP loads full checkpoints one submodule at a time
+            self._hooks += [
+                owner._register_state_dict_hook(self._state_dict_hook),
+                owner.register_load_state_dict_pre_hook(self._load_state_dict_pre_hook),
+                owner.register_load_state_dict_post_hook(self._load_state_dict_post_hook),
+            ]
+
+    def _split(self, value: Tensor, high: Tensor, low: Tensor) -> None:
+        flat, high, low = value.reshape(-1), high.view(-1), low.view(-1)
+        step = self.chunk_size_for(flat.device)
+        for start in range(0, flat.numel(), step):  # the split's temporaries: one chunk's worth
+            stop = min(start + step, flat.numel())
+            split_fp32_into(flat[start:stop].float(), high[start:stop], low[start:stop])
+
+    def attach(self, optimizers: list[Optimizer]) -> None:
+        """Check that every optimizer is one the fused kernels update, and give it fp32 sharded state now.
+
+        Raises:
+            ValueError: an optimizer other than ``torch.optim.AdamW``/``Adam``/``SGD``, or a parameter that is not
+                the model's.
+        """
+        if self._module is None:
+            raise RuntimeError("ShardedRemainderMasters.attach() needs convert(module) first.")
+        self._optimizers = list(optimizers)
+        module_params = {id(p) for p in self._module.parameters()}
+        for index, optimizer in enumerate(self._optimizers):
+            if not uses_fused_kernel(optimizer):
+                raise ValueError(_refusal(index, optimizer))
+            dampened = [g for g, group in enumerate(optimizer.param_groups) if group.get("dampening", 0) != 0]
+            if isinstance(optimizer, torch.optim.SGD) and dampened:
+                raise ValueError(
+                    f"master_weights='remainder' under FSDP2 does not support SGD with dampening (optimizer {index}, "
+                    f"param_groups {dampened}): its state is made before the first step, for distributed "
+                    "checkpoints, and a zero momentum buffer matches torch's first step only without dampening. Use "
+                    "dampening=0, or master_weights=True under FSDP2."
+                )
+            for g, group in enumerate(optimizer.param_groups):
+                for i, param in enumerate(group["params"]):
+                    if id(param) not in module_params:
+                        raise ValueError(
+                            f"master_weights='remainder' needs every optimizer parameter to belong to the model, but "
+                            f"optimizer {index} ({type(optimizer).__name__}) param_groups[{g}]['params'][{i}] is not "
+                            "one of its parameters. Build the optimizer from self.parameters() in configure_optimizers."
+                        )
+            _initial_state(optimizer)
+            self._optimizer_hooks += [
+                optimizer.register_load_state_dict_pre_hook(_stash_fp32_state),
+                optimizer.register_load_state_dict_post_hook(_restore_fp32_state),
+            ]
+
+    # ------------------------------------------------------------------ the layout the chunked step reads
+    def flat_slices(self, device: torch.device, start: int, end: int) -> tuple[Tensor, Tensor]:
+        """Elements ``[start, end)`` of the virtual flat layout: a range inside one shard (chunks never span two)."""
+        param = self._at[bisect_right(self._starts, start) - 1]
+        _, offset = self._layout[id(param)]
+        _, _, low = self._shards[id(param)]
+        return local_of(param).view(-1)[start - offset : end - offset], low.view(-1)[start - offset : end - offset]
+
+    @property
+    def flat_buffers(self) -> list[tuple[Tensor, Tensor]]:
+        """Empty: the bf16 shards are FSDP2's storages, one per parameter (see :attr:`remainders`)."""
+        return []
+
+    @property
+    def remainders(self) -> dict[int, Tensor]:
+        """``id(sharded parameter) -> int16 remainder of this rank's local shard``."""
+        return {key: low for key, (_, _, low) in self._shards.items()}
+
+    def fused_step(self, optimizer: Optimizer, found_inf: Optional[Tensor] = None) -> None:
+        if not uses_fused_kernel(optimizer):  # an optimizer attach() did not see
+            raise ValueError(_refusal(0, optimizer))
+        super().fused_step(optimizer, found_inf)
+
+    def before_backward(self) -> None:
+        """As :meth:`RemainderMasters.before_backward`, on the sharded gradients: with fp32 accumulation each bf16
+        gradient shard becomes fp32 before a further backward, and FSDP2 adds the next reduced one into it."""
+        self._grad_ops.clear()
+        if self.accumulate_grads_in != torch.float32:
+            return
+        for param in self._params.values():
+            grad = param.grad
+            if grad is not None and grad.dtype != torch.float32:
+                _retype_dtensor(grad, local_of(grad).float())
+
+    def clip_grad_norm_(self, optimizer: Optimizer, max_norm: float, norm_type: float = 2.0) -> Tensor:
+        """Clip by the total norm over every rank's shards, computed in fp32 (as ``clip_grad_norm_`` on FSDP2's fp32
+        gradients), applied inside the step. Returns the total norm (a plain tensor, the same on every rank)."""
+        grads = [p.grad.detach() for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+        if not grads:
+            return torch.tensor(0.0)
+        norms = [torch._foreach_norm([g.float()], norm_type)[0] for g in grads]  # DTensor norms are partial
+        total = torch.linalg.vector_norm(torch.stack(norms), norm_type)
+        total = total.full_tensor() if hasattr(total, "full_tensor") else total  # the collective
+        coef = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)
+        self._grad_ops.setdefault(id(optimizer), []).append(("mul", coef))
+        return total
+
+    # ------------------------------------------------------------------ checkpoint and teardown
+    def fp32_value(self, param: Tensor) -> Tensor:
+        """The exact fp32 value of a converted sharded parameter: a new fp32 ``DTensor`` sharded like it."""
+        shard = self._shards.get(id(param))
+        if shard is None:
+            return super().fp32_value(param)
+        from torch.distributed.tensor import DTensor
+
+        joined = join_fp32(local_of(param), shard[2])
+        return DTensor.from_local(
+            joined, param.device_mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride()
+        )
+
+    def _state_dict_hook(self, module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
+        for name, param in module.named_parameters(recurse=False):
+            if id(param) in self._params and prefix + name in state_dict:
+                state_dict[prefix + name] = self.fp32_value(param)
+
+    def _load_state_dict_pre_hook(self, module: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
+        # keep each loaded value at full precision (this rank's shard of it) before torch copies it into the bf16
+        # parameter; the post-hook splits it into the parameter's bf16 shard and remainder
+        for name, param in module.named_parameters(recurse=False):
+            value = state_dict.get(prefix + name)
+            if id(param) in self._params and isinstance(value, Tensor):
+                self._fp32_values[id(param)] = _local_shard_of(value, param)
+
+    def _load_state_dict_post_hook(self, module: nn.Module, incompatible_keys: Any) -> None:
+        with torch.no_grad():
+            for _, param in module.named_parameters(recurse=False):
+                value = self._fp32_values.pop(id(param), None)
+                if value is not None and id(param) in self._shards:
+                    self._split(value.to(local_of(param).device), local_of(param), self._shards[id(param)][2])
+
+    def restore(self) -> None:
+        """Give FSDP2 fp32 shards again holding the exact values (a later forward all-gathers them in the policy's
+        ``param_dtype``); optimizer state stays keyed by the same parameters. Hooks and remainders are released."""
+        from torch.distributed.fsdp import FSDPModule
+
+        for owner in self._module.modules() if self._module is not None else ():
+            if isinstance(owner, FSDPModule):
+                owner.reshard()  # after a forward without backward (validation) the root holds unsharded parameters
+        with torch.no_grad():
+            for key, (fsdp_param, group, low) in self._shards.items():
+                param = self._params[key]
+                _swap_shard(fsdp_param, group, local_of(param), torch.float32, partial(_join_into, low=low))
+                if param.grad is not None and param.grad.dtype != torch.float32:  # a gradient left by the last step
+                    _retype_dtensor(param.grad, local_of(param.grad).float())
+            _retype_groups([group for _, group, _ in self._shards.values()])
+        for hook in self._hooks + self._optimizer_hooks + self._forward_hooks:
+            hook.remove()
+        self._staging.release()
+        self._reset()
+
+    def __repr__(self) -> str:
+        held = sum(local_of(p).numel() for p in self._params.values())
+        return (
+            f"{type(self).__name__}(sharded bf16 weights + 16-bit remainders: {len(self._shards)} shards / {held} "
+            f"local values, chunk_size={self.chunk_size}, accumulate_grads_in={self.accumulate_grads_in})"
+        )
+
+
+def _swap_shard(fsdp_param: Any, group: Any, local: Tensor, dtype: torch.dtype, fill: Any) -> Tensor:
+    """Give ``fsdp_param`` a new padded storage of ``dtype`` whose local shard ``fill(local, shard)`` writes; the
+    sharded parameter (same object) becomes a ``DTensor`` of that dtype viewing it. Returns the new local shard.
+    Once every parameter of an already initialised ``group`` is swapped, call :func:`_retype_groups`."""
+    param = fsdp_param.sharded_param
+    padded = torch.zeros(fsdp_param.padded_sharded_param_size, dtype=dtype, device=local.device)
+    if getattr(fsdp_param, "pin_memory", False):
+        padded = padded.pin_memory()
+    dim = fsdp_param.fsdp_placement.dim
+    shard = padded.narrow(dim, 0, local.size(dim) if local.numel() > 0 else 0)
+    fill(local, shard)
+    _retype_dtensor(param, shard)
+    fsdp_param._sharded_param_data = padded.view(-1)
+    fsdp_param.reset_sharded_param()
+    if hasattr(group, "_orig_dtype"):  # FSDP2 already ran (a fit before): its all-gather buffers (and dtypes, below)
+        fsdp_param.all_gather_outputs = []
+        if hasattr(fsdp_param, "_unsharded_param"):
+            del fsdp_param._unsharded_param
+    return shard
+
+
+def _retype_groups(groups: list[Any]) -> None:
+    """FSDP2 groups that already ran: their dtypes again, from their parameters' new ones."""
+    for group in {id(g): g for g in groups}.values():
+        if hasattr(group, "_orig_dtype"):
+            group._init_mp_dtypes()
+
+
+def _join_into(high: Tensor, out: Tensor, low: Tensor) -> None:
+    join_fp32(high, low, out)
+
+
+def _retype_dtensor(tensor: Any, local: Tensor) -> None:
+    """Make ``tensor`` (a ``DTensor``, same object) view ``local``, whose dtype may differ from its own."""
+    from torch.distributed.tensor import DTensor
+
+    tensor.data = DTensor.from_local(
+        local, tensor.device_mesh, tensor.placements, run_check=False, shape=tensor.shape, stride=tensor.stride()
+    )
+    tensor._local_tensor = local  # `.data` updates the wrapper's metadata, not the Python attribute
+
+
+def _local_shard_of(value: Tensor, param: Tensor) -> Tensor:
+    """This rank's fp32 shard of a loaded value: a DTensor's local shard, or the shard of a full tensor."""
+    if hasattr(value, "to_local"):
+        return local_of(value).detach().to(torch.float32, copy=True)
+    if tuple(value.shape) == tuple(local_of(param).shape) != tuple(param.shape):
+        return value.detach().to(torch.float32, copy=True)
+    from torch.distributed.tensor import distribute_tensor
+
+    whole = value.detach().to(local_of(param).device, torch.float32)
+    return local_of(distribute_tensor(whole, param.device_mesh, param.placements, src_data_rank=None)).clone()
+
+
+def _initial_state(optimizer: Optimizer) -> None:
+    """Create AdamW/Adam's state as torch's fused optimizers would on their first step (fp32, sharded like each
+    parameter, step 0), and an entry for SGD, so that a distributed-checkpoint load finds the optimizer initialised
+    (torch's ``_init_optim_state`` would otherwise run a step on the bf16 parameters and make bf16 state). SGD's
+    momentum buffer starts at zero: its first step, ``0 * momentum + grad``, is the gradient bit for bit, as torch's
+    first step (a copy of the gradient) makes it, so dampening, which would scale it, is refused at setup."""
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            if not param.requires_grad or optimizer.state.get(param):
+                continue
+            state = optimizer.state[param]
+            if isinstance(optimizer, torch.optim.Adam):  # AdamW is a subclass
+                state["step"] = torch.tensor(0.0, dtype=torch.float32, device=param.device)
+                keys = ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if group["amsgrad"] else ())
+                for key in keys:
+                    state[key] = fp32_zeros_like(param)
+            elif group["momentum"] != 0:  # SGD without dampening (checked): buffer 0 * momentum + grad is the grad
+                state["momentum_buffer"] = fp32_zeros_like(param)
+
+
+def _refusal(index: int, optimizer: Optimizer) -> str:
+    return (
+        f"master_weights='remainder' under ModelParallelStrategy (FSDP2) updates the local shards with torch's fused "
+        f"kernels, which exist for torch.optim.AdamW, Adam and SGD (without differentiable=True or capturable=True); "
+        f"optimizer {index} is {type(optimizer).__name__}. Use one of those, or master_weights=True under FSDP2 "
+        "(sharded fp32 masters, any optimizer), or master_weights='remainder' with strategy='ddp' or one device "
+        "(any optimizer, through the generic chunked path)."
+    )

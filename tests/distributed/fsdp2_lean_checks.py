@@ -1,0 +1,263 @@
+"""2-rank FSDP2 checks of lean master weights (run by tests/test_lean_masters_fsdp2.py).
+
+    python tests/distributed/fsdp2_lean_checks.py OUT
+
+bf16-mixed, ``master_weights="remainder"``, ModelParallelStrategy + fully_shard (the norm on its own in fp32): the
+uninterrupted run (inf in rank 0's shard at step INJECT_AT, norm clipping, a distributed checkpoint after epoch 0),
+the run resumed from it, the same from a full single-file checkpoint, gradient accumulation (fp32 sums, then bf16),
+a casting-policy fp32 head, the norm left in the bf16 group, fp32 masters (``True``) for comparison, AdamW and SGD
+runs whose steps are replayed on fp32 shards with torch's fused optimizers, and the live tensors at rest. Each rank
+saves what it saw to OUT/rank<r>.pt.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+from lightning.pytorch.strategies import ModelParallelStrategy
+
+from lightning_mp import MixedPrecisionPlugin
+from lightning_mp.master.step import local_of
+from tests.distributed.common import GLOBAL_BATCH, Net, _full, finish, fit, loader, save, shard_net
+from tests.distributed.fsdp2_checks import POLICY, shard_net_whole, shard_with_fp32_head
+
+
+def strategy(**kwargs: Any) -> ModelParallelStrategy:
+    return ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1, **kwargs)
+
+
+class AdamWNet(Net):
+    def configure_optimizers(self) -> Any:
+        return torch.optim.AdamW(self.parameters(), lr=1e-2, weight_decay=0.1)
+
+
+class Unclipped:
+    """No clipping: the replay's reference is torch's optimizer alone (clipping is compared with one process)."""
+
+    def configure_gradient_clipping(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+
+class ReplayAdamW(Unclipped, AdamWNet):
+    pass
+
+
+class ReplaySGD(Unclipped, Net):
+    pass
+
+
+class Probe(L.Callback):
+    """At the first step: the first layer's gradient dtype (fp32 when micro-batches add up in fp32) and the norm's
+    parameter dtype (fp32 in its own group; bf16, with a remainder, when left in the bf16 group)."""
+
+    def on_before_optimizer_step(self, trainer: L.Trainer, module: L.LightningModule, optimizer: Any) -> None:
+        module.record.setdefault("grad_dtype", local_of(module.net[0].weight.grad).dtype)
+        module.record.setdefault("norm_dtype", local_of(module.net[1].weight).dtype)
+
+
+class Replay(L.Callback):
+    """This rank's exact fp32 shards before training and every step's gradient shards, for a replay on fp32."""
+
+    def on_train_start(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+        masters = trainer.precision_plugin.masters
+        module.record["initial"] = [local_of(masters.fp32_value(p)).clone() for p in module.parameters()]
+        module.record["seen"] = []
+
+    def on_before_optimizer_step(self, trainer: L.Trainer, module: L.LightningModule, optimizer: Any) -> None:
+        module.record["seen"].append([local_of(p.grad).detach().clone() for p in module.parameters()])
+
+    def on_train_end(self, trainer: L.Trainer, module: L.LightningModule) -> None:
+        masters = trainer.precision_plugin.masters
+        module.record["final"] = [local_of(masters.fp32_value(p)).clone() for p in module.parameters()]
+
+
+class AtRest(L.Callback):
+    """At the second step, before the optimizer: every live tensor storage of this rank, by what it holds."""
+
+    def on_before_optimizer_step(self, trainer: L.Trainer, module: L.LightningModule, optimizer: Any) -> None:
+        if trainer.global_step != 1:
+            return
+        masters = trainer.precision_plugin.masters
+        remainders = masters.remainders
+        params = list(module.parameters())
+        converted = [p for p in params if id(p) in remainders]
+
+        def ptr(t: torch.Tensor) -> int:
+            return local_of(t).untyped_storage().data_ptr()
+
+        states = [local_of(v) for s in optimizer.state.values() for k, v in s.items() if k != "step"]
+        known = {ptr(t) for t in states} | {ptr(p) for p in params} | {ptr(p.grad) for p in params}
+        known |= {ptr(t) for t in remainders.values()} | {t.untyped_storage().data_ptr() for t in _staging(masters)}
+        exact = [local_of(masters.fp32_value(p)).reshape(-1) for p in converted]
+        known |= {t.untyped_storage().data_ptr() for t in exact}  # made here, to compare with
+        copies, others = 0, 0
+        for obj in gc.get_objects():
+            if type(obj) is not torch.Tensor or obj.dtype != torch.float32 or obj.untyped_storage().nbytes() == 0:
+                continue
+            if obj.untyped_storage().data_ptr() in known:
+                continue
+            others += obj.untyped_storage().nbytes()
+            flat = obj.detach().reshape(-1)
+            copies += sum(flat.numel() == e.numel() and e.numel() > 0 and torch.equal(flat, e) for e in exact)
+        module.record["rest"] = {
+            "local_numel": sum(local_of(p).numel() for p in converted),
+            "shard_dtypes": {local_of(p).dtype for p in converted},
+            "grad_dtypes": {(type(p.grad).__name__, p.grad.dtype) for p in converted},
+            "kept_dtypes": {local_of(p).dtype for p in params if id(p) not in remainders},
+            # the bf16 shard is a view of FSDP2's own padded storage, the one it all-gathers
+            "fsdp_storage": all(ptr(masters._shards[id(p)][0]._sharded_param_data) == ptr(p) for p in converted),
+            "shard_bytes": sum(local_of(p).numel() * local_of(p).element_size() for p in converted),
+            "remainder_bytes": sum(remainders[id(p)].untyped_storage().nbytes() for p in converted),
+            "grad_bytes": _storage_bytes(local_of(p.grad) for p in converted),
+            "state_bytes": sum(
+                local_of(v).untyped_storage().nbytes()
+                for p in converted
+                for k, v in optimizer.state[p].items()
+                if k != "step"
+            ),
+            "fp32_copies_of_shards": copies,
+            "other_fp32_bytes": others,
+        }
+
+
+class Validated(Net):
+    """Shards itself once (a later ``validate`` runs ``configure_model`` again) and has a validation step."""
+
+    def configure_model(self) -> None:
+        from torch.distributed.fsdp import FSDPModule
+
+        if not isinstance(self.net, FSDPModule):
+            super().configure_model()
+
+    def validation_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = torch.nn.functional.mse_loss(self.net(x).float(), y)
+        self.log("val_loss", loss, sync_dist=True)
+        return loss
+
+
+def fit_then_validate() -> dict[str, Any]:
+    """``trainer.validate`` after ``fit`` with the same trainer: the shards are split again for the forward, and
+    restored to the same exact fp32 values after it."""
+    model = Validated(shard=shard_net)
+    plugin = MixedPrecisionPlugin("bf16-mixed", master_weights="remainder")
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=strategy(),
+        plugins=[plugin],
+        max_epochs=1,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        use_distributed_sampler=False,
+        num_sanity_val_steps=0,
+    )
+    data = loader(GLOBAL_BATCH // 2, int(os.environ["LOCAL_RANK"]), 2)
+    trainer.fit(model, data)
+    before = {name: _full(param) for name, param in model.named_parameters()}
+    metrics = trainer.validate(model, data, verbose=False)
+    after = {name: _full(param) for name, param in model.named_parameters()}
+    return {"before": before, "after": after, "val_loss": metrics[0]["val_loss"], "weights": after}
+
+
+def fp8_runs() -> dict[str, Any]:
+    """fp8 (emulated) with lean masters: tensorwise all-gathers through a tensor subclass, refused at setup; rowwise
+    keeps plain bf16 shards and trains (against fp32 masters, the same recipe)."""
+    from tests.distributed.fp8_checks import FP8Net
+    from tests.distributed.fp8_checks import _full as full_weight
+
+    results: dict[str, Any] = {}
+    for key, recipe, masters in (
+        ("tensorwise", "tensorwise", "remainder"),
+        ("rowwise", "rowwise", "remainder"),
+        ("rowwise_fp32_masters", "rowwise", True),
+    ):
+        plugin = MixedPrecisionPlugin("bf16-mixed", fp8=recipe, master_weights=masters)
+        model = FP8Net(shard=True)
+        trainer = L.Trainer(
+            accelerator="cpu",
+            devices=2,
+            strategy=strategy(),
+            plugins=[plugin],
+            max_steps=4,
+            logger=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            enable_checkpointing=False,
+            use_distributed_sampler=False,
+        )
+        try:
+            trainer.fit(model)
+        except ValueError as error:
+            results[key] = {"error": str(error)}
+            continue
+        weights = {name: full_weight(param) for name, param in model.named_parameters()}
+        results[key] = {"losses": model.losses, "weights": weights, "store": type(plugin.masters).__name__}
+    return results
+
+
+def _storage_bytes(tensors: Any) -> int:
+    return sum({t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}.values())
+
+
+def _staging(masters: Any) -> list[torch.Tensor]:
+    return [t for pair in masters._staging._buffers.values() for t in pair]
+
+
+def main() -> None:
+    out = Path(sys.argv[1])
+    ckpt, full_ckpt = out / "ckpt", out / "ckpt-file"
+    lean: dict[str, Any] = dict(shard=shard_net, extra_callbacks=[Probe()])
+    results = {"full": fit("bf16-mixed", "remainder", strategy=strategy(), checkpoint_dir=ckpt, **lean)}
+    results["resumed"] = fit("bf16-mixed", "remainder", strategy=strategy(), resume_from=ckpt / "epoch=0.ckpt", **lean)
+    fit(
+        "bf16-mixed",
+        "remainder",
+        strategy=strategy(save_distributed_checkpoint=False),
+        checkpoint_dir=full_ckpt,
+        **lean,
+    )
+    results["resumed_from_file"] = fit(
+        "bf16-mixed", "remainder", strategy=strategy(), resume_from=full_ckpt / "epoch=0.ckpt", **lean
+    )
+    results["accumulated"] = fit("bf16-mixed", "remainder", strategy=strategy(), accumulate=2, **lean)
+    bf16_sums = {"kind": "remainder", "accumulate_grads_in": "bf16"}
+    results["accumulated_bf16"] = fit("bf16-mixed", bf16_sums, strategy=strategy(), accumulate=2, **lean)
+    results["fp32_masters"] = fit("bf16-mixed", True, strategy=strategy(), **lean)
+    probe = dict(extra_callbacks=[Probe()])
+    results["policy"] = fit("bf16-mixed", "remainder", policy=POLICY, strategy=strategy(), shard=shard_with_fp32_head)
+    results["norm_in_half"] = fit("bf16-mixed", "remainder", strategy=strategy(), shard=shard_net_whole, **probe)
+    for name, model_class in (("replay_adamw", ReplayAdamW), ("replay_sgd", ReplaySGD)):
+        results[name] = fit(
+            "bf16-mixed",
+            "remainder",
+            strategy=strategy(),
+            inject=False,
+            model_class=model_class,
+            extra_callbacks=[Replay()],
+            shard=shard_net,
+        )
+    results["rest"] = fit(
+        "bf16-mixed",
+        "remainder",
+        strategy=strategy(),
+        model_class=AdamWNet,
+        extra_callbacks=[AtRest()],
+        shard=shard_net,
+    )
+    results["validated"] = fit_then_validate()
+    results["fp8"] = fp8_runs()
+    save(results, out, results["full"]["rank"])
+    finish()
+
+
+if __name__ == "__main__":
+    main()

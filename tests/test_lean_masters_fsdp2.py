@@ -1,0 +1,204 @@
+"""Lean master weights under FSDP2 (ModelParallelStrategy + fully_shard) on 2 real CPU processes (gloo): sharded bf16
+parameters plus sharded int16 remainders, against one process with the whole global batch and against fp32 masters.
+The 2-rank runs are tests/distributed/fsdp2_lean_checks.py (one launch for the module)."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from lightning.pytorch.strategies import ModelParallelStrategy
+
+from lightning_mp import MixedPrecisionPlugin
+from lightning_mp.distributed import sync_for
+from lightning_mp.distributed.fsdp2_lean import ShardedRemainderMasters
+from tests.distributed.common import CLIP, INJECT_AT, Net, fit, load_ranks
+from tests.distributed.launch import launch
+
+_EPS = torch.finfo(torch.bfloat16).eps
+RUNS = ("full", "resumed", "resumed_from_file", "accumulated", "accumulated_bf16", "policy", "norm_in_half")
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory) -> tuple[list[dict], Path]:
+    out: Path = tmp_path_factory.mktemp("fsdp2-lean")
+    launch("fsdp2_lean_checks.py", str(out), timeout=400)
+    return load_ranks(out), out
+
+
+@pytest.fixture(scope="module")
+def reference() -> dict:
+    return {
+        1: fit("bf16-mixed", "remainder", strategy="auto", devices=1),
+        2: fit("bf16-mixed", "remainder", strategy="auto", devices=1, accumulate=2),
+    }
+
+
+def test_two_ranks_match_one_process_with_the_whole_batch_and_fp32_masters(ranks, reference):
+    """Computed in bf16 from bf16 shards; after fit the model holds the exact fp32 values. Gradients differ from one
+    process by the order of their bf16 sums (reduced in fp32, rounded once), so weights agree to well within a bf16
+    spacing, as fp32 masters under FSDP2 do."""
+    (rank0, _), _ = ranks
+    for run in RUNS:
+        expected = reference[2 if run.startswith("accumulated") else 1]
+        assert rank0[run]["param_dtype"] == torch.bfloat16, run
+        for name, value in expected["weights"].items():
+            assert rank0[run]["weights"][name].dtype == torch.float32
+            torch.testing.assert_close(rank0[run]["weights"][name], value, rtol=0, atol=0.25 * _EPS, msg=run)
+    for name, value in rank0["fp32_masters"]["weights"].items():
+        torch.testing.assert_close(rank0["full"]["weights"][name], value, rtol=0, atol=0.25 * _EPS)
+
+
+def test_ranks_agree_bitwise_and_skip_the_step_with_an_inf_in_one_ranks_shard(ranks, reference):
+    (rank0, rank1), _ = ranks
+    for run in (*RUNS, "replay_adamw", "replay_sgd", "rest", "validated"):
+        for name, value in rank0[run]["weights"].items():
+            assert torch.equal(value, rank1[run]["weights"][name]), (run, name)
+    assert rank0["full"]["steps"] == rank1["full"]["steps"] == reference[1]["steps"]
+    counts = [0] + [count for _, _, count in rank0["full"]["steps"]]
+    assert [s for s in range(len(counts) - 1) if counts[s + 1] > counts[s]] == [INJECT_AT]
+
+
+def test_every_step_clips_by_a_norm_equal_to_one_processes(ranks, reference):
+    """Clipping is applied inside the step (the bf16 gradient shards keep their values), so its effect shows in the
+    weights (matched above); here: it is active at every finite step and the gradient norm matches one process."""
+    (rank0, _), _ = ranks
+    ref = reference[1]
+    finite = [step for step, norm in enumerate(ref["norms"]) if math.isfinite(norm)]
+    assert finite == [step for step, norm in enumerate(rank0["full"]["norms"]) if math.isfinite(norm)]
+    assert len(finite) == len(ref["norms"]) - 1  # the injected inf
+    for step in finite:
+        assert ref["norms"][step] > CLIP
+        assert rank0["full"]["norms"][step] == pytest.approx(ref["norms"][step], rel=10 * _EPS)
+
+
+@pytest.mark.parametrize("run", ["resumed", "resumed_from_file"])
+def test_resume_from_a_distributed_or_full_checkpoint_continues_bit_exactly(ranks, run):
+    for rank in ranks[0]:
+        full, resumed = rank["full"], rank[run]
+        assert resumed["steps"] == full["steps"][len(full["steps"]) - len(resumed["steps"]) :]
+        for name, value in full["weights"].items():
+            assert torch.equal(resumed["weights"][name], value), name
+
+
+def test_a_full_checkpoint_holds_fp32_weights_that_load_strictly_into_an_fp32_model(ranks):
+    _, out = ranks
+    checkpoint = torch.load(out / "ckpt-file" / "epoch=0.ckpt", weights_only=False)
+    state = checkpoint["state_dict"]
+    assert all(value.dtype == torch.float32 for value in state.values())
+    # the remainders are in: the converted weights are not all bf16 values (their low 16 bits are not all zero)
+    low_bits = state["net.0.weight"].view(torch.int32) & 0xFFFF
+    assert bool(low_bits.any())
+    model = Net()
+    model.load_state_dict(state, strict=True)
+
+
+def test_a_distributed_checkpoint_consolidates_to_the_same_fp32_weights_as_the_full_one(ranks, tmp_path):
+    """The two checkpoints of the same run after epoch 0: the sharded one's fp32 shards, consolidated in one process,
+    equal the full file's fp32 tensors bit for bit."""
+    from lightning_mp.cli.consolidate import consolidate
+
+    _, out = ranks
+    consolidated = consolidate(out / "ckpt" / "epoch=0.ckpt", tmp_path / "model.pt")
+    full = torch.load(out / "ckpt-file" / "epoch=0.ckpt", weights_only=False)["state_dict"]
+    assert sorted(consolidated) == sorted(full)
+    for name, value in full.items():
+        assert consolidated[name].dtype == torch.float32 and torch.equal(consolidated[name], value), name
+
+
+def test_validate_after_fit_splits_again_and_leaves_the_exact_weights(ranks):
+    for rank in ranks[0]:
+        record = rank["validated"]
+        for name, value in record["before"].items():
+            assert value.dtype == torch.float32 and torch.equal(record["after"][name], value), name
+    assert ranks[0][0]["validated"]["val_loss"] == ranks[0][1]["validated"]["val_loss"]
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
+def test_each_ranks_steps_equal_torchs_fused_optimizer_on_fp32_shards_bitwise(ranks, optimizer):
+    """The gradients each rank's step saw (bf16 shards; fp32 for the norm, kept fp32 without remainder), replayed on
+    fp32 copies of the exact initial shards with torch's fused optimizer, give the exact final shards bit for bit."""
+    for rank in ranks[0]:
+        record = rank[f"replay_{optimizer}"]
+        assert len(record["seen"]) == 8
+        dtypes = [g.dtype for g in record["seen"][0]]
+        assert dtypes == [torch.bfloat16, torch.bfloat16, torch.float32, torch.float32, torch.bfloat16, torch.bfloat16]
+        params = [torch.nn.Parameter(value.clone()) for value in record["initial"]]
+        if optimizer == "adamw":
+            reference = torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1, fused=True)
+        else:
+            reference = torch.optim.SGD(params, lr=0.1, momentum=0.9, fused=True)
+        for grads in record["seen"]:
+            for param, grad in zip(params, grads):
+                param.grad = grad.float()
+            reference.step()
+        for param, final in zip(params, record["final"]):
+            assert torch.equal(param.detach(), final)
+
+
+def test_at_rest_each_rank_holds_bf16_shards_int16_remainders_and_no_fp32_copy(ranks):
+    """Counted from live tensors at the second step, before the optimizer (gradients present): 2 (bf16 shard, a view
+    of FSDP2's own storage) + 2 (remainder) + 2 (bf16 gradient shard) + 8 (AdamW's fp32 moments) bytes per local
+    element; no live fp32 tensor equals any shard's exact fp32 value."""
+    for rank in ranks[0]:
+        rest = rank["rest"]["rest"]
+        assert rest["shard_dtypes"] == {torch.bfloat16} and rest["kept_dtypes"] == {torch.float32}
+        assert rest["grad_dtypes"] == {("DTensor", torch.bfloat16)}
+        assert rest["fsdp_storage"]
+        assert rest["fp32_copies_of_shards"] == 0
+        numel = rest["local_numel"]
+        assert rest["shard_bytes"] == rest["remainder_bytes"] == 2 * numel
+        assert rest["state_bytes"] == 8 * numel
+        # gradients: FSDP2's reduce-scatter output, one bf16 buffer of the padded shards (57 elements on both ranks)
+        assert rest["grad_bytes"] == 2 * 57
+
+
+def test_fp32_accumulation_sums_the_micro_batches_in_fp32(ranks):
+    (rank0, _), _ = ranks
+    assert rank0["accumulated"]["grad_dtype"] == torch.float32
+    assert rank0["accumulated_bf16"]["grad_dtype"] == torch.bfloat16
+
+
+def test_kept_fp32_modules_stay_fp32_shards_and_a_norm_in_the_bf16_group_warns(ranks):
+    (rank0, _), _ = ranks
+    assert rank0["policy"]["head_dtypes"] == (torch.float32, torch.float32)  # fp32_modules=['net.3'], own group
+    assert rank0["full"]["norm_dtype"] == torch.float32
+    assert rank0["norm_in_half"]["norm_dtype"] == torch.bfloat16
+    assert any("normalisation-layer parameters compute in" in w for w in rank0["norm_in_half"]["warnings"])
+
+
+def test_fp8_tensorwise_all_gather_is_refused_at_setup_and_rowwise_trains(ranks):
+    (rank0, rank1), _ = ranks
+    error = rank0["fp8"]["tensorwise"]["error"]
+    assert "cannot split the shard of net.0.weight" in error and "fp8='rowwise'" in error
+    assert "master_weights=True" in error and rank1["fp8"]["tensorwise"]["error"] == error
+    rowwise = rank0["fp8"]["rowwise"]
+    assert rowwise["store"] == "ShardedRemainderMasters" and all(math.isfinite(loss) for loss in rowwise["losses"])
+    for name, value in rowwise["weights"].items():
+        assert value.dtype == torch.float32 and torch.equal(value, rank1["fp8"]["rowwise"]["weights"][name]), name
+        # AdamW (lr 2e-2) moves each element by about lr per step whatever its gradient's size, so an element whose
+        # gradient is near zero may follow a one-ulp difference of the forward (fp8 casts, the bf16 rounding of
+        # ties); nearly all elements match to half a bf16 spacing
+        difference = (value - rank0["fp8"]["rowwise_fp32_masters"]["weights"][name]).abs()
+        assert (difference <= 0.5 * _EPS).float().mean() >= 0.99, name
+        assert difference.max() <= 4 * 2e-2, name
+
+
+def test_fsdp2_gives_lean_masters_a_sharded_store_and_other_optimizers_are_refused_naming_what_works():
+    plugin = MixedPrecisionPlugin("bf16-mixed", master_weights="remainder")
+    strategy = ModelParallelStrategy()
+    strategy.parallel_devices = [torch.device("cpu")]
+    sync = sync_for(strategy, plugin)
+    assert not sync.owns_masters
+    sharded = sync.adopt(plugin.masters)
+    assert isinstance(sharded, ShardedRemainderMasters) and sync.adopt(sharded) is sharded
+    assert sync_for(None, plugin).adopt(sharded) is plugin.masters  # one device again: the plugin's own store
+    sharded._module = torch.nn.Linear(2, 2)
+    optimizer = torch.optim.Adagrad(sharded._module.parameters())
+    with pytest.raises(ValueError, match=r"AdamW, Adam and SGD.*Adagrad.*master_weights=True under FSDP2"):
+        sharded.attach([optimizer])
+    dampened = torch.optim.SGD(sharded._module.parameters(), lr=0.1, momentum=0.9, dampening=0.1)
+    with pytest.raises(ValueError, match=r"SGD with dampening"):
+        sharded.attach([dampened])
