@@ -59,9 +59,11 @@ def test_fsdp2_shard_converts_then_shards_like_the_manual_order(ranks):
     assert _equal_weights(ranks[0]["helper-True"]["weights"], ranks[1]["helper-True"]["weights"])
 
 
-def test_fsdp2_shard_without_fp8_shards_in_the_same_order_as_by_hand(ranks):
+@pytest.mark.parametrize("masters", ["", "_remainder"])
+def test_fsdp2_shard_without_fp8_shards_in_the_same_order_as_by_hand(ranks, masters):
     for rank in ranks:
-        plain, helper = rank["plain"], rank["helper_plain"]
+        plain, helper = rank[f"plain{masters}"], rank[f"helper_plain{masters}"]
+        assert "error" not in helper and len(helper["losses"]) == 8, helper.get("error")
         assert helper["losses"] == plain["losses"] and _equal_weights(helper["weights"], plain["weights"])
         assert helper["layers"] == {
             "0": "FSDPLinear",

@@ -7,7 +7,7 @@
 - ``manual``: ``plugin.fp8_convert(self)`` then ``fully_shard`` by hand (the norm alone, two blocks, the net).
 - ``helper``: ``plugin.fsdp2_shard(self, blocks=..., root=self.net)``, the same grouping in one call; writes a
   distributed checkpoint after each epoch (OUT/ckpt-<masters>/), and ``resumed`` continues from the first one.
-- ``plain``, ``helper_plain``: the same two ways with ``fp8=None``.
+- ``plain``, ``helper_plain``: the same two ways with ``fp8=None`` (and ``*_remainder``: with lean masters).
 - ``file``: as ``helper`` with single-file checkpoints (OUT/ckpt-file/), and ``file_resumed``.
 Saved to OUT/rank<r>.pt: losses, the whole final weights, layer types, what each fp8 layer's weight is.
 """
@@ -91,7 +91,7 @@ def _full(tensor: torch.Tensor) -> torch.Tensor:
 
 def run(
     how: str,
-    masters: bool,
+    masters: Any,
     checkpoints: Optional[Path] = None,
     resume: Optional[Path] = None,
     files: bool = False,
@@ -159,6 +159,9 @@ def main() -> None:
         results[f"resumed-{masters}"] = run("helper", masters, resume=folder / "epoch=0.ckpt")
     results["plain"] = run("plain", True, fp8=None)  # without fp8: the same order by hand and with fsdp2_shard
     results["helper_plain"] = run("helper", True, fp8=None)
+    # lean masters (bf16 shards + int16 remainders): fsdp2_shard gives the same groups and policies as by hand
+    results["plain_remainder"] = run("plain", "remainder", fp8=None)
+    results["helper_plain_remainder"] = run("helper", "remainder", fp8=None)
     results["file"] = run("helper", True, checkpoints=out / "ckpt-file", files=True)
     results["file_resumed"] = run("helper", True, resume=out / "ckpt-file" / "epoch=0.ckpt", files=True)
     save(results, out, torch.distributed.get_rank())
