@@ -3,8 +3,11 @@
     python tests/distributed/ddp_lean_checks.py OUT
 
 bf16-mixed with ``master_weights="remainder"``: the uninterrupted run (inf on rank 0 at step INJECT_AT, norm
-clipping, a checkpoint after epoch 0), the run resumed from it, gradient accumulation (2 micro-batches, bf16 sums; fp32 sums are refused) and a run
-with bf16 gradient reduction. Each rank saves what it saw to OUT/rank<r>.pt.
+clipping, a checkpoint after epoch 0), the run resumed from it, gradient accumulation in fp32 (the default: 2 and 3
+micro-batches, automatic and manual optimization, fp32 and bf16 reduction) and in bf16, and a run with bf16 gradient
+reduction. Each rank saves what it saw to OUT/rank<r>.pt; runs with accumulation also keep every micro-batch's
+local bf16 gradient of the first layer's weight at step 0 (``micro_grads``) next to the gradient the step used
+(``grads``).
 """
 
 from __future__ import annotations
@@ -13,8 +16,9 @@ import sys
 from pathlib import Path
 
 import lightning as L
+import torch
 
-from tests.distributed.common import finish, fit, save
+from tests.distributed.common import ManualNet, Net, finish, fit, save
 
 
 class HookProbe(L.Callback):
@@ -25,18 +29,48 @@ class HookProbe(L.Callback):
         pl_module.record["comm_hooks"] = [getattr(hook, "__name__", repr(hook)) for hook, _ in hooks]
 
 
+class MicroGradProbe(L.Callback):
+    """Every backward's own bf16 gradient of the first layer's weight during step 0, before anything adds it up."""
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        grads = pl_module.record.setdefault("micro_grads", [])
+
+        def keep(grad: torch.Tensor) -> None:
+            if trainer.global_step == 0:
+                grads.append(grad.detach().float().clone())
+
+        self.handle = pl_module.net[0].weight.register_hook(keep)
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.handle.remove()
+
+
+#: runs with fp32 accumulation (the default): name -> (accumulate, manual optimization, reduce_dtype)
+FP32_SUMS = {
+    "acc2": (2, False, "float32"),
+    "acc3": (3, False, "float32"),
+    "acc2_bf16_reduce": (2, False, "bf16"),
+    "manual_acc2": (2, True, "float32"),
+    "manual_acc3_bf16_reduce": (3, True, "bf16"),
+}
+
+
 def main() -> None:
     out = Path(sys.argv[1])
     ckpt = out / "ckpt"
     results = {"full": fit("bf16-mixed", "remainder", checkpoint_dir=ckpt, extra_callbacks=[HookProbe()])}
     results["resumed"] = fit("bf16-mixed", "remainder", resume_from=ckpt / "epoch=0.ckpt")
     bf16_sums = {"kind": "remainder", "accumulate_grads_in": "bf16"}
-    results["accumulated"] = fit("bf16-mixed", bf16_sums, accumulate=2)
-    try:  # fp32 accumulation cannot pass through DDP's bf16 buckets: refused at setup, saying what to use
-        fit("bf16-mixed", "remainder", accumulate=2)
-        results["fp32_accumulation_error"] = None
-    except ValueError as error:
-        results["fp32_accumulation_error"] = str(error)
+    results["accumulated"] = fit("bf16-mixed", bf16_sums, accumulate=2, extra_callbacks=[MicroGradProbe()])
+    for name, (accumulate, manual, reduce_dtype) in FP32_SUMS.items():
+        results[name] = fit(
+            "bf16-mixed",
+            "remainder",
+            accumulate=accumulate,
+            reduce_dtype=reduce_dtype,
+            extra_callbacks=[MicroGradProbe()],
+            model_class=ManualNet if manual else Net,
+        )
     results["bf16_reduce"] = fit("bf16-mixed", "remainder", reduce_dtype="bf16")
     save(results, out, results["full"]["rank"])
     finish()
