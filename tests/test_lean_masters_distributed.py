@@ -105,6 +105,8 @@ def test_fp32_accumulation_hands_the_step_the_reduced_fp32_sums_bitwise(ranks, r
         assert torch.equal(rank[run]["grads"], expected), run
     if reduce_dtype == "fp32":  # and a bf16 rounding of it would have been seen
         assert not torch.equal(expected.bfloat16().float(), expected)
+    # DDP's first buckets: the LayerNorm's fp32 ones, then the bf16 ones (one, or two with small buckets)
+    assert len(ranks[0][run]["bucket_sizes"]) == (3 if run.endswith("small_buckets") else 2)
 
 
 def test_bf16_accumulation_reduces_the_bf16_sums(ranks):

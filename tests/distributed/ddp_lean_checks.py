@@ -17,6 +17,7 @@ from pathlib import Path
 
 import lightning as L
 import torch
+from lightning.pytorch.strategies import DDPStrategy
 
 from tests.distributed.common import ManualNet, Net, finish, fit, save
 
@@ -43,6 +44,8 @@ class MicroGradProbe(L.Callback):
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.handle.remove()
+        logging_data = trainer.strategy.model._get_ddp_logging_data()  # DDP's own record of its buckets
+        pl_module.record["bucket_sizes"] = [int(size) for size in logging_data["bucket_sizes"].split(",")]
 
 
 #: runs with fp32 accumulation (the default): name -> (accumulate, manual optimization, reduce_dtype)
@@ -52,7 +55,11 @@ FP32_SUMS = {
     "acc2_bf16_reduce": (2, False, "bf16"),
     "manual_acc2": (2, True, "float32"),
     "manual_acc3_bf16_reduce": (3, True, "bf16"),
+    # DDPStrategy(bucket_cap_mb_list=[SMALL_BUCKETS_MB] * 8): the bf16 gradients in two buckets at step 0 (DDP
+    # rebuilds its buckets after the first step, ignoring the list: one bucket per dtype then)
+    "acc3_small_buckets": (3, False, "float32"),
 }
+SMALL_BUCKETS_MB = 1e-4  # 100 bytes
 
 
 def main() -> None:
@@ -70,6 +77,9 @@ def main() -> None:
             reduce_dtype=reduce_dtype,
             extra_callbacks=[MicroGradProbe()],
             model_class=ManualNet if manual else Net,
+            strategy=DDPStrategy(bucket_cap_mb_list=[SMALL_BUCKETS_MB] * 8)
+            if name.endswith("small_buckets")
+            else "ddp",
         )
     results["bf16_reduce"] = fit("bf16-mixed", "remainder", reduce_dtype="bf16")
     save(results, out, results["full"]["rank"])
