@@ -109,6 +109,19 @@ def test_fp32_accumulation_hands_the_step_the_reduced_fp32_sums_bitwise(ranks, r
     assert len(ranks[0][run]["bucket_sizes"]) == (3 if run.endswith("small_buckets") else 2)
 
 
+def test_a_parameter_ddp_ignores_keeps_its_own_fp32_sum_on_each_rank(ranks):
+    # its fp32 sum moves aside before the synchronising backward like the others', but no bucket takes it in: it
+    # comes back with the last micro-batch's gradient added, unreduced (as DDP leaves an ignored parameter)
+    for rank in ranks:
+        first, second = rank["ignored_bias"]["micro_bias_grads"]
+        assert rank["ignored_bias"]["bias_grad_dtype"] == torch.float32
+        assert torch.equal(rank["ignored_bias"]["bias_grad"], first + second)
+    assert not torch.equal(ranks[0]["ignored_bias"]["bias_grad"], ranks[1]["ignored_bias"]["bias_grad"])
+    expected = _mean_of_fp32_sums(ranks, "ignored_bias", "fp32")  # the other parameters are reduced as before
+    for rank in ranks:
+        assert torch.equal(rank["ignored_bias"]["grads"], expected)
+
+
 def test_bf16_accumulation_reduces_the_bf16_sums(ranks):
     # accumulate_grads_in="bf16": each rank's bf16 sum goes through DDP's bucket (divided in bf16, summed in fp32,
     # rounded back to bf16): what the step sees

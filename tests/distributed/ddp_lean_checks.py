@@ -4,8 +4,8 @@
 
 bf16-mixed with ``master_weights="remainder"``: the uninterrupted run (inf on rank 0 at step INJECT_AT, norm
 clipping, a checkpoint after epoch 0), the run resumed from it, gradient accumulation in fp32 (the default: 2 and 3
-micro-batches, automatic and manual optimization, fp32 and bf16 reduction) and in bf16, and a run with bf16 gradient
-reduction. Each rank saves what it saw to OUT/rank<r>.pt; runs with accumulation also keep every micro-batch's
+micro-batches, automatic and manual optimization, fp32 and bf16 reduction, a parameter DDP ignores) and in bf16, and
+a run with bf16 gradient reduction. Each rank saves what it saw to OUT/rank<r>.pt; runs with accumulation also keep every micro-batch's
 local bf16 gradient of the first layer's weight at step 0 (``micro_grads``) next to the gradient the step used
 (``grads``).
 """
@@ -14,10 +14,12 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import Any
 
 import lightning as L
 import torch
 from lightning.pytorch.strategies import DDPStrategy
+from torch.nn.parallel import DistributedDataParallel
 
 from tests.distributed.common import ManualNet, Net, finish, fit, save
 
@@ -31,19 +33,28 @@ class HookProbe(L.Callback):
 
 
 class MicroGradProbe(L.Callback):
-    """Every backward's own bf16 gradient of the first layer's weight during step 0, before anything adds it up."""
+    """Every backward's own bf16 gradient of the first layer's weight and bias during step 0, before anything adds
+    them up; the bias gradient the step sees."""
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        grads = pl_module.record.setdefault("micro_grads", [])
+        self.handles = []
+        for param, key in ((pl_module.net[0].weight, "micro_grads"), (pl_module.net[0].bias, "micro_bias_grads")):
+            grads = pl_module.record.setdefault(key, [])
 
-        def keep(grad: torch.Tensor) -> None:
-            if trainer.global_step == 0:
-                grads.append(grad.detach().float().clone())
+            def keep(grad: torch.Tensor, grads: list = grads) -> None:
+                if trainer.global_step == 0:
+                    grads.append(grad.detach().float().clone())
 
-        self.handle = pl_module.net[0].weight.register_hook(keep)
+            self.handles.append(param.register_hook(keep))
+
+    def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any) -> None:
+        if trainer.global_step == 0:
+            grad = pl_module.net[0].bias.grad
+            pl_module.record["bias_grad"], pl_module.record["bias_grad_dtype"] = grad.float().clone(), grad.dtype
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self.handle.remove()
+        for handle in self.handles:
+            handle.remove()
         logging_data = trainer.strategy.model._get_ddp_logging_data()  # DDP's own record of its buckets
         pl_module.record["bucket_sizes"] = [int(size) for size in logging_data["bucket_sizes"].split(",")]
 
@@ -60,6 +71,14 @@ FP32_SUMS = {
     "acc3_small_buckets": (3, False, "float32"),
 }
 SMALL_BUCKETS_MB = 1e-4  # 100 bytes
+
+
+class IgnoredBiasNet(Net):
+    """``Net`` whose first bias DDP is told to ignore: not in any bucket, so never reduced (each rank keeps its own)."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(self, ["net.0.bias"])
 
 
 def main() -> None:
@@ -81,6 +100,9 @@ def main() -> None:
             if name.endswith("small_buckets")
             else "ddp",
         )
+    results["ignored_bias"] = fit(
+        "bf16-mixed", "remainder", accumulate=2, extra_callbacks=[MicroGradProbe()], model_class=IgnoredBiasNet
+    )
     results["bf16_reduce"] = fit("bf16-mixed", "remainder", reduce_dtype="bf16")
     save(results, out, results["full"]["rank"])
     finish()
