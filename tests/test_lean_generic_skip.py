@@ -152,6 +152,10 @@ def test_generic_path_skips_on_the_device_bitwise_as_the_host_skip(case, monkeyp
         for param, ref in zip(model.parameters(), reference.parameters()):
             grad = torch.randn(param.shape, generator=generator).to(param.dtype)
             param.grad, ref.grad = grad, grad.clone()
+        if flag:  # what a flagged step holds: non-finite gradients (the optimizer runs on them, then is masked)
+            weight, *_, bias = model.parameters()
+            weight.grad.view(-1)[7] = float("inf")
+            bias.grad.view(-1)[0] = float("nan")
         counter = HostSyncCounter()
         with counter:
             store.fused_step(optimizer, torch.tensor(float(flag)))
