@@ -3,13 +3,14 @@ without gradient accumulation (fp32 sums bitwise against the hook's arithmetic);
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
 import torch
 
 from lightning_mp import MixedPrecisionPlugin
-from tests.distributed.common import INJECT_AT, ManualNet, Net, fit, load_ranks
+from tests.distributed.common import CLIP, INJECT_AT, ManualNet, Net, fit, load_ranks
 from tests.distributed.ddp_lean_checks import FP32_SUMS
 from tests.distributed.launch import launch
 
@@ -155,12 +156,19 @@ def references() -> dict:
 @pytest.mark.parametrize("run", sorted(FP32_SUMS))
 def test_fp32_accumulation_trains_like_one_process_with_the_global_batch(ranks, references, run):
     # not bitwise: each rank's bf16 gradients of its half of a micro-batch round differently from the bf16 gradients
-    # of the whole micro-batch (measured: at most 0.09 bf16 eps apart after 8 or 12 steps, bf16 reduction included)
+    # of the whole micro-batch (measured: at most 0.09 bf16 eps apart after 8 or 12 steps, bf16 reduction included;
+    # gradient norms within 0.15%)
     accumulate, manual, _ = FP32_SUMS[run]
     reference = references[(accumulate, manual)]
     assert reference["grad_dtype"] == torch.float32
     for rank in ranks:
         assert rank[run]["steps"] == reference["steps"]  # the same steps, the inf of rank 0 skipped by both ranks
+        # clipping by norm engaged on the same steps, on norms of the same gradients (fp32 sums, reduced)
+        norms, ref_norms = rank[run]["norms"], reference["norms"]
+        assert sum(norm > CLIP for norm in norms) >= 4 and len(norms) == len(ref_norms)
+        finite = [i for i, norm in enumerate(ref_norms) if math.isfinite(norm)]
+        assert [norms[i] > CLIP for i in finite] == [ref_norms[i] > CLIP for i in finite]
+        torch.testing.assert_close([norms[i] for i in finite], [ref_norms[i] for i in finite], rtol=5e-3, atol=0)
         for name, value in reference["weights"].items():
             torch.testing.assert_close(rank[run]["weights"][name], value, rtol=0, atol=0.5 * _EPS)
 
