@@ -166,3 +166,35 @@ def test_generic_path_skips_on_the_device_bitwise_as_the_host_skip(case, monkeyp
     assert syncs == expected_syncs
     assert store._generic[id(optimizer)].masks_on_device == (expected_syncs == DEVICE_SYNCS)
     assert any(FLAGS[step] for step, count in enumerate(syncs) if count == 0) == (expected_syncs == DEVICE_SYNCS)
+
+
+class LateStateSGD(torch.optim.Optimizer):
+    """Plain SGD that adds a state tensor on its fourth step: masking cannot restore what did not exist."""
+
+    def __init__(self, params: Any, lr: float) -> None:
+        super().__init__(params, dict(lr=lr))
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> None:
+        for group in self.param_groups:
+            for param in group["params"]:
+                if param.grad is not None:
+                    state = self.state[param]
+                    state["calls"] = state.get("calls", torch.zeros(())) + 1
+                    if state["calls"] >= 4:
+                        state["late"] = torch.zeros_like(param)
+                    param.add_(param.grad, alpha=-group["lr"])
+
+
+def test_state_added_after_the_first_steps_is_refused_naming_the_optimizer():
+    with seeded():
+        model = _model()
+    store, optimizer = _store(lambda ps: LateStateSGD(ps, lr=1e-2), model)
+    for step in range(4):
+        for param in model.parameters():
+            param.grad = torch.ones_like(param)
+        if step < 3:
+            store.fused_step(optimizer, torch.tensor(0.0))
+    assert store._generic[id(optimizer)].masks_on_device
+    with pytest.raises(RuntimeError, match=r"LateStateSGD\.step\(\) added or reshaped optimizer state.*skip_observers"):
+        store.fused_step(optimizer, torch.tensor(0.0))

@@ -153,7 +153,7 @@ class GenericChunkedStep:
                 before = self._save(chunk) if skip is not None else None
                 self.optimizer.step()
                 if before is not None and skip is not None:
-                    _mask(skip, before, self._tensors(chunk))
+                    _mask(skip, before, self._tensors(chunk), self.optimizer)
                 self._unstage(chunk, skip)
             if skip is not None:
                 for group, saved in zip(groups, options):
@@ -278,12 +278,15 @@ def _leaves(value: Tensor) -> list[Tensor]:
     return [leaf for name in flatten()[0] for leaf in _leaves(getattr(value, name))]
 
 
-def _mask(skip: Tensor, before: list[Tensor], after: list[Tensor]) -> None:
+def _mask(skip: Tensor, before: list[Tensor], after: list[Tensor], optimizer: Optimizer) -> None:
     """``after = where(skip, before, after)``, in place (no host synchronisation)."""
-    if len(before) != len(after):
+    if len(before) != len(after) or any(old.shape != new.shape for old, new in zip(before, after)):
         raise RuntimeError(
-            "The optimizer's step changed the structure of its state after its first step; the generic lean-masters "
-            "path cannot skip it on the device. Report this optimizer (a step skipped on the host works)."
+            f"{type(optimizer).__name__}.step() added or reshaped optimizer state after its first steps "
+            f"({len(before)} state tensors before this step, {len(after)} after), so master_weights='remainder' "
+            "cannot skip its steps on the device exactly. Have every skip decided on the host (register a skip "
+            "observer: plugin.skip_observers.append(lambda **_: None)), or make the optimizer create its whole state "
+            "on its first step."
         )
     for old, new in zip(before, after):
         torch.where(skip, old, new, out=new)
