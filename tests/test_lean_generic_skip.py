@@ -186,15 +186,25 @@ class LateStateSGD(torch.optim.Optimizer):
                     param.add_(param.grad, alpha=-group["lr"])
 
 
-def test_state_added_after_the_first_steps_is_refused_naming_the_optimizer():
+@pytest.mark.parametrize("flag", [0.0, 1.0])
+def test_state_added_after_the_first_steps_is_undone_on_a_skip_and_the_host_decides_from_then_on(flag):
     with seeded():
         model = _model()
+    reference = copy.deepcopy(model)
     store, optimizer = _store(lambda ps: LateStateSGD(ps, lr=1e-2), model)
-    for step in range(4):
-        for param in model.parameters():
-            param.grad = torch.ones_like(param)
-        if step < 3:
-            store.fused_step(optimizer, torch.tensor(0.0))
-    assert store._generic[id(optimizer)].masks_on_device
-    with pytest.raises(RuntimeError, match=r"LateStateSGD\.step\(\) added or reshaped optimizer state.*skip_observers"):
-        store.fused_step(optimizer, torch.tensor(0.0))
+    ref_store, ref_optimizer = _store(lambda ps: LateStateSGD(ps, lr=1e-2), reference)
+    optimizer.step = _uncounted(optimizer.step)  # its own `if calls >= 4` reads a tensor
+    for step in range(5):
+        for param, ref in zip(model.parameters(), reference.parameters()):
+            param.grad = torch.full_like(param, 0.5 + step)
+            ref.grad = param.grad.clone()
+        now = flag if step == 3 else 0.0  # step 3 adds the late state
+        counter = HostSyncCounter()
+        with counter:
+            store.fused_step(optimizer, torch.tensor(now))
+        if step == 3:
+            assert len(counter.calls) == 1  # the flag read once, when the new state showed up
+        if not now:
+            ref_store.fused_step(ref_optimizer, None)
+        _assert_same(store, model, ref_store, reference, optimizer, ref_optimizer, step)
+    assert store._generic[id(optimizer)].masks_on_device is False

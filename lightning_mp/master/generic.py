@@ -39,7 +39,10 @@ cannot keep the step exact:
   a group option that is not a tensor (a Python counter in ``param_groups``), or when a state tensor or a tensor
   option lives on another device than the flag: torch's for-loop optimizers, torchao and torch-optimi keep their
   step counters as CPU tensors, so on a GPU they are decided on the host (on a CPU run, or with ``capturable=True``
-  optimizers on a GPU, they skip on the device).
+  optimizers on a GPU, they skip on the device);
+- from the step on which the optimizer adds state it did not have (a buffer made late): that step reads the flag
+  (and, when it must be skipped, removes what it added and puts the rest back), and later ones are decided on the
+  host.
 
 ``optimizer.state_dict()`` and ``load_state_dict()`` see the proxies (hooks swap them into ``param_groups`` for the
 call), so a checkpoint holds the per-slice state and resumes exactly into the same model and ``chunk_size``.
@@ -152,8 +155,11 @@ class GenericChunkedStep:
                     group["params"] = [s.proxy for s in chunk] if position == index else []
                 before = self._save(chunk) if skip is not None else None
                 self.optimizer.step()
-                if before is not None and skip is not None:
-                    _mask(skip, before, self._tensors(chunk), self.optimizer)
+                if before is not None and skip is not None and not _mask(skip, before, self._tensors(chunk)):
+                    if self._state_changed(chunk, before, skip):  # read on the host: skipped after all
+                        self._unstage(chunk, skip)  # the weights as they were
+                        break  # the chunks not stepped yet stay as they are
+                    skip = None  # read on the host: the step stands, the other chunks step unmasked
                 self._unstage(chunk, skip)
             if skip is not None:
                 for group, saved in zip(groups, options):
@@ -225,18 +231,47 @@ class GenericChunkedStep:
             torch.where(skip, high, new_high, out=high)
             torch.where(skip, low, new_low, out=low)
 
-    def _tensors(self, chunk: list[_Slice]) -> list[Tensor]:
-        """The tensors a step of ``chunk`` may change, in a fixed order: the values of its fp32 parameters (the
-        lean ones are masked at the write-back) and every state tensor of its proxies (subclasses: their inner
-        tensors)."""
-        tensors = [s.proxy.data for s in chunk if self.store.offset_of(s.param) is None]
-        for s in chunk:
-            for value in self.optimizer.state[s.proxy].values():
-                tensors += _leaves(value) if value is not None else []
+    def _tensors(self, chunk: list[_Slice]) -> dict[tuple[int, str], list[Tensor]]:
+        """The tensors a step of ``chunk`` may change, by (slice, key): the values of its fp32 parameters (key
+        ``""``; the lean ones are masked at the write-back) and every state tensor of its proxies (subclasses: their
+        inner tensors)."""
+        tensors: dict[tuple[int, str], list[Tensor]] = {}
+        for index, s in enumerate(chunk):
+            if self.store.offset_of(s.param) is None:
+                tensors[(index, "")] = [s.proxy.data]
+            for key, value in self.optimizer.state[s.proxy].items():
+                if value is not None:
+                    tensors[(index, key)] = _leaves(value)
         return tensors
 
-    def _save(self, chunk: list[_Slice]) -> list[Tensor]:
-        return [t.clone() for t in self._tensors(chunk)]
+    def _save(self, chunk: list[_Slice]) -> dict[tuple[int, str], list[Tensor]]:
+        return {place: [t.clone() for t in leaves] for place, leaves in self._tensors(chunk).items()}
+
+    def _state_changed(self, chunk: list[_Slice], before: dict[tuple[int, str], list[Tensor]], skip: Tensor) -> bool:
+        """The step added (or reshaped) state: no mask can undo that. From now on this optimizer's skips are decided
+        on the host; this one is read now (a host synchronisation) and, if skipped, the chunk's state is put back.
+        Whether the step is skipped."""
+        self.masks_on_device = False
+        if not bool(skip.item()):
+            return False  # the step stands (the chunks before were masked with a zero flag: unchanged)
+        for index, s in enumerate(chunk):
+            state = self.optimizer.state[s.proxy]
+            for key in [k for k in state if (index, k) not in before]:
+                del state[key]  # made by this step
+            for (place, key), old in before.items():
+                if place == index and key:
+                    leaves = _leaves(state[key])
+                    if [t.shape for t in leaves] != [t.shape for t in old]:
+                        raise RuntimeError(
+                            f"{type(self.optimizer).__name__}.step() reshaped its state {key!r} on a step that had "
+                            "to be skipped; master_weights='remainder' cannot put it back. Register a skip observer "
+                            "(plugin.skip_observers.append(lambda **_: None)) so every skip is decided on the host."
+                        )
+                    for leaf, saved in zip(leaves, old):
+                        leaf.copy_(saved)
+            if (index, "") in before:
+                s.proxy.data.copy_(before[(index, "")][0])
+        return True
 
     def _maskable(self, device: torch.device, options: list[dict[str, Any]]) -> bool:
         """After a host-decided step: whether later steps can be skipped on ``device`` by masking (module doc)."""
@@ -278,18 +313,17 @@ def _leaves(value: Tensor) -> list[Tensor]:
     return [leaf for name in flatten()[0] for leaf in _leaves(getattr(value, name))]
 
 
-def _mask(skip: Tensor, before: list[Tensor], after: list[Tensor], optimizer: Optimizer) -> None:
-    """``after = where(skip, before, after)``, in place (no host synchronisation)."""
-    if len(before) != len(after) or any(old.shape != new.shape for old, new in zip(before, after)):
-        raise RuntimeError(
-            f"{type(optimizer).__name__}.step() added or reshaped optimizer state after its first steps "
-            f"({len(before)} state tensors before this step, {len(after)} after), so master_weights='remainder' "
-            "cannot skip its steps on the device exactly. Have every skip decided on the host (register a skip "
-            "observer: plugin.skip_observers.append(lambda **_: None)), or make the optimizer create its whole state "
-            "on its first step."
-        )
-    for old, new in zip(before, after):
-        torch.where(skip, old, new, out=new)
+def _mask(skip: Tensor, before: dict[Any, list[Tensor]], after: dict[Any, list[Tensor]]) -> bool:
+    """``after = where(skip, before, after)``, in place (no host synchronisation); ``False`` (nothing masked) when
+    the step added or reshaped state."""
+    if before.keys() != after.keys() or any(
+        [t.shape for t in before[place]] != [t.shape for t in after[place]] for place in before
+    ):
+        return False
+    for place, old_leaves in before.items():
+        for old, new in zip(old_leaves, after[place]):
+            torch.where(skip, old, new, out=new)
+    return True
 
 
 def _mask_options(skip: Tensor, group: dict[str, Any], saved: dict[str, Any]) -> None:
