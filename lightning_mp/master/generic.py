@@ -111,6 +111,7 @@ class GenericChunkedStep:
         ]
         self._model_params: list[list[Tensor]] = [list(g["params"]) for g in optimizer.param_groups]
         self.masks_on_device: Optional[bool] = None  # learnt on the first step with a flag (see the module doc)
+        self._plain: dict[tuple[int, str], Any] = {}
         self._hooks = [
             optimizer.register_state_dict_pre_hook(lambda opt: self._swap_in_proxies()),
             optimizer.register_state_dict_post_hook(lambda opt, state: self._swap_out_proxies()),
@@ -155,7 +156,11 @@ class GenericChunkedStep:
                     group["params"] = [s.proxy for s in chunk] if position == index else []
                 before = self._save(chunk) if skip is not None else None
                 self.optimizer.step()
-                if before is not None and skip is not None and not _mask(skip, before, self._tensors(chunk)):
+                if (
+                    before is not None
+                    and skip is not None
+                    and (self._plain_changed(chunk) or not _mask(skip, before, self._tensors(chunk)))
+                ):
                     if self._state_changed(chunk, before, skip):  # read on the host: skipped after all
                         self._unstage(chunk, skip)  # the weights as they were
                         break  # the chunks not stepped yet stay as they are
@@ -240,12 +245,26 @@ class GenericChunkedStep:
             if self.store.offset_of(s.param) is None:
                 tensors[(index, "")] = [s.proxy.data]
             for key, value in self.optimizer.state[s.proxy].items():
-                if value is not None:
-                    tensors[(index, key)] = _leaves(value)
+                tensors[(index, key)] = _leaves(value) if isinstance(value, Tensor) else []  # None: unused buffer
         return tensors
 
     def _save(self, chunk: list[_Slice]) -> dict[tuple[int, str], list[Tensor]]:
+        self._plain = {  # what is not a tensor (None, ...), to put back if a skipped step changes it
+            (index, key): copy.copy(value)
+            for index, s in enumerate(chunk)
+            for key, value in self.optimizer.state[s.proxy].items()
+            if not isinstance(value, Tensor)
+        }
         return {place: [t.clone() for t in leaves] for place, leaves in self._tensors(chunk).items()}
+
+    def _plain_changed(self, chunk: list[_Slice]) -> bool:
+        plain = {
+            (index, key): value
+            for index, s in enumerate(chunk)
+            for key, value in self.optimizer.state[s.proxy].items()
+            if not isinstance(value, Tensor)
+        }
+        return plain.keys() != self._plain.keys() or not all(_same_option(plain[k], self._plain[k]) for k in plain)
 
     def _state_changed(self, chunk: list[_Slice], before: dict[tuple[int, str], list[Tensor]], skip: Tensor) -> bool:
         """The step added (or reshaped) state: no mask can undo that. From now on this optimizer's skips are decided
@@ -259,7 +278,9 @@ class GenericChunkedStep:
             for key in [k for k in state if (index, k) not in before]:
                 del state[key]  # made by this step
             for (place, key), old in before.items():
-                if place == index and key:
+                if place == index and key and (place, key) in self._plain:
+                    state[key] = self._plain[(place, key)]  # not a tensor before this step (None: an unused buffer)
+                elif place == index and key:
                     leaves = _leaves(state[key])
                     if [t.shape for t in leaves] != [t.shape for t in old]:
                         raise RuntimeError(
