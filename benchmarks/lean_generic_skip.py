@@ -36,9 +36,14 @@ class SubclassedSGD(torch.optim.SGD):
     """Not exactly torch.optim.SGD: the generic path."""
 
 
-def _optimizers() -> dict[str, Callable[..., torch.optim.Optimizer]]:
+def _optimizers(device: str) -> dict[str, Callable[..., torch.optim.Optimizer]]:
+    # on a GPU, torch's RMSprop keeps its step count on the GPU only with capturable=True (else on the CPU, and then
+    # the plugin reads the flag on the host: the table says which options were masked on the device)
+    capturable = device == "cuda"
     makers: dict[str, Callable[..., torch.optim.Optimizer]] = {
-        "RMSprop(momentum, centered)": lambda ps: torch.optim.RMSprop(ps, lr=1e-4, momentum=0.9, centered=True),
+        "RMSprop(momentum, centered)": lambda ps: torch.optim.RMSprop(
+            ps, lr=1e-4, momentum=0.9, centered=True, capturable=capturable
+        ),
         "SGD subclass (momentum)": lambda ps: SubclassedSGD(ps, lr=1e-3, momentum=0.9),
     }
     try:
@@ -86,7 +91,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.manual_seed(0)
     rows = []
-    for name, make in _optimizers().items():
+    for name, make in _optimizers(args.device).items():
         model = _model(args.params, args.device)
         store = RemainderMasters()
         store.convert(model)
@@ -97,8 +102,8 @@ def main() -> None:
         zero = torch.zeros((), device=args.device)
         one = torch.ones((), device=args.device)
         store.fused_step(optimizer, None)  # the state exists
-        store.fused_step(optimizer, zero)  # the host reads the flag once more and learns that it can mask
-        assert store._generic[id(optimizer)].masks_on_device, name
+        store.fused_step(optimizer, zero)  # the host reads the flag once more and learns whether it can mask
+        masked = "yes" if store._generic[id(optimizer)].masks_on_device else "no (host read)"
         options = _options(store, optimizer, zero, one)
         times: dict[str, list[float]] = {option: [] for option in options}
         for round_ in range(args.warmup + args.rounds):
@@ -109,12 +114,14 @@ def main() -> None:
         host = statistics.median(times["host"])
         for option, values in times.items():
             median = statistics.median(values)
-            rows.append(f"| {name} | {option} | {1e3 * median:.2f} | {median / host:.2f}x |")
+            on_device = masked if option != "host" else "-"
+            rows.append(f"| {name} | {option} | {on_device} | {1e3 * median:.2f} | {median / host:.2f}x |")
     params = sum(p.numel() for p in _model(args.params, "cpu").parameters())
     table = (
         f"{params / 1e6:.2f}M parameters (4 bf16 linears, 4 fp32 LayerNorms), default chunk size; median over "
         f"{args.rounds} rounds, options interleaved.\n\n"
-        "| optimizer | skip decided | step ms | vs host |\n|---|---|---:|---:|\n" + "\n".join(rows)
+        "| optimizer | flag given as | masked on the device | step ms | vs host |\n|---|---|---|---:|---:|\n"
+        + "\n".join(rows)
     )
     report("Generic lean step: skip on the host vs masked on the device", table, args.device, args.record)
 
