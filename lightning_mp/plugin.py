@@ -251,6 +251,7 @@ class MixedPrecisionPlugin(Precision):
         # every "already unscaled" record: gradients still unscaled are scaled back so the sum stays consistent
         if self.masters is not None:
             self.masters.before_backward()  # lean masters: gradients of earlier micro-batches add up in fp32
+        self._sync.before_backward()  # DDP, lean masters: fp32 sums move aside before a synchronising backward
         if self._checking:
             assert self.scaler is not None
             self._unscaled.new_backward(self.scaler)
@@ -261,6 +262,7 @@ class MixedPrecisionPlugin(Precision):
     def post_backward(self, tensor: Tensor, module: LightningModule) -> Tensor:  # type: ignore[override]
         # on_after_backward hooks still see the half gradients; then they move to the fp32 masters (adding up
         # across accumulated micro-batches in fp32) and the half ones are freed
+        self._sync.backward_finished()  # DDP, lean masters: the reduced fp32 sums become the gradients
         closure_loss = super().post_backward(tensor, module)
         if self.masters is not None:
             self.masters.grads_to_masters()

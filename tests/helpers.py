@@ -120,6 +120,8 @@ class TinyRegressor(L.LightningModule):
             opt = torch.optim.SGD(self.parameters(), lr=self.lr)
         elif self.optimizer_name == "adam":
             opt = torch.optim.Adam(self.parameters(), lr=self.lr, fused=self.fused)
+        elif self.optimizer_name == "rmsprop":  # with lean masters: the generic path (not torch's fused kernels)
+            opt = torch.optim.RMSprop(self.parameters(), lr=self.lr, momentum=0.9, centered=True)
         elif self.optimizer_name == "lbfgs":
             opt = torch.optim.LBFGS(self.parameters(), lr=self.lr)
         else:

@@ -171,3 +171,11 @@ def test_reference_experiment_runs_the_cli_once_per_precision(tmp_path):
     assert "| 32-true |" in done.stdout and "| bf16-mixed |" in done.stdout
     for precision in ("32-true", "bf16-mixed"):
         assert list((tmp_path / precision).glob("lightning_logs/version_*/metrics.csv"))
+
+
+def test_lean_generic_skip_benchmark_times_host_and_device_skips():
+    command = [sys.executable, str(ROOT / "benchmarks" / "lean_generic_skip.py"), "--params", "0.05"]
+    done = subprocess.run(command + ["--rounds", "1", "--warmup", "0"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    for option in ("| host |", "| device |", "| device, skip |"):
+        assert option in done.stdout

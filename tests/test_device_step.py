@@ -153,6 +153,30 @@ def test_no_host_sync_in_the_step_and_the_device_skip_equals_the_host_skip(
         assert torch.equal(params_of(model)[name], value), name
 
 
+LEAN_MATRIX = [
+    pytest.param(optimizer, manual, accumulate, id=f"{optimizer}-{'manual' if manual else 'auto'}-acc{accumulate}")
+    for optimizer in ("adam", "rmsprop")
+    for manual in (False, True)
+    for accumulate in (1, 2)
+]
+
+
+@pytest.mark.parametrize("optimizer, manual, accumulate", LEAN_MATRIX)
+def test_lean_masters_skip_on_the_device_in_both_paths(optimizer, manual, accumulate, step_syncs):
+    # master_weights="remainder": Adam through torch's fused kernel, RMSprop through the generic chunked path, whose
+    # first steps read the flag (the state is made, then the path learns that it can mask it: see
+    # lightning_mp.master.generic); then no step syncs, the non-finite one (step 2) included
+    run = dict(kind="bf16-check", masters="remainder", manual=manual, accumulate=accumulate, inject=(2,), steps=4)
+    model, plugin = _run(**run, optimizer=optimizer, fused=False)
+    assert step_syncs == ([0, 0, 0, 0] if optimizer == "adam" else [1, 1, 0, 0])
+    step_syncs.clear()
+    reference, reference_plugin = _run(**run, optimizer=optimizer, fused=False, observer=True)
+    assert step_syncs == [1, 1, 1, 1]
+    assert plugin.scaler.skipped_steps == reference_plugin.scaler.skipped_steps == 1
+    for name, value in params_of(reference).items():
+        assert torch.equal(params_of(model)[name], value), name
+
+
 def test_on_cpu_the_flag_is_read_on_the_host_by_default(step_syncs, monkeypatch):
     monkeypatch.setattr(stepping, "DECIDE_CPU_FLAGS_ON_HOST", True)
     model, plugin = _run("bf16-check", masters=False, manual=False, accumulate=1)

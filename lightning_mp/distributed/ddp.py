@@ -19,6 +19,23 @@ contiguous gradient buffer:
 The result is the mean over all ranks and micro-batches of fp32-accumulated gradients: what one process with the
 whole global batch computes. Cost: one all-reduce of 4 bytes per parameter per optimizer step (DDP alone moves 2
 bytes of half gradients), not overlapped with the backward; ``reduce_dtype=torch.bfloat16`` halves the bytes.
+
+With lean master weights (``master_weights="remainder"``) the model's bf16 parameters are the ones trained, so DDP's
+own bucketed all-reduce, overlapped with the backward, reduces their bf16 gradients, through the hook below in
+``reduce_dtype``. Accumulating in fp32 (the default, ``accumulate_grads_in=torch.float32``) over several
+micro-batches, where fp32 gradients cannot enter DDP's bf16 buckets:
+
+- on ``no_sync`` micro-batches the gradients add up in fp32 as on one device (autograd adds each bf16 gradient
+  into the fp32 one; DDP does nothing);
+- before the backward on which DDP synchronises, the fp32 sums move aside (:class:`_LeanSums`), so that this
+  backward's bf16 gradients go into DDP's buckets;
+- the hook adds, per bucket, the fp32 sums of the bucket's parameters to the bucket's bf16 gradients in fp32,
+  divides by the world size and all-reduces that in ``reduce_dtype``, keeping the fp32 result;
+- right after that backward (before ``on_after_backward`` hooks) the reduced fp32 sums become the gradients.
+
+The step sees the mean over ranks of fp32-accumulated gradients, as with fp32 masters, and the reduction stays
+overlapped with the backward: one all-reduce of ``reduce_dtype`` per bucket (4 bytes per parameter in fp32) on the
+last micro-batch only. Without accumulation nothing is moved aside: the bucket's mean is rounded back to bf16.
 """
 
 # no `from __future__ import annotations`: DDP checks the hook's annotations against the real classes
@@ -46,6 +63,8 @@ class DDPSync(ProcessGroupSync):
         self.reduce_dtype = reduce_dtype
         self._masters: Any = None
         self._hook_state: Optional[_HookState] = None
+        self._ddp: Optional[DistributedDataParallel] = None
+        self._lean: Optional[_LeanSums] = None
 
     def connect(self, model: Module, plugin: Any) -> None:
         if not isinstance(model, DistributedDataParallel):
@@ -55,9 +74,12 @@ class DDPSync(ProcessGroupSync):
         if getattr(masters, "kind", None) == "remainder":
             # lean masters: DDP broadcast rank 0's bf16 halves when it wrapped the model, the remainders were made
             # from each rank's own values: take rank 0's whole exact values. Then DDP reduces the bf16 gradient
-            # buckets itself, overlapped with the backward, in reduce_dtype through the hook below
-            _refuse_fp32_accumulation(masters, getattr(model.module, "_trainer", None))
+            # buckets itself, overlapped with the backward, in reduce_dtype through the hook below; fp32 sums of
+            # accumulated micro-batches join the last micro-batch's bf16 buckets there (_LeanSums)
             _broadcast_flats(masters.flat_buffers, self.group)
+            if masters.accumulate_grads_in == torch.float32:
+                lean = [p for p in model.module.parameters() if masters.offset_of(p) is not None]
+                self._ddp, self._lean = model, _LeanSums(lean)
             masters = None
         elif masters is None and self.reduce_dtype == torch.float32:
             return  # fp32 model: DDP's own fp32 all-reduce is the one we want
@@ -69,7 +91,7 @@ class DDPSync(ProcessGroupSync):
                 "plugin registers its own communication hook there (DDP takes one). Drop ddp_comm_hook, or use "
                 "master_weights=False with reduce_dtype=torch.float32."
             )
-        state = _HookState(self.group, masters.dtype if masters is not None else None, self.reduce_dtype)
+        state = _HookState(self.group, masters.dtype if masters is not None else None, self.reduce_dtype, self._lean)
         model.register_comm_hook(state, _reduce_hook)
         if masters is None:
             return
@@ -81,6 +103,33 @@ class DDPSync(ProcessGroupSync):
         for flat, _ in masters.flat_buffers:
             torch.distributed.broadcast(flat, src=src, group=self.group)
 
+    def before_backward(self) -> None:
+        lean = self._lean
+        # DDP's forward prepared the reducer for this backward unless it ran under no_sync: only then do the fp32
+        # sums have to leave the gradients (on no_sync micro-batches autograd adds into them, as on one device)
+        if lean is None or not getattr(self._ddp, "require_forward_param_sync", True):
+            return
+        for param in lean.params:
+            grad = param.grad
+            if grad is not None:  # fp32 here: the masters made it fp32 (RemainderMasters.before_backward)
+                lean.pending[id(param)] = grad if grad.dtype == torch.float32 else grad.float()
+                param.grad = None
+        lean.active = bool(lean.pending)
+
+    def backward_finished(self) -> None:
+        lean = self._lean
+        if lean is None or not lean.active:
+            return
+        lean.active = False
+        reduced, lean.reduced = lean.reduced, []
+        for param, value in reduced:
+            _set_fp32_grad(param, value)
+        if lean.pending:  # moved aside but not reduced (not in a DDP bucket, or no synchronisation after all)
+            for param in lean.params:
+                pending = lean.pending.pop(id(param), None)
+                if pending is not None:
+                    _set_fp32_grad(param, pending if param.grad is None else pending.add_(param.grad))
+
     def after_backward(self) -> None:
         if self._hook_state is None or not self._hook_state.synced:
             return  # no masters, or a no_sync micro-batch: the gradients stay local for now
@@ -89,20 +138,12 @@ class DDPSync(ProcessGroupSync):
         for _, flat_grad in self._masters.flat_buffers:
             all_reduce_mean(flat_grad, self.reduce_dtype, self.group)
 
+    def __getstate__(self) -> dict[str, Any]:
+        return {**super().__getstate__(), "_ddp": None, "_lean": None}
+
     def __repr__(self) -> str:
         mode = "master gradients reduced by the plugin" if self._hook_state is not None else "DDP reduces"
         return f"{type(self).__name__}(world_size={world_size(self.group)}, reduce_dtype={self.reduce_dtype}, {mode})"
-
-
-def _refuse_fp32_accumulation(masters: Any, trainer: Any) -> None:
-    accumulate = getattr(trainer, "accumulate_grad_batches", 1)
-    if accumulate > 1 and masters.accumulate_grads_in == torch.float32:
-        raise ValueError(
-            f"master_weights='remainder' with accumulate_grad_batches={accumulate} under DDP: fp32 accumulation makes "
-            "the gradients of the bf16 parameters fp32 between micro-batches, and DDP's buckets (bf16, built from the "
-            "parameters) cannot reduce them. Use master_weights={'kind': 'remainder', 'accumulate_grads_in': 'bf16'} "
-            "(DDP reduces the bf16 sums), or master_weights=True (fp32 masters: exact fp32 accumulation under DDP)."
-        )
 
 
 def _broadcast_flats(flats: list[tuple[Tensor, Tensor]], group: Any) -> None:
@@ -125,13 +166,40 @@ def all_reduce_mean(tensor: Tensor, reduce_dtype: torch.dtype, group: Optional[A
     tensor.copy_(sent)
 
 
+def _set_fp32_grad(param: Tensor, value: Tensor) -> None:
+    if param.grad is None:  # a gradient assigned must have its parameter's dtype: a bf16 one, whose data is replaced
+        param.grad = torch.empty_like(param)
+    param.grad.data = value
+
+
+class _LeanSums:
+    """Lean masters accumulating in fp32 under DDP: the fp32 sums of earlier micro-batches, moved aside before the
+    synchronising backward (``pending``), and what the hook made of them (``reduced``: ``(parameter, fp32 mean)``)."""
+
+    def __init__(self, params: list[Tensor]) -> None:
+        self.params = params  # the bf16 parameters with remainders
+        self.pending: dict[int, Tensor] = {}
+        self.reduced: list[tuple[Tensor, Tensor]] = []
+        self.active = False  # sums were moved aside before this backward: its bf16 buckets take them in
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"params": [], "pending": {}, "reduced": [], "active": False}  # tensors of a run: not pickled
+
+
 class _HookState:
     """What the communication hook needs, and what it tells us: whether DDP synchronised this backward."""
 
-    def __init__(self, group: Any, deferred_dtype: Optional[torch.dtype], reduce_dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        group: Any,
+        deferred_dtype: Optional[torch.dtype],
+        reduce_dtype: torch.dtype,
+        lean: Optional[_LeanSums] = None,
+    ) -> None:
         self.group = group
         self.deferred_dtype = deferred_dtype  # buckets of this dtype (the half parameters with masters) stay local
         self.reduce_dtype = reduce_dtype
+        self.lean = lean
         self.synced = False
 
     def __getstate__(self) -> dict[str, Any]:
@@ -145,6 +213,8 @@ def _reduce_hook(state: _HookState, bucket: torch.distributed.GradBucket) -> tor
     divide, cast, all-reduce, copy back).
     """
     buffer = bucket.buffer()
+    if state.lean is not None and state.lean.active and buffer.dtype == torch.bfloat16:
+        return _reduce_with_fp32_sums(state, bucket, buffer)
     if buffer.dtype == state.deferred_dtype:
         # half gradients of parameters with masters: no communication now; the flat fp32 master buffer is reduced
         # after this backward (DDPSync.after_backward)
@@ -163,3 +233,33 @@ def _reduce_hook(state: _HookState, bucket: torch.distributed.GradBucket) -> tor
         return buffer.copy_(fut.value()[0]) if sent is not buffer else buffer
 
     return future.then(copy_back)
+
+
+def _reduce_with_fp32_sums(
+    state: _HookState, bucket: torch.distributed.GradBucket, buffer: Tensor
+) -> torch.futures.Future[torch.Tensor]:
+    """Lean masters accumulating in fp32: the bucket's bf16 gradients plus its parameters' fp32 sums, in fp32,
+    divided by the world size and all-reduced in ``reduce_dtype``; the fp32 result is kept for the step
+    (``state.lean.reduced``), the bf16 bucket goes back to DDP as it came (its gradients are replaced)."""
+    lean = state.lean
+    assert lean is not None
+    total = buffer.to(torch.float32)  # a bucket's worth of fp32: the sums of its parameters are released into it
+    places, offset = [], 0
+    for param in bucket.parameters():  # laid out in this order in the bucket
+        numel = param.numel()
+        pending = lean.pending.pop(id(param), None)
+        if pending is not None:
+            total[offset : offset + numel].add_(pending.reshape(-1))  # as autograd adds into an fp32 gradient
+        places.append((param, offset, numel))
+        offset += numel
+    total.div_(world_size(state.group))
+    sent = total if state.reduce_dtype == torch.float32 else total.to(state.reduce_dtype)
+    future = torch.distributed.all_reduce(sent, group=state.group, async_op=True).get_future()
+
+    def keep(fut: torch.futures.Future[Any]) -> torch.Tensor:
+        value = fut.value()[0]
+        value = value if value.dtype == torch.float32 else value.to(torch.float32)
+        lean.reduced.extend((param, value[start : start + numel].view(param.shape)) for param, start, numel in places)
+        return buffer
+
+    return future.then(keep)

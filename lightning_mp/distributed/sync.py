@@ -36,6 +36,12 @@ class GradientSync:
     def connect(self, model: Module, plugin: Any) -> None:
         """Called from the plugin's ``connect`` with what the strategy hands it (a wrapper, for DDP)."""
 
+    def before_backward(self) -> None:
+        """Called before every backward, after the masters prepared the gradients of earlier micro-batches."""
+
+    def backward_finished(self) -> None:
+        """Called right after every backward, before ``on_after_backward`` hooks see the gradients."""
+
     def after_backward(self) -> None:
         """Called after every backward, once the half gradients are in the masters (when there are masters)."""
 

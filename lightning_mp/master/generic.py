@@ -20,8 +20,29 @@ row blocks of parameters larger than ``chunk_size``; raise ``chunk_size`` above 
 whole parameters (the transient memory then grows to that parameter's size).
 
 Transient memory: fp32 staging values and gradients of one chunk (8 bytes x ``chunk_size``) plus the optimizer's
-own temporaries for that chunk. ``found_inf``: the generic path reads it on the host (one synchronisation per step)
-and skips the whole step when it is nonzero; only the fused AdamW/Adam/SGD path skips on the device.
+own temporaries for that chunk.
+
+``found_inf`` (a step the plugin lets the device skip): the step is skipped on the device where it can be, by a
+masked write-back per chunk. Before the chunk's ``optimizer.step()`` its optimizer state tensors (the inner tensors
+of tensor subclasses such as torchao's 8-bit states) and the values of its fp32 parameters are copied; after it,
+each becomes ``torch.where(found_inf, old, new)``, and the weights and remainders are written back the same way, so
+a skipped step leaves every bit as it was and a finite one is the optimizer's own result, bit for bit. Group
+options that are tensors (torch-optimi's per-group step counter, torchao's ``lr``) are masked once after the last
+chunk. Extra transient memory: a copy of one chunk's optimizer state, and 4 bytes x ``chunk_size``. The flag is
+read on the host instead (one synchronisation per step, the whole step skipped when it is nonzero) where masking
+cannot keep the step exact:
+
+- until the first step with a flag that finds the state made (the skip could not undo its creation, and the
+  first step may set the optimizer up): that step also checks the next condition; and on any step where a
+  parameter has no state yet;
+- when the per-parameter state holds anything but tensors (a step counter as a Python number), when a step changes
+  a group option that is not a tensor (a Python counter in ``param_groups``), or when a state tensor or a tensor
+  option lives on another device than the flag: torch's for-loop optimizers, torchao and torch-optimi keep their
+  step counters as CPU tensors, so on a GPU they are decided on the host (on a CPU run, or with ``capturable=True``
+  optimizers on a GPU, they skip on the device);
+- from the step on which the optimizer adds state it did not have (a buffer made late): that step reads the flag
+  (and, when it must be skipped, removes what it added and puts the rest back), and later ones are decided on the
+  host.
 
 ``optimizer.state_dict()`` and ``load_state_dict()`` see the proxies (hooks swap them into ``param_groups`` for the
 call), so a checkpoint holds the per-slice state and resumes exactly into the same model and ``chunk_size``.
@@ -89,6 +110,8 @@ class GenericChunkedStep:
             [s for p in group["params"] for s in _slices_of(p, chunk_size)] for group in optimizer.param_groups
         ]
         self._model_params: list[list[Tensor]] = [list(g["params"]) for g in optimizer.param_groups]
+        self.masks_on_device: Optional[bool] = None  # learnt on the first step with a flag (see the module doc)
+        self._plain: dict[tuple[int, str], Any] = {}
         self._hooks = [
             optimizer.register_state_dict_pre_hook(lambda opt: self._swap_in_proxies()),
             optimizer.register_state_dict_post_hook(lambda opt, state: self._swap_out_proxies()),
@@ -105,14 +128,21 @@ class GenericChunkedStep:
             group["params"] = list(params)
 
     def step(self, found_inf: Optional[Tensor], grad_ops: list[tuple[str, Any]]) -> None:
-        """One step of the optimizer over every chunk (skipped entirely when ``found_inf`` is nonzero)."""
-        if found_inf is not None and bool(found_inf.item()):  # a host synchronisation (see module doc)
-            return
+        """One step of the optimizer over every chunk; where ``found_inf`` is nonzero, none: skipped on the device
+        by a masked write-back, or decided on the host where masking cannot be exact (see the module doc)."""
+        chunks = [(index, chunk) for index, slices in enumerate(self.slices) for chunk in self._chunks(slices)]
+        skip: Optional[Tensor] = None
+        had_state = False
+        if found_inf is not None:
+            had_state = all(self.optimizer.state.get(s.proxy) for _, chunk in chunks for s in chunk)
+            if self.masks_on_device and had_state:
+                skip = found_inf.reshape(()) > 0  # stays on the device
+            elif bool(found_inf.item()):  # a host synchronisation
+                return
         groups = self.optimizer.param_groups
         apply_grad_ops_in_place(
             [p for params in self._model_params for p in params if self.store.offset_of(p) is None], grad_ops
         )
-        chunks = [(index, chunk) for index, slices in enumerate(self.slices) for chunk in self._chunks(slices)]
         options = [_snapshot(group) for group in groups]
         try:
             for number, (index, chunk) in enumerate(chunks):
@@ -124,8 +154,23 @@ class GenericChunkedStep:
                     apply_grad_ops(staged, grad_ops)
                 for position, group in enumerate(groups):
                     group["params"] = [s.proxy for s in chunk] if position == index else []
+                before = self._save(chunk) if skip is not None else None
                 self.optimizer.step()
-                self._unstage(chunk)
+                if (
+                    before is not None
+                    and skip is not None
+                    and (self._plain_changed(chunk) or not _mask(skip, before, self._tensors(chunk)))
+                ):
+                    if self._state_changed(chunk, before, skip):  # read on the host: skipped after all
+                        self._unstage(chunk, skip)  # the weights as they were
+                        break  # the chunks not stepped yet stay as they are
+                    skip = None  # read on the host: the step stands, the other chunks step unmasked
+                self._unstage(chunk, skip)
+            if skip is not None:
+                for group, saved in zip(groups, options):
+                    _mask_options(skip, group, saved)
+            elif found_inf is not None and self.masks_on_device is None and had_state:
+                self.masks_on_device = self._maskable(found_inf.device, options)
         finally:
             for slices in self.slices:
                 for s in slices:
@@ -177,12 +222,97 @@ class GenericChunkedStep:
             position += s.numel
         return grads[:position]
 
-    def _unstage(self, chunk: list[_Slice]) -> None:
+    def _unstage(self, chunk: list[_Slice], skip: Optional[Tensor] = None) -> None:
         for s in chunk:
             offset = self.store.offset_of(s.param)
-            if offset is not None:
-                high, low = self.store.flat_slices(s.param.device, offset + s.start, offset + s.end)
+            if offset is None:
+                continue
+            high, low = self.store.flat_slices(s.param.device, offset + s.start, offset + s.end)
+            if skip is None:
                 self.store.split_into(s.proxy.data.reshape(-1), high, low)
+                continue
+            new_high, new_low = torch.empty_like(high), torch.empty_like(low)  # a slice's worth: within the chunk
+            self.store.split_into(s.proxy.data.reshape(-1), new_high, new_low)
+            torch.where(skip, high, new_high, out=high)
+            torch.where(skip, low, new_low, out=low)
+
+    def _tensors(self, chunk: list[_Slice]) -> dict[tuple[int, str], list[Tensor]]:
+        """The tensors a step of ``chunk`` may change, by (slice, key): the values of its fp32 parameters (key
+        ``""``; the lean ones are masked at the write-back) and every state tensor of its proxies (subclasses: their
+        inner tensors)."""
+        tensors: dict[tuple[int, str], list[Tensor]] = {}
+        for index, s in enumerate(chunk):
+            if self.store.offset_of(s.param) is None:
+                tensors[(index, "")] = [s.proxy.data]
+            for key, value in self.optimizer.state[s.proxy].items():
+                tensors[(index, key)] = _leaves(value) if isinstance(value, Tensor) else []  # None: unused buffer
+        return tensors
+
+    def _save(self, chunk: list[_Slice]) -> dict[tuple[int, str], list[Tensor]]:
+        self._plain = {  # what is not a tensor (None, ...), to put back if a skipped step changes it
+            (index, key): copy.copy(value)
+            for index, s in enumerate(chunk)
+            for key, value in self.optimizer.state[s.proxy].items()
+            if not isinstance(value, Tensor)
+        }
+        return {place: [t.clone() for t in leaves] for place, leaves in self._tensors(chunk).items()}
+
+    def _plain_changed(self, chunk: list[_Slice]) -> bool:
+        plain = {
+            (index, key): value
+            for index, s in enumerate(chunk)
+            for key, value in self.optimizer.state[s.proxy].items()
+            if not isinstance(value, Tensor)
+        }
+        return plain.keys() != self._plain.keys() or not all(_same_option(plain[k], self._plain[k]) for k in plain)
+
+    def _state_changed(self, chunk: list[_Slice], before: dict[tuple[int, str], list[Tensor]], skip: Tensor) -> bool:
+        """The step added (or reshaped) state: no mask can undo that. From now on this optimizer's skips are decided
+        on the host; this one is read now (a host synchronisation) and, if skipped, the chunk's state is put back.
+        Whether the step is skipped."""
+        self.masks_on_device = False
+        if not bool(skip.item()):
+            return False  # the step stands (the chunks before were masked with a zero flag: unchanged)
+        for index, s in enumerate(chunk):
+            state = self.optimizer.state[s.proxy]
+            for key in [k for k in state if (index, k) not in before]:
+                del state[key]  # made by this step
+            for (place, key), old in before.items():
+                if place == index and key and (place, key) in self._plain:
+                    state[key] = self._plain[(place, key)]  # not a tensor before this step (None: an unused buffer)
+                elif place == index and key:
+                    leaves = _leaves(state[key])
+                    if [t.shape for t in leaves] != [t.shape for t in old]:
+                        raise RuntimeError(
+                            f"{type(self.optimizer).__name__}.step() reshaped its state {key!r} on a step that had "
+                            "to be skipped; master_weights='remainder' cannot put it back. Register a skip observer "
+                            "(plugin.skip_observers.append(lambda **_: None)) so every skip is decided on the host."
+                        )
+                    for leaf, saved in zip(leaves, old):
+                        leaf.copy_(saved)
+            if (index, "") in before:
+                s.proxy.data.copy_(before[(index, "")][0])
+        return True
+
+    def _maskable(self, device: torch.device, options: list[dict[str, Any]]) -> bool:
+        """After a host-decided step: whether later steps can be skipped on ``device`` by masking (module doc)."""
+        for slices in self.slices:
+            for s in slices:
+                for value in self.optimizer.state.get(s.proxy, {}).values():
+                    if value is None:  # an unused buffer (torch-optimi's Kahan buffer of an fp32 parameter)
+                        continue
+                    leaves = _leaves(value) if isinstance(value, Tensor) else []
+                    if not leaves or any(t.device != device for t in leaves):
+                        return False
+        for group, saved in zip(self.optimizer.param_groups, options):
+            for key, value in saved.items():
+                current = group.get(key)
+                if isinstance(value, Tensor):
+                    if not isinstance(current, Tensor) or current.device != device:
+                        return False
+                elif not _same_option(current, value):
+                    return False
+        return True
 
     def restore(self) -> None:
         """At teardown: state of a parameter held by one whole-parameter proxy moves to the parameter; per-slice
@@ -194,6 +324,41 @@ class GenericChunkedStep:
                     self.optimizer.state[s.param] = state
         for hook in self._hooks:
             hook.remove()
+
+
+def _leaves(value: Tensor) -> list[Tensor]:
+    """A plain tensor, or the plain inner tensors of a wrapper subclass (``__tensor_flatten__``), recursively."""
+    flatten = getattr(value, "__tensor_flatten__", None)
+    if type(value) is Tensor or flatten is None:
+        return [value]
+    return [leaf for name in flatten()[0] for leaf in _leaves(getattr(value, name))]
+
+
+def _mask(skip: Tensor, before: dict[Any, list[Tensor]], after: dict[Any, list[Tensor]]) -> bool:
+    """``after = where(skip, before, after)``, in place (no host synchronisation); ``False`` (nothing masked) when
+    the step added or reshaped state."""
+    if before.keys() != after.keys() or any(
+        [t.shape for t in before[place]] != [t.shape for t in after[place]] for place in before
+    ):
+        return False
+    for place, old_leaves in before.items():
+        for old, new in zip(old_leaves, after[place]):
+            torch.where(skip, old, new, out=new)
+    return True
+
+
+def _mask_options(skip: Tensor, group: dict[str, Any], saved: dict[str, Any]) -> None:
+    for key, value in saved.items():
+        current = group.get(key)
+        if isinstance(value, Tensor) and isinstance(current, Tensor) and current.shape == value.shape:
+            torch.where(skip, value, current, out=current)
+
+
+def _same_option(current: Any, saved: Any) -> bool:
+    try:
+        return bool(current == saved)
+    except (RuntimeError, TypeError, ValueError):  # containers of tensors and the like: not comparable here
+        return False
 
 
 def _snapshot(group: dict[str, Any]) -> dict[str, Any]:

@@ -265,8 +265,9 @@ class RemainderMasters(MasterWeights):
         """The update of ``optimizer``'s parameters on the lean state, chunk by chunk.
 
         ``found_inf``: a 0-dim float tensor on the device, nonzero when the step must be skipped (weights,
-        remainders, optimizer state and step counters stay unchanged; for AdamW/Adam/SGD without any host
-        synchronisation); ``None`` steps unconditionally. Clipping requested since the last step is applied here.
+        remainders, optimizer state and step counters stay unchanged; without any host synchronisation for
+        AdamW/Adam/SGD, and for other optimizers where :mod:`~lightning_mp.master.generic` can mask the step);
+        ``None`` steps unconditionally. Clipping requested since the last step is applied here.
         """
         grad_ops = self._grad_ops.pop(id(optimizer), [])
         if not uses_fused_kernel(optimizer) and id(optimizer) not in self._generic:  # not seen by attach()

@@ -110,12 +110,33 @@ class Net(L.LightningModule):
         params = [p for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
         if self.trainer.global_step == 0:
             self.record["grads"] = _full(params[0].grad)  # the (unscaled, reduced) gradient the optimizer sees
+            self.record["grad_dtype"] = params[0].grad.dtype
         self.record["norms"].append(float(_full(torch.nn.utils.get_total_norm([p.grad for p in params]))))
         self.clip_gradients(optimizer, gradient_clip_val, gradient_clip_algorithm)
         self.record["clipped"].append(float(_full(torch.nn.utils.get_total_norm([p.grad for p in params]))))
 
     def configure_optimizers(self) -> Any:
         return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9, fused=self.fused)
+
+
+class ManualNet(Net):
+    """``Net`` with manual optimization: ``accumulate`` micro-batches per step, as Lightning's manual-optimization
+    docs write it (under DDP every backward synchronises: no ``no_sync``), clipping by norm before ``opt.step()``."""
+
+    def __init__(self, accumulate: int = 1, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.automatic_optimization = False
+        self.accumulate = accumulate
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        optimizer = self.optimizers()
+        loss = super().training_step(batch, batch_idx)
+        self.manual_backward(loss / self.accumulate)
+        if (batch_idx + 1) % self.accumulate == 0 or batch_idx + 1 == self.trainer.num_training_batches:
+            self.configure_gradient_clipping(optimizer, CLIP, "norm")
+            optimizer.step()
+            optimizer.zero_grad()
+        return loss
 
 
 class StepRecorder(Callback):
@@ -169,6 +190,9 @@ def fit(
 ) -> dict[str, Any]:
     """One run; what it recorded, the final fp32 weights (whole, on every rank) and the scaler state."""
     torch.manual_seed(0)
+    manual = issubclass(model_class, ManualNet)  # it accumulates and clips itself (Lightning refuses both then)
+    if manual:
+        model_kwargs["accumulate"] = accumulate
     model = model_class(
         inject=inject, shard=shard, per_rank_batch=GLOBAL_BATCH // devices // accumulate, **model_kwargs
     )
@@ -190,8 +214,8 @@ def fit(
         strategy=strategy,
         plugins=[plugin],
         max_epochs=EPOCHS,
-        accumulate_grad_batches=accumulate,
-        gradient_clip_val=CLIP,
+        accumulate_grad_batches=1 if manual else accumulate,
+        gradient_clip_val=None if manual else CLIP,
         logger=False,
         enable_progress_bar=False,
         enable_model_summary=False,
