@@ -15,9 +15,8 @@ keeps in the group) are put back as they were before each chunk but the first, s
 once per step. Parameters kept in fp32 are sliced the same way, their proxies pointing at the parameter itself.
 
 Exactness: for an optimizer that treats elements independently (Adam family, SGD, Lion, torch-optimi, torchao's
-block-quantised states, whose blocks the
-256-aligned slices keep where they are in the whole parameter), the result is the optimizer's own update of fp32
-parameters holding the exact values. Optimizers that look at a parameter's shape (Adafactor, Shampoo, Muon) see
+block-quantised states, whose blocks the 256-aligned slices keep where they are in the whole parameter), the result
+is the optimizer's own update of fp32 parameters holding the exact values. Optimizers that look at a parameter's shape (Adafactor, Shampoo, Muon) see
 row blocks of parameters larger than ``chunk_size``; raise ``chunk_size`` above the largest parameter to give them
 whole parameters (the transient memory then grows to that parameter's size).
 
