@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 import lightning_mp.master.blocks as blocks
+import lightning_mp.master.remainder as remainder
 from lightning_mp.master import RemainderMasters
 from lightning_mp.master.blocks import BLOCK_CHUNKS
 from tests.helpers import seeded
@@ -92,6 +93,30 @@ def test_convert_splits_one_block_at_a_time_and_restore_gives_fp32_back_block_by
     for param, ref in zip(model.parameters(), reference.parameters()):
         assert param.dtype == torch.float32 and torch.equal(param, ref)
     assert _live_cpu_bytes() - others <= at_rest + 1024  # the blocks are gone, the fp32 values took their place
+
+
+def test_loading_a_state_dict_splits_the_values_without_copying_the_model(monkeypatch):
+    with seeded():
+        model = _model()
+        source = _model()  # other values: the load must change every weight
+    store = RemainderMasters(chunk_size=CHUNK)
+    store.convert(model)
+    store.attach([torch.optim.AdamW(model.parameters(), lr=1e-2)])
+    state = source.state_dict()
+    before = _live_cpu_bytes()  # the converted model + the state dict to load
+    seen = []
+    split = blocks.split_by_chunks
+
+    def measured_split(*args, **kwargs):
+        seen.append(_live_cpu_bytes() - before)
+        return split(*args, **kwargs)
+
+    monkeypatch.setattr(remainder, "split_by_chunks", measured_split)
+    model.load_state_dict(state)
+    assert len(seen) == 8 and max(seen) <= 1024  # no fp32 copy of the loaded values (only the split's temporaries)
+    for param, ref in zip(model.parameters(), source.parameters()):
+        exact = store.fp32_value(param) if param.dtype == torch.bfloat16 else param.detach()
+        assert torch.equal(exact, ref)
 
 
 def _check_moved_then_attached(model, reference, move):

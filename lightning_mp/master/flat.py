@@ -266,7 +266,11 @@ class MasterWeights:
                 if key in self._masters:
                     self._masters[key].copy_(value)
                 else:
-                    self._fp32_values[key] = value.detach().to(param.device, torch.float32, copy=True)
+                    self._fp32_values[key] = self._loaded_value(param, value)
+
+    def _loaded_value(self, param: nn.Parameter, value: Tensor) -> Tensor:
+        # kept until attach() or restore(): a copy, since the caller may change or free its state dict
+        return value.detach().to(param.device, torch.float32, copy=True)
 
     def _load_state_dict_post_hook(self, module: nn.Module, incompatible_keys: Any) -> None:
         # the half copies are the masters rounded once, whichever alias was loaded last

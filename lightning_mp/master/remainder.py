@@ -282,6 +282,10 @@ class RemainderMasters(MasterWeights):
             return join_by_chunks(high, low, value.view(-1), self.chunk_size_for(high.device)).view(param.shape)
         return super().fp32_value(param)
 
+    def _loaded_value(self, param: nn.Parameter, value: Tensor) -> Tensor:
+        # the post-hook of the same load splits it into the blocks, chunk by chunk: no copy of the whole model
+        return value.detach() if id(param) in self._layout else super()._loaded_value(param, value)
+
     def _load_state_dict_post_hook(self, module: nn.Module, incompatible_keys: Any) -> None:
         # the pre-hook (MasterWeights') put each loaded fp32 value in _fp32_values; split it into weight + remainder
         with torch.no_grad():
