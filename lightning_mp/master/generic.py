@@ -3,8 +3,8 @@
 The optimizer keeps its own per-parameter state (torchao's 8-bit or 4-bit states, torch-optimi's Kahan buffers,
 anything), keyed by *proxy* parameters: one fp32 ``nn.Parameter`` per slice of a model parameter. A slice is a
 block of whole rows (along dim 0) of at most ``chunk_size`` elements, a multiple of 256 elements where the rows
-allow it (block-quantised states: see ``QUANTUM``); a parameter that fits in a chunk is one slice
-with its own shape. Between steps a proxy holds no storage (a zero-stride fp32 placeholder of its shape), so the
+allow it (block-quantised states: see ``QUANTUM``); a parameter that fits in a chunk is one slice with its own
+shape. Between steps a proxy holds no storage (a zero-stride fp32 placeholder of its shape), so the
 state is as small as the optimizer makes it and no fp32 copy of the model exists.
 
 A step, per chunk of slices of one param group: join the slices' bf16 weights and remainders into an fp32 staging
@@ -16,9 +16,9 @@ once per step. Parameters kept in fp32 are sliced the same way, their proxies po
 
 Exactness: for an optimizer that treats elements independently (Adam family, SGD, Lion, torch-optimi, torchao's
 block-quantised states, whose blocks the 256-aligned slices keep where they are in the whole parameter), the result
-is the optimizer's own update of fp32 parameters holding the exact values. Optimizers that look at a parameter's shape (Adafactor, Shampoo, Muon) see
-row blocks of parameters larger than ``chunk_size``; raise ``chunk_size`` above the largest parameter to give them
-whole parameters (the transient memory then grows to that parameter's size).
+is the optimizer's own update of fp32 parameters holding the exact values. Optimizers that look at a parameter's
+shape (Adafactor, Shampoo, Muon) see row blocks of parameters larger than ``chunk_size``; raise ``chunk_size`` above
+the largest parameter to give them whole parameters (the transient memory then grows to that parameter's size).
 
 Transient memory: fp32 staging values and gradients of one chunk (8 bytes x ``chunk_size``) plus the optimizer's
 own temporaries for that chunk. ``found_inf``: the generic path reads it on the host (one synchronisation per step)
