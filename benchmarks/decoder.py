@@ -17,8 +17,10 @@ Modes, each a fresh process per round, the rounds alternating the modes (so mach
 Measured: *at rest*, the bytes of every live tensor storage after a step (walking ``gc.get_objects()``,
 storages counted once; parameters, gradients, masters, remainders, optimizer state, anything else alive) per
 parameter; *peak heap*, glibc ``mallinfo2()`` bytes in use (``uordblks + hblkhd``, not RSS) polled every 0.5 ms from
-after the imports, before the model is built, to the end of fit, minus the value then, per parameter; *step*, the median time of the
-steps after the first two (``on_train_batch_start`` to ``on_train_batch_end``), median over rounds. On CUDA the
+after the imports, before the model is built, to the end of fit, minus the value then, per parameter (and until
+the first training batch starts: *setup*, the model built and converted, the optimizers made); *step*, the median
+time of the steps after the first two (``on_train_batch_start`` to ``on_train_batch_end``), median over rounds. On
+CUDA the
 peak is ``torch.cuda.max_memory_allocated`` over the one before the model is built, and at rest counts CUDA storages.
 """
 
@@ -160,6 +162,8 @@ def _worker(args: argparse.Namespace) -> dict:
         def on_train_batch_start(self, *a):
             if cuda:
                 torch.cuda.synchronize()
+            if not self.times and not hasattr(self, "setup_peak"):  # setup: model built, converted, optimizers
+                self.setup_peak = heap.peak - heap.start if heap is not None else peak_cuda()
             self._t0 = time.perf_counter()
 
         def on_train_batch_end(self, *a):
@@ -209,6 +213,7 @@ def _worker(args: argparse.Namespace) -> dict:
         "at_rest": module.at_rest,
         "peak": peak,
         "train_peak": module.train_peak,
+        "setup_peak": module.setup_peak,
         "step_s": statistics.median(module.times[2:] or module.times),
     }
 
@@ -260,8 +265,9 @@ def main() -> None:
     base_peak = statistics.median(r["peak"] for r in runs.get("builtin-bf16", next(iter(runs.values()))))
     lines = [
         "| mode | at rest, bytes/param | peak heap in use, bytes/param (fit incl. teardown) | peak vs builtin-bf16 "
-        "| peak until train end, bytes/param | median step (ms) | speed vs builtin-bf16 | steps of the rounds (ms) |",
-        "|---|---:|---:|---:|---:|---:|---:|---|",
+        "| peak until train end, bytes/param | peak of the setup, bytes/param | median step (ms) "
+        "| speed vs builtin-bf16 | steps of the rounds (ms) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for mode, rows in runs.items():
         params = rows[0]["params"]
@@ -271,8 +277,10 @@ def main() -> None:
         each = ", ".join(f"{r['step_s'] * 1e3:.0f}" for r in rows)
         trained = [r["train_peak"] for r in rows if "train_peak" in r]
         train_peak = f"{statistics.median(trained) / params:.1f}" if trained else "-"
+        setup = [r["setup_peak"] for r in rows if "setup_peak" in r]
+        setup_peak = f"{statistics.median(setup) / params:.1f}" if setup else "-"
         lines.append(
-            f"| {mode} | {rest:.1f} | {peak / params:.1f} | {peak / base_peak:.2f}x | {train_peak} "
+            f"| {mode} | {rest:.1f} | {peak / params:.1f} | {peak / base_peak:.2f}x | {train_peak} | {setup_peak} "
             f"| {step * 1e3:.0f} | {base / step:.2f}x | {each} |"
         )
     params = next(iter(runs.values()))[0]["params"]

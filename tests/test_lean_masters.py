@@ -224,6 +224,33 @@ def test_torchao_8bit_and_4bit_adamw_run_exactly_with_their_small_state(monkeypa
         assert weight_state["exp_avg"].shape == (256, 300)
 
 
+def test_torchao_8bit_state_stays_8bit_and_exact_on_sliced_parameters(monkeypatch):
+    # a 512x172 weight is cut into row blocks at chunk_size 32768: 190 rows (32680 elements, not a multiple of
+    # torchao's 256-element blocks, which gave fp32 state) are trimmed to 128 rows (22016 = 86 blocks)
+    torchao_optim = pytest.importorskip("torchao.optim")
+    monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: fn)
+    with seeded():
+        model = nn.Sequential(nn.Linear(172, 512), nn.Linear(512, 8))
+    reference = copy.deepcopy(model)
+    store = RemainderMasters(chunk_size=32768)
+    store.convert(model)
+    optimizer = torchao_optim.AdamW8bit(model.parameters(), lr=1e-2, weight_decay=0.1)
+    store.attach([optimizer])
+    ref_optimizer = torchao_optim.AdamW8bit(reference.parameters(), lr=1e-2, weight_decay=0.1)
+    generator = torch.Generator().manual_seed(4)
+    for _ in range(2):
+        _same_grads(model, reference, generator)
+        store.fused_step(optimizer, None)
+        ref_optimizer.step()
+    slices = store._generic[id(optimizer)].slices[0]
+    weight_slices = [s for s in slices if s.param is model[0].weight]
+    assert [s.shape for s in weight_slices] == [(128, 172)] * 4
+    for s in weight_slices:
+        assert type(optimizer.state[s.proxy]["exp_avg"]).__name__ == "OptimState8bit"
+    for param, ref in zip(model.parameters(), reference.parameters()):
+        assert torch.equal(_exact(store, param), ref)
+
+
 @pytest.mark.parametrize("kahan_sum", [False, True])
 def test_torch_optimi_adamw_runs_exactly_on_slices(kahan_sum):
     optimi = pytest.importorskip("optimi")

@@ -95,9 +95,7 @@ class MasterWeights:
                 if not param.is_floating_point() or id(param) in self._params or id(param) in kept:
                     continue
                 self._params[id(param)] = param  # a model that arrives in half precision gets masters too
-                if param.dtype != self.dtype:
-                    self._fp32_values[id(param)] = param.data
-                    param.data = param.data.to(self.dtype)
+                self._cast_param(param)
             for name, buffer in list(owner.named_buffers(recurse=False)):
                 if buffer is not None and buffer.is_floating_point() and buffer.dtype != self.dtype:
                     half = buffer.to(self.dtype)
@@ -112,6 +110,12 @@ class MasterWeights:
             module.register_load_state_dict_post_hook(self._load_state_dict_post_hook),
         ]
         return module
+
+    def _cast_param(self, param: nn.Parameter) -> None:
+        # the model's parameter becomes half precision; its fp32 value is kept (no copy) until attach() or restore()
+        if param.dtype != self.dtype:
+            self._fp32_values[id(param)] = param.data
+            param.data = param.data.to(self.dtype)
 
     def attach(self, optimizers: Iterable[Optimizer]) -> None:
         """Replace the half parameters inside each optimizer's ``param_groups`` by fp32 masters, in place.
@@ -262,7 +266,11 @@ class MasterWeights:
                 if key in self._masters:
                     self._masters[key].copy_(value)
                 else:
-                    self._fp32_values[key] = value.detach().to(param.device, torch.float32, copy=True)
+                    self._fp32_values[key] = self._loaded_value(param, value)
+
+    def _loaded_value(self, param: nn.Parameter, value: Tensor) -> Tensor:
+        # kept until attach() or restore(): a copy, since the caller may change or free its state dict
+        return value.detach().to(param.device, torch.float32, copy=True)
 
     def _load_state_dict_post_hook(self, module: nn.Module, incompatible_keys: Any) -> None:
         # the half copies are the masters rounded once, whichever alias was loaded last

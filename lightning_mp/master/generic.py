@@ -2,8 +2,9 @@
 
 The optimizer keeps its own per-parameter state (torchao's 8-bit or 4-bit states, torch-optimi's Kahan buffers,
 anything), keyed by *proxy* parameters: one fp32 ``nn.Parameter`` per slice of a model parameter. A slice is a
-block of whole rows (along dim 0) of at most ``chunk_size`` elements; a parameter that fits in a chunk is one slice
-with its own shape. Between steps a proxy holds no storage (a zero-stride fp32 placeholder of its shape), so the
+block of whole rows (along dim 0) of at most ``chunk_size`` elements, a multiple of 256 elements where the rows
+allow it (block-quantised states: see ``QUANTUM``); a parameter that fits in a chunk is one slice with its own
+shape. Between steps a proxy holds no storage (a zero-stride fp32 placeholder of its shape), so the
 state is as small as the optimizer makes it and no fp32 copy of the model exists.
 
 A step, per chunk of slices of one param group: join the slices' bf16 weights and remainders into an fp32 staging
@@ -14,10 +15,10 @@ keeps in the group) are put back as they were before each chunk but the first, s
 once per step. Parameters kept in fp32 are sliced the same way, their proxies pointing at the parameter itself.
 
 Exactness: for an optimizer that treats elements independently (Adam family, SGD, Lion, torch-optimi, torchao's
-block-quantised states when a slice is a whole parameter), the result is the optimizer's own update of fp32
-parameters holding the exact values. Optimizers that look at a parameter's shape (Adafactor, Shampoo, Muon) see
-row blocks of parameters larger than ``chunk_size``; raise ``chunk_size`` above the largest parameter to give them
-whole parameters (the transient memory then grows to that parameter's size).
+block-quantised states, whose blocks the 256-aligned slices keep where they are in the whole parameter), the result
+is the optimizer's own update of fp32 parameters holding the exact values. Optimizers that look at a parameter's
+shape (Adafactor, Shampoo, Muon) see row blocks of parameters larger than ``chunk_size``; raise ``chunk_size`` above
+the largest parameter to give them whole parameters (the transient memory then grows to that parameter's size).
 
 Transient memory: fp32 staging values and gradients of one chunk (8 bytes x ``chunk_size``) plus the optimizer's
 own temporaries for that chunk.
@@ -51,6 +52,7 @@ call), so a checkpoint holds the per-slice state and resumes exactly into the sa
 from __future__ import annotations
 
 import copy
+import math
 from typing import Any, Optional
 
 import torch
@@ -80,12 +82,22 @@ def _placeholder(shape: tuple[int, ...], device: torch.device) -> Tensor:
     return torch.zeros((), dtype=torch.float32, device=device).expand(shape)
 
 
+#: Slices hold a multiple of this many elements where a chunk allows it (row blocks of ``QUANTUM / gcd(row,
+#: QUANTUM)`` rows): block-quantised optimizer states (torchao's 8-bit: blocks of 256, 4-bit: 128) quantise a tensor
+#: whose size is a multiple of their block and fall back to fp32 state otherwise; aligned slices also keep the blocks
+#: where they are in the whole parameter, so the quantisation is the same.
+QUANTUM = 256
+
+
 def _slices_of(param: Tensor, chunk_size: int) -> list[_Slice]:
     numel = param.numel()
     if numel <= chunk_size or param.dim() < 1:
         return [_Slice(param, 0, numel, tuple(param.shape))]
     row = numel // param.shape[0]
     rows_per_slice = max(1, chunk_size // row)
+    aligned = QUANTUM // math.gcd(row, QUANTUM)  # rows per multiple of QUANTUM elements
+    if aligned <= rows_per_slice:
+        rows_per_slice -= rows_per_slice % aligned
     slices = []
     for first in range(0, param.shape[0], rows_per_slice):
         last = min(first + rows_per_slice, param.shape[0])

@@ -1,10 +1,10 @@
 """Lean master weights: a bf16 model plus a 16-bit remainder per element, that together are the fp32 masters exactly.
 
-``master_weights="remainder"``. The model's parameters become bf16 views into one flat buffer per device (what the
-forward uses); a parallel int16 buffer holds, per element, the low 16 bits that the bf16 rounding dropped (see
-:mod:`lightning_mp.master.bits`: every non-NaN fp32 value is its bf16 half plus this remainder, bit for bit). No
-fp32 copy of the model exists between steps; the optimizer step (:meth:`RemainderMasters.fused_step`) rebuilds fp32
-values one chunk at a time.
+``master_weights="remainder"``. The model's parameters become bf16 views into flat blocks (what the forward uses;
+:mod:`lightning_mp.master.blocks`); a parallel int16 buffer holds, per element, the low 16 bits that the bf16
+rounding dropped (see :mod:`lightning_mp.master.bits`: every non-NaN fp32 value is its bf16 half plus this
+remainder, bit for bit). No fp32 copy of the model exists between steps; the optimizer step
+(:meth:`RemainderMasters.fused_step`) rebuilds fp32 values one chunk at a time.
 
 Memory at rest per trained bf16 parameter with AdamW: 2 (bf16 weight) + 2 (remainder) + 2 (bf16 gradient, between
 a backward and the step) + 8 (two fp32 moments) = 14 bytes, against 16 for an fp32 model and 18 for
@@ -19,7 +19,6 @@ they are updated in place in fp32, as in fp32 training.
 
 from __future__ import annotations
 
-from collections import defaultdict
 from collections.abc import Iterable, Iterator
 from typing import Any, Callable, Optional
 
@@ -27,7 +26,8 @@ import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from lightning_mp.master.bits import join_fp32, join_fp32_into, split_fp32_into
+from lightning_mp.master.bits import join_fp32_into, split_fp32_into
+from lightning_mp.master.blocks import Blocks, join_by_chunks, split_by_chunks
 from lightning_mp.master.flat import MasterWeights, is_norm
 from lightning_mp.master.generic import GenericChunkedStep
 from lightning_mp.master.step import (
@@ -102,8 +102,9 @@ class RemainderMasters(MasterWeights):
 
     def _reset(self) -> None:
         super()._reset()
-        self._layout: dict[int, tuple[torch.device, int]] = {}  # id(param) -> (device, offset in the flat buffers)
-        self._flats: dict[torch.device, tuple[Tensor, Tensor]] = {}  # device -> (bf16 weights, int16 remainders)
+        self._blocks = Blocks(self.chunk_size_for)  # the bf16 weights and remainders
+        self._layout = self._blocks.layout  # id(param) -> (device, offset in the flat buffers)
+        self._pending: list[nn.Parameter] = []  # converted parameters not yet in a block
         self._plans: dict[tuple[int, int], tuple[tuple[int, ...], list[Any]]] = {}
         self._grad_ops: dict[int, list[tuple[str, Any]]] = {}  # id(optimizer) -> clipping to apply at the step
         self._generic: dict[int, GenericChunkedStep] = {}
@@ -123,8 +124,20 @@ class RemainderMasters(MasterWeights):
         return {**self.__dict__, "_compiled_split": None}
 
     # ------------------------------------------------------------------ setup
+    def convert(self, module: nn.Module) -> nn.Module:
+        """Make ``module``'s parameters bf16 views into blocks of bf16 weights and remainders, one parameter at a time,
+        releasing each fp32 value once split (so the model never exists twice); see :meth:`MasterWeights.convert`."""
+        super().convert(module)
+        pending, self._pending = self._pending, []
+        self._blocks.split_in(pending)
+        return module
+
+    def _cast_param(self, param: nn.Parameter) -> None:
+        self._pending.append(param)  # split into its block after the walk (blocks are sized from the whole list)
+
     def attach(self, optimizers: Iterable[Optimizer]) -> None:
-        """Build the flat bf16 weights and remainders from the exact fp32 values, and prepare each optimizer.
+        """Prepare each optimizer; blocks whose parameters the strategy moved to another device since
+        :meth:`convert` are rebuilt there (bf16 halves from the moved parameters, remainders copied over).
 
         The optimizers keep the model's (bf16) parameters in their ``param_groups``: nothing is swapped.
 
@@ -135,7 +148,6 @@ class RemainderMasters(MasterWeights):
             raise RuntimeError("RemainderMasters.attach() needs convert(module) first.")
         self._optimizers = list(optimizers)
         module_params = {id(p) for p in self._module.parameters()}
-        order: dict[int, nn.Parameter] = {}
         for index, optimizer in enumerate(self._optimizers):
             for g, group in enumerate(optimizer.param_groups):
                 for i, param in enumerate(group["params"]):
@@ -146,12 +158,7 @@ class RemainderMasters(MasterWeights):
                             f"(shape {tuple(param.shape)}, {param.dtype}) is not one of its parameters. Build the "
                             "optimizer from self.parameters() in configure_optimizers, or use master_weights=False."
                         )
-                    if id(param) in self._params:
-                        order.setdefault(id(param), param)
-        for key, param in self._params.items():  # frozen ones keep exact values too (checkpoints hold fp32)
-            order.setdefault(key, param)
-        if not self._flats:
-            self._build_flats(list(order.values()))
+        self._blocks.relocate()
         for optimizer in self._optimizers:
             if uses_fused_kernel(optimizer):
                 self._optimizer_hooks += [
@@ -169,32 +176,6 @@ class RemainderMasters(MasterWeights):
         first = next((p for g in optimizer.param_groups for p in g["params"]), None)
         return self.chunk_size_for(first.device if first is not None else torch.device("cpu"))
 
-    def _build_flats(self, params: list[nn.Parameter]) -> None:
-        by_device: dict[torch.device, list[nn.Parameter]] = defaultdict(list)
-        for param in params:
-            by_device[param.device].append(param)
-        with torch.no_grad():
-            for device, group in by_device.items():
-                total = sum(p.numel() for p in group)
-                high = torch.empty(total, dtype=torch.bfloat16, device=device)
-                low = torch.empty(total, dtype=torch.int16, device=device)
-                offset = 0
-                for param in group:
-                    end = offset + param.numel()
-                    value = self._fp32_values.pop(id(param), None)  # exact fp32 values where we have them
-                    value = (param.data if value is None else value).reshape(-1)
-                    step = self.chunk_size_for(device)
-                    for start in range(0, value.numel(), step):  # the split's temporaries: one chunk's worth
-                        stop = min(start + step, value.numel())
-                        piece = value[start:stop].to(device, torch.float32)
-                        split_fp32_into(
-                            piece, high[offset + start : offset + stop], low[offset + start : offset + stop]
-                        )
-                    param.data = high[offset:end].view_as(param)
-                    self._layout[id(param)] = (device, offset)
-                    offset = end
-                self._flats[device] = (high, low)
-
     # ------------------------------------------------------------------ per step
     def pairs(self) -> Iterator[tuple[nn.Parameter, nn.Parameter]]:
         """Empty: there are no fp32 master tensors (see :meth:`fp32_pairs` for the exact values)."""
@@ -207,9 +188,9 @@ class RemainderMasters(MasterWeights):
                 yield param, self.fp32_value(param)
 
     def flat_slices(self, device: torch.device, start: int, end: int) -> tuple[Tensor, Tensor]:
-        """Elements ``[start, end)`` of a device's flat bf16 weights and int16 remainders."""
-        high, low = self._flats[device]
-        return high[start:end], low[start:end]
+        """Elements ``[start, end)`` of the flat bf16 weights and int16 remainders (offsets as :meth:`offset_of`
+        gives them; a range never spans two blocks)."""
+        return self._blocks.slices(start, end)
 
     def offset_of(self, param: Tensor) -> Optional[int]:
         """Where ``param`` starts in its device's flat buffers; ``None`` for a parameter without remainder."""
@@ -218,8 +199,8 @@ class RemainderMasters(MasterWeights):
 
     @property
     def flat_buffers(self) -> list[tuple[Tensor, Tensor]]:
-        """``(flat bf16 weights, flat int16 remainders)``, one pair per device."""
-        return list(self._flats.values())
+        """``(flat bf16 weights, flat int16 remainders)``, one pair per block (each on one device)."""
+        return [block for block in self._blocks.blocks if block is not None]
 
     def before_backward(self) -> None:
         """Before every backward: forget clipping asked for since the last step (a skipped step leaves it behind),
@@ -298,8 +279,13 @@ class RemainderMasters(MasterWeights):
         place = self._layout.get(id(param))
         if place is not None:
             high, low = self.flat_slices(place[0], place[1], place[1] + param.numel())
-            return join_fp32(high, low).view(param.shape)
+            value = torch.empty(param.shape, dtype=torch.float32, device=high.device)
+            return join_by_chunks(high, low, value.view(-1), self.chunk_size_for(high.device)).view(param.shape)
         return super().fp32_value(param)
+
+    def _loaded_value(self, param: nn.Parameter, value: Tensor) -> Tensor:
+        # the post-hook of the same load splits it into the blocks, chunk by chunk: no copy of the whole model
+        return value.detach() if id(param) in self._layout else super()._loaded_value(param, value)
 
     def _load_state_dict_post_hook(self, module: nn.Module, incompatible_keys: Any) -> None:
         # the pre-hook (MasterWeights') put each loaded fp32 value in _fp32_values; split it into weight + remainder
@@ -311,18 +297,27 @@ class RemainderMasters(MasterWeights):
                 if key in self._layout:
                     device, offset = self._layout[key]
                     high, low = self.flat_slices(device, offset, offset + param.numel())
-                    split_fp32_into(self._fp32_values.pop(key).to(device).reshape(-1), high, low)
+                    split_by_chunks(self._fp32_values.pop(key).reshape(-1), high, low, self.chunk_size_for(device))
                 else:
                     param.copy_(value)
 
     def restore(self) -> None:
-        """Give the model back its exact fp32 values (fresh tensors); the flat buffers are released. Optimizer state
-        of AdamW/Adam/SGD stays keyed by the same parameters; see :meth:`GenericChunkedStep.restore` for others."""
+        """Give the model back its exact fp32 values (fresh tensors), block by block, each block released once its
+        parameters are fp32 (the model's weights then cost at most one block more than the fp32 model). Optimizer
+        state of AdamW/Adam/SGD stays keyed by the same parameters; see :meth:`GenericChunkedStep.restore` for
+        others."""
         for generic in self._generic.values():
             generic.restore()
         for hook in self._optimizer_hooks:
             hook.remove()
         self._staging.release()
+        with torch.no_grad():
+            for index, members in enumerate(self._blocks.members):
+                for param in members:
+                    value = self.fp32_value(param)
+                    del self._layout[id(param)]  # the parameter holds its exact value now
+                    param.data = value
+                self._blocks.release(index)
         super().restore()
 
     def __repr__(self) -> str:

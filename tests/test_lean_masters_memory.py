@@ -1,0 +1,159 @@
+"""Lean masters' memory mechanisms: blocks built at convert and released at restore, one at a time, and the device
+move between convert and attach.
+
+The bound checked here is on live tensors (every plain CPU storage reachable by the garbage collector, each once),
+computed at each split into a block and at each release of one: the model never exists twice. Peak heap figures on a
+real model are in benchmarks/decoder.py (benchmarks/RESULTS.md), not here.
+"""
+
+from __future__ import annotations
+
+import copy
+import gc
+
+import pytest
+import torch
+from torch import nn
+
+import lightning_mp.master.blocks as blocks
+import lightning_mp.master.remainder as remainder
+from lightning_mp.master import RemainderMasters
+from lightning_mp.master.blocks import BLOCK_CHUNKS
+from tests.helpers import seeded
+
+CHUNK = 32768
+BLOCK = BLOCK_CHUNKS * CHUNK
+
+
+def _model():
+    # 256x600 (153,600 elements) is larger than a block (131,072): a block of its own; the rest share blocks
+    return nn.Sequential(
+        nn.Linear(256, 600), nn.Linear(600, 100), nn.LayerNorm(100), nn.Linear(100, 300), nn.Linear(300, 200)
+    )
+
+
+def _live_cpu_bytes() -> int:
+    gc.collect()
+    seen, total = set(), 0
+    for obj in gc.get_objects():
+        if type(obj) not in (torch.Tensor, nn.Parameter):
+            continue
+        storage = obj.untyped_storage()
+        if storage.device.type == "cpu" and storage.data_ptr() not in seen:
+            seen.add(storage.data_ptr())
+            total += storage.nbytes()
+    return total
+
+
+def _fp32_bytes(model) -> int:
+    return sum(p.numel() * 4 for p in model.parameters())
+
+
+def test_convert_splits_one_block_at_a_time_and_restore_gives_fp32_back_block_by_block(monkeypatch):
+    with seeded():
+        model = _model()
+    reference = copy.deepcopy(model)
+    fp32_model = _fp32_bytes(model)
+    largest_block = 4 * max(BLOCK, max(p.numel() for p in model.parameters()))
+    others = _live_cpu_bytes() - fp32_model  # the reference model and whatever else this process holds
+    seen = []
+    split = blocks.split_by_chunks
+
+    def measured_split(*args, **kwargs):
+        seen.append(_live_cpu_bytes() - others)
+        return split(*args, **kwargs)
+
+    monkeypatch.setattr(blocks, "split_by_chunks", measured_split)
+    store = RemainderMasters(chunk_size=CHUNK)
+    store.convert(model)
+    # at every split: the fp32 parameters not yet split + the blocks made so far, never a second model
+    assert len(seen) == 8 and max(seen) <= fp32_model + largest_block
+    assert len(store.flat_buffers) >= 3  # the 256x600 weight alone, the others packed up to a block
+    assert all(high.numel() <= BLOCK or high.numel() == 256 * 600 for high, _ in store.flat_buffers)
+    for param, ref in zip(model.parameters(), reference.parameters()):
+        exact = store.fp32_value(param) if param.dtype == torch.bfloat16 else param.detach()
+        assert torch.equal(exact, ref)
+    del exact
+    # bf16 + int16 per element (LayerNorm fp32): the fp32 model's size (1 KiB for stray scalars)
+    assert _live_cpu_bytes() - others <= fp32_model + 1024
+
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    store.attach([optimizer])
+    at_rest = _live_cpu_bytes() - others
+    released = []
+    release = blocks.Blocks.release
+
+    def measured_release(self, index):
+        released.append(_live_cpu_bytes() - others)
+        return release(self, index)
+
+    monkeypatch.setattr(blocks.Blocks, "release", measured_release)
+    store.restore()
+    assert len(released) >= 3 and max(released) <= at_rest + largest_block
+    for param, ref in zip(model.parameters(), reference.parameters()):
+        assert param.dtype == torch.float32 and torch.equal(param, ref)
+    assert _live_cpu_bytes() - others <= at_rest + 1024  # the blocks are gone, the fp32 values took their place
+
+
+def test_loading_a_state_dict_splits_the_values_without_copying_the_model(monkeypatch):
+    with seeded():
+        model = _model()
+        source = _model()  # other values: the load must change every weight
+    store = RemainderMasters(chunk_size=CHUNK)
+    store.convert(model)
+    store.attach([torch.optim.AdamW(model.parameters(), lr=1e-2)])
+    state = source.state_dict()
+    before = _live_cpu_bytes()  # the converted model + the state dict to load
+    seen = []
+    split = blocks.split_by_chunks
+
+    def measured_split(*args, **kwargs):
+        seen.append(_live_cpu_bytes() - before)
+        return split(*args, **kwargs)
+
+    monkeypatch.setattr(remainder, "split_by_chunks", measured_split)
+    model.load_state_dict(state)
+    assert len(seen) == 8 and max(seen) <= 1024  # no fp32 copy of the loaded values (only the split's temporaries)
+    for param, ref in zip(model.parameters(), source.parameters()):
+        exact = store.fp32_value(param) if param.dtype == torch.bfloat16 else param.detach()
+        assert torch.equal(exact, ref)
+
+
+def _check_moved_then_attached(model, reference, move):
+    store = RemainderMasters(chunk_size=CHUNK)
+    store.convert(model)
+    model._apply(move)  # what Lightning's model_to_device does after convert_module: the bf16 halves move
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    store.attach([optimizer])
+    flats = store.flat_buffers
+    lean = [p for p in model.parameters() if p.dtype == torch.bfloat16]
+    assert sum(high.numel() for high, _ in flats) == sum(p.numel() for p in lean)  # the old blocks are released
+    for param, ref in zip(model.parameters(), reference.parameters()):
+        if param.dtype != torch.bfloat16:
+            continue
+        assert torch.equal(store.fp32_value(param), move(ref))  # the remainders followed the halves
+        assert any(
+            high.device == param.device and 0 <= param.data_ptr() - high.data_ptr() < high.numel() * 2
+            for high, _ in flats
+        )  # a view of a block again, on the parameter's device
+    for param in model.parameters():
+        param.grad = torch.randn_like(param)
+    store.fused_step(optimizer, None)
+    store.restore()
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+
+
+def test_parameters_moved_between_convert_and_attach_keep_their_exact_values():
+    with seeded():
+        model = _model()
+    reference = copy.deepcopy(model)
+    _check_moved_then_attached(model, reference, lambda t: t.clone())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_blocks_follow_the_model_to_cuda_with_exact_values():
+    with seeded():
+        model = _model()
+    reference = copy.deepcopy(model)
+    _check_moved_then_attached(model, reference, lambda t: t.cuda())
