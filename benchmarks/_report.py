@@ -1,9 +1,12 @@
-"""The heading every benchmark prints and appends to RESULTS.md: title, date, machine, versions, command."""
+"""The heading every benchmark prints and appends to RESULTS.md (title, date, machine, versions, command), and the
+fresh process each measured mode runs in."""
 
 from __future__ import annotations
 
+import json
 import os
 import platform
+import subprocess
 import sys
 from datetime import datetime, timezone
 from pathlib import Path
@@ -32,3 +35,16 @@ def report(title: str, table: str, device: str, record: bool) -> None:
     if record:
         with RESULTS.open("a") as results:
             results.write("\n" + text)
+
+
+def run_worker(script: str, mode: str, args: object, options: tuple[str, ...]) -> dict:
+    """Run ``script --worker MODE`` in a fresh process (its memory is its own), passing ``--OPTION value`` for each
+    of ``options`` read from ``args``; return the dict the worker printed on its ``RESULT {json}`` line. Exits with
+    the worker's stderr when it fails."""
+    command = [sys.executable, script, "--worker", mode]
+    for option in options:
+        command += [f"--{option}", str(getattr(args, option))]
+    done = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    if done.returncode != 0:
+        sys.exit(f"mode {mode} failed:\n{done.stderr[-4000:]}")
+    return json.loads(next(line for line in done.stdout.splitlines() if line.startswith("RESULT "))[7:])

@@ -30,9 +30,7 @@ import argparse
 import ctypes
 import gc
 import json
-import os
 import statistics
-import subprocess
 import sys
 import threading
 import time
@@ -41,7 +39,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _report import report
+from _report import report, run_worker
 
 SIZES = {
     "small": dict(
@@ -236,30 +234,7 @@ def main() -> None:
     runs: dict[str, list[dict]] = {mode: [] for mode in args.modes}
     for _ in range(args.rounds):
         for mode in args.modes:
-            command = [
-                sys.executable,
-                __file__,
-                "--worker",
-                mode,
-                "--device",
-                args.device,
-                "--size",
-                args.size,
-                "--batch",
-                str(args.batch),
-                "--seq",
-                str(args.seq),
-                "--steps",
-                str(args.steps),
-            ]
-            done = subprocess.run(
-                command, capture_output=True, text=True, env={**os.environ, "PYTHONWARNINGS": "ignore"}
-            )
-            if done.returncode != 0:
-                sys.exit(f"mode {mode} failed:\n{done.stderr[-4000:]}")
-            runs[mode].append(
-                json.loads(next(line for line in done.stdout.splitlines() if line.startswith("RESULT "))[7:])
-            )
+            runs[mode].append(run_worker(__file__, mode, args, ("device", "size", "batch", "seq", "steps")))
             print(f"round result: {runs[mode][-1]}", flush=True)  # a run cut short keeps what it measured
     base = statistics.median(r["step_s"] for r in runs.get("builtin-bf16", next(iter(runs.values()))))
     base_peak = statistics.median(r["peak"] for r in runs.get("builtin-bf16", next(iter(runs.values()))))

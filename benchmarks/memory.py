@@ -17,16 +17,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import resource
 import statistics
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import torch
-from _report import report
+from _report import report, run_worker
 from torch import nn
 
 SIZES = {
@@ -185,26 +182,7 @@ def main() -> None:
 
     rows = []
     for mode in args.modes:
-        command = [
-            sys.executable,
-            __file__,
-            "--worker",
-            mode,
-            "--device",
-            args.device,
-            "--size",
-            args.size,
-            "--batch",
-            str(args.batch),
-            "--seq",
-            str(args.seq),
-            "--steps",
-            str(args.steps),
-        ]
-        done = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "PYTHONWARNINGS": "ignore"})
-        if done.returncode != 0:
-            sys.exit(f"mode {mode} failed:\n{done.stderr[-4000:]}")
-        rows.append(json.loads(next(line for line in done.stdout.splitlines() if line.startswith("RESULT "))[7:]))
+        rows.append(run_worker(__file__, mode, args, ("device", "size", "batch", "seq", "steps")))
     table = _table(rows)
     title = (
         f"Memory, {args.size} encoder ({rows[0]['params'] / 1e6:.1f}M params), batch {args.batch} x seq "
