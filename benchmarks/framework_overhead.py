@@ -1,0 +1,92 @@
+"""What the plugin's per-step work costs where nothing else does: a tiny MLP whose step is framework time.
+
+    python benchmarks/framework_overhead.py [--steps 600] [--rounds 5] [--record]
+
+Lightning's built-in ``bf16-mixed`` against ``MixedPrecisionPlugin("bf16-mixed")`` (the default: every step's
+gradients checked for inf/NaN, a non-finite step skipped) and against the plugin with ``scaler={"enabled": False}``
+(no check: what the built-in does). One process, one thread, the modes alternating round by round, each round a
+fresh Trainer fitting ``--steps`` steps of a 16-64-64-10 MLP with AdamW and a step-interval LambdaLR (batch 32).
+The first round warms up and is not counted; the table gives the median over the other rounds of the mean
+wall-clock time per step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+import warnings
+
+import lightning as L
+import torch
+from _report import report
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_mp import MixedPrecisionPlugin
+
+MODES = ("builtin-bf16", "ours-bf16", "ours-bf16 without check")
+
+
+class _MLP(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(16, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10))
+
+    def training_step(self, batch, batch_idx):
+        inputs, labels = batch
+        return nn.functional.cross_entropy(self.net(inputs), labels)
+
+    def configure_optimizers(self):
+        optimizer = torch.optim.AdamW(self.parameters(), 1e-3)
+        schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
+
+
+def _ms_per_step(mode: str, steps: int) -> float:
+    torch.manual_seed(0)
+    data = DataLoader(TensorDataset(torch.randn(32 * steps, 16), torch.randint(0, 10, (32 * steps,))), batch_size=32)
+    if mode == "builtin-bf16":
+        precision = {"precision": "bf16-mixed"}
+    else:
+        scaler = {"enabled": False} if mode.endswith("without check") else None
+        precision = {"plugins": [MixedPrecisionPlugin("bf16-mixed", scaler=scaler)]}
+    trainer = L.Trainer(
+        accelerator="cpu",
+        max_steps=steps,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        **precision,
+    )
+    start = time.perf_counter()
+    trainer.fit(_MLP(), data)
+    return (time.perf_counter() - start) / steps * 1e3
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=600)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--record", action="store_true")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    warnings.filterwarnings("ignore")
+    times: dict[str, list[float]] = {mode: [] for mode in MODES}
+    for _ in range(args.rounds):
+        for mode in MODES:
+            times[mode].append(_ms_per_step(mode, args.steps))
+    counted = {mode: values[1:] or values for mode, values in times.items()}
+    base = statistics.median(counted["builtin-bf16"])
+    lines = ["| mode | ms per step (median) | rounds (ms) | speed vs builtin-bf16 |", "|---|---:|---|---:|"]
+    for mode, values in counted.items():
+        median = statistics.median(values)
+        rounds = ", ".join(f"{value:.3f}" for value in times[mode])
+        lines.append(f"| {mode} | {median:.3f} | {rounds} | {base / median:.2f}x |")
+    title = f"Framework overhead per step, 16-64-64-10 MLP, AdamW, {args.steps} steps x {args.rounds} rounds"
+    report(title, "\n".join(lines), "cpu", args.record)
+
+
+if __name__ == "__main__":
+    main()
