@@ -179,3 +179,12 @@ def test_lean_generic_skip_benchmark_times_host_and_device_skips():
     assert done.returncode == 0, done.stderr[-3000:]
     for option in ("| host |", "| device |", "| device, skip |"):
         assert option in done.stdout
+
+
+def test_framework_overhead_benchmark_runs_every_mode():
+    command = [sys.executable, str(ROOT / "benchmarks" / "framework_overhead.py"), "--steps", "3", "--rounds", "2"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [line for line in done.stdout.splitlines() if line.startswith("| builtin") or line.startswith("| ours")]
+    assert [row.split(" | ")[0] for row in rows] == ["| builtin-bf16", "| ours-bf16", "| ours-bf16 without check"]
+    assert rows[0].endswith("| 1.00x |")  # the reference against itself
