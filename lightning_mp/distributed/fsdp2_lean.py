@@ -44,6 +44,7 @@ from torch.optim import Optimizer
 
 from lightning_mp.master.bits import join_fp32, split_fp32_into
 from lightning_mp.master.remainder import RemainderMasters, _restore_fp32_state, _stash_fp32_state
+from lightning_mp.distributed.fsdp2_generic import ShardedGenericStep
 from lightning_mp.master.step import fp32_zeros_like, local_of, uses_fused_kernel
 
 
@@ -181,8 +182,6 @@ class ShardedRemainderMasters(RemainderMasters):
         self._optimizers = list(optimizers)
         module_params = {id(p) for p in self._module.parameters()}
         for index, optimizer in enumerate(self._optimizers):
-            if not uses_fused_kernel(optimizer):
-                raise ValueError(_refusal(index, optimizer))
             dampened = [g for g, group in enumerate(optimizer.param_groups) if group.get("dampening", 0) != 0]
             if isinstance(optimizer, torch.optim.SGD) and dampened:
                 raise ValueError(
@@ -199,6 +198,9 @@ class ShardedRemainderMasters(RemainderMasters):
                             f"optimizer {index} ({type(optimizer).__name__}) param_groups[{g}]['params'][{i}] is not "
                             "one of its parameters. Build the optimizer from self.parameters() in configure_optimizers."
                         )
+            if not uses_fused_kernel(optimizer):  # any other optimizer: on DTensor proxies of the shards
+                self._generic[id(optimizer)] = ShardedGenericStep(optimizer, self, self._chunk_of(optimizer))
+                continue
             _initial_state(optimizer)
             self._optimizer_hooks += [
                 optimizer.register_load_state_dict_pre_hook(_stash_fp32_state),
@@ -224,8 +226,8 @@ class ShardedRemainderMasters(RemainderMasters):
         return {key: low for key, (_, _, low) in self._shards.items()}
 
     def fused_step(self, optimizer: Optimizer, found_inf: Optional[Tensor] = None) -> None:
-        if not uses_fused_kernel(optimizer):  # an optimizer attach() did not see
-            raise ValueError(_refusal(0, optimizer))
+        if not uses_fused_kernel(optimizer) and id(optimizer) not in self._generic:  # one attach() did not see
+            self._generic[id(optimizer)] = ShardedGenericStep(optimizer, self, self._chunk_of(optimizer))
         super().fused_step(optimizer, found_inf)
 
     def before_backward(self) -> None:
@@ -300,6 +302,8 @@ class ShardedRemainderMasters(RemainderMasters):
                 if param.grad is not None and param.grad.dtype != torch.float32:  # a gradient left by the last step
                     _retype_dtensor(param.grad, local_of(param.grad).float())
             _retype_groups([group for _, group, _ in self._shards.values()])
+        for generic in self._generic.values():
+            generic.restore()
         for hook in self._hooks + self._optimizer_hooks + self._forward_hooks:
             hook.remove()
         self._staging.release()
@@ -386,12 +390,3 @@ def _initial_state(optimizer: Optimizer) -> None:
             elif group["momentum"] != 0:  # SGD without dampening (checked): buffer 0 * momentum + grad is the grad
                 state["momentum_buffer"] = fp32_zeros_like(param)
 
-
-def _refusal(index: int, optimizer: Optimizer) -> str:
-    return (
-        f"master_weights='remainder' under ModelParallelStrategy (FSDP2) updates the local shards with torch's fused "
-        f"kernels, which exist for torch.optim.AdamW, Adam and SGD (without differentiable=True or capturable=True); "
-        f"optimizer {index} is {type(optimizer).__name__}. Use one of those, or master_weights=True under FSDP2 "
-        "(sharded fp32 masters, any optimizer), or master_weights='remainder' with strategy='ddp' or one device "
-        "(any optimizer, through the generic chunked path)."
-    )
