@@ -41,7 +41,9 @@ class _ShardSlice(_Slice):
     def __init__(self, param: Tensor) -> None:
         local = local_of(param)
         self.param, self.start, self.end, self.shape = param, 0, local.numel(), tuple(local.shape)
-        self.proxy = nn.Parameter(_like(param, _placeholder(self.shape, local.device)), requires_grad=param.requires_grad)
+        self.proxy = nn.Parameter(
+            _like(param, _placeholder(self.shape, local.device)), requires_grad=param.requires_grad
+        )
 
     def point(self, values: Tensor) -> None:
         """Make the proxy (same object) a ``DTensor`` whose local tensor is ``values``."""

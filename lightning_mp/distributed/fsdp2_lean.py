@@ -16,8 +16,8 @@ Parameters of modules sharded with ``param_dtype=torch.float32`` (normalisation 
 (:meth:`~lightning_mp.master.RemainderMasters.fused_step`) walks each local shard in chunks, joins bf16 + remainder
 into fp32, runs torch's fused AdamW/Adam/SGD kernel on it and this rank's gradient shard, and splits back: what torch's
 fused optimizer computes on fp32 shards holding the exact values, bitwise. A chunk never spans two shards (their
-bf16 halves are separate FSDP2 storages). Other optimizers are refused at setup (their per-parameter state would be
-keyed by fp32 proxies that distributed checkpoints cannot map to the model's parameters).
+bf16 halves are separate FSDP2 storages). Other optimizers run their own step on ``DTensor`` proxies of the whole
+local shards (:mod:`lightning_mp.distributed.fsdp2_generic`).
 
 Memory at rest per rank and local element with AdamW: 2 (bf16 shard) + 2 (remainder) + 2 (bf16 gradient shard) + 8
 (fp32 moments, sharded like the parameter) = 14 bytes. With fp32 accumulation (the default) the gradient shards
@@ -42,9 +42,9 @@ import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
+from lightning_mp.distributed.fsdp2_generic import ShardedGenericStep
 from lightning_mp.master.bits import join_fp32, split_fp32_into
 from lightning_mp.master.remainder import RemainderMasters, _restore_fp32_state, _stash_fp32_state
-from lightning_mp.distributed.fsdp2_generic import ShardedGenericStep
 from lightning_mp.master.step import fp32_zeros_like, local_of, uses_fused_kernel
 
 
@@ -171,11 +171,12 @@ class ShardedRemainderMasters(RemainderMasters):
             split_fp32_into(flat[start:stop].float(), high[start:stop], low[start:stop])
 
     def attach(self, optimizers: list[Optimizer]) -> None:
-        """Check that every optimizer is one the fused kernels update, and give it fp32 sharded state now.
+        """Give torch's AdamW/Adam/SGD fp32 sharded state now; any other optimizer steps through
+        :class:`~lightning_mp.distributed.fsdp2_generic.ShardedGenericStep`.
 
         Raises:
-            ValueError: an optimizer other than ``torch.optim.AdamW``/``Adam``/``SGD``, or a parameter that is not
-                the model's.
+            ValueError: SGD with dampening, a parameter that is not the model's, or (generic path) one that is not
+                sharded.
         """
         if self._module is None:
             raise RuntimeError("ShardedRemainderMasters.attach() needs convert(module) first.")
@@ -389,4 +390,3 @@ def _initial_state(optimizer: Optimizer) -> None:
                     state[key] = fp32_zeros_like(param)
             elif group["momentum"] != 0:  # SGD without dampening (checked): buffer 0 * momentum + grad is the grad
                 state["momentum_buffer"] = fp32_zeros_like(param)
-

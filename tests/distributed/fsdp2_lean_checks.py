@@ -6,7 +6,8 @@ bf16-mixed, ``master_weights="remainder"``, ModelParallelStrategy + fully_shard 
 uninterrupted run (inf in rank 0's shard at step INJECT_AT, norm clipping, a distributed checkpoint after epoch 0),
 the run resumed from it, the same from a full single-file checkpoint, gradient accumulation (fp32 sums, then bf16),
 a casting-policy fp32 head, the norm left in the bf16 group, fp32 masters (``True``) for comparison, AdamW and SGD
-runs whose steps are replayed on fp32 shards with torch's fused optimizers, and the live tensors at rest. Each rank
+runs whose steps are replayed on fp32 shards with torch's fused optimizers, the live tensors at rest, and the same
+for optimizers on the generic path (torchao AdamW8bit, RMSprop: ``generic_runs``). Each rank
 saves what it saw to OUT/rank<r>.pt.
 """
 
@@ -173,9 +174,7 @@ class GenericAtRest(L.Callback):
             "state_kinds": {(type(v).__name__, type(local_of(v)).__name__) for _, v in states},
             "proxy_bytes": sum(local_of(p).untyped_storage().nbytes() for p in optimizer.state),
             "fp32_copies_of_shards": copies,
-            "state_bytes": sum(
-                t.untyped_storage().nbytes() for _, v in states for t in _inner(local_of(v))
-            ),
+            "state_bytes": sum(t.untyped_storage().nbytes() for _, v in states for t in _inner(local_of(v))),
             "local_numel": sum(local_of(p).numel() for p in module.parameters()),
         }
 
@@ -209,7 +208,12 @@ def generic_runs(out: Path) -> dict[str, Any]:
             results[f"{name}_from_file"] = fit("bf16-mixed", "remainder", strategy(), resume_from=resume, **common)
         replay = type(f"Replay{name}", (Unclipped, model_class), {})
         results[f"{name}_replay"] = fit(
-            "bf16-mixed", "remainder", strategy(), inject=False, extra_callbacks=[Replay()], **{**common, "model_class": replay}
+            "bf16-mixed",
+            "remainder",
+            strategy(),
+            inject=False,
+            extra_callbacks=[Replay()],
+            **{**common, "model_class": replay},
         )
     return results
 
