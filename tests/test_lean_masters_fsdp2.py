@@ -245,8 +245,13 @@ def test_generic_path_resumes_from_a_checkpoint_bit_exactly(ranks, run):
             assert torch.equal(resumed["weights"][name], value), name
 
 
-def test_generic_path_refuses_a_whole_file_checkpoint_of_quantised_state(ranks):
+def test_generic_path_refuses_state_a_checkpoint_would_save_wrongly(ranks):
+    """Quantised (tensor-subclass) state with whole-file checkpoints, and per-parameter state that is not sharded
+    like its parameter (plain tensors of the local shard's shape): refused after the first step, on every rank."""
     for rank in ranks[0]:
+        error = rank["generic"]["local_state"]["error"]
+        assert "LocalMomentum's state 'buffer' is a plain tensor of shape (32, 4)" in error
+        assert "master_weights=True under FSDP2" in error
         error = rank["generic"]["8bit_from_file"]["error"]
         assert "save_distributed_checkpoint=False" in error and "OptimState8bit" in error
         assert "Keep save_distributed_checkpoint=True" in error

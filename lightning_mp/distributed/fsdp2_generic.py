@@ -79,29 +79,40 @@ class ShardedGenericStep(GenericChunkedStep):
         self._inside = False
         super().__init__(optimizer, store, chunk_size)
         self._hooks += [
-            optimizer.register_state_dict_pre_hook(lambda opt: self._check_whole_files()),
+            optimizer.register_state_dict_pre_hook(lambda opt: self._check_state(), prepend=True),
             optimizer.register_step_pre_hook(self._outside_step),
             optimizer.register_step_post_hook(lambda opt, args, kwargs: self._after_outside_step()),
         ]
         self._outside = False
         self._checked = False
 
-    def _check_whole_files(self) -> None:
-        """Whole-file checkpoints (``save_distributed_checkpoint=False``) gather every state ``DTensor`` into a full
-        tensor; torch cannot gather a tensor-subclass local shard (torchao's quantised states) into a tensor it can
-        save and load. Refused as soon as such state exists (after the first step, or at a save), never written."""
-        if not getattr(self.store, "whole_checkpoints", False):
-            return
+    def _check_state(self) -> None:
+        """Refuse state a checkpoint would save wrongly, as soon as it exists (after the first step, or at a save):
+
+        - a per-parameter tensor that is not a ``DTensor`` (made from the local shard's shape, say): a distributed
+          checkpoint would save one rank's for all; only 0-dim tensors (step counters, equal on every rank) may be
+          plain;
+        - with whole-file checkpoints (``save_distributed_checkpoint=False``), a tensor-subclass local shard
+          (torchao's quantised states): torch cannot gather it into a tensor it can save and load."""
+        whole = getattr(self.store, "whole_checkpoints", False)
         for state in self.optimizer.state.values():
             for key, value in state.items():
-                if isinstance(value, Tensor) and type(local_of(value)) is not Tensor:
+                if isinstance(value, Tensor) and value.dim() > 0 and not hasattr(value, "device_mesh"):
+                    raise ValueError(
+                        f"master_weights='remainder' under FSDP2: {type(self.optimizer).__name__}'s state {key!r} is "
+                        f"a plain tensor of shape {tuple(value.shape)}, not a DTensor sharded like its parameter, so a "
+                        "distributed checkpoint would save one rank's values for every rank. Use an optimizer that "
+                        "makes its state like its parameters (torch.zeros_like(param)), or master_weights=True under "
+                        "FSDP2."
+                    )
+                if whole and isinstance(value, Tensor) and type(local_of(value)) is not Tensor:
                     raise ValueError(
                         "master_weights='remainder' under FSDP2 with ModelParallelStrategy(save_distributed_checkpoint"
                         f"=False): {type(self.optimizer).__name__}'s state {key!r} is a tensor subclass "
                         f"({type(local_of(value)).__name__}), which torch cannot gather into a whole-file checkpoint "
                         "(the file would hold unfinished collectives and not load). Keep save_distributed_checkpoint"
-                        "=True (the default: each rank saves its shards; consolidate the weights with "
-                        "`lightning-mp consolidate`), or use an optimizer whose state is plain tensors."
+                        "=True (the default: each rank saves its shards; `python -m lightning_mp consolidate` makes one fp32 "
+                        "weights file of them), or use an optimizer whose state is plain tensors."
                     )
 
     def _slices_for(self, param: Tensor) -> list[_Slice]:
@@ -118,7 +129,7 @@ class ShardedGenericStep(GenericChunkedStep):
             self._inside = False
         if not self._checked and self.optimizer.state:
             self._checked = True
-            self._check_whole_files()
+            self._check_state()
 
     def _outside_step(self, optimizer: Optimizer, args: Any, kwargs: Any) -> None:
         """``optimizer.step()`` called by someone else than :meth:`step` (torch's ``_init_optim_state`` before a

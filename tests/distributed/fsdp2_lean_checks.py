@@ -152,6 +152,26 @@ class WideRMSprop(WideNet):
         return torch.optim.RMSprop(self.parameters(), lr=1e-3, momentum=0.5, foreach=False)
 
 
+class LocalMomentum(torch.optim.Optimizer):
+    """Momentum kept as plain tensors of the local shards' shape: a distributed checkpoint would save rank 0's."""
+
+    def __init__(self, params: Any) -> None:
+        super().__init__(params, {"lr": 0.1})
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> None:
+        for group in self.param_groups:
+            for param in group["params"]:
+                local, grad = local_of(param), local_of(param.grad)
+                buffer = self.state[param].setdefault("buffer", torch.zeros_like(local))
+                local.add_(buffer.mul_(0.9).add_(grad), alpha=-group["lr"])
+
+
+class WideLocalState(WideNet):
+    def configure_optimizers(self) -> Any:
+        return LocalMomentum(self.parameters())
+
+
 class GenericAtRest(L.Callback):
     """At the second step, before the optimizer: the optimizer state's kinds and bytes, and fp32 copies of shards."""
 
@@ -215,6 +235,10 @@ def generic_runs(out: Path) -> dict[str, Any]:
             extra_callbacks=[Replay()],
             **{**common, "model_class": replay},
         )
+    try:
+        fit("bf16-mixed", "remainder", strategy(), shard=shard_net, model_class=WideLocalState)
+    except ValueError as error:
+        results["local_state"] = {"error": str(error)}
     return results
 
 
