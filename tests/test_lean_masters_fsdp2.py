@@ -227,6 +227,11 @@ def test_generic_path_trains_ranks_agree_and_both_skip_an_inf_in_one_ranks_shard
     assert run0["steps"] == run1["steps"] == reference[name]["steps"]
     counts = [0] + [count for _, _, count in run0["steps"]]
     assert [s for s in range(len(counts) - 1) if counts[s + 1] > counts[s]] == [INJECT_AT]
+    finite = [math.isfinite(norm) for norm in reference[name]["norms"]]
+    assert [math.isfinite(norm) for norm in run0["norms"]] == finite and finite.count(False) == 1
+    for norm, expected_norm in zip(run0["norms"], reference[name]["norms"]):  # clipped at every finite step
+        if math.isfinite(expected_norm):
+            assert norm > CLIP and norm == pytest.approx(expected_norm, rel=10 * _EPS)
     expected = reference[name]["weights"]
     gaps = torch.cat([(run0["weights"][key] - value).abs().reshape(-1) for key, value in expected.items()])
     assert (gaps <= 0.25 * _EPS).float().mean() >= 0.99
