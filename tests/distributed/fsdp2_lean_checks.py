@@ -14,8 +14,10 @@ saves what it saw to OUT/rank<r>.pt.
 from __future__ import annotations
 
 import gc
+import getpass
 import os
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -330,9 +332,10 @@ def _staging(masters: Any) -> list[torch.Tensor]:
 
 def main() -> None:
     out = Path(sys.argv[1])
-    # torchao's optimizers compile their step: one inductor cache per rank (two ranks writing the same compiled
-    # kernel at once crashed a rank here)
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(out / f"inductor-{os.environ['LOCAL_RANK']}")
+    # torchao's optimizers compile their step: one inductor cache per rank, kept between runs (two ranks writing the
+    # same compiled kernel into one cache at once crashed a rank here)
+    cache = Path(tempfile.gettempdir()) / f"torchinductor_{getpass.getuser()}" / f"rank{os.environ['LOCAL_RANK']}"
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache)
     ckpt, full_ckpt = out / "ckpt", out / "ckpt-file"
     lean: dict[str, Any] = dict(shard=shard_net, extra_callbacks=[Probe()])
     results = {"full": fit("bf16-mixed", "remainder", strategy=strategy(), checkpoint_dir=ckpt, **lean)}
