@@ -76,11 +76,14 @@ class FSDP2Sync(ProcessGroupSync):
     def __init__(self, strategy: Any, lean: bool = False) -> None:
         super().__init__(strategy.root_device)
         self.owns_masters = not lean
+        self.whole_checkpoints = not getattr(strategy, "_save_distributed_checkpoint", True)
 
     def adopt(self, masters: Any) -> Any:
         if self.owns_masters or masters is None or isinstance(masters, ShardedRemainderMasters):
             return masters
-        return ShardedRemainderMasters.like(masters)
+        sharded = ShardedRemainderMasters.like(masters)
+        sharded.whole_checkpoints = self.whole_checkpoints  # read by the generic path (fsdp2_generic)
+        return sharded
 
     def connect(self, model: Module, plugin: Any) -> None:
         if not plugin.master_weights:

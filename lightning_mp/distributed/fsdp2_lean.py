@@ -16,8 +16,8 @@ Parameters of modules sharded with ``param_dtype=torch.float32`` (normalisation 
 (:meth:`~lightning_mp.master.RemainderMasters.fused_step`) walks each local shard in chunks, joins bf16 + remainder
 into fp32, runs torch's fused AdamW/Adam/SGD kernel on it and this rank's gradient shard, and splits back: what torch's
 fused optimizer computes on fp32 shards holding the exact values, bitwise. A chunk never spans two shards (their
-bf16 halves are separate FSDP2 storages). Other optimizers are refused at setup (their per-parameter state would be
-keyed by fp32 proxies that distributed checkpoints cannot map to the model's parameters).
+bf16 halves are separate FSDP2 storages). Other optimizers run their own step on ``DTensor`` proxies of the whole
+local shards (:mod:`lightning_mp.distributed.fsdp2_generic`).
 
 Memory at rest per rank and local element with AdamW: 2 (bf16 shard) + 2 (remainder) + 2 (bf16 gradient shard) + 8
 (fp32 moments, sharded like the parameter) = 14 bytes. With fp32 accumulation (the default) the gradient shards
@@ -42,6 +42,7 @@ import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
+from lightning_mp.distributed.fsdp2_generic import ShardedGenericStep
 from lightning_mp.master.bits import join_fp32, split_fp32_into
 from lightning_mp.master.remainder import RemainderMasters, _restore_fp32_state, _stash_fp32_state
 from lightning_mp.master.step import fp32_zeros_like, local_of, uses_fused_kernel
@@ -170,19 +171,18 @@ class ShardedRemainderMasters(RemainderMasters):
             split_fp32_into(flat[start:stop].float(), high[start:stop], low[start:stop])
 
     def attach(self, optimizers: list[Optimizer]) -> None:
-        """Check that every optimizer is one the fused kernels update, and give it fp32 sharded state now.
+        """Give torch's AdamW/Adam/SGD fp32 sharded state now; any other optimizer steps through
+        :class:`~lightning_mp.distributed.fsdp2_generic.ShardedGenericStep`.
 
         Raises:
-            ValueError: an optimizer other than ``torch.optim.AdamW``/``Adam``/``SGD``, or a parameter that is not
-                the model's.
+            ValueError: SGD with dampening, a parameter that is not the model's, or (generic path) one that is not
+                sharded.
         """
         if self._module is None:
             raise RuntimeError("ShardedRemainderMasters.attach() needs convert(module) first.")
         self._optimizers = list(optimizers)
         module_params = {id(p) for p in self._module.parameters()}
         for index, optimizer in enumerate(self._optimizers):
-            if not uses_fused_kernel(optimizer):
-                raise ValueError(_refusal(index, optimizer))
             dampened = [g for g, group in enumerate(optimizer.param_groups) if group.get("dampening", 0) != 0]
             if isinstance(optimizer, torch.optim.SGD) and dampened:
                 raise ValueError(
@@ -199,6 +199,9 @@ class ShardedRemainderMasters(RemainderMasters):
                             f"optimizer {index} ({type(optimizer).__name__}) param_groups[{g}]['params'][{i}] is not "
                             "one of its parameters. Build the optimizer from self.parameters() in configure_optimizers."
                         )
+            if not uses_fused_kernel(optimizer):  # any other optimizer: on DTensor proxies of the shards
+                self._generic[id(optimizer)] = ShardedGenericStep(optimizer, self, self._chunk_of(optimizer))
+                continue
             _initial_state(optimizer)
             self._optimizer_hooks += [
                 optimizer.register_load_state_dict_pre_hook(_stash_fp32_state),
@@ -224,8 +227,8 @@ class ShardedRemainderMasters(RemainderMasters):
         return {key: low for key, (_, _, low) in self._shards.items()}
 
     def fused_step(self, optimizer: Optimizer, found_inf: Optional[Tensor] = None) -> None:
-        if not uses_fused_kernel(optimizer):  # an optimizer attach() did not see
-            raise ValueError(_refusal(0, optimizer))
+        if not uses_fused_kernel(optimizer) and id(optimizer) not in self._generic:  # one attach() did not see
+            self._generic[id(optimizer)] = ShardedGenericStep(optimizer, self, self._chunk_of(optimizer))
         super().fused_step(optimizer, found_inf)
 
     def before_backward(self) -> None:
@@ -300,6 +303,8 @@ class ShardedRemainderMasters(RemainderMasters):
                 if param.grad is not None and param.grad.dtype != torch.float32:  # a gradient left by the last step
                     _retype_dtensor(param.grad, local_of(param.grad).float())
             _retype_groups([group for _, group, _ in self._shards.values()])
+        for generic in self._generic.values():
+            generic.restore()
         for hook in self._hooks + self._optimizer_hooks + self._forward_hooks:
             hook.remove()
         self._staging.release()
@@ -385,13 +390,3 @@ def _initial_state(optimizer: Optimizer) -> None:
                     state[key] = fp32_zeros_like(param)
             elif group["momentum"] != 0:  # SGD without dampening (checked): buffer 0 * momentum + grad is the grad
                 state["momentum_buffer"] = fp32_zeros_like(param)
-
-
-def _refusal(index: int, optimizer: Optimizer) -> str:
-    return (
-        f"master_weights='remainder' under ModelParallelStrategy (FSDP2) updates the local shards with torch's fused "
-        f"kernels, which exist for torch.optim.AdamW, Adam and SGD (without differentiable=True or capturable=True); "
-        f"optimizer {index} is {type(optimizer).__name__}. Use one of those, or master_weights=True under FSDP2 "
-        "(sharded fp32 masters, any optimizer), or master_weights='remainder' with strategy='ddp' or one device "
-        "(any optimizer, through the generic chunked path)."
-    )

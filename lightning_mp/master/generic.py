@@ -119,7 +119,7 @@ class GenericChunkedStep:
         self.store = store
         self.chunk_size = chunk_size
         self.slices: list[list[_Slice]] = [
-            [s for p in group["params"] for s in _slices_of(p, chunk_size)] for group in optimizer.param_groups
+            [s for p in group["params"] for s in self._slices_for(p)] for group in optimizer.param_groups
         ]
         self._model_params: list[list[Tensor]] = [list(g["params"]) for g in optimizer.param_groups]
         self.masks_on_device: Optional[bool] = None  # learnt on the first step with a flag (see the module doc)
@@ -130,6 +130,9 @@ class GenericChunkedStep:
             optimizer.register_load_state_dict_pre_hook(lambda opt, state: self._swap_in_proxies()),
             optimizer.register_load_state_dict_post_hook(lambda opt: self._swap_out_proxies()),
         ]
+
+    def _slices_for(self, param: Tensor) -> list[_Slice]:
+        return _slices_of(param, self.chunk_size)
 
     def _swap_in_proxies(self) -> None:
         for group, slices in zip(self.optimizer.param_groups, self.slices):
@@ -241,12 +244,16 @@ class GenericChunkedStep:
                 continue
             high, low = self.store.flat_slices(s.param.device, offset + s.start, offset + s.end)
             if skip is None:
-                self.store.split_into(s.proxy.data.reshape(-1), high, low)
+                self.store.split_into(self._values_of(s).reshape(-1), high, low)
                 continue
             new_high, new_low = torch.empty_like(high), torch.empty_like(low)  # a slice's worth: within the chunk
-            self.store.split_into(s.proxy.data.reshape(-1), new_high, new_low)
+            self.store.split_into(self._values_of(s).reshape(-1), new_high, new_low)
             torch.where(skip, high, new_high, out=high)
             torch.where(skip, low, new_low, out=low)
+
+    def _values_of(self, s: _Slice) -> Tensor:
+        """The values a slice's proxy points at (a plain tensor)."""
+        return s.proxy.data
 
     def _tensors(self, chunk: list[_Slice]) -> dict[tuple[int, str], list[Tensor]]:
         """The tensors a step of ``chunk`` may change, by (slice, key): the values of its fp32 parameters (key
@@ -255,7 +262,7 @@ class GenericChunkedStep:
         tensors: dict[tuple[int, str], list[Tensor]] = {}
         for index, s in enumerate(chunk):
             if self.store.offset_of(s.param) is None:
-                tensors[(index, "")] = [s.proxy.data]
+                tensors[(index, "")] = [self._values_of(s)]
             for key, value in self.optimizer.state[s.proxy].items():
                 tensors[(index, key)] = _leaves(value) if isinstance(value, Tensor) else []  # None: unused buffer
         return tensors
@@ -303,7 +310,7 @@ class GenericChunkedStep:
                     for leaf, saved in zip(leaves, old):
                         leaf.copy_(saved)
             if (index, "") in before:
-                s.proxy.data.copy_(before[(index, "")][0])
+                self._values_of(s).copy_(before[(index, "")][0])
         return True
 
     def _maskable(self, device: torch.device, options: list[dict[str, Any]]) -> bool:

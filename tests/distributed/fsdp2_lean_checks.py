@@ -6,15 +6,18 @@ bf16-mixed, ``master_weights="remainder"``, ModelParallelStrategy + fully_shard 
 uninterrupted run (inf in rank 0's shard at step INJECT_AT, norm clipping, a distributed checkpoint after epoch 0),
 the run resumed from it, the same from a full single-file checkpoint, gradient accumulation (fp32 sums, then bf16),
 a casting-policy fp32 head, the norm left in the bf16 group, fp32 masters (``True``) for comparison, AdamW and SGD
-runs whose steps are replayed on fp32 shards with torch's fused optimizers, and the live tensors at rest. Each rank
+runs whose steps are replayed on fp32 shards with torch's fused optimizers, the live tensors at rest, and the same
+for optimizers on the generic path (torchao AdamW8bit, RMSprop: ``generic_runs``). Each rank
 saves what it saw to OUT/rank<r>.pt.
 """
 
 from __future__ import annotations
 
 import gc
+import getpass
 import os
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -126,6 +129,121 @@ class AtRest(L.Callback):
         }
 
 
+class WideNet(Net):
+    """A layer whose local shards hold 4096 values (torchao quantises state from 4096 values) between the others."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        linear = torch.nn.Linear
+        self.net = torch.nn.Sequential(
+            linear(4, 64), torch.nn.LayerNorm(64), torch.nn.Tanh(), linear(64, 128), torch.nn.Tanh(), linear(128, 1)
+        )
+        self.net[0].register_forward_pre_hook(self._record_compute_dtype)
+        self.net[3].register_forward_hook(self._record_head_dtypes)
+
+
+class Wide8bit(WideNet):
+    def configure_optimizers(self) -> Any:
+        from torchao.optim import AdamW8bit
+
+        return AdamW8bit(self.parameters(), lr=1e-2, weight_decay=0.1)
+
+
+class WideRMSprop(WideNet):
+    def configure_optimizers(self) -> Any:
+        return torch.optim.RMSprop(self.parameters(), lr=1e-3, momentum=0.5, foreach=False)
+
+
+class LocalMomentum(torch.optim.Optimizer):
+    """Momentum kept as plain tensors of the local shards' shape: a distributed checkpoint would save rank 0's."""
+
+    def __init__(self, params: Any) -> None:
+        super().__init__(params, {"lr": 0.1})
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> None:
+        for group in self.param_groups:
+            for param in group["params"]:
+                local, grad = local_of(param), local_of(param.grad)
+                buffer = self.state[param].setdefault("buffer", torch.zeros_like(local))
+                local.add_(buffer.mul_(0.9).add_(grad), alpha=-group["lr"])
+
+
+class WideLocalState(WideNet):
+    def configure_optimizers(self) -> Any:
+        return LocalMomentum(self.parameters())
+
+
+class GenericAtRest(L.Callback):
+    """At the second step, before the optimizer: the optimizer state's kinds and bytes, and fp32 copies of shards."""
+
+    def on_before_optimizer_step(self, trainer: L.Trainer, module: L.LightningModule, optimizer: Any) -> None:
+        if trainer.global_step != 1:
+            return
+        masters = trainer.precision_plugin.masters
+        converted = [p for p in module.parameters() if id(p) in masters.remainders]
+        exact = [local_of(masters.fp32_value(p)).reshape(-1) for p in converted]
+        known = {t.untyped_storage().data_ptr() for t in exact}
+        copies = 0
+        for obj in gc.get_objects():
+            if type(obj) is not torch.Tensor or obj.dtype != torch.float32 or obj.untyped_storage().nbytes() == 0:
+                continue
+            if obj.untyped_storage().data_ptr() not in known:
+                flat = obj.detach().reshape(-1)
+                copies += sum(flat.numel() == e.numel() > 0 and torch.equal(flat, e) for e in exact)
+        states = [(k, v) for state in optimizer.state.values() for k, v in state.items() if k != "step"]
+        module.record["rest"] = {
+            "state_kinds": {(type(v).__name__, type(local_of(v)).__name__) for _, v in states},
+            "proxy_bytes": sum(local_of(p).untyped_storage().nbytes() for p in optimizer.state),
+            "fp32_copies_of_shards": copies,
+            "state_bytes": sum(t.untyped_storage().nbytes() for _, v in states for t in _inner(local_of(v))),
+            "local_numel": sum(local_of(p).numel() for p in module.parameters()),
+        }
+
+
+def _inner(tensor: torch.Tensor) -> list[torch.Tensor]:
+    flatten = getattr(tensor, "__tensor_flatten__", None)
+    if type(tensor) is torch.Tensor or flatten is None:
+        return [tensor]
+    return [t for name in flatten()[0] for t in _inner(getattr(tensor, name))]
+
+
+def generic_runs(out: Path) -> dict[str, Any]:
+    """Optimizers on the generic path (torchao AdamW8bit, torch's for-loop RMSprop): a run with an inf in rank 0's
+    shard at INJECT_AT, clipping and a distributed checkpoint after epoch 0, and the run resumed from it."""
+    results: dict[str, Any] = {}
+    for name, model_class in (("8bit", Wide8bit), ("rmsprop", WideRMSprop)):
+        ckpt = out / f"ckpt-{name}"
+        common: dict[str, Any] = dict(shard=shard_net, model_class=model_class)
+        results[name] = fit(
+            "bf16-mixed", "remainder", strategy(), checkpoint_dir=ckpt, extra_callbacks=[GenericAtRest()], **common
+        )
+        resume = ckpt / "epoch=0.ckpt"
+        results[f"{name}_resumed"] = fit("bf16-mixed", "remainder", strategy(), resume_from=resume, **common)
+        whole = strategy(save_distributed_checkpoint=False)
+        try:
+            fit("bf16-mixed", "remainder", whole, checkpoint_dir=out / f"file-{name}", **common)
+        except ValueError as error:  # torchao's quantised state: refused for whole-file checkpoints
+            results[f"{name}_from_file"] = {"error": str(error)}
+        else:
+            resume = out / f"file-{name}" / "epoch=0.ckpt"
+            results[f"{name}_from_file"] = fit("bf16-mixed", "remainder", strategy(), resume_from=resume, **common)
+        replay = type(f"Replay{name}", (Unclipped, model_class), {})
+        results[f"{name}_replay"] = fit(
+            "bf16-mixed",
+            "remainder",
+            strategy(),
+            inject=False,
+            extra_callbacks=[Replay()],
+            **{**common, "model_class": replay},
+        )
+    try:
+        fit("bf16-mixed", "remainder", strategy(), shard=shard_net, model_class=WideLocalState)
+    except ValueError as error:
+        results["local_state"] = {"error": str(error)}
+    return results
+
+
 class Validated(Net):
     """Shards itself once (a later ``validate`` runs ``configure_model`` again) and has a validation step."""
 
@@ -214,6 +332,10 @@ def _staging(masters: Any) -> list[torch.Tensor]:
 
 def main() -> None:
     out = Path(sys.argv[1])
+    # torchao's optimizers compile their step: one inductor cache per rank, kept between runs (two ranks writing the
+    # same compiled kernel into one cache at once crashed a rank here)
+    cache = Path(tempfile.gettempdir()) / f"torchinductor_{getpass.getuser()}" / f"rank{os.environ['LOCAL_RANK']}"
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache)
     ckpt, full_ckpt = out / "ckpt", out / "ckpt-file"
     lean: dict[str, Any] = dict(shard=shard_net, extra_callbacks=[Probe()])
     results = {"full": fit("bf16-mixed", "remainder", strategy=strategy(), checkpoint_dir=ckpt, **lean)}
@@ -253,6 +375,7 @@ def main() -> None:
         extra_callbacks=[AtRest()],
         shard=shard_net,
     )
+    results["generic"] = generic_runs(out)
     results["validated"] = fit_then_validate()
     results["fp8"] = fp8_runs()
     save(results, out, results["full"]["rank"])
