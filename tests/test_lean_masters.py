@@ -340,3 +340,17 @@ def test_fused_step_on_cuda_equals_torchs_fused_optimizer_bitwise(optimizer_cls,
         ref_optimizer.step()
     for param, ref in zip(model.parameters(), reference.parameters()):
         assert torch.equal(_exact(store, param), ref)
+
+
+def test_an_optimizer_parameter_outside_the_model_is_refused_naming_its_place():
+    from lightning_mp.master.remainder import RemainderMasters
+
+    masters = RemainderMasters()
+    net = masters.convert(torch.nn.Sequential(torch.nn.Linear(4, 4)))
+    stray = torch.nn.Parameter(torch.zeros(3, 2))
+    optimizer = torch.optim.AdamW([{"params": list(net.parameters())}, {"params": [stray]}])
+    with pytest.raises(ValueError) as refused:
+        masters.attach([optimizer])
+    message = str(refused.value)
+    assert "optimizer 0 (AdamW) param_groups[1]['params'][0] (shape (3, 2), torch.float32)" in message
+    assert "is not one of its parameters" in message and "self.parameters()" in message

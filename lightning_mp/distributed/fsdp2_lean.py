@@ -44,7 +44,7 @@ from torch.optim import Optimizer
 
 from lightning_mp.distributed.fsdp2_generic import ShardedGenericStep
 from lightning_mp.master.bits import join_fp32, split_fp32_into
-from lightning_mp.master.remainder import RemainderMasters, _restore_fp32_state, _stash_fp32_state
+from lightning_mp.master.remainder import RemainderMasters, _restore_fp32_state, _stash_fp32_state, check_params_belong
 from lightning_mp.master.step import fp32_zeros_like, local_of, uses_fused_kernel
 
 
@@ -191,14 +191,7 @@ class ShardedRemainderMasters(RemainderMasters):
                     "checkpoints, and a zero momentum buffer matches torch's first step only without dampening. Use "
                     "dampening=0, or master_weights=True under FSDP2."
                 )
-            for g, group in enumerate(optimizer.param_groups):
-                for i, param in enumerate(group["params"]):
-                    if id(param) not in module_params:
-                        raise ValueError(
-                            f"master_weights='remainder' needs every optimizer parameter to belong to the model, but "
-                            f"optimizer {index} ({type(optimizer).__name__}) param_groups[{g}]['params'][{i}] is not "
-                            "one of its parameters. Build the optimizer from self.parameters() in configure_optimizers."
-                        )
+            check_params_belong(index, optimizer, module_params)
             if not uses_fused_kernel(optimizer):  # any other optimizer: on DTensor proxies of the shards
                 self._generic[id(optimizer)] = ShardedGenericStep(optimizer, self, self._chunk_of(optimizer))
                 continue

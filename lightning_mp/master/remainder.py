@@ -149,15 +149,7 @@ class RemainderMasters(MasterWeights):
         self._optimizers = list(optimizers)
         module_params = {id(p) for p in self._module.parameters()}
         for index, optimizer in enumerate(self._optimizers):
-            for g, group in enumerate(optimizer.param_groups):
-                for i, param in enumerate(group["params"]):
-                    if id(param) not in module_params:
-                        raise ValueError(
-                            f"master_weights='remainder' needs every optimizer parameter to belong to the model, but "
-                            f"optimizer {index} ({type(optimizer).__name__}) param_groups[{g}]['params'][{i}] "
-                            f"(shape {tuple(param.shape)}, {param.dtype}) is not one of its parameters. Build the "
-                            "optimizer from self.parameters() in configure_optimizers, or use master_weights=False."
-                        )
+            check_params_belong(index, optimizer, module_params)
         self._blocks.relocate()
         for optimizer in self._optimizers:
             if uses_fused_kernel(optimizer):
@@ -343,3 +335,17 @@ def _restore_fp32_state(optimizer: Optimizer) -> None:
             for key, value in saved.get(index, {}).items():
                 if key != "step" and isinstance(value, Tensor) and value.is_floating_point():
                     optimizer.state[param][key] = value.to(param.device, torch.float32, copy=True)
+
+
+def check_params_belong(index: int, optimizer: Optimizer, module_params: set[int]) -> None:
+    """Raise a ValueError naming the first parameter of ``optimizer`` (number ``index``) whose id is not in
+    ``module_params``: lean masters hold the weights of the converted module's parameters only."""
+    for g, group in enumerate(optimizer.param_groups):
+        for i, param in enumerate(group["params"]):
+            if id(param) not in module_params:
+                raise ValueError(
+                    f"master_weights='remainder' needs every optimizer parameter to belong to the model, but "
+                    f"optimizer {index} ({type(optimizer).__name__}) param_groups[{g}]['params'][{i}] "
+                    f"(shape {tuple(param.shape)}, {param.dtype}) is not one of its parameters. Build the "
+                    "optimizer from self.parameters() in configure_optimizers, or use master_weights=False."
+                )
