@@ -373,9 +373,10 @@ class MixedPrecisionPlugin(Precision):
         super().teardown()
 
     def __repr__(self) -> str:
+        masters = "'remainder'" if getattr(self.masters, "kind", None) == "remainder" else self.master_weights
         return (
             f"{type(self).__name__}(precision={self.precision!r}, scaler={self.scaler!r}, "
-            f"master_weights={self.master_weights}, policy={self.policy!r}"
+            f"master_weights={masters}, policy={self.policy!r}"
             + (f", fp8={self.fp8.recipe!r})" if self.fp8 is not None else ")")
         )
 

@@ -354,3 +354,10 @@ def test_an_optimizer_parameter_outside_the_model_is_refused_naming_its_place():
     message = str(refused.value)
     assert "optimizer 0 (AdamW) param_groups[1]['params'][0] (shape (3, 2), torch.float32)" in message
     assert "is not one of its parameters" in message and "self.parameters()" in message
+
+
+def test_the_plugin_names_lean_masters_as_remainder_not_true():
+    # what the CLI prints as "running ... with MixedPrecisionPlugin(...)": lean masters are not fp32 masters
+    assert "master_weights='remainder'," in repr(MixedPrecisionPlugin("bf16-mixed", master_weights="remainder"))
+    assert "master_weights=True," in repr(MixedPrecisionPlugin("bf16-mixed", master_weights=True))
+    assert "master_weights=False," in repr(MixedPrecisionPlugin("bf16-mixed"))
