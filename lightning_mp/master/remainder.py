@@ -243,6 +243,8 @@ class RemainderMasters(MasterWeights):
         ``None`` steps unconditionally. Clipping requested since the last step is applied here.
         """
         grad_ops = self._grad_ops.pop(id(optimizer), [])
+        # what torch's optimizer.step() records for LR schedulers, which warn on their first step without it
+        optimizer._opt_called = True  # type: ignore[attr-defined]
         if not uses_fused_kernel(optimizer) and id(optimizer) not in self._generic:  # not seen by attach()
             self._generic[id(optimizer)] = GenericChunkedStep(optimizer, self, self._chunk_of(optimizer))
         generic = self._generic.get(id(optimizer))
