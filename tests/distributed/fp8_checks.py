@@ -24,7 +24,28 @@ from lightning_mp import MixedPrecisionPlugin, PrecisionMonitor
 from tests.distributed.common import finish, save
 
 
-class FP8Net(L.LightningModule):
+class TrainsOnShards:
+    """What the 2-rank fp8 nets share (a LightningModule mixin): each rank's half of 64 fixed samples in batches of
+    8, cross-entropy recorded in ``self.losses``, AdamW."""
+
+    def train_dataloader(self) -> DataLoader:
+        gen = torch.Generator().manual_seed(0)
+        x = torch.randn(64, 32, generator=gen)
+        dataset = TensorDataset(x, x[:, :16].argmax(1))
+        sampler = DistributedSampler(dataset, self.trainer.world_size, self.global_rank, shuffle=False)
+        return DataLoader(dataset, batch_size=8, sampler=sampler)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = nn.functional.cross_entropy(self.net(x).float(), y)
+        self.losses.append(float(loss.detach()))
+        return loss
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.AdamW(self.parameters(), lr=2e-2)
+
+
+class FP8Net(TrainsOnShards, L.LightningModule):
     def __init__(self, shard: bool) -> None:
         super().__init__()
         torch.manual_seed(0)
@@ -43,22 +64,6 @@ class FP8Net(L.LightningModule):
         for index in (0, 2):
             fully_shard(self.net[index], mesh=mesh, mp_policy=plugin.fsdp2_policy())
         fully_shard(self.net, mesh=mesh, mp_policy=plugin.fsdp2_policy())
-
-    def train_dataloader(self) -> DataLoader:
-        gen = torch.Generator().manual_seed(0)
-        x = torch.randn(64, 32, generator=gen)
-        dataset = TensorDataset(x, x[:, :16].argmax(1))
-        sampler = DistributedSampler(dataset, self.trainer.world_size, self.global_rank, shuffle=False)
-        return DataLoader(dataset, batch_size=8, sampler=sampler)
-
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        x, y = batch
-        loss = nn.functional.cross_entropy(self.net(x).float(), y)
-        self.losses.append(float(loss.detach()))
-        return loss
-
-    def configure_optimizers(self) -> Any:
-        return torch.optim.AdamW(self.parameters(), lr=2e-2)
 
 
 def _full(tensor: torch.Tensor) -> torch.Tensor:

@@ -23,17 +23,17 @@ import lightning as L
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
-from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from lightning_mp import MixedPrecisionPlugin
 from tests.distributed.common import finish, save
+from tests.distributed.fp8_checks import TrainsOnShards, _full
 
 # 64 samples, 2 ranks, batch 8: 4 steps per epoch. max_epochs, not max_steps: Lightning 2.6.6 itself (one device, no
 # plugin) resumed with max_steps from a checkpoint saved at a training epoch's end runs batch 0 again as batch 4
 EPOCHS = 2
 
 
-class Net(L.LightningModule):
+class Net(TrainsOnShards, L.LightningModule):
     """Linear -> GELU -> LayerNorm -> Linear -> GELU -> Linear; ``how`` the user's configure_model shards it."""
 
     def __init__(self, how: str = "none") -> None:
@@ -64,29 +64,6 @@ class Net(L.LightningModule):
         for index in (0, 3):
             fully_shard(self.net[index], mesh=mesh, mp_policy=plugin.fsdp2_policy())
         fully_shard(self.net, mesh=mesh, mp_policy=plugin.fsdp2_policy())
-
-    def train_dataloader(self) -> DataLoader:
-        gen = torch.Generator().manual_seed(0)
-        x = torch.randn(64, 32, generator=gen)
-        dataset = TensorDataset(x, x[:, :16].argmax(1))
-        sampler = DistributedSampler(dataset, self.trainer.world_size, self.global_rank, shuffle=False)
-        return DataLoader(dataset, batch_size=8, sampler=sampler)
-
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        x, y = batch
-        loss = nn.functional.cross_entropy(self.net(x).float(), y)
-        self.losses.append(float(loss.detach()))
-        return loss
-
-    def configure_optimizers(self) -> Any:
-        return torch.optim.AdamW(self.parameters(), lr=2e-2)
-
-
-def _full(tensor: torch.Tensor) -> torch.Tensor:
-    full = getattr(tensor, "full_tensor", None)
-    value = full() if full is not None else tensor
-    inner = getattr(value, "_tensor", None)  # torchao's fp8 all-gather weight wrapper holds the plain tensor
-    return (inner if isinstance(inner, torch.Tensor) else value).detach().float().clone()
 
 
 def run(
