@@ -35,6 +35,22 @@ def strategy(**kwargs: Any) -> ModelParallelStrategy:
     return ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1, **kwargs)
 
 
+def _trainer(plugin: MixedPrecisionPlugin, **kwargs: Any) -> L.Trainer:
+    """A quiet 2-rank FSDP2 Trainer without checkpoints; ``kwargs`` say how long it trains."""
+    return L.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=strategy(),
+        plugins=[plugin],
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        use_distributed_sampler=False,
+        **kwargs,
+    )
+
+
 class AdamWNet(Net):
     def configure_optimizers(self) -> Any:
         return torch.optim.AdamW(self.parameters(), lr=1e-2, weight_decay=0.1)
@@ -265,19 +281,7 @@ def fit_then_validate() -> dict[str, Any]:
     restored to the same exact fp32 values after it."""
     model = Validated(shard=shard_net)
     plugin = MixedPrecisionPlugin("bf16-mixed", master_weights="remainder")
-    trainer = L.Trainer(
-        accelerator="cpu",
-        devices=2,
-        strategy=strategy(),
-        plugins=[plugin],
-        max_epochs=1,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=False,
-        use_distributed_sampler=False,
-        num_sanity_val_steps=0,
-    )
+    trainer = _trainer(plugin, max_epochs=1, num_sanity_val_steps=0)
     data = loader(GLOBAL_BATCH // 2, int(os.environ["LOCAL_RANK"]), 2)
     trainer.fit(model, data)
     before = {name: _full(param) for name, param in model.named_parameters()}
@@ -300,18 +304,7 @@ def fp8_runs() -> dict[str, Any]:
     ):
         plugin = MixedPrecisionPlugin("bf16-mixed", fp8=recipe, master_weights=masters)
         model = FP8Net(shard=True)
-        trainer = L.Trainer(
-            accelerator="cpu",
-            devices=2,
-            strategy=strategy(),
-            plugins=[plugin],
-            max_steps=4,
-            logger=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            enable_checkpointing=False,
-            use_distributed_sampler=False,
-        )
+        trainer = _trainer(plugin, max_steps=4)
         try:
             trainer.fit(model)
         except ValueError as error:
