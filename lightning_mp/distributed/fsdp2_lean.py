@@ -224,29 +224,17 @@ class ShardedRemainderMasters(RemainderMasters):
             self._generic[id(optimizer)] = ShardedGenericStep(optimizer, self, self._chunk_of(optimizer))
         super().fused_step(optimizer, found_inf)
 
-    def before_backward(self) -> None:
-        """As :meth:`RemainderMasters.before_backward`, on the sharded gradients: with fp32 accumulation each bf16
-        gradient shard becomes fp32 before a further backward, and FSDP2 adds the next reduced one into it."""
-        self._grad_ops.clear()
-        if self.accumulate_grads_in != torch.float32:
-            return
-        for param in self._params.values():
-            grad = param.grad
-            if grad is not None and grad.dtype != torch.float32:
-                _retype_dtensor(grad, local_of(grad).float())
+    @staticmethod
+    def _widen_grad(grad: Tensor) -> None:
+        """A sharded gradient becomes fp32 through its local shard (FSDP2 adds the next reduced one into it)."""
+        _retype_dtensor(grad, local_of(grad).float())
 
-    def clip_grad_norm_(self, optimizer: Optimizer, max_norm: float, norm_type: float = 2.0) -> Tensor:
-        """Clip by the total norm over every rank's shards, computed in fp32 (as ``clip_grad_norm_`` on FSDP2's fp32
-        gradients), applied inside the step. Returns the total norm (a plain tensor, the same on every rank)."""
-        grads = [p.grad.detach() for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
-        if not grads:
-            return torch.tensor(0.0)
-        norms = [torch._foreach_norm([g.float()], norm_type)[0] for g in grads]  # DTensor norms are partial
+    @staticmethod
+    def _total_norm(norms: list[Tensor], norm_type: float) -> Tensor:
+        """The total norm over every rank's shards (``clip_grad_norm_``'s, computed in fp32): DTensor norms are
+        partial, and ``full_tensor`` is the collective; a plain tensor, the same on every rank."""
         total = torch.linalg.vector_norm(torch.stack(norms), norm_type)
-        total = total.full_tensor() if hasattr(total, "full_tensor") else total  # the collective
-        coef = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)
-        self._grad_ops.setdefault(id(optimizer), []).append(("mul", coef))
-        return total
+        return total.full_tensor() if hasattr(total, "full_tensor") else total
 
     # ------------------------------------------------------------------ checkpoint and teardown
     def fp32_value(self, param: Tensor) -> Tensor:

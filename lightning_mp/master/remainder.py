@@ -204,7 +204,12 @@ class RemainderMasters(MasterWeights):
         for param in self._params.values():
             grad = param.grad
             if grad is not None and grad.dtype != torch.float32:
-                grad.data = grad.data.float()
+                self._widen_grad(grad)
+
+    @staticmethod
+    def _widen_grad(grad: Tensor) -> None:
+        """Make the gradient ``grad`` fp32 in place (the same tensor object: autograd keeps adding into it)."""
+        grad.data = grad.data.float()
 
     def grads_to_masters(self) -> None:
         """Nothing to move: the gradients stay on the model's parameters (bf16, or fp32 when accumulated)."""
@@ -224,11 +229,16 @@ class RemainderMasters(MasterWeights):
         if not grads:
             return torch.tensor(0.0)
         norms = [torch._foreach_norm([g.float()], norm_type)[0] for g in grads]
-        first = grads[0].device
-        total = torch.linalg.vector_norm(torch.stack([n.to(first) for n in norms]), norm_type)
+        total = self._total_norm(norms, norm_type)
         coef = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)
         self._grad_ops.setdefault(id(optimizer), []).append(("mul", coef))
         return total
+
+    @staticmethod
+    def _total_norm(norms: list[Tensor], norm_type: float) -> Tensor:
+        """The norm of the per-gradient ``norms`` (on the first one's device)."""
+        first = norms[0].device
+        return torch.linalg.vector_norm(torch.stack([n.to(first) for n in norms]), norm_type)
 
     def clip_grad_value_(self, optimizer: Optimizer, clip_value: float) -> None:
         """Clamp ``optimizer``'s gradients to ``[-clip_value, clip_value]``, in fp32, inside the step."""
