@@ -27,7 +27,6 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
@@ -45,10 +44,13 @@ class _ShardSlice(_Slice):
             _like(param, _placeholder(self.shape, local.device)), requires_grad=param.requires_grad
         )
 
-    def point(self, values: Tensor) -> None:
-        """Make the proxy (same object) a ``DTensor`` whose local tensor is ``values``."""
+    def point(self, values: Tensor, grad: Optional[Tensor] = None) -> None:
+        """Make the proxy (same object) a ``DTensor`` whose local tensor is ``values`` (and its gradient one whose
+        local tensor is ``grad``)."""
         self.proxy.data = _like(self.param, values)
         self.proxy._local_tensor = values  # `.data` updates the wrapper's metadata, not the Python attribute
+        if grad is not None:
+            self.proxy.grad = _like(self.param, grad)
 
     def rest(self) -> None:
         self.point(_placeholder(self.shape, local_of(self.param).device))
@@ -146,33 +148,6 @@ class ShardedGenericStep(GenericChunkedStep):
         if self._outside:
             self._outside = False
             self._swap_out_proxies()
-
-    def _stage(self, chunk: list[_Slice]) -> Optional[Tensor]:
-        """Point the chunk's proxies at this rank's fp32 shards and gradient shards (see the base class)."""
-        first = chunk[0].param
-        if self.store.offset_of(first) is None:  # fp32 shards (or not split yet): the proxies view them
-            for s in chunk:
-                assert isinstance(s, _ShardSlice)
-                s.point(local_of(s.param).detach())
-                s.proxy.grad = _like(s.param, local_of(s.param.grad).detach())
-            return None
-        device = local_of(first).device
-        values, grads = self.store._staging.buffers(device)
-        total = sum(s.numel for s in chunk)
-        if total > values.numel():  # a local shard larger than chunk_size: a chunk of its own, staged whole
-            values, grads = torch.empty(total, device=device), torch.empty(total, device=device)
-        position = 0
-        for s in chunk:
-            assert isinstance(s, _ShardSlice)
-            view = slice(position, position + s.numel)
-            offset = self.store.offset_of(s.param)
-            high, low = self.store.flat_slices(device, offset, offset + s.numel)
-            self.store.join_into(high, low, values[view])
-            grads[view].copy_(local_of(s.param.grad).detach().reshape(-1))
-            s.point(values[view].view(s.shape))
-            s.proxy.grad = _like(s.param, grads[view].view(s.shape))
-            position += s.numel
-        return grads[:position]
 
     def restore(self) -> None:
         """At teardown: each proxy's state moves to its parameter (a ``DTensor`` sharded like it)."""

@@ -59,7 +59,7 @@ import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from lightning_mp.master.step import apply_grad_ops, apply_grad_ops_in_place
+from lightning_mp.master.step import apply_grad_ops, apply_grad_ops_in_place, local_of
 
 
 class _Slice:
@@ -72,6 +72,10 @@ class _Slice:
     @property
     def numel(self) -> int:
         return self.end - self.start
+
+    def point(self, values: Tensor, grad: Tensor) -> None:
+        """Make the proxy (same object) hold ``values`` and ``grad``, tensors of the slice's shape."""
+        self.proxy.data, self.proxy.grad = values, grad
 
     def rest(self) -> None:
         self.proxy.data = _placeholder(self.shape, self.param.device)
@@ -218,22 +222,24 @@ class GenericChunkedStep:
         first = chunk[0].param
         if self.store.offset_of(first) is None:  # fp32 parameters: the proxies are views of the parameters
             for s in chunk:
-                s.proxy.data = s.param.detach().view(-1)[s.start : s.end].view(s.shape)
-                s.proxy.grad = s.param.grad.detach().view(-1)[s.start : s.end].view(s.shape)
+                value, grad = (
+                    local_of(t).detach().view(-1)[s.start : s.end].view(s.shape) for t in (s.param, s.param.grad)
+                )
+                s.point(value, grad)
             return None
-        values, grads = self.store._staging.buffers(first.device)
-        if sum(s.numel for s in chunk) > values.numel():  # one row longer than chunk_size
-            values = torch.empty(chunk[0].numel, device=first.device)
-            grads = torch.empty(chunk[0].numel, device=first.device)
+        device = local_of(first).device
+        values, grads = self.store._staging.buffers(device)
+        total = sum(s.numel for s in chunk)
+        if total > values.numel():  # a chunk of one slice longer than chunk_size (one row, or a whole local shard)
+            values, grads = torch.empty(total, device=device), torch.empty(total, device=device)
         position = 0
         for s in chunk:
             view = slice(position, position + s.numel)
             offset = self.store.offset_of(s.param)
-            high, low = self.store.flat_slices(first.device, offset + s.start, offset + s.end)
+            high, low = self.store.flat_slices(device, offset + s.start, offset + s.end)
             self.store.join_into(high, low, values[view])
-            grads[view].copy_(s.param.grad.detach().reshape(-1)[s.start : s.end])
-            s.proxy.data = values[view].view(s.shape)
-            s.proxy.grad = grads[view].view(s.shape)
+            grads[view].copy_(local_of(s.param.grad).detach().reshape(-1)[s.start : s.end])
+            s.point(values[view].view(s.shape), grads[view].view(s.shape))
             position += s.numel
         return grads[:position]
 
