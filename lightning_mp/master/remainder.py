@@ -29,6 +29,7 @@ from torch.optim import Optimizer
 from lightning_mp.master.bits import join_fp32_into, split_fp32_into
 from lightning_mp.master.blocks import Blocks, join_by_chunks, split_by_chunks
 from lightning_mp.master.flat import MasterWeights, is_norm
+from lightning_mp.master import onepass
 from lightning_mp.master.generic import GenericChunkedStep
 from lightning_mp.master.step import (
     FUSED_UNIT,
@@ -261,11 +262,13 @@ class RemainderMasters(MasterWeights):
         if generic is not None:
             generic.step(found_inf, grad_ops)
             return
+        found = found_inf.to(torch.float32).reshape(()) if found_inf is not None else None  # 0-dim, as torch's
         for index, group in enumerate(optimizer.param_groups):
             apply_grad_ops_in_place([p for p in group["params"] if id(p) not in self._layout], grad_ops)
-            fused_update(
-                optimizer, group, self._plan(optimizer, index, group), self, self._staging, grad_ops, found_inf
-            )
+            if onepass.available(group["params"], grad_ops):  # one compiled pass (CPU)
+                onepass.update(optimizer, group, self, grad_ops, found)
+                continue
+            fused_update(optimizer, group, self._plan(optimizer, index, group), self, self._staging, grad_ops, found)
 
     def _plan(self, optimizer: Optimizer, index: int, group: dict[str, Any]) -> list[Any]:
         key = tuple(id(p) for p in group["params"])

@@ -1,0 +1,199 @@
+"""The one-pass lean update, compiled: a C kernel on the CPU (this package), a Triton kernel on CUDA (:mod:`.triton`).
+
+On the CPU, ``lean_update.c`` (plain C, no torch headers) is compiled with the system's C compiler the first time a
+process needs it (about a second), into a cache keyed by the source, the compiler and the CPU's flags
+(``$LIGHTNING_MP_CACHE``, default ``~/.cache/lightning_mp``), and loaded with :mod:`ctypes`. Where it cannot be
+built (no C compiler, a compiler error) or loaded, :func:`cpu_kernel` returns ``None`` after one warning that says
+why, and the step falls back to the chunked path (:mod:`lightning_mp.master.step`): slower, the same bits.
+``LIGHTNING_MP_NATIVE=0`` turns the compiled kernels off (the fallback on purpose).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import warnings
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+SOURCE = Path(__file__).with_name("lean_update.c")
+#: Flags: vectorised loops for this CPU, and no fused multiply-add but the ones the source asks for (exactness).
+CFLAGS = ["-O3", "-march=native", "-mprefer-vector-width=256", "-ffp-contract=off", "-fno-math-errno", "-fPIC", "-shared", "-pthread"]
+#: Elements per unit of work handed to a thread (a multiple of every vector width).
+GRAIN = 1 << 16
+#: The vector width of torch's fused CPU optimizer kernels, in floats.
+VEC_SIZE = 8
+
+_state: dict[str, Any] = {}
+
+
+class Piece(ctypes.Structure):
+    """One tensor's part of an update (mirrors ``lean_piece`` in ``lean_update.c``)."""
+
+    _fields_ = [
+        ("high", ctypes.c_void_p),
+        ("low", ctypes.c_void_p),
+        ("grad", ctypes.c_void_p),
+        ("state1", ctypes.c_void_p),
+        ("state2", ctypes.c_void_p),
+        ("state3", ctypes.c_void_p),
+        ("step", ctypes.c_void_p),
+        ("n", ctypes.c_int64),
+    ]
+
+
+class Options(ctypes.Structure):
+    """The optimizer's options for one update (mirrors ``lean_options``)."""
+
+    _fields_ = [
+        ("kind", ctypes.c_int),
+        ("grad_fp32", ctypes.c_int),
+        ("amsgrad", ctypes.c_int),
+        ("maximize", ctypes.c_int),
+        ("nesterov", ctypes.c_int),
+        ("first_step", ctypes.c_int),
+        ("lr", ctypes.c_double),
+        ("beta1", ctypes.c_double),
+        ("beta2", ctypes.c_double),
+        ("weight_decay", ctypes.c_double),
+        ("eps", ctypes.c_double),
+        ("momentum", ctypes.c_double),
+        ("dampening", ctypes.c_double),
+        ("grad_mul", ctypes.c_void_p),
+        ("clamp", ctypes.c_double),
+        ("clamped", ctypes.c_int),
+        ("vec_size", ctypes.c_int),
+    ]
+
+
+ADAM, ADAMW, SGD = 0, 1, 2
+
+
+def enabled() -> bool:
+    """Whether compiled kernels may be used (``LIGHTNING_MP_NATIVE=0`` turns them off)."""
+    return os.environ.get("LIGHTNING_MP_NATIVE", "1") != "0"
+
+
+def cache_dir() -> Path:
+    """Where built kernels are kept: ``$LIGHTNING_MP_CACHE``, else ``~/.cache/lightning_mp``."""
+    root = os.environ.get("LIGHTNING_MP_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "lightning_mp")
+    return Path(root)
+
+
+def _compiler() -> Optional[str]:
+    for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
+        if name and shutil.which(name):
+            return name
+    return None
+
+
+def _cpu_key() -> str:
+    """The CPU's identity for the cache: a kernel built with ``-march=native`` must not run on another CPU."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _build(compiler: str) -> Path:
+    source = SOURCE.read_bytes()
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=False).stdout
+    key = hashlib.sha256(b"\0".join([source, " ".join(CFLAGS).encode(), version.encode(), _cpu_key().encode()]))
+    target = cache_dir() / f"lean_update-{key.hexdigest()[:16]}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # build beside the target and rename: ranks of one job may build at the same time
+    fd, scratch = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        done = subprocess.run(
+            [compiler, *CFLAGS, str(SOURCE), "-o", scratch, "-lm"], capture_output=True, text=True, check=False
+        )
+        if done.returncode != 0:
+            raise RuntimeError(f"{compiler} failed ({done.returncode}): {done.stderr.strip()[-2000:]}")
+        os.replace(scratch, target)
+    finally:
+        if os.path.exists(scratch):
+            os.unlink(scratch)
+    return target
+
+
+def cpu_kernel() -> Optional[ctypes.CDLL]:
+    """The compiled CPU kernel (built on first use), or ``None`` (one warning) where it cannot be built."""
+    if "cpu" in _state:
+        return _state["cpu"]
+    library = None
+    if enabled():
+        compiler = _compiler()
+        try:
+            if compiler is None:
+                raise RuntimeError("no C compiler found (looked for $CC, cc, gcc, clang)")
+            library = ctypes.CDLL(str(_build(compiler)))
+            library.lean_update.restype = ctypes.c_int
+            library.lean_update.argtypes = [
+                ctypes.POINTER(Piece),
+                ctypes.c_int64,
+                ctypes.POINTER(Options),
+                ctypes.c_void_p,
+                ctypes.c_int,
+                ctypes.c_int64,
+                ctypes.POINTER(ctypes.c_int64),
+            ]
+            for name in ("lean_join", "lean_split"):
+                getattr(library, name).restype = None
+                getattr(library, name).argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64]
+        except (OSError, RuntimeError, subprocess.SubprocessError) as error:
+            warnings.warn(
+                f"lightning_mp: the one-pass lean-master update could not be built ({error}); lean masters fall back "
+                "to the chunked update (the same results, slower). Install a C compiler (gcc or clang) to get it, "
+                "or set LIGHTNING_MP_NATIVE=0 to silence this.",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            library = None
+    _state["cpu"] = library
+    return library
+
+
+def vec_size() -> int:
+    """Floats per vector in torch's fused optimizer kernels (where a tensor's scalar tail begins): 8, measured on
+    torch 2.13 with AVX512 and AVX2 (tests/test_native_update.py checks it against torch's kernel)."""
+    return VEC_SIZE
+
+
+def run(pieces: list[Piece], options: Options, found_inf: Optional[torch.Tensor]) -> None:
+    """One update of ``pieces`` on the CPU (the kernel must be built: :func:`cpu_kernel`)."""
+    library = _state["cpu"]
+    array = (Piece * len(pieces))(*pieces)
+    first_unit = (ctypes.c_int64 * (len(pieces) + 1))()
+    flag = found_inf.data_ptr() if found_inf is not None else None
+    library.lean_update(array, len(pieces), ctypes.byref(options), flag, torch.get_num_threads(), GRAIN, first_unit)
+
+
+def join(high: torch.Tensor, low: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """``out`` (fp32, contiguous) = the join of ``high`` (bf16) and ``low`` (int16), one pass."""
+    _state["cpu"].lean_join(high.data_ptr(), low.data_ptr(), out.data_ptr(), out.numel())
+    return out
+
+
+def split(values: torch.Tensor, high: torch.Tensor, low: torch.Tensor) -> None:
+    """``high``, ``low`` = the split of ``values`` (fp32, contiguous), one pass."""
+    _state["cpu"].lean_split(values.data_ptr(), high.data_ptr(), low.data_ptr(), values.numel())
+
+
+def _reset_for_tests() -> None:
+    _state.clear()
+
+
+__all__ = ["ADAM", "ADAMW", "SGD", "Options", "Piece", "cpu_kernel", "enabled", "join", "run", "split", "vec_size"]

@@ -1,0 +1,332 @@
+/* The one-pass update of lean master weights on the CPU: for every element, join the bf16 weight and its int16
+ * remainder into the exact fp32 value, apply torch's fused AdamW/Adam/SGD arithmetic to it, and split the result
+ * back, reading and writing each byte once. See lightning_mp/master/native.py (how it is built and loaded) and
+ * lightning_mp/master/bits.py (the join and split).
+ *
+ * Exactness: torch's fused CPU kernels (aten/src/ATen/native/cpu/FusedAdamKernel.cpp, FusedSGDKernel.cpp, fp32
+ * case) compute each element of a tensor's vector body (8 floats a vector in torch 2.13) with at::vec operations and
+ * the last `numel % 8` elements (its scalar tail) with scalar code; torch's compiler contracted some multiply-adds of
+ * both into fused multiply-adds, differently in the body and the tail (found by comparing bits with the kernel:
+ * tests/test_onepass.py). This file performs the same IEEE operations in the same order for each element, the fused
+ * multiply-adds as explicit fmaf, and is compiled with -ffp-contract=off so that the compiler adds none of its own:
+ * the result is the same bits. Vectorising is left to the compiler (-O3 -march=native), which does not change any
+ * element's operations.
+ *
+ * Plain C, no torch headers: it compiles in about a second with the system's C compiler and is loaded with ctypes.
+ */
+#include <math.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <string.h>
+
+typedef struct {
+    uint16_t *high;      /* bf16 weights (bit patterns), n elements */
+    int16_t *low;        /* int16 remainders, n elements */
+    const void *grad;    /* bf16 (uint16 bit patterns) or fp32 gradients, n elements */
+    float *state1;       /* Adam: exp_avg; SGD: momentum buffer (may be NULL without momentum) */
+    float *state2;       /* Adam: exp_avg_sq */
+    float *state3;       /* Adam: max_exp_avg_sq (amsgrad) */
+    const float *step;   /* Adam: the parameter's step count (already incremented, as torch's kernel sees it) */
+    int64_t n;
+} lean_piece;
+
+typedef struct {
+    int kind;            /* 0 Adam (L2 weight decay), 1 AdamW (decoupled), 2 SGD */
+    int grad_fp32;       /* gradients are fp32 (else bf16) */
+    int amsgrad, maximize, nesterov, first_step;
+    double lr, beta1, beta2, weight_decay, eps, momentum, dampening;
+    const float *grad_mul;  /* clipping factor (clip by norm), NULL: none */
+    double clamp;        /* clip by value to [-clamp, clamp]; negative: none */
+    int clamped;
+    int vec_size;        /* torch's Vectorized<float>::size() on this machine: where each tensor's tail begins */
+} lean_options;
+
+static inline float join(uint16_t high, int16_t low) {
+    uint32_t bits = ((uint32_t)high << 16) + (uint32_t)(int32_t)low;
+    float value;
+    memcpy(&value, &bits, 4);
+    return value;
+}
+
+static inline void split(float value, uint16_t *high, int16_t *low) {
+    uint32_t bits;
+    memcpy(&bits, &value, 4);
+    uint32_t rounded = (bits + 0x8000u) >> 16;
+    if (value != value) rounded = (bits >> 16) | 0x0040u; /* a NaN stays a (quiet) NaN in the bf16 half */
+    *high = (uint16_t)rounded;
+    *low = (int16_t)(uint16_t)(bits & 0xFFFFu);
+}
+
+#define BLOCK 512 /* elements staged at a time in fp32 on the stack (a multiple of every vector width) */
+
+/* Stage elements [begin, begin + n) of piece p: exact fp32 weights into w, fp32 gradients (clipping applied) into g.
+ * Each loop is simple enough for the compiler to vectorise. */
+static inline void stage(const lean_piece *p, const lean_options *o, int64_t begin, int64_t n, float *w, float *g) {
+    const uint16_t *high = p->high + begin;
+    const int16_t *low = p->low + begin;
+    for (int64_t i = 0; i < n; i++) w[i] = join(high[i], low[i]);
+    if (o->grad_fp32) {
+        memcpy(g, (const float *)p->grad + begin, (size_t)n * 4);
+    } else {
+        const uint16_t *grad = (const uint16_t *)p->grad + begin;
+        for (int64_t i = 0; i < n; i++) {
+            uint32_t bits = (uint32_t)grad[i] << 16;
+            memcpy(&g[i], &bits, 4);
+        }
+    }
+    if (o->grad_mul) {
+        float factor = *o->grad_mul;
+        for (int64_t i = 0; i < n; i++) g[i] = g[i] * factor;
+    }
+    if (o->clamped) { /* clamp_min_ then clamp_max_, NaN kept */
+        float bound = (float)o->clamp;
+        for (int64_t i = 0; i < n; i++) g[i] = g[i] < -bound ? -bound : g[i];
+        for (int64_t i = 0; i < n; i++) g[i] = g[i] > bound ? bound : g[i];
+    }
+}
+
+static inline void unstage(const lean_piece *p, int64_t begin, int64_t n, const float *w) {
+    uint16_t *high = p->high + begin;
+    int16_t *low = p->low + begin;
+    for (int64_t i = 0; i < n; i++) split(w[i], &high[i], &low[i]);
+}
+
+typedef struct {
+    float bc2_sqrt, eps, beta2, c1, c2, decay, neg_step, step, coeff, one_minus_c1;
+    int small;
+} adam_consts;
+
+/* The vector body of torch's kernel, element by element: moments and the weight (weight decay already applied). */
+static void adam_body(const adam_consts *k, int amsgrad, float *w, const float *g, float *m, float *v, float *vmax,
+                      int64_t n) {
+    const float coeff = k->coeff, c2 = k->c2, beta2 = k->beta2, bc2_sqrt = k->bc2_sqrt, eps = k->eps;
+    const float neg_step = k->neg_step;
+    if (k->small) {
+        for (int64_t i = 0; i < n; i++) m[i] = fmaf(coeff, g[i] - m[i], m[i]);
+    } else {
+        for (int64_t i = 0; i < n; i++) m[i] = fmaf(coeff, g[i] - m[i], g[i]);
+    }
+    /* torch's `v * beta2 + c2 * g * g`, which its compiler contracted into one fused multiply-add */
+    for (int64_t i = 0; i < n; i++) v[i] = fmaf(c2 * g[i], g[i], v[i] * beta2);
+    if (amsgrad) {
+        for (int64_t i = 0; i < n; i++) { /* at::vec maximum: a NaN wins */
+            float a = vmax[i], b = v[i];
+            vmax[i] = (a != a || b != b) ? a + b : (a > b ? a : b);
+        }
+        for (int64_t i = 0; i < n; i++) w[i] = w[i] + neg_step * m[i] / (sqrtf(vmax[i]) / bc2_sqrt + eps);
+    } else {
+        for (int64_t i = 0; i < n; i++) w[i] = w[i] + neg_step * m[i] / (sqrtf(v[i]) / bc2_sqrt + eps);
+    }
+}
+
+/* torch's scalar tail (the last numel % vec_size elements of a tensor), element by element. */
+static void adam_tail(const adam_consts *k, int amsgrad, float *w, const float *g, float *m, float *v, float *vmax,
+                      int64_t n) {
+    for (int64_t i = 0; i < n; i++) {
+        float mi = m[i], gi = g[i];
+        mi = k->small ? fmaf(k->c1, gi - mi, mi) : fmaf(-(gi - mi), k->one_minus_c1, gi); /* contracted as well */
+        m[i] = mi;
+        float vi = fmaf(v[i], k->beta2, k->c2 * gi * gi); /* torch's two statements, contracted into one */
+        v[i] = vi;
+        if (amsgrad) {
+            vmax[i] = vmax[i] < vi ? vi : vmax[i]; /* std::max */
+            vi = vmax[i];
+        }
+        float denom = sqrtf(vi) / k->bc2_sqrt + k->eps;
+        w[i] = w[i] - k->step * mi / denom;
+    }
+}
+
+/* The common case in one loop (each value loaded and stored once, no staging): the vector body of Adam/AdamW with
+ * beta1 > 0.5, no amsgrad, no maximize, no clamp; the flags are constants in each instance. */
+static inline __attribute__((always_inline)) void adam_fused(const lean_piece *p, const lean_options *o,
+                                                             const adam_consts *k, int64_t begin, int64_t end,
+                                                             const int adamw, const int grad_fp32, const int has_mul,
+                                                             const int decays) {
+    const float coeff = k->coeff, c2 = k->c2, beta2 = k->beta2, bc2_sqrt = k->bc2_sqrt, eps = k->eps;
+    const float neg_step = k->neg_step, decay = k->decay, factor = has_mul ? *o->grad_mul : 1.0f;
+    uint16_t *restrict high = p->high;
+    int16_t *restrict low = p->low;
+    float *restrict m = p->state1;
+    float *restrict v = p->state2;
+    const uint16_t *restrict g16 = (const uint16_t *)p->grad;
+    const float *restrict g32 = (const float *)p->grad;
+    for (int64_t i = begin; i < end; i++) {
+        float w = join(high[i], low[i]);
+        float g;
+        if (grad_fp32) {
+            g = g32[i];
+        } else {
+            uint32_t bits = (uint32_t)g16[i] << 16;
+            memcpy(&g, &bits, 4);
+        }
+        if (has_mul) g = g * factor;
+        if (decays && adamw) w = w * decay;
+        if (decays && !adamw) g = fmaf(w, decay, g);
+        float mi = fmaf(coeff, g - m[i], m[i]);
+        float vi = fmaf(c2 * g, g, v[i] * beta2);
+        m[i] = mi;
+        v[i] = vi;
+        w = w + neg_step * mi / (sqrtf(vi) / bc2_sqrt + eps);
+        split(w, &high[i], &low[i]);
+    }
+}
+
+#define ADAM_FUSED(A, F, M, D) \
+    static void adam_fused_##A##F##M##D(const lean_piece *p, const lean_options *o, const adam_consts *k, \
+                                        int64_t begin, int64_t end) { \
+        adam_fused(p, o, k, begin, end, A, F, M, D); \
+    }
+ADAM_FUSED(0, 0, 0, 0) ADAM_FUSED(0, 0, 0, 1) ADAM_FUSED(0, 0, 1, 0) ADAM_FUSED(0, 0, 1, 1)
+ADAM_FUSED(0, 1, 0, 0) ADAM_FUSED(0, 1, 0, 1) ADAM_FUSED(0, 1, 1, 0) ADAM_FUSED(0, 1, 1, 1)
+ADAM_FUSED(1, 0, 0, 0) ADAM_FUSED(1, 0, 0, 1) ADAM_FUSED(1, 0, 1, 0) ADAM_FUSED(1, 0, 1, 1)
+ADAM_FUSED(1, 1, 0, 0) ADAM_FUSED(1, 1, 0, 1) ADAM_FUSED(1, 1, 1, 0) ADAM_FUSED(1, 1, 1, 1)
+typedef void (*adam_fused_fn)(const lean_piece *, const lean_options *, const adam_consts *, int64_t, int64_t);
+static const adam_fused_fn ADAM_FUSED_FNS[16] = {
+    adam_fused_0000, adam_fused_0001, adam_fused_0010, adam_fused_0011,
+    adam_fused_0100, adam_fused_0101, adam_fused_0110, adam_fused_0111,
+    adam_fused_1000, adam_fused_1001, adam_fused_1010, adam_fused_1011,
+    adam_fused_1100, adam_fused_1101, adam_fused_1110, adam_fused_1111,
+};
+
+static void adam_range(const lean_piece *p, const lean_options *o, int64_t begin, int64_t end, int tail) {
+    double step = (double)*p->step;
+    double bias_correction1 = 1 - pow(o->beta1, step);
+    double bias_correction2 = 1 - pow(o->beta2, step);
+    double step_size = o->lr / bias_correction1;
+    adam_consts k;
+    k.bc2_sqrt = (float)sqrt(bias_correction2);
+    k.eps = (float)o->eps;
+    k.beta2 = (float)o->beta2;
+    k.c1 = (float)(1 - o->beta1);
+    k.c2 = (float)(1 - o->beta2);
+    k.decay = o->kind == 1 ? (float)(1 - o->lr * o->weight_decay) : (float)o->weight_decay;
+    k.neg_step = (float)(-step_size);
+    k.step = (float)step_size;
+    k.small = fabsf(k.c1) < 0.5f;
+    k.coeff = k.small ? k.c1 : k.c1 - 1.0f;
+    k.one_minus_c1 = 1.0f - k.c1;
+    int decays = o->weight_decay != 0.0, adamw = o->kind == 1;
+    if (!tail && k.small && !o->amsgrad && !o->maximize && !o->clamped) {
+        int which = adamw * 8 + (o->grad_fp32 != 0) * 4 + (o->grad_mul != 0) * 2 + decays;
+        ADAM_FUSED_FNS[which](p, o, &k, begin, end);
+        return;
+    }
+    float w[BLOCK], g[BLOCK];
+    for (int64_t at = begin; at < end; at += BLOCK) {
+        int64_t n = end - at < BLOCK ? end - at : BLOCK;
+        stage(p, o, at, n, w, g);
+        if (o->maximize) {
+            for (int64_t i = 0; i < n; i++) g[i] = -g[i];
+        }
+        if (decays && adamw) {
+            for (int64_t i = 0; i < n; i++) w[i] = w[i] * k.decay;
+        } else if (decays) { /* torch's `g += param * wd`, contracted (body and tail) */
+            for (int64_t i = 0; i < n; i++) g[i] = fmaf(w[i], k.decay, g[i]);
+        }
+        float *m = p->state1 + at, *v = p->state2 + at, *vmax = o->amsgrad ? p->state3 + at : 0;
+        if (tail) adam_tail(&k, o->amsgrad, w, g, m, v, vmax, n);
+        else adam_body(&k, o->amsgrad, w, g, m, v, vmax, n);
+        unstage(p, at, n, w);
+    }
+}
+
+static void sgd_range(const lean_piece *p, const lean_options *o, int64_t begin, int64_t end, int tail) {
+    const float decay = (float)o->weight_decay, momentum = (float)o->momentum, damp = (float)(1 - o->dampening);
+    const float lr = (float)o->lr, neg_lr = (float)(-o->lr);
+    int decays = o->weight_decay != 0.0, has_momentum = o->momentum != 0.0;
+    float w[BLOCK], g[BLOCK];
+    for (int64_t at = begin; at < end; at += BLOCK) {
+        int64_t n = end - at < BLOCK ? end - at : BLOCK;
+        stage(p, o, at, n, w, g);
+        if (o->maximize) {
+            for (int64_t i = 0; i < n; i++) g[i] = -g[i];
+        }
+        if (decays) { /* body: at::vec fmadd; tail: torch's `g += param * wd`, contracted */
+            for (int64_t i = 0; i < n; i++) g[i] = fmaf(w[i], decay, g[i]);
+        }
+        if (has_momentum) {
+            float *buf = p->state1 + at;
+            if (o->first_step) {
+                memcpy(buf, g, (size_t)n * 4);
+            } else if (tail) {
+                for (int64_t i = 0; i < n; i++) buf[i] = fmaf(buf[i], momentum, g[i] * damp); /* contracted so */
+            } else {
+                for (int64_t i = 0; i < n; i++) buf[i] = fmaf(damp, g[i], buf[i] * momentum);
+            }
+            if (o->nesterov) {
+                for (int64_t i = 0; i < n; i++) g[i] = fmaf(buf[i], momentum, g[i]);
+            } else {
+                memcpy(g, buf, (size_t)n * 4);
+            }
+        }
+        if (tail) {
+            for (int64_t i = 0; i < n; i++) w[i] = fmaf(-g[i], lr, w[i]); /* `param -= g * lr`, contracted */
+        } else {
+            for (int64_t i = 0; i < n; i++) w[i] = fmaf(g[i], neg_lr, w[i]); /* `param += g * -lr`, contracted */
+        }
+        unstage(p, at, n, w);
+    }
+}
+
+static void run_range(const lean_piece *p, const lean_options *o, int64_t begin, int64_t end) {
+    int64_t body = p->n - p->n % o->vec_size;
+    void (*f)(const lean_piece *, const lean_options *, int64_t, int64_t, int) = o->kind == 2 ? sgd_range : adam_range;
+    if (begin < body) f(p, o, begin, end < body ? end : body, 0);
+    if (end > body) f(p, o, begin > body ? begin : body, end, 1);
+}
+
+/* Work is cut into units of at most `grain` elements (a multiple of 64) of one piece; threads take units in turn. */
+typedef struct {
+    const lean_piece *pieces;
+    int64_t npieces;
+    const lean_options *options;
+    int64_t grain;
+    int64_t units;
+    const int64_t *first_unit; /* first unit index of each piece, npieces + 1 entries */
+    int64_t next;              /* the next unit to take (atomic) */
+} lean_work;
+
+static void *worker(void *arg) {
+    lean_work *w = (lean_work *)arg;
+    int64_t piece = 0;
+    for (;;) {
+        int64_t unit = __atomic_fetch_add(&w->next, 1, __ATOMIC_RELAXED);
+        if (unit >= w->units) break;
+        while (w->first_unit[piece + 1] <= unit) piece++; /* a thread's units only increase */
+        const lean_piece *p = &w->pieces[piece];
+        int64_t begin = (unit - w->first_unit[piece]) * w->grain;
+        int64_t end = begin + w->grain < p->n ? begin + w->grain : p->n;
+        run_range(p, w->options, begin, end);
+    }
+    return 0;
+}
+
+/* Update every piece; returns 0, or -1 when a thread could not be started (the caller then has nothing updated
+ * twice: threads that did start finish their units, and the calling thread takes the rest). */
+int lean_update(const lean_piece *pieces, int64_t npieces, const lean_options *options, const float *found_inf,
+                int threads, int64_t grain, int64_t *first_unit) {
+    if (found_inf && *found_inf != 0.0f) return 0; /* a skipped step leaves every byte as it was */
+    first_unit[0] = 0;
+    for (int64_t k = 0; k < npieces; k++) first_unit[k + 1] = first_unit[k] + (pieces[k].n + grain - 1) / grain;
+    lean_work work = {pieces, npieces, options, grain, first_unit[npieces], first_unit, 0};
+    if (threads > 64) threads = 64;
+    pthread_t ids[64];
+    int started = 0;
+    for (int t = 1; t < threads && (int64_t)t < work.units; t++) {
+        if (pthread_create(&ids[started], 0, worker, &work) != 0) break;
+        started++;
+    }
+    worker(&work);
+    for (int t = 0; t < started; t++) pthread_join(ids[t], 0);
+    return 0;
+}
+
+/* The generic path's join: values[i] = join(high[i], low[i]); and its split back. */
+void lean_join(const uint16_t *high, const int16_t *low, float *values, int64_t n) {
+    for (int64_t i = 0; i < n; i++) values[i] = join(high[i], low[i]);
+}
+
+void lean_split(const float *values, uint16_t *high, int16_t *low, int64_t n) {
+    for (int64_t i = 0; i < n; i++) split(values[i], &high[i], &low[i]);
+}

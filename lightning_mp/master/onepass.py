@@ -1,0 +1,198 @@
+"""The one-pass update of lean master weights: join, the optimizer's arithmetic and split in one compiled loop.
+
+For ``torch.optim.AdamW``, ``Adam`` and ``SGD`` (the optimizers :func:`~lightning_mp.master.step.uses_fused_kernel`
+accepts), each element's bf16 weight, int16 remainder, gradient and optimizer state are read once and written once,
+by the kernel in :mod:`lightning_mp.master.native` (C, compiled on first use; one call per param group, spread over
+``torch.get_num_threads()`` threads). The chunked path of :mod:`lightning_mp.master.step` (join into an fp32
+buffer, torch's fused kernel, split back: about ten passes) remains the fallback, taken when the kernel cannot be
+built, on devices other than the CPU, and for deferred clipping it does not express (see :func:`plan_grad_ops`).
+
+Exactness: the fp32 master values stay exact (the join and split are lossless) and each element's update is the
+IEEE operations of torch's fused CPU kernel in its order, including the fused multiply-adds that torch's compiler
+formed (in the vector body and in the scalar tail of each tensor, the last ``numel % 8`` elements, which differ), so
+the result is bitwise ``torch.optim.AdamW/Adam/SGD(fused=True)`` on the joined fp32 values, for every flag
+(tests/test_onepass.py checks each against torch's kernel). Should a future torch order its kernel differently, the
+same test names the flag whose bits moved.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+from torch import Tensor
+from torch.optim import Adam, Optimizer
+
+from lightning_mp.master import native
+from lightning_mp.master.step import _state_for, fp32_zeros_like, local_of
+
+
+def plan_grad_ops(grad_ops: list[tuple[str, Any]]) -> Optional[tuple[Optional[Tensor], Optional[float]]]:
+    """``(factor, clamp)`` for the kernel: at most one clip-by-norm factor, then at most one clip-by-value bound
+    (the order Lightning applies them); ``None`` for anything else (the chunked path applies it)."""
+    factor: Optional[Tensor] = None
+    clamp: Optional[float] = None
+    for kind, value in grad_ops:
+        if kind == "mul" and factor is None and clamp is None:
+            factor = value.detach().to("cpu", torch.float32).reshape(())
+        elif kind == "clamp" and clamp is None:
+            clamp = float(value)
+        else:
+            return None
+    return factor, clamp
+
+
+def available(params: list[Tensor], grad_ops: list[tuple[str, Any]]) -> bool:
+    """Whether the one-pass kernel can update a group of ``params`` with these deferred clipping operations."""
+    if not params or any(local_of(p).device.type != "cpu" for p in params):
+        return False
+    return native.enabled() and plan_grad_ops(grad_ops) is not None and native.cpu_kernel() is not None
+
+
+def update(
+    optimizer: Optimizer, group: dict[str, Any], store: Any, grad_ops: list[tuple[str, Any]], found: Optional[Tensor]
+) -> None:
+    """One step of ``group`` on the lean state (weights with a remainder), in one pass; fp32 parameters of the group
+    (no remainder) go through torch's own fused kernel in place. ``found``: a 0-dim fp32 CPU tensor or ``None``."""
+    stepped = [p for p in group["params"] if p.grad is not None]
+    if not stepped:
+        return
+    factor, clamp = plan_grad_ops(grad_ops)  # type: ignore[misc]
+    lean = [p for p in stepped if store.offset_of(p) is not None]
+    plain = [p for p in stepped if store.offset_of(p) is None]
+    keep = []  # tensors whose pointers the kernel reads: alive until it returns
+    if isinstance(optimizer, Adam):
+        amsgrad = group["amsgrad"]
+        keys = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq") if amsgrad else ("exp_avg", "exp_avg_sq")
+        states = [_state_for(optimizer, p, keys) for p in stepped]
+        steps = [s["step"] for s in states]
+        torch._foreach_add_(steps, 1)
+        decoupled = bool(group.get("decoupled_weight_decay", False))
+        options = native.Options(
+            kind=native.ADAMW if decoupled else native.ADAM,
+            amsgrad=int(amsgrad),
+            maximize=int(group["maximize"]),
+            lr=float(group["lr"]),
+            beta1=float(group["betas"][0]),
+            beta2=float(group["betas"][1]),
+            weight_decay=float(group["weight_decay"]),
+            eps=float(group["eps"]),
+        )
+        by_param = dict(zip(map(id, stepped), states))
+        pieces = []
+        for param in lean:
+            state = by_param[id(param)]
+            tensors = [local_of(state[key]) for key in keys]
+            pieces.append(_piece(store, param, tensors, state["step"], keep))
+        _run(pieces, options, factor, clamp, lean, found, keep)
+        if plain:
+            _plain_adam(group, plain, [by_param[id(p)] for p in plain], found, decoupled)
+        if found is not None:
+            torch._foreach_sub_(steps, [found] * len(steps))
+        return
+    momentum = group["momentum"]
+    first_step = momentum != 0 and all(optimizer.state[p].get("momentum_buffer") is None for p in stepped)
+    if momentum != 0:
+        for param in stepped:
+            if optimizer.state[param].get("momentum_buffer") is None:
+                # zeros, not torch's empty_like: a first step skipped by found leaves defined values behind
+                optimizer.state[param]["momentum_buffer"] = fp32_zeros_like(param)
+    options = native.Options(
+        kind=native.SGD,
+        maximize=int(group["maximize"]),
+        nesterov=int(group["nesterov"]),
+        first_step=int(first_step),
+        lr=float(group["lr"]),
+        weight_decay=float(group["weight_decay"]),
+        momentum=float(momentum),
+        dampening=float(group["dampening"]),
+    )
+    pieces = []
+    for param in lean:
+        buffers = [local_of(optimizer.state[param]["momentum_buffer"])] if momentum != 0 else []
+        pieces.append(_piece(store, param, buffers, None, keep))
+    _run(pieces, options, factor, clamp, lean, found, keep)
+    if plain:
+        torch._fused_sgd_(
+            [local_of(p).detach() for p in plain],
+            [local_of(p.grad) for p in plain],
+            [local_of(optimizer.state[p]["momentum_buffer"]) for p in plain] if momentum != 0 else [],
+            weight_decay=group["weight_decay"],
+            momentum=momentum,
+            lr=float(group["lr"]),
+            dampening=group["dampening"],
+            nesterov=group["nesterov"],
+            maximize=group["maximize"],
+            is_first_step=first_step,
+            grad_scale=None,
+            found_inf=found,
+        )
+
+
+def _piece(store: Any, param: Tensor, states: list[Tensor], step: Optional[Tensor], keep: list[Tensor]) -> Any:
+    local = local_of(param)
+    offset = store.offset_of(param)
+    high, low = store.flat_slices(local.device, offset, offset + local.numel())
+    grad = local_of(param.grad).detach()
+    if not grad.is_contiguous():
+        grad = grad.contiguous()
+    keep.append(grad)
+    pointers = [t.data_ptr() for t in states] + [None] * (3 - len(states))
+    return native.Piece(
+        high.data_ptr(),
+        low.data_ptr(),
+        grad.data_ptr(),
+        *pointers,
+        step.data_ptr() if step is not None else None,
+        local.numel(),
+    )
+
+
+def _run(
+    pieces: list[Any],
+    options: Any,
+    factor: Optional[Tensor],
+    clamp: Optional[float],
+    lean: list[Tensor],
+    found: Optional[Tensor],
+    keep: list[Tensor],
+) -> None:
+    if not pieces:
+        return
+    grad_dtypes = {local_of(p.grad).dtype for p in lean}
+    if len(grad_dtypes) > 1:  # some accumulated in fp32, some not: one call per kind
+        for dtype in grad_dtypes:
+            chosen = [(pc, p) for pc, p in zip(pieces, lean) if local_of(p.grad).dtype == dtype]
+            _run([c[0] for c in chosen], options, factor, clamp, [c[1] for c in chosen], found, keep)
+        return
+    options.grad_fp32 = int(grad_dtypes.pop() == torch.float32)
+    options.grad_mul = factor.data_ptr() if factor is not None else None
+    options.clamped = int(clamp is not None)
+    options.clamp = clamp if clamp is not None else -1.0
+    options.vec_size = native.vec_size()
+    native.run(pieces, options, found)
+    del keep
+
+
+def _plain_adam(
+    group: dict[str, Any], params: list[Tensor], states: list[dict[str, Any]], found: Optional[Tensor], decoupled: bool
+) -> None:
+    """fp32 parameters (kept in fp32 by the policy): torch's fused kernel on them, in place."""
+    kernel = torch._fused_adamw_ if decoupled else torch._fused_adam_
+    kernel(
+        [local_of(p).detach() for p in params],
+        [local_of(p.grad) for p in params],
+        [local_of(s["exp_avg"]) for s in states],
+        [local_of(s["exp_avg_sq"]) for s in states],
+        [local_of(s["max_exp_avg_sq"]) for s in states] if group["amsgrad"] else [],
+        [s["step"] for s in states],
+        amsgrad=group["amsgrad"],
+        lr=float(group["lr"]),
+        beta1=float(group["betas"][0]),
+        beta2=float(group["betas"][1]),
+        weight_decay=group["weight_decay"],
+        eps=group["eps"],
+        maximize=group["maximize"],
+        grad_scale=None,
+        found_inf=found,
+    )
