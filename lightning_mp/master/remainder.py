@@ -26,10 +26,10 @@ import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
+from lightning_mp.master import native, onepass
 from lightning_mp.master.bits import join_fp32_into, split_fp32_into
 from lightning_mp.master.blocks import Blocks, join_by_chunks, split_by_chunks
 from lightning_mp.master.flat import MasterWeights, is_norm
-from lightning_mp.master import onepass
 from lightning_mp.master.generic import GenericChunkedStep
 from lightning_mp.master.step import (
     FUSED_UNIT,
@@ -97,7 +97,6 @@ class RemainderMasters(MasterWeights):
         self.chunk_size = chunk_size
         self.accumulate_grads_in = accumulate_grads_in
         self.compile = compile
-        self.join_into: Callable[..., Any] = join_fp32_into
         self._compiled_split: Optional[Callable[..., Any]] = None
         super().__init__(dtype, keep_fp32)
 
@@ -112,9 +111,18 @@ class RemainderMasters(MasterWeights):
         self._optimizer_hooks: list[Any] = []
         self._staging = Staging(self.chunk_size_for)
 
+    def join_into(self, high: Tensor, low: Tensor, out: Tensor) -> Tensor:
+        """Join ``high`` (bf16) and ``low`` (int16) into ``out`` (fp32): one compiled pass on the CPU
+        (:mod:`lightning_mp.master.native`), three eager ops elsewhere or where it cannot be built."""
+        if _native_ok(high, low, out):
+            return native.join(high, low, out)
+        return join_fp32_into(high, low, out)
+
     def split_into(self, value: Tensor, high: Tensor, low: Tensor) -> None:
-        """Split fp32 ``value`` into ``high`` (bf16) and ``low`` (int16): eager, or compiled with ``compile=True``
-        (the split, about ten eager passes with its NaN rule, gains; the join, three, does not)."""
+        """Split fp32 ``value`` into ``high`` (bf16) and ``low`` (int16): one compiled pass on the CPU; elsewhere
+        eager, or compiled with ``compile=True`` (the split, about ten eager passes with its NaN rule, gains)."""
+        if _native_ok(value, high, low):
+            return native.split(value, high, low)
         if not self.compile:
             return split_fp32_into(value, high, low)
         if self._compiled_split is None:  # made on first use: a compiled function does not pickle (ddp_spawn)
@@ -333,6 +341,13 @@ class RemainderMasters(MasterWeights):
             f"{type(self).__name__}(bf16 weights + 16-bit remainders: {len(self._layout)} tensors / {held} values, "
             f"chunk_size={self.chunk_size}, accumulate_grads_in={self.accumulate_grads_in})"
         )
+
+
+def _native_ok(*tensors: Tensor) -> bool:
+    """Whether the compiled join/split can take these tensors: plain contiguous CPU tensors, kernel built."""
+    if not all(t.device.type == "cpu" and t.is_contiguous() and type(t) is Tensor for t in tensors):
+        return False
+    return native.enabled() and native.cpu_kernel() is not None
 
 
 def _stash_fp32_state(optimizer: Optimizer, state_dict: dict[str, Any]) -> None:

@@ -25,7 +25,16 @@ import torch
 
 SOURCE = Path(__file__).with_name("lean_update.c")
 #: Flags: vectorised loops for this CPU, and no fused multiply-add but the ones the source asks for (exactness).
-CFLAGS = ["-O3", "-march=native", "-mprefer-vector-width=256", "-ffp-contract=off", "-fno-math-errno", "-fPIC", "-shared", "-pthread"]
+CFLAGS = [
+    "-O3",
+    "-march=native",
+    "-mprefer-vector-width=256",
+    "-ffp-contract=off",
+    "-fno-math-errno",
+    "-fPIC",
+    "-shared",
+    "-pthread",
+]
 #: Elements per unit of work handed to a thread (a multiple of every vector width).
 GRAIN = 1 << 16
 #: The vector width of torch's fused CPU optimizer kernels, in floats.

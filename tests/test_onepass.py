@@ -1,0 +1,250 @@
+"""The one-pass lean update (lightning_mp.master.native, .onepass): bitwise torch's fused kernels, flag by flag, and
+the fallback to the chunked path when the kernel cannot be built."""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_mp.master import RemainderMasters, native, onepass
+from lightning_mp.master.bits import join_fp32, split_fp32
+
+# tensor sizes: vector body only, tail only (< 8), body + tail, several threads' units (> native.GRAIN)
+SIZES = [64, 7, 1003, native.GRAIN * 2 + 13]
+
+ADAM_FLAGS = [
+    dict(decoupled=True, weight_decay=0.01),
+    dict(decoupled=True, weight_decay=0.0, amsgrad=True),
+    dict(decoupled=False, weight_decay=0.1, maximize=True),
+    dict(decoupled=False, weight_decay=0.0, betas=(0.3, 0.99)),  # beta1 < 0.5: the lerp's other branch
+    dict(decoupled=True, weight_decay=0.05, amsgrad=True, maximize=True, betas=(0.2, 0.9)),
+]
+SGD_FLAGS = [
+    dict(momentum=0.9, nesterov=True, weight_decay=1e-3),
+    dict(momentum=0.9, dampening=0.1, weight_decay=0.01),
+    dict(momentum=0.0, weight_decay=0.0, maximize=True),
+    dict(momentum=0.5, weight_decay=0.0),
+]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def kernel():
+    if native.cpu_kernel() is None:
+        pytest.skip("no C compiler here: the fallback is tested below")
+
+
+def _lean_values(generator, sizes):
+    values = [torch.randn(n, generator=generator) * 0.05 for n in sizes]
+    halves = [split_fp32(v) for v in values]
+    return halves, [join_fp32(h, lo).clone() for h, lo in halves]
+
+
+def _grads(generator, sizes, dtype):
+    return [(torch.randn(n, generator=generator) * 1e-2).to(dtype) for n in sizes]
+
+
+def _equal_bits(halves, reference):
+    for (high, low), ref in zip(halves, reference):
+        got = join_fp32(high, low)
+        assert torch.equal(got.view(torch.int32), ref.view(torch.int32)), (got - ref).abs().max()
+
+
+def _ops(clip):
+    """Options' clipping fields and the same clipping applied to a reference gradient."""
+    if clip == "norm":
+        factor = torch.tensor(0.37)
+        return dict(grad_mul=factor.data_ptr()), (lambda g: g * factor), factor
+    if clip == "value":
+        return dict(clamp=0.004, clamped=1), (lambda g: g.clamp_min(-0.004).clamp_max(0.004)), None
+    return dict(clamp=-1.0), (lambda g: g), None
+
+
+@pytest.mark.parametrize(
+    ("flags", "grad_dtype", "clip"),
+    list(itertools.product(ADAM_FLAGS, [torch.bfloat16, torch.float32], ["none", "norm", "value"])),
+)
+def test_adam_one_pass_is_bitwise_torchs_fused_kernel(flags, grad_dtype, clip):
+    """Four steps (the moments grow from zero), every element: body, tail, and units split over threads."""
+    generator = torch.Generator().manual_seed(0)
+    halves, reference = _lean_values(generator, SIZES)
+    amsgrad, betas = flags.get("amsgrad", False), flags.get("betas", (0.9, 0.999))
+    states = [[torch.zeros(n) for n in SIZES] for _ in range(3)]
+    ref_states = [[torch.zeros(n) for n in SIZES] for _ in range(3)]
+    steps, ref_steps = [torch.tensor(0.0) for _ in SIZES], [torch.tensor(0.0) for _ in SIZES]
+    fields, clip_ref, keep = _ops(clip)
+    kernel = torch._fused_adamw_ if flags["decoupled"] else torch._fused_adam_
+    for _ in range(4):
+        grads = _grads(generator, SIZES, grad_dtype)
+        torch._foreach_add_(steps, 1)
+        torch._foreach_add_(ref_steps, 1)
+        kernel(
+            reference, [clip_ref(g.float()) for g in grads], ref_states[0], ref_states[1],
+            ref_states[2] if amsgrad else [], ref_steps, amsgrad=amsgrad, lr=1e-2, beta1=betas[0], beta2=betas[1],
+            weight_decay=flags["weight_decay"], eps=1e-8, maximize=flags.get("maximize", False), grad_scale=None,
+            found_inf=None,
+        )  # fmt: skip
+        options = native.Options(
+            kind=native.ADAMW if flags["decoupled"] else native.ADAM, grad_fp32=int(grad_dtype == torch.float32),
+            amsgrad=int(amsgrad), maximize=int(flags.get("maximize", False)), lr=1e-2, beta1=betas[0],
+            beta2=betas[1], weight_decay=flags["weight_decay"], eps=1e-8, vec_size=native.vec_size(), **fields,
+        )  # fmt: skip
+        pieces = [
+            native.Piece(
+                h.data_ptr(), lo.data_ptr(), g.data_ptr(), a.data_ptr(), b.data_ptr(), c.data_ptr(), s.data_ptr(), n
+            )  # fmt: skip
+            for (h, lo), g, a, b, c, s, n in zip(halves, grads, *states, steps, SIZES)
+        ]
+        native.run(pieces, options, None)
+    _equal_bits(halves, reference)
+    for ours, theirs in zip(states, ref_states):
+        for a, b in zip(ours, theirs):
+            assert torch.equal(a, b)
+    del keep
+
+
+@pytest.mark.parametrize(
+    ("flags", "grad_dtype", "clip"),
+    list(itertools.product(SGD_FLAGS, [torch.bfloat16, torch.float32], ["none", "norm"])),
+)
+def test_sgd_one_pass_is_bitwise_torchs_fused_kernel(flags, grad_dtype, clip):
+    generator = torch.Generator().manual_seed(1)
+    halves, reference = _lean_values(generator, SIZES)
+    momentum = flags["momentum"]
+    buffers, ref_buffers = [torch.zeros(n) for n in SIZES], [torch.zeros(n) for n in SIZES]
+    fields, clip_ref, keep = _ops(clip)
+    for step in range(4):
+        grads = _grads(generator, SIZES, grad_dtype)
+        torch._fused_sgd_(
+            reference, [clip_ref(g.float()) for g in grads], ref_buffers if momentum else [],
+            weight_decay=flags["weight_decay"], momentum=momentum, lr=1e-2, dampening=flags.get("dampening", 0.0),
+            nesterov=flags.get("nesterov", False), maximize=flags.get("maximize", False), is_first_step=step == 0,
+            grad_scale=None, found_inf=None,
+        )  # fmt: skip
+        options = native.Options(
+            kind=native.SGD, grad_fp32=int(grad_dtype == torch.float32), maximize=int(flags.get("maximize", False)),
+            nesterov=int(flags.get("nesterov", False)), first_step=int(step == 0), lr=1e-2,
+            weight_decay=flags["weight_decay"], momentum=momentum, dampening=flags.get("dampening", 0.0),
+            vec_size=native.vec_size(), **fields,
+        )  # fmt: skip
+        pieces = [
+            native.Piece(
+                h.data_ptr(), lo.data_ptr(), g.data_ptr(), b.data_ptr() if momentum else None, None, None, None, n
+            )  # fmt: skip
+            for (h, lo), g, b, n in zip(halves, grads, buffers, SIZES)
+        ]
+        native.run(pieces, options, None)
+    _equal_bits(halves, reference)
+    if momentum:
+        for a, b in zip(buffers, ref_buffers):
+            assert torch.equal(a, b)
+    del keep
+
+
+def test_found_inf_leaves_every_byte_as_it_was():
+    generator = torch.Generator().manual_seed(2)
+    halves, _ = _lean_values(generator, SIZES)
+    before = [(h.clone(), lo.clone()) for h, lo in halves]
+    moments = [torch.ones(n) for n in SIZES]
+    step = torch.tensor(1.0)
+    grads = _grads(generator, SIZES, torch.bfloat16)
+    options = native.Options(kind=native.ADAMW, lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, clamp=-1.0, vec_size=8)
+    pieces = [
+        native.Piece(h.data_ptr(), lo.data_ptr(), g.data_ptr(), m.data_ptr(), m.data_ptr(), None, step.data_ptr(), n)
+        for (h, lo), g, m, n in zip(halves, grads, moments, SIZES)
+    ]
+    native.run(pieces, options, torch.tensor(1.0))
+    for (h, lo), (h0, l0) in zip(halves, before):
+        assert torch.equal(h.view(torch.int16), h0.view(torch.int16)) and torch.equal(lo, l0)
+    assert all(torch.equal(m, torch.ones_like(m)) for m in moments)
+
+
+def test_join_and_split_kernels_equal_the_eager_ones_on_special_values():
+    special = torch.tensor([0.0, -0.0, float("inf"), -float("inf"), float("nan"), 1e-45, -1e-45, 3.4e38, -3.4e38])
+    values = torch.cat([special, torch.randn(5000) * 10.0 ** torch.randint(-30, 30, (5000,)).float()])
+    high, low = torch.empty(values.shape, dtype=torch.bfloat16), torch.empty(values.shape, dtype=torch.int16)
+    native.split(values, high, low)
+    eager_high, eager_low = split_fp32(values)
+    assert torch.equal(high.view(torch.int16), eager_high.view(torch.int16)) and torch.equal(low, eager_low)
+    joined = native.join(high, low, torch.empty_like(values))
+    assert torch.equal(joined.view(torch.int32), join_fp32(eager_high, eager_low).view(torch.int32))
+
+
+def _mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(40, 300), nn.LayerNorm(300), nn.Linear(300, 7))
+
+
+def _train(model, optimizer_cls, kwargs, clip=None, steps=3):
+    store = RemainderMasters()
+    store.convert(model)
+    optimizer = optimizer_cls(model.parameters(), **kwargs)
+    store.attach([optimizer])
+    generator = torch.Generator().manual_seed(3)
+    for _ in range(steps):
+        for p in model.parameters():
+            p.grad = (torch.randn(p.shape, generator=generator) * 1e-2).to(p.dtype)
+        if clip == "norm":
+            store.clip_grad_norm_(optimizer, 0.01)
+        elif clip == "value":
+            store.clip_grad_value_(optimizer, 1e-3)
+        store.fused_step(optimizer, None)
+    return [store.fp32_value(p) for p in model.parameters()]
+
+
+@pytest.mark.parametrize("clip", [None, "norm", "value"])
+@pytest.mark.parametrize(
+    ("optimizer_cls", "kwargs"),
+    [(torch.optim.AdamW, dict(lr=1e-2, weight_decay=0.1)), (torch.optim.SGD, dict(lr=1e-2, momentum=0.9))],
+)
+def test_one_pass_and_chunked_paths_give_the_same_bits(monkeypatch, optimizer_cls, kwargs, clip):
+    """The store's step with the kernel, and with it turned off (LIGHTNING_MP_NATIVE=0): one result."""
+    model = _mlp()
+    chunked_model = copy.deepcopy(model)
+    one_pass = _train(model, optimizer_cls, kwargs, clip)
+    monkeypatch.setenv("LIGHTNING_MP_NATIVE", "0")
+    assert not onepass.available(list(chunked_model.parameters()), [])
+    chunked = _train(chunked_model, optimizer_cls, kwargs, clip)
+    for a, b in zip(one_pass, chunked):
+        assert torch.equal(a.view(torch.int32), b.view(torch.int32))
+
+
+def test_no_compiler_warns_once_and_falls_back_to_the_chunked_path(monkeypatch):
+    monkeypatch.setattr(native, "_state", {})
+    monkeypatch.setattr(native, "_compiler", lambda: None)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        values = _train(_mlp(), torch.optim.AdamW, dict(lr=1e-2))
+        _train(_mlp(), torch.optim.AdamW, dict(lr=1e-2))
+    messages = [str(w.message) for w in caught if "one-pass" in str(w.message)]
+    assert len(messages) == 1 and "no C compiler found" in messages[0] and "chunked update" in messages[0]
+    monkeypatch.setattr(native, "_state", {})
+    monkeypatch.undo()
+    expected = _train(_mlp(), torch.optim.AdamW, dict(lr=1e-2))
+    assert all(torch.equal(a, b) for a, b in zip(values, expected))
+
+
+def test_a_compiler_error_names_itself_and_falls_back(monkeypatch, tmp_path):
+    monkeypatch.setattr(native, "_state", {})
+    monkeypatch.setenv("LIGHTNING_MP_CACHE", str(tmp_path))
+    monkeypatch.setattr(native, "CFLAGS", [*native.CFLAGS, "-fno-such-flag-for-this-test"])
+    with pytest.warns(RuntimeWarning, match="could not be built.*failed"):
+        assert native.cpu_kernel() is None
+    monkeypatch.setattr(native, "_state", {})
+
+
+def test_the_kernel_is_built_once_and_then_loaded_from_the_cache(monkeypatch, tmp_path):
+    monkeypatch.setattr(native, "_state", {})
+    monkeypatch.setenv("LIGHTNING_MP_CACHE", str(tmp_path))
+    assert native.cpu_kernel() is not None
+    built = list(tmp_path.glob("lean_update-*.so"))
+    assert len(built) == 1
+    stamp = built[0].stat().st_mtime_ns
+    monkeypatch.setattr(native, "_state", {})
+    assert native.cpu_kernel() is not None
+    assert [p.stat().st_mtime_ns for p in tmp_path.glob("lean_update-*.so")] == [stamp]
+    monkeypatch.setattr(native, "_state", {})
