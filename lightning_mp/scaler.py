@@ -21,6 +21,7 @@ import torch
 from torch import Tensor
 
 from lightning_mp import settings as rules
+from lightning_mp.amp_ops import non_finite_check_and_unscale_
 from lightning_mp.devices import local_shard
 from lightning_mp.settings import FP32_MAX
 from lightning_mp.stepping import DeviceState
@@ -227,7 +228,7 @@ class DynamicLossScaler:
                 inv_scale = self._device.one(device) if scale is None else scale.to(device).reciprocal().reshape(1)
                 found_inf = torch.zeros(1, dtype=torch.float32, device=device)
                 for grads in per_dtype.values():
-                    torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale)
+                    non_finite_check_and_unscale_(grads, found_inf, inv_scale)  # bf16 on CUDA too
                 flags.append(found_inf.to(first_device))
         return flags[0] if len(flags) == 1 else torch.stack(flags).sum(0)
 

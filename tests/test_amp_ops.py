@@ -1,0 +1,64 @@
+"""The non-finite check and unscale for every gradient dtype: torch's CUDA kernel refuses bf16 gradients (lean
+masters' on a GPU); the by-norm path must give torch's flag and values."""
+
+from __future__ import annotations
+
+import lightning as L
+import pytest
+import torch
+from torch import nn
+
+from lightning_mp import MixedPrecisionPlugin
+from lightning_mp.amp_ops import check_and_unscale_by_norm_, non_finite_check_and_unscale_
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("poison", [None, float("inf"), -float("inf"), float("nan")])
+def test_by_norm_path_equals_torchs_kernel(dtype, poison):
+    torch.manual_seed(0)
+    grads = [torch.randn(n).to(dtype) for n in (5, 300, 1)]
+    if poison is not None:
+        grads[1][17] = poison
+    theirs = [g.clone() for g in grads]
+    flag, their_flag = torch.zeros(1), torch.zeros(1)
+    inv_scale = torch.full((1,), 2.0**-7)
+    check_and_unscale_by_norm_(grads, flag, inv_scale)
+    torch._amp_foreach_non_finite_check_and_unscale_(theirs, their_flag, inv_scale)
+    assert flag.item() == their_flag.item() == (0.0 if poison is None else 1.0)
+    for ours, ref in zip(grads, theirs):
+        assert torch.equal(ours.isnan(), ref.isnan())
+        assert torch.equal(ours.nan_to_num(), ref.nan_to_num())
+
+
+def test_a_found_flag_stays_set_across_dtype_groups():
+    flag = torch.ones(1)
+    check_and_unscale_by_norm_([torch.ones(3, dtype=torch.bfloat16)], flag, torch.ones(1))
+    assert flag.item() == 1.0
+    non_finite_check_and_unscale_([torch.ones(3)], flag, torch.ones(1))
+    assert flag.item() == 1.0
+
+
+class _Tiny(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.Linear(16, 16)
+
+    def training_step(self, batch, batch_idx):
+        return self.layer(batch).square().mean()
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_lean_masters_train_on_cuda_with_bf16_gradients_checked():
+    """Failed before with "_amp_foreach_non_finite_check_and_unscale_cuda not implemented for 'BFloat16'"."""
+    plugin = MixedPrecisionPlugin("bf16-mixed", master_weights="remainder")
+    trainer = L.Trainer(accelerator="cuda", devices=1, max_steps=3, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, plugins=[plugin])  # fmt: skip
+    model = _Tiny()
+    before = model.layer.weight.detach().clone()
+    trainer.fit(model, torch.utils.data.DataLoader(torch.randn(12, 16), batch_size=4))
+    assert plugin.scaler.skipped_steps == 0
+    assert not torch.equal(model.layer.weight.detach().float().cpu(), before)
