@@ -248,3 +248,88 @@ def test_the_kernel_is_built_once_and_then_loaded_from_the_cache(monkeypatch, tm
     assert native.cpu_kernel() is not None
     assert [p.stat().st_mtime_ns for p in tmp_path.glob("lean_update-*.so")] == [stamp]
     monkeypatch.setattr(native, "_state", {})
+
+
+# ---------------------------------------------------------------- CUDA (Triton)
+ULP_BOUND = 2  # per step, against torch's CUDA fused kernel on the same fp32 values (docs/master-weights.md)
+
+
+def _ulps(a, b):
+    """Units in the last place between fp32 tensors of the same sign (their bit patterns' distance)."""
+    return (a.view(torch.int32).long() - b.view(torch.int32).long()).abs().max().item()
+
+
+def _one_cuda_step(kind, flags, device, seed):
+    """One step from the same fp32 values and state: ours (the Triton kernel) and torch's fused kernel, as
+    ``(ours, torch's)`` pairs of weights and optimizer states."""
+    from lightning_mp.master.native.cuda import CudaLeanUpdate
+
+    generator = torch.Generator().manual_seed(seed)
+    sizes = [4096, 7, 3001]
+    halves = [tuple(t.to(device) for t in split_fp32(torch.randn(n, generator=generator) * 0.05)) for n in sizes]
+    reference = [join_fp32(h, lo).clone() for h, lo in halves]
+    grads = [(torch.randn(n, generator=generator) * 1e-2).to(device, torch.bfloat16) for n in sizes]
+    states = [[(torch.rand(n, generator=generator) * 1e-4).to(device) for n in sizes] for _ in range(3)]
+    ref_states = [[t.clone() for t in s] for s in states]
+    update = CudaLeanUpdate()
+    if kind == "sgd":
+        momentum = flags["momentum"]
+        torch._fused_sgd_(
+            reference, [g.float() for g in grads], ref_states[0] if momentum else [],
+            weight_decay=flags["weight_decay"], momentum=momentum, lr=1e-2, dampening=flags.get("dampening", 0.0),
+            nesterov=flags.get("nesterov", False), maximize=flags.get("maximize", False), is_first_step=False,
+            grad_scale=None, found_inf=None,
+        )  # fmt: skip
+        rows = [[h.data_ptr(), lo.data_ptr(), g.data_ptr(), s.data_ptr(), 0, 0, n]
+                for (h, lo), g, s, n in zip(halves, grads, states[0], sizes)]  # fmt: skip
+        options = dict(kind=native.SGD, grad_fp32=False, maximize=flags.get("maximize", False), lr=1e-2,
+                       weight_decay=flags["weight_decay"], momentum=momentum, dampening=flags.get("dampening", 0.0),
+                       nesterov=flags.get("nesterov", False), first_step=False)  # fmt: skip
+        update.run(0, rows, None, options, None, None, device)
+        compared = [0]
+    else:
+        steps = [torch.tensor(3.0, device=device) for _ in sizes]
+        amsgrad, betas = flags.get("amsgrad", False), flags.get("betas", (0.9, 0.999))
+        kernel = torch._fused_adamw_ if flags["decoupled"] else torch._fused_adam_
+        kernel(
+            reference, [g.float() for g in grads], ref_states[0], ref_states[1], ref_states[2] if amsgrad else [],
+            [s.clone() for s in steps], amsgrad=amsgrad, lr=1e-2, beta1=betas[0], beta2=betas[1],
+            weight_decay=flags["weight_decay"], eps=1e-8, maximize=flags.get("maximize", False), grad_scale=None,
+            found_inf=None,
+        )  # fmt: skip
+        rows = [[h.data_ptr(), lo.data_ptr(), g.data_ptr(), a.data_ptr(), b.data_ptr(), c.data_ptr(), n]
+                for (h, lo), g, a, b, c, n in zip(halves, grads, *states, sizes)]  # fmt: skip
+        options = dict(kind=native.ADAMW if flags["decoupled"] else native.ADAM, grad_fp32=False, amsgrad=amsgrad,
+                       maximize=flags.get("maximize", False), lr=1e-2, beta1=betas[0], beta2=betas[1],
+                       weight_decay=flags["weight_decay"], eps=1e-8)  # fmt: skip
+        update.run(0, rows, steps, options, None, None, device)
+        compared = [0, 1, 2] if amsgrad else [0, 1]
+    pairs = [(join_fp32(h, lo), ref) for (h, lo), ref in zip(halves, reference)]
+    return pairs + [pair for k in compared for pair in zip(states[k], ref_states[k])]
+
+
+CUDA_CASES = [("adam", f) for f in ADAM_FLAGS] + [("sgd", f) for f in SGD_FLAGS]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize(("kind", "flags"), CUDA_CASES)
+def test_cuda_one_pass_is_within_the_stated_ulps_of_torchs_cuda_kernel_per_step(kind, flags):
+    pairs = [pair for seed in range(3) for pair in _one_cuda_step(kind, flags, torch.device("cuda"), seed)]
+    worst = max(_ulps(ours, theirs) for ours, theirs in pairs)
+    print(f"{kind} {flags}: {worst} ulp")
+    assert worst <= ULP_BOUND
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the GPU test above runs the compiled kernel")
+@pytest.mark.parametrize(("kind", "flags"), [CUDA_CASES[0], CUDA_CASES[2], CUDA_CASES[5]])
+def test_cuda_kernel_under_tritons_interpreter_is_near_torchs_cpu_kernel(monkeypatch, kind, flags):
+    """Where Triton is installed without a GPU: the same kernel, interpreted, against torch's CPU kernel (whose
+    arithmetic differs a little from the CUDA one: a looser bound)."""
+    pytest.importorskip("triton", reason="Triton is not installed here (CUDA builds of torch ship it)")
+    from lightning_mp.master.native import cuda
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(cuda, "_kernels", {})
+    for ours, theirs in _one_cuda_step(kind, flags, torch.device("cpu"), 0):
+        torch.testing.assert_close(ours, theirs, rtol=2e-6, atol=1e-9)

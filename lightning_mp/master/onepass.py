@@ -2,17 +2,20 @@
 
 For ``torch.optim.AdamW``, ``Adam`` and ``SGD`` (the optimizers :func:`~lightning_mp.master.step.uses_fused_kernel`
 accepts), each element's bf16 weight, int16 remainder, gradient and optimizer state are read once and written once,
-by the kernel in :mod:`lightning_mp.master.native` (C, compiled on first use; one call per param group, spread over
-``torch.get_num_threads()`` threads). The chunked path of :mod:`lightning_mp.master.step` (join into an fp32
+by one kernel call per param group: on the CPU the C kernel of :mod:`lightning_mp.master.native` (compiled on first
+use, spread over ``torch.get_num_threads()`` threads), on CUDA the Triton kernel of
+:mod:`lightning_mp.master.native.cuda`. The chunked path of :mod:`lightning_mp.master.step` (join into an fp32
 buffer, torch's fused kernel, split back: about ten passes) remains the fallback, taken when the kernel cannot be
-built, on devices other than the CPU, and for deferred clipping it does not express (see :func:`plan_grad_ops`).
+built (one warning), on other devices, and for deferred clipping it does not express (see :func:`plan_grad_ops`).
 
 Exactness: the fp32 master values stay exact (the join and split are lossless) and each element's update is the
 IEEE operations of torch's fused CPU kernel in its order, including the fused multiply-adds that torch's compiler
 formed (in the vector body and in the scalar tail of each tensor, the last ``numel % 8`` elements, which differ), so
 the result is bitwise ``torch.optim.AdamW/Adam/SGD(fused=True)`` on the joined fp32 values, for every flag
 (tests/test_onepass.py checks each against torch's kernel). Should a future torch order its kernel differently, the
-same test names the flag whose bits moved.
+same test names the flag whose bits moved. On CUDA the Triton kernel follows torch's CUDA kernel's arithmetic (fp64
+where it uses the double-precision options) but its compiler may contract differently: a step may differ from
+torch's CUDA kernel by a few units in the last place of an element (bounded per step in tests/test_onepass.py, GPU).
 """
 
 from __future__ import annotations
@@ -27,14 +30,17 @@ from lightning_mp.master import native
 from lightning_mp.master.step import _state_for, fp32_zeros_like, local_of
 
 
-def plan_grad_ops(grad_ops: list[tuple[str, Any]]) -> Optional[tuple[Optional[Tensor], Optional[float]]]:
-    """``(factor, clamp)`` for the kernel: at most one clip-by-norm factor, then at most one clip-by-value bound
-    (the order Lightning applies them); ``None`` for anything else (the chunked path applies it)."""
+def plan_grad_ops(
+    grad_ops: list[tuple[str, Any]], device: torch.device
+) -> Optional[tuple[Optional[Tensor], Optional[float]]]:
+    """``(factor, clamp)`` for the kernel: at most one clip-by-norm factor (a 0-dim fp32 tensor on ``device``), then
+    at most one clip-by-value bound (the order Lightning applies them); ``None`` for anything else (the chunked path
+    applies it)."""
     factor: Optional[Tensor] = None
     clamp: Optional[float] = None
     for kind, value in grad_ops:
         if kind == "mul" and factor is None and clamp is None:
-            factor = value.detach().to("cpu", torch.float32).reshape(())
+            factor = value.detach().to(device, torch.float32).reshape(()).contiguous()
         elif kind == "clamp" and clamp is None:
             clamp = float(value)
         else:
@@ -44,23 +50,29 @@ def plan_grad_ops(grad_ops: list[tuple[str, Any]]) -> Optional[tuple[Optional[Te
 
 def available(params: list[Tensor], grad_ops: list[tuple[str, Any]]) -> bool:
     """Whether the one-pass kernel can update a group of ``params`` with these deferred clipping operations."""
-    if not params or any(local_of(p).device.type != "cpu" for p in params):
+    if not params or not native.enabled():
         return False
-    return native.enabled() and plan_grad_ops(grad_ops) is not None and native.cpu_kernel() is not None
+    device = local_of(params[0]).device
+    if any(local_of(p).device != device for p in params) or plan_grad_ops(grad_ops, device) is None:
+        return False
+    if device.type == "cpu":
+        return native.cpu_kernel() is not None
+    return device.type == "cuda" and native.cuda_kernel() is not None
 
 
 def update(
     optimizer: Optimizer, group: dict[str, Any], store: Any, grad_ops: list[tuple[str, Any]], found: Optional[Tensor]
 ) -> None:
     """One step of ``group`` on the lean state (weights with a remainder), in one pass; fp32 parameters of the group
-    (no remainder) go through torch's own fused kernel in place. ``found``: a 0-dim fp32 CPU tensor or ``None``."""
+    (no remainder) go through torch's own fused kernel in place. ``found``: a 0-dim fp32 tensor on the parameters'
+    device, or ``None``."""
     stepped = [p for p in group["params"] if p.grad is not None]
     if not stepped:
         return
-    factor, clamp = plan_grad_ops(grad_ops)  # type: ignore[misc]
+    device = local_of(stepped[0]).device
+    factor, clamp = plan_grad_ops(grad_ops, device)  # type: ignore[misc]
     lean = [p for p in stepped if store.offset_of(p) is not None]
     plain = [p for p in stepped if store.offset_of(p) is None]
-    keep = []  # tensors whose pointers the kernel reads: alive until it returns
     if isinstance(optimizer, Adam):
         amsgrad = group["amsgrad"]
         keys = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq") if amsgrad else ("exp_avg", "exp_avg_sq")
@@ -68,10 +80,10 @@ def update(
         steps = [s["step"] for s in states]
         torch._foreach_add_(steps, 1)
         decoupled = bool(group.get("decoupled_weight_decay", False))
-        options = native.Options(
+        options = dict(
             kind=native.ADAMW if decoupled else native.ADAM,
-            amsgrad=int(amsgrad),
-            maximize=int(group["maximize"]),
+            amsgrad=bool(amsgrad),
+            maximize=bool(group["maximize"]),
             lr=float(group["lr"]),
             beta1=float(group["betas"][0]),
             beta2=float(group["betas"][1]),
@@ -79,12 +91,8 @@ def update(
             eps=float(group["eps"]),
         )
         by_param = dict(zip(map(id, stepped), states))
-        pieces = []
-        for param in lean:
-            state = by_param[id(param)]
-            tensors = [local_of(state[key]) for key in keys]
-            pieces.append(_piece(store, param, tensors, state["step"], keep))
-        _run(pieces, options, factor, clamp, lean, found, keep)
+        rows = [(p, [local_of(by_param[id(p)][key]) for key in keys], by_param[id(p)]["step"]) for p in lean]
+        _run(store, group, rows, options, factor, clamp, found)
         if plain:
             _plain_adam(group, plain, [by_param[id(p)] for p in plain], found, decoupled)
         if found is not None:
@@ -97,21 +105,18 @@ def update(
             if optimizer.state[param].get("momentum_buffer") is None:
                 # zeros, not torch's empty_like: a first step skipped by found leaves defined values behind
                 optimizer.state[param]["momentum_buffer"] = fp32_zeros_like(param)
-    options = native.Options(
+    options = dict(
         kind=native.SGD,
-        maximize=int(group["maximize"]),
-        nesterov=int(group["nesterov"]),
-        first_step=int(first_step),
+        maximize=bool(group["maximize"]),
+        nesterov=bool(group["nesterov"]),
+        first_step=bool(first_step),
         lr=float(group["lr"]),
         weight_decay=float(group["weight_decay"]),
         momentum=float(momentum),
         dampening=float(group["dampening"]),
     )
-    pieces = []
-    for param in lean:
-        buffers = [local_of(optimizer.state[param]["momentum_buffer"])] if momentum != 0 else []
-        pieces.append(_piece(store, param, buffers, None, keep))
-    _run(pieces, options, factor, clamp, lean, found, keep)
+    buffers = (lambda p: [local_of(optimizer.state[p]["momentum_buffer"])]) if momentum != 0 else (lambda p: [])
+    _run(store, group, [(p, buffers(p), None) for p in lean], options, factor, clamp, found)
     if plain:
         torch._fused_sgd_(
             [local_of(p).detach() for p in plain],
@@ -129,49 +134,48 @@ def update(
         )
 
 
-def _piece(store: Any, param: Tensor, states: list[Tensor], step: Optional[Tensor], keep: list[Tensor]) -> Any:
-    local = local_of(param)
-    offset = store.offset_of(param)
-    high, low = store.flat_slices(local.device, offset, offset + local.numel())
-    grad = local_of(param.grad).detach()
-    if not grad.is_contiguous():
-        grad = grad.contiguous()
-    keep.append(grad)
-    pointers = [t.data_ptr() for t in states] + [None] * (3 - len(states))
-    return native.Piece(
-        high.data_ptr(),
-        low.data_ptr(),
-        grad.data_ptr(),
-        *pointers,
-        step.data_ptr() if step is not None else None,
-        local.numel(),
-    )
-
-
 def _run(
-    pieces: list[Any],
-    options: Any,
+    store: Any,
+    group: dict[str, Any],
+    rows: list[tuple[Tensor, list[Tensor], Optional[Tensor]]],
+    options: dict[str, Any],
     factor: Optional[Tensor],
     clamp: Optional[float],
-    lean: list[Tensor],
     found: Optional[Tensor],
-    keep: list[Tensor],
 ) -> None:
-    if not pieces:
-        return
-    grad_dtypes = {local_of(p.grad).dtype for p in lean}
-    if len(grad_dtypes) > 1:  # some accumulated in fp32, some not: one call per kind
-        for dtype in grad_dtypes:
-            chosen = [(pc, p) for pc, p in zip(pieces, lean) if local_of(p.grad).dtype == dtype]
-            _run([c[0] for c in chosen], options, factor, clamp, [c[1] for c in chosen], found, keep)
-        return
-    options.grad_fp32 = int(grad_dtypes.pop() == torch.float32)
-    options.grad_mul = factor.data_ptr() if factor is not None else None
-    options.clamped = int(clamp is not None)
-    options.clamp = clamp if clamp is not None else -1.0
-    options.vec_size = native.vec_size()
-    native.run(pieces, options, found)
-    del keep
+    """The kernel over ``rows`` (parameter, its state tensors, its step count), one call per gradient dtype."""
+    by_dtype: dict[torch.dtype, list[Any]] = {}
+    for row in rows:
+        by_dtype.setdefault(local_of(row[0].grad).dtype, []).append(row)
+    options = {**options, "clamped": clamp is not None, "clamp": clamp if clamp is not None else -1.0}
+    for dtype, chosen in by_dtype.items():
+        keep = []  # gradients made contiguous: alive until the kernel returns
+        addresses = []
+        for param, states, _ in chosen:
+            local = local_of(param)
+            offset = store.offset_of(param)
+            high, low = store.flat_slices(local.device, offset, offset + local.numel())
+            grad = local_of(param.grad).detach()
+            if not grad.is_contiguous():
+                grad = grad.contiguous()
+                keep.append(grad)
+            pointers = [t.data_ptr() for t in states] + [0] * (3 - len(states))
+            addresses.append([high.data_ptr(), low.data_ptr(), grad.data_ptr(), *pointers, local.numel()])
+        steps = [row[2] for row in chosen] if chosen[0][2] is not None else None
+        device = local_of(chosen[0][0]).device
+        if device.type == "cpu":
+            native.run_rows(addresses, steps, {**options, "grad_fp32": dtype == torch.float32}, factor, found)
+        else:
+            native.cuda_update(store).run(
+                id(group) * 2 + (dtype == torch.float32),
+                addresses,
+                steps,
+                {**options, "grad_fp32": dtype == torch.float32},
+                found,
+                factor,
+                device,
+            )
+        del keep
 
 
 def _plain_adam(

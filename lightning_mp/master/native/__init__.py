@@ -1,4 +1,4 @@
-"""The one-pass lean update, compiled: a C kernel on the CPU (this package), a Triton kernel on CUDA (:mod:`.triton`).
+"""The one-pass lean update, compiled: a C kernel on the CPU (this package), a Triton kernel on CUDA (:mod:`.cuda`).
 
 On the CPU, ``lean_update.c`` (plain C, no torch headers) is compiled with the system's C compiler the first time a
 process needs it (about a second), into a cache keyed by the source, the compiler and the CPU's flags
@@ -18,6 +18,7 @@ import shutil
 import subprocess
 import tempfile
 import warnings
+import weakref
 from pathlib import Path
 from typing import Any, Optional
 
@@ -190,6 +191,51 @@ def run(pieces: list[Piece], options: Options, found_inf: Optional[torch.Tensor]
     library.lean_update(array, len(pieces), ctypes.byref(options), flag, torch.get_num_threads(), GRAIN, first_unit)
 
 
+def run_rows(
+    rows: list[list[int]],
+    steps: Optional[list[torch.Tensor]],
+    options: dict[str, Any],
+    factor: Optional[torch.Tensor],
+    found: Optional[torch.Tensor],
+) -> None:
+    """One update on the CPU of the tensors whose addresses ``rows`` holds (``[high, low, grad, state1, state2,
+    state3, numel]`` each), ``steps`` their step counts (Adam) or ``None`` (SGD), ``options`` the optimizer's."""
+    pieces = [
+        Piece(*(address or None for address in row[:6]), steps[i].data_ptr() if steps else None, row[6])
+        for i, row in enumerate(rows)
+    ]
+    names = [name for name, _ in Options._fields_ if name in options and name != "grad_mul"]
+    fields = Options(**{name: options[name] for name in names})
+    fields.grad_mul = factor.data_ptr() if factor is not None else None
+    fields.vec_size = vec_size()
+    run(pieces, fields, found)
+
+
+def cuda_kernel() -> Optional[Any]:
+    """The CUDA one-pass update's module (:mod:`.cuda`), or ``None`` (one warning) where Triton is missing."""
+    if "cuda" not in _state:
+        from lightning_mp.master.native import cuda
+
+        _state["cuda"] = cuda if cuda.triton_available() else None
+        if _state["cuda"] is None and enabled():
+            warnings.warn(
+                "lightning_mp: Triton is not installed, so the one-pass lean-master update cannot run on CUDA; lean "
+                "masters fall back to the chunked update (the same results, slower). CUDA builds of torch ship "
+                "Triton; set LIGHTNING_MP_NATIVE=0 to silence this.",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+    return _state["cuda"]
+
+
+def cuda_update(owner: object) -> Any:
+    """The CUDA update's caches (program and address tables) kept for ``owner`` (a lean store)."""
+    updates = _state.setdefault("cuda_updates", weakref.WeakKeyDictionary())
+    if owner not in updates:
+        updates[owner] = _state["cuda"].CudaLeanUpdate()
+    return updates[owner]
+
+
 def join(high: torch.Tensor, low: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """``out`` (fp32, contiguous) = the join of ``high`` (bf16) and ``low`` (int16), one pass."""
     _state["cpu"].lean_join(high.data_ptr(), low.data_ptr(), out.data_ptr(), out.numel())
@@ -205,4 +251,19 @@ def _reset_for_tests() -> None:
     _state.clear()
 
 
-__all__ = ["ADAM", "ADAMW", "SGD", "Options", "Piece", "cpu_kernel", "enabled", "join", "run", "split", "vec_size"]
+__all__ = [
+    "ADAM",
+    "ADAMW",
+    "SGD",
+    "Options",
+    "Piece",
+    "cpu_kernel",
+    "cuda_kernel",
+    "cuda_update",
+    "enabled",
+    "join",
+    "run",
+    "run_rows",
+    "split",
+    "vec_size",
+]
