@@ -10,7 +10,9 @@ Options timed, interleaved round by round (each round runs every option once; th
 - ``fp32 fused``: the same with ``fused=True``;
 - ``flat fp32 masters``: ours with ``master_weights=True``: AdamW (foreach) on the flat fp32 masters, then the
   copy into the bf16 model;
-- ``remainder, chunk N``: ours with ``master_weights="remainder"``: join bf16 + remainder into an fp32 chunk,
+- ``remainder, one pass (default)``: ours with ``master_weights="remainder"``: the one-pass update (a compiled C
+  kernel on CPU, a Triton kernel on CUDA: :mod:`lightning_mp.master.onepass`);
+- ``remainder, chunk N``: the chunked path it replaced (``LIGHTNING_MP_NATIVE=0``): join bf16 + remainder into an fp32 chunk,
   torch's fused AdamW kernel on it, split back (eager ops), for chunk sizes N;
 - ``remainder, chunk N, compile=True``: the same with the split compiled by ``torch.compile`` (one loop; the
   AdamW arithmetic stays torch's fused kernel, so results are unchanged).
@@ -24,6 +26,7 @@ bytes per parameter.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -72,19 +75,25 @@ def _options(args: argparse.Namespace, device: str) -> dict[str, Callable[[], Ca
 
         return run
 
-    def lean(chunk: int, compiled: bool) -> Callable[[], None]:
+    def lean(chunk: int, compiled: bool, one_pass: bool = False) -> Callable[[], None]:
         model = _model(args.params, args.tensors).to(device)
         store = RemainderMasters(keep_fp32=lambda *a: False, chunk_size=chunk, compile=compiled)
         store.convert(model)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
         store.attach([opt])
         _fill_grads(model, torch.bfloat16)
-        return lambda: store.fused_step(opt, None)
+
+        def run() -> None:
+            os.environ["LIGHTNING_MP_NATIVE"] = "1" if one_pass else "0"  # the chunked rows: the path before it
+            store.fused_step(opt, None)
+
+        return run
 
     options: dict[str, Callable[[], Callable[[], None]]] = {
         "fp32 foreach (built-in's step)": lambda: fp32(False),
         "fp32 fused": lambda: fp32(True),
         "flat fp32 masters (master_weights=True)": flat,
+        "remainder, one pass (default)": lambda: lean(1 << 20, False, one_pass=True),
     }
     for chunk in args.chunks:
         options[f"remainder, chunk 2^{chunk.bit_length() - 1}"] = lambda c=chunk: lean(c, False)

@@ -116,7 +116,7 @@ def main() -> None:
             times = _fit(mode, args)
             first.setdefault(mode, times[0])
             rounds[mode].append(statistics.median(times[args.warmup :] or times))
-    one_pass = args.device == "cpu" and native.cpu_kernel() is not None
+    one_pass = (native.cpu_kernel() if args.device == "cpu" else native.cuda_kernel()) is not None
     reference = "builtin AdamW(fused)" if "builtin AdamW(fused)" in rounds else args.modes[0]
     base = statistics.median(rounds[reference])
     lines = [f"| mode | ms per step (median) | rounds (ms) | time vs {reference} |", "|---|---:|---|---:|"]

@@ -211,6 +211,12 @@ def run_rows(
     run(pieces, fields, found)
 
 
+def cuda_opted_in() -> bool:
+    """Whether the CUDA one-pass kernel is asked for (``LIGHTNING_MP_CUDA_ONE_PASS=1``; see
+    :mod:`lightning_mp.master.onepass` for why it is not the default yet)."""
+    return os.environ.get("LIGHTNING_MP_CUDA_ONE_PASS", "0") == "1"
+
+
 def cuda_kernel() -> Optional[Any]:
     """The CUDA one-pass update's module (:mod:`.cuda`), or ``None`` (one warning) where Triton is missing."""
     if "cuda" not in _state:

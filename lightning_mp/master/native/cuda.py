@@ -41,20 +41,20 @@ def _kernel() -> Any:
 
     @triton.jit
     def lean_update_kernel(
-        table, block_tensor, block_start, scalars, found, grad_mul, options,
+        table, block_tensor, block_start, scalars, found, grad_mul, option_values,
         KIND: tl.constexpr, GRAD_FP32: tl.constexpr, AMSGRAD: tl.constexpr, MAXIMIZE: tl.constexpr,
         NESTEROV: tl.constexpr, FIRST: tl.constexpr, HAS_MUL: tl.constexpr, CLAMPED: tl.constexpr,
         HAS_FOUND: tl.constexpr, HAS_MOMENTUM: tl.constexpr, BLOCK: tl.constexpr,
     ):  # fmt: skip
         pid = tl.program_id(0)
-        lr = tl.load(options)  # fp64, as torch's kernels take the optimizer's options
-        beta1 = tl.load(options + 1)
-        beta2 = tl.load(options + 2)
-        weight_decay = tl.load(options + 3)
-        eps = tl.load(options + 4)
-        momentum = tl.load(options + 5)
-        dampening = tl.load(options + 6)
-        clamp = tl.load(options + 7).to(tl.float32)
+        lr = tl.load(option_values)  # fp64, as torch's kernels take the optimizer's options
+        beta1 = tl.load(option_values + 1)
+        beta2 = tl.load(option_values + 2)
+        weight_decay = tl.load(option_values + 3)
+        eps = tl.load(option_values + 4)
+        momentum = tl.load(option_values + 5)
+        dampening = tl.load(option_values + 6)
+        clamp = tl.load(option_values + 7).to(tl.float32)
         t = tl.load(block_tensor + pid).to(tl.int64)
         start = tl.load(block_start + pid)
         row = table + t * 7
