@@ -1,7 +1,7 @@
 """Convergence on real text: validation loss per precision mode, pre-training and fine-tuning, 3 seeds each.
 
     python benchmarks/convergence.py                  # the recorded run: ~15 min on 2 CPU cores (see SIZES)
-    python benchmarks/convergence.py --record         # also append the table to benchmarks/RESULTS.md
+    python benchmarks/convergence.py --record         # also append the table to benchmarks/HISTORY.md
     python benchmarks/convergence.py --quick          # the same code at toy sizes, 1 seed (the tests run it)
 
 The model is the project's GPT sample (:class:`~lightning_mp.samples.models.gpt.GPT`, byte level, random init),
@@ -44,10 +44,11 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _report import report
-
 ROOT = Path(__file__).resolve().parent.parent
+# this checkout's lightning_mp (not another one installed in the environment), and the scripts beside this one
+sys.path[:0] = [str(ROOT), str(Path(__file__).resolve().parent)]
+from _report import report  # noqa: E402
+
 MODES = ["fp32", "bf16-mixed", "bf16-true", "ours+masters", "ours+remainder", "ours+remainder+8bit", "fp8"]
 LABELS = {
     "fp32": "fp32",
@@ -169,11 +170,20 @@ def _data(source: str, size: dict, seed: int):
     return data.train_dataloader(), val
 
 
+def fixed_buffers() -> int:
+    """Bytes of the lean step's staging buffers: a fixed size (two fp32 chunks), not per parameter, so on a model
+    this small they would swamp the per-parameter figure; counted apart (0 where the step keeps none)."""
+    try:
+        from lightning_mp.master.step import Staging
+    except ImportError:
+        return 0
+    staged = [o for o in gc.get_objects() if isinstance(o, Staging)]
+    return sum(t.untyped_storage().nbytes() for o in staged for pair in o._buffers.values() for t in pair)
+
+
 def _train(mode: str, size: dict, seed: int, regime: str, out: Path, measure: bool, sources: list[str]) -> dict:
     """One Trainer fit; the curve of validation loss, step times and (with ``measure``) memory."""
     import lightning as L
-
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
     from decoder import HeapPeak, live_tensor_bytes
 
     if mode.endswith("8bit"):
@@ -206,7 +216,7 @@ def _train(mode: str, size: dict, seed: int, regime: str, out: Path, measure: bo
         def __init__(self) -> None:
             self.curve: list[tuple[int, float]] = []
             self.times: list[float] = []
-            self.at_rest = 0
+            self.at_rest = self.fixed = 0
 
         def _evaluate(self, trainer, module) -> None:
             module.eval()
@@ -227,7 +237,7 @@ def _train(mode: str, size: dict, seed: int, regime: str, out: Path, measure: bo
                 self._evaluate(trainer, module)
             if measure and trainer.global_step == steps:
                 gc.collect()
-                self.at_rest = live_tensor_bytes() - baseline
+                self.at_rest, self.fixed = live_tensor_bytes() - baseline, fixed_buffers()
 
     record = Record()
     trainer = L.Trainer(callbacks=[record], **_trainer_kwargs(mode, steps))
@@ -235,7 +245,10 @@ def _train(mode: str, size: dict, seed: int, regime: str, out: Path, measure: bo
     peak = heap.stop() if heap is not None else 0
     if regime == "checkpoint":
         torch.save(module.model.state_dict(), out / "checkpoint.pt")
+    import lightning_mp
+
     return {
+        "lightning_mp": str(Path(lightning_mp.__file__).parent),
         "mode": mode,
         "regime": regime,
         "seed": seed,
@@ -243,6 +256,7 @@ def _train(mode: str, size: dict, seed: int, regime: str, out: Path, measure: bo
         "curve": record.curve,
         "final": record.curve[-1][1],
         "at_rest": record.at_rest,
+        "fixed": record.fixed,
         "peak": peak,
         "step_times": record.times[5:] or record.times,
     }
@@ -270,6 +284,7 @@ def _run(worker: str, seed: int, args: argparse.Namespace) -> list[dict]:
     if done.returncode != 0:
         raise RuntimeError(f"mode {worker}, seed {seed} failed:\n{done.stderr[-4000:]}")
     rows = json.loads(next(line for line in done.stdout.splitlines() if line.startswith("RESULT "))[7:])
+    assert rows[0]["lightning_mp"] == str(ROOT / "lightning_mp"), rows[0]["lightning_mp"]
     print(f"{worker} seed {seed}: " + ", ".join(f"{r['regime']} {r['final']:.4f}" for r in rows), flush=True)
     return rows
 
@@ -282,7 +297,8 @@ def _spread(values: list[float]) -> str:
 
 
 def table(rows: list[dict], modes: list[str]) -> str:
-    """Final validation loss (mean ± half the min-max range over seeds) per regime, memory and step per mode."""
+    """Final validation loss (mean ± half the min-max range over seeds) per regime, memory and step per mode. At rest
+    per parameter leaves out the lean step's fixed-size staging buffers, shown apart in MiB."""
 
     def of(mode: str, regime: str) -> list[dict]:
         return [r for r in rows if r["mode"] == mode and r["regime"] == regime]
@@ -294,8 +310,8 @@ def table(rows: list[dict], modes: list[str]) -> str:
     )
     lines = [
         "| mode | pre-train: final val loss | fine-tune: final val loss | fine-tune vs fp32 | at rest, bytes/param "
-        f"| peak heap (MiB) | peak vs {reference} | step (ms) | step vs {reference} |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        f"| + fixed buffers (MiB) | peak heap (MiB) | peak vs {reference} | step (ms) | step vs {reference} |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     fp32_tune = [r["final"] for r in of("fp32", "finetune")]
     for mode in modes:
@@ -303,14 +319,13 @@ def table(rows: list[dict], modes: list[str]) -> str:
         finals = [r["final"] for r in tune]
         gap = f"{statistics.fmean(finals) - statistics.fmean(fp32_tune):+.4f}" if fp32_tune else "-"
         if mode == "fp8":  # emulated on a CPU: its memory and time say nothing about fp8 on a GPU
-            memory = "- | - | - | - | -"
+            memory = "- | - | - | - | - | -"
         else:
-            rest = statistics.median(r["at_rest"] / r["params"] for r in pre)
+            rest = statistics.median((r["at_rest"] - r["fixed"]) / r["params"] for r in pre)
+            fixed = statistics.median(r["fixed"] for r in pre) / 2**20
             peak = statistics.median(r["peak"] for r in pre)
             step = statistics.median(statistics.median(r["step_times"]) for r in pre + tune)
-            memory = (
-                f"{rest:.2f} | {peak / 2**20:.1f} | {peak / ref_peak:.2f}x | {step * 1e3:.1f} | {ref_step / step:.2f}x"
-            )
+            memory = f"{rest:.2f} | {fixed:.2f} | {peak / 2**20:.1f} | {peak / ref_peak:.2f}x | {step * 1e3:.1f} | {ref_step / step:.2f}x"
         lines.append(
             f"| {LABELS[mode]} | {_spread([r['final'] for r in pre])} | {_spread(finals)} | {gap} | {memory} |"
         )
@@ -371,7 +386,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--jobs", type=int, default=2, help="processes at a time (default 2, one torch thread each)")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "out" / "convergence")
     parser.add_argument("--png", type=Path, default=None, help="default: docs/convergence.png (full), OUT (quick)")
-    parser.add_argument("--record", action="store_true", help="append the table to benchmarks/RESULTS.md")
+    parser.add_argument("--record", action="store_true", help="append the table to benchmarks/HISTORY.md")
     parser.add_argument("--size", choices=sorted(SIZES), default=None, help=argparse.SUPPRESS)
     parser.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--worker", choices=[*MODES, "checkpoint"], help=argparse.SUPPRESS)
