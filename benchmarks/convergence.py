@@ -38,6 +38,7 @@ import gc
 import json
 import statistics
 import sys
+import textwrap
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -258,7 +259,7 @@ def _train(mode: str, size: dict, seed: int, regime: str, out: Path, measure: bo
         "at_rest": record.at_rest,
         "fixed": record.fixed,
         "peak": peak,
-        "step_times": record.times[5:] or record.times,
+        "step_s": statistics.median(record.times[5:] or record.times),
     }
 
 
@@ -305,9 +306,7 @@ def table(rows: list[dict], modes: list[str]) -> str:
 
     reference = "bf16-mixed" if of("bf16-mixed", "pretrain") else modes[0]
     ref_peak = statistics.median(r["peak"] for r in of(reference, "pretrain"))
-    ref_step = statistics.median(
-        statistics.median(r["step_times"]) for r in of(reference, "pretrain") + of(reference, "finetune")
-    )
+    ref_step = statistics.median(r["step_s"] for r in of(reference, "pretrain") + of(reference, "finetune"))
     lines = [
         "| mode | pre-train: final val loss | fine-tune: final val loss | fine-tune vs fp32 | at rest, bytes/param "
         f"| + fixed buffers (MiB) | peak heap (MiB) | peak vs {reference} | step (ms) | step vs {reference} |",
@@ -324,7 +323,7 @@ def table(rows: list[dict], modes: list[str]) -> str:
             rest = statistics.median((r["at_rest"] - r["fixed"]) / r["params"] for r in pre)
             fixed = statistics.median(r["fixed"] for r in pre) / 2**20
             peak = statistics.median(r["peak"] for r in pre)
-            step = statistics.median(statistics.median(r["step_times"]) for r in pre + tune)
+            step = statistics.median(r["step_s"] for r in pre + tune)
             memory = f"{rest:.2f} | {fixed:.2f} | {peak / 2**20:.1f} | {peak / ref_peak:.2f}x | {step * 1e3:.1f} | {ref_step / step:.2f}x"
         lines.append(
             f"| {LABELS[mode]} | {_spread([r['final'] for r in pre])} | {_spread(finals)} | {gap} | {memory} |"
@@ -363,9 +362,9 @@ def plot(rows: list[dict], modes: list[str], path: Path, title: str, sources: li
     if finetune:  # the fine-tune panel's interesting range: the curves, not the first evaluation's spike
         lows = [v for r in finetune for _, v in r["curve"]]
         axes[1].set_ylim(min(lows) - 0.02, max(lows) + 0.02)
-    axes[0].set_ylim(top=min(axes[0].get_ylim()[1], 4.0))
+    axes[0].set_ylim(top=min(axes[0].get_ylim()[1], 3.2))  # the first steps' losses (5.5 nats) flatten the rest
     axes[0].legend(fontsize=8)
-    figure.suptitle(title, fontsize=10)
+    figure.suptitle(textwrap.fill(title, 150), fontsize=9)
     figure.tight_layout()
     figure.savefig(path, dpi=110)
     plt.close(figure)
@@ -387,6 +386,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "out" / "convergence")
     parser.add_argument("--png", type=Path, default=None, help="default: docs/convergence.png (full), OUT (quick)")
     parser.add_argument("--record", action="store_true", help="append the table to benchmarks/HISTORY.md")
+    parser.add_argument(
+        "--replot", type=Path, default=None, help="draw the picture and table again from a run's results.json"
+    )
     parser.add_argument("--size", choices=sorted(SIZES), default=None, help=argparse.SUPPRESS)
     parser.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--worker", choices=[*MODES, "checkpoint"], help=argparse.SUPPRESS)
@@ -398,6 +400,12 @@ def main(argv: list[str] | None = None) -> None:
     seeds = args.seeds or (1 if args.quick else 3)
     args.out.mkdir(parents=True, exist_ok=True)
     png = args.png or (args.out / "convergence.png" if args.quick else ROOT / "docs" / "convergence.png")
+    if args.replot:
+        saved = json.loads(args.replot.read_text())
+        modes = [m for m in MODES if any(r["mode"] == m for r in saved["rows"])]
+        plot(saved["rows"], modes, png, saved["title"], saved.get("sources", args.sources))
+        print(f"{saved['title']}\n\n{table(saved['rows'], modes)}")
+        return
     start = time.perf_counter()
     _run("checkpoint", 0, args)
     jobs = [(mode, seed) for seed in range(seeds) for mode in args.modes]  # the modes alternate within each seed
@@ -413,7 +421,8 @@ def main(argv: list[str] | None = None) -> None:
         f"{seeds} seed(s) per mode, {wall / 60:.1f} min wall"
     )
     plot(rows, args.modes, png, title, args.sources)
-    (args.out / "results.json").write_text(json.dumps({"title": title, "wall_s": wall, "rows": rows}))
+    saved = {"title": title, "wall_s": wall, "sources": args.sources, "rows": rows}
+    (args.out / "results.json").write_text(json.dumps(saved))
     text = table(rows, args.modes)
     (args.out / "results.md").write_text(f"{title}\n\n{text}\n")
     report(
