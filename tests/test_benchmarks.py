@@ -213,3 +213,9 @@ def test_convergence_benchmark_trains_each_mode_in_both_regimes_and_writes_table
     assert rest["ours+remainder"] == pytest.approx(14, abs=0.1)
     assert (tmp_path / "convergence.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert '| ours `"remainder"` |' in (tmp_path / "results.md").read_text() and "| fp32 |" in done.stdout
+    # the picture and table again from the saved rows, without training
+    again = tmp_path / "again.png"
+    replot = [sys.executable, str(ROOT / "benchmarks" / "convergence.py"), "--replot", str(tmp_path / "results.json")]
+    done = subprocess.run([*replot, "--png", str(again), "--out", str(tmp_path)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert again.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and '| ours `"remainder"` |' in done.stdout
