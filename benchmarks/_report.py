@@ -1,5 +1,6 @@
-"""The heading every benchmark prints and appends to RESULTS.md (title, date, machine, versions, command), and the
-fresh process each measured mode runs in."""
+"""The heading every benchmark prints and appends to HISTORY.md (title, date, machine, versions, command), and the
+fresh process each measured mode runs in. RESULTS.md holds the current table of each machine kind and workload,
+copied there by hand from a run that replaces one."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-RESULTS = Path(__file__).resolve().parent / "RESULTS.md"
+HISTORY = Path(__file__).resolve().parent / "HISTORY.md"
 
 
 def machine(device: str) -> str:
@@ -24,7 +25,8 @@ def machine(device: str) -> str:
 
 def report(title: str, table: str, device: str, record: bool) -> None:
     """Print ``title`` with date, machine, torch version and the exact command, then ``table``; with ``record``,
-    also append them to benchmarks/RESULTS.md."""
+    also append them to benchmarks/HISTORY.md (the dated log; benchmarks/RESULTS.md's current tables are edited by
+    hand)."""
     script = Path(sys.argv[0]).name
     text = (
         f"### {title}\n\n"
@@ -33,7 +35,7 @@ def report(title: str, table: str, device: str, record: bool) -> None:
     )
     print(text)
     if record:
-        with RESULTS.open("a") as results:
+        with HISTORY.open("a") as results:
             results.write("\n" + text)
 
 

@@ -1,7 +1,7 @@
 """Speed, memory and accuracy of every precision mode, side by side, on the same model, data and machine.
 
     python benchmarks/compare.py                                  # every workload of the device's preset
-    python benchmarks/compare.py --workloads minilm mlp --record  # some workloads; append to RESULTS.md
+    python benchmarks/compare.py --workloads minilm mlp --record  # some workloads; append to HISTORY.md
     python benchmarks/compare.py --preset tiny --device cpu       # seconds: the same code at toy sizes
 
 Modes (``--modes``): ``fp32`` (Trainer precision "32-true"), Lightning's built-in ``builtin-16`` ("16-mixed") and
@@ -25,7 +25,7 @@ training loss over the last 10 steps of the fixed-length run and the accuracy on
 same mode.
 
 Writes ``<out>/results.json``, ``<out>/results.md`` and ``<out>/chart.png`` (throughput and peak memory by mode,
-relative to fp32, with the built-in's level marked); ``--record`` appends the tables to benchmarks/RESULTS.md.
+relative to fp32, with the built-in's level marked); ``--record`` appends the tables to benchmarks/HISTORY.md.
 """
 
 from __future__ import annotations
@@ -336,7 +336,7 @@ def main(argv: list[str] | None = None) -> None:
         help="modes to trace with torch.profiler in steps 8-12 (it slows them): <out>/profile-<workload>-<mode>.txt",
     )
     parser.add_argument("--out", type=Path, default=None, help="default: benchmarks/out/<device>-<preset>")
-    parser.add_argument("--record", action="store_true", help="append the tables to benchmarks/RESULTS.md")
+    parser.add_argument("--record", action="store_true", help="append the tables to benchmarks/HISTORY.md")
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device is available here")

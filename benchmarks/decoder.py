@@ -1,7 +1,7 @@
 """Lean master weights on a third-party decoder (HF ``LlamaForCausalLM``): memory at rest, peak heap, step time.
 
     python benchmarks/decoder.py                          # small Llama (7.4M params), 2 rounds, CPU
-    python benchmarks/decoder.py --size issue --record    # the issue's 44.9M-parameter shape; append to RESULTS.md
+    python benchmarks/decoder.py --size issue --record    # the issue's 44.9M-parameter shape; append to HISTORY.md
     python benchmarks/decoder.py --device cuda --size issue --batch 8 --seq 512 --steps 20   # on a GPU
 
 Modes, each a fresh process per round, the rounds alternating the modes (so machine noise hits them alike):

@@ -1,7 +1,7 @@
 """The generic lean-masters step (any optimizer): deciding a skip on the host against masking it on the device.
 
     python benchmarks/lean_generic_skip.py                       # 4M parameters, CUDA if present, else CPU
-    python benchmarks/lean_generic_skip.py --params 1 --record   # 1M parameters; append the table to RESULTS.md
+    python benchmarks/lean_generic_skip.py --params 1 --record   # 1M parameters; append the table to HISTORY.md
 
 ``master_weights="remainder"`` with an optimizer that is not torch's AdamW/Adam/SGD runs its ``step()`` on fp32
 slices, chunk by chunk (:mod:`lightning_mp.master.generic`). With a found-inf flag it either reads the flag on the
@@ -87,7 +87,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--record", action="store_true", help="append the table to benchmarks/RESULTS.md")
+    parser.add_argument("--record", action="store_true", help="append the table to benchmarks/HISTORY.md")
     args = parser.parse_args()
     torch.manual_seed(0)
     rows = []

@@ -1,7 +1,7 @@
 """The optimizer step alone: lean masters' chunked update against torch's AdamW on fp32 parameters.
 
     python benchmarks/lean_step.py                      # 16M parameters in 32 tensors, CUDA if present, else CPU
-    python benchmarks/lean_step.py --params 4 --record  # 4M parameters; append the table to RESULTS.md
+    python benchmarks/lean_step.py --params 4 --record  # 4M parameters; append the table to HISTORY.md
 
 Options timed, interleaved round by round (each round runs every option once; the median over rounds is shown):
 

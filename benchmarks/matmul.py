@@ -42,7 +42,7 @@ def main() -> None:
     parser.add_argument("--n", type=int, default=3072, help="output features")
     parser.add_argument("--dtypes", nargs="+", choices=sorted(DTYPES), default=["fp32", "bf16", "fp16"])
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--record", action="store_true", help="append the table to benchmarks/RESULTS.md")
+    parser.add_argument("--record", action="store_true", help="append the table to benchmarks/HISTORY.md")
     args = parser.parse_args()
     flops = 2 * args.m * args.k * args.n
     rows = []

@@ -2,7 +2,7 @@
 
     python benchmarks/memory.py                                  # BERT-base size, CUDA if present, else CPU
     python benchmarks/memory.py --device cpu --size tiny --steps 2  # a quick run of the same code
-    python benchmarks/memory.py --record                         # also append the table to benchmarks/RESULTS.md
+    python benchmarks/memory.py --record                         # also append the table to benchmarks/HISTORY.md
 
 Modes: fp32 (Trainer precision "32-true"); Lightning's built-in mixed precision ("16-mixed" on CUDA; on CPU
 Lightning turns that into bf16, so the CPU run uses "bf16-mixed" throughout); ours with autocast only
@@ -171,7 +171,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=None, help="default: 10 on CUDA, 3 on CPU")
     parser.add_argument("--modes", nargs="+", choices=MODES, default=MODES)
     parser.add_argument("--json", type=Path, default=None, help="write the rows here")
-    parser.add_argument("--record", action="store_true", help="append the table to benchmarks/RESULTS.md")
+    parser.add_argument("--record", action="store_true", help="append the table to benchmarks/HISTORY.md")
     parser.add_argument("--worker", choices=MODES, help=argparse.SUPPRESS)
     args = parser.parse_args()
     args.batch = args.batch or (32 if args.device == "cuda" else 8)

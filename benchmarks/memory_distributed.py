@@ -7,7 +7,7 @@ after every reduction), for an MLP of ~1.1M parameters with AdamW: the parameter
 with our masters, FSDP2's local fp32 shards), our fp32 masters, every gradient (model and masters), the optimizer
 state, and DDP's own bucket buffers (``gradient_as_bucket_view=False``, Lightning's default; read from DDP's
 logging data). Activations and FSDP2's transient all-gathered parameters are not counted (they do not stay between
-steps). Rank 0 prints a Markdown table; ``--record`` appends it to benchmarks/RESULTS.md.
+steps). Rank 0 prints a Markdown table; ``--record`` appends it to benchmarks/HISTORY.md.
 """
 
 from __future__ import annotations
@@ -131,7 +131,7 @@ def run(strategy_name: str, masters: bool) -> dict[str, int]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--record", action="store_true", help="append the table to benchmarks/RESULTS.md")
+    parser.add_argument("--record", action="store_true", help="append the table to benchmarks/HISTORY.md")
     args = parser.parse_args()
     columns = ["parameters", "masters", "gradients", "optimizer state", "DDP buckets"]
     rows = []
@@ -160,7 +160,7 @@ def main() -> None:
             "- command: `python -m torch.distributed.run --nproc_per_node 2 benchmarks/memory_distributed.py "
             "--record`\n\n" + table + "\n"
         )
-        with (Path(__file__).parent / "RESULTS.md").open("a") as handle:
+        with (Path(__file__).parent / "HISTORY.md").open("a") as handle:
             handle.write(section)
 
 

@@ -238,7 +238,7 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=5, help="first steps not timed (default 5)")
     parser.add_argument("--plant", type=int, default=0, help="mlp-bf16: a NaN every K steps (default 0: none)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per process (default 1)")
-    parser.add_argument("--record", action="store_true", help="append the tables to benchmarks/RESULTS.md")
+    parser.add_argument("--record", action="store_true", help="append the tables to benchmarks/HISTORY.md")
     args = parser.parse_args()
     from lightning_mp.diagnostics import PrecisionMonitor
 

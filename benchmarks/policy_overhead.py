@@ -1,7 +1,7 @@
 """Step-time overhead of the casting policy's override path on the BERT sample model.
 
     python benchmarks/policy_overhead.py                      # MiniLM-L6 architecture, CPU bf16
-    python benchmarks/policy_overhead.py --record             # also append the table to benchmarks/RESULTS.md
+    python benchmarks/policy_overhead.py --record             # also append the table to benchmarks/HISTORY.md
 
 Three policies, interleaved step by step so that machine noise hits all alike: ``autocast`` (the default
 path: no TorchFunctionMode at all), ``passthrough`` (the mode is active but overrides an op the model never

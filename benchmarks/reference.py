@@ -123,7 +123,7 @@ def main() -> None:
     parser.add_argument("--tiny", action="store_true", help="a toy size that runs in seconds (tests)")
     parser.add_argument("--precisions", nargs="+", default=["32-true", "16-mixed"])
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "out" / "reference")
-    parser.add_argument("--record", action="store_true", help="append the table to benchmarks/RESULTS.md")
+    parser.add_argument("--record", action="store_true", help="append the table to benchmarks/HISTORY.md")
     args = parser.parse_args()
     flags = overrides(args)
     device = "cuda" if torch.cuda.is_available() else "cpu"

@@ -6,7 +6,7 @@
 #   STAGES="compare reference" COMPARE_ARGS="--workloads bert-base" bash benchmarks/run_gpu.sh   # a part of it
 #
 # 1. the GPU tests (pytest -m gpu: CUDA fp16/bf16 Trainer tests, master weights, resume, the BERT audit);
-# 2. compare.py: every precision mode on every workload of the gpu preset, recorded in RESULTS.md;
+# 2. compare.py: every precision mode on every workload of the gpu preset, recorded in HISTORY.md;
 # 3. a torch.profiler trace of BERT-base steps under Lightning's 16-mixed and ours+masters+fast;
 # 4. the reference experiment (configs/bert-imdb.yaml, fp32 vs 16-mixed) in its offline shape, recorded;
 # 5. fp8 (issue 20): compare.py on the GPT decoders of hidden 2048 and 4096: the built-in bf16-mixed, ours bf16,

@@ -1,7 +1,7 @@
 """Host synchronisations per optimizer step, and what the step costs, for each path of lightning_mp.stepping.
 
     python benchmarks/step_syncs.py                 # both tables, printed
-    python benchmarks/step_syncs.py --record        # and appended to benchmarks/RESULTS.md
+    python benchmarks/step_syncs.py --record        # and appended to benchmarks/HISTORY.md
 
 Table 1 counts, with tests/helpers.HostSyncCounter, the calls that make the host wait for the device (``.item()``,
 ``bool(tensor)``, ``.tolist()``, ...) inside the plugin's ``optimizer_step`` (the closure, i.e. forward and backward,

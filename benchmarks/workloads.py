@@ -134,7 +134,7 @@ class BenchModule(L.LightningModule):
 def warmup_then_cosine(warmup: int, total: int) -> Callable[[int], float]:
     """LR factor: linear warm-up over ``warmup`` steps, then cosine decay to 0 at step ``total``. Annealing matters
     for the quality columns: with a constant LR, fp32 ResNet-18 on the digits (cuDNN, not deterministic) ended two
-    identical runs at 0.62 and 0.99 held-out accuracy (benchmarks/RESULTS.md), too noisy to compare modes."""
+    identical runs at 0.62 and 0.99 held-out accuracy (benchmarks/HISTORY.md), too noisy to compare modes."""
     warmup = max(1, warmup)
 
     def factor(step: int) -> float:

@@ -24,7 +24,7 @@ A step's found-inf flag is a device tensor. Nothing here reads it where that can
     the small tensor ops of the device path cost far more host time than the branch they replace (measured on a
     2-core AVX2 EPYC, torch 2.13 CPU: reading the flag and applying the rules on the host takes 1 us a step; the
     rules on the device 175 us for a check-only scaler, 740 us for a dynamic one, 20-60 us per tiny op; see
-    benchmarks/RESULTS.md). :data:`DECIDE_CPU_FLAGS_ON_HOST` turns this off (the tests do, to run the
+    benchmarks/HISTORY.md, 2026-11-25). :data:`DECIDE_CPU_FLAGS_ON_HOST` turns this off (the tests do, to run the
     accelerators' path on CPU tensors).
 
 On an accelerator the device path launches about 9 small kernels a step for a check-only or static scaler and about

@@ -188,3 +188,34 @@ def test_framework_overhead_benchmark_runs_every_mode():
     rows = [line for line in done.stdout.splitlines() if line.startswith("| builtin") or line.startswith("| ours")]
     assert [row.split(" | ")[0] for row in rows] == ["| builtin-bf16", "| ours-bf16", "| ours-bf16 without check"]
     assert rows[0].endswith("| 1.00x |")  # the reference against itself
+
+
+def test_convergence_benchmark_trains_each_mode_in_both_regimes_and_writes_table_and_curves(tmp_path):
+    command = [sys.executable, str(ROOT / "benchmarks" / "convergence.py"), "--quick", "--out", str(tmp_path)]
+    command += ["--modes", "fp32", "bf16-true", "ours+remainder", "--sources", "rotten_tomatoes", "rotten_tomatoes"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads((tmp_path / "results.json").read_text())
+    rows = {(r["mode"], r["regime"]): r for r in result["rows"]}
+    assert set(rows) == {(m, g) for m in ("fp32", "bf16-true", "ours+remainder") for g in ("pretrain", "finetune")}
+    for row in rows.values():
+        assert row["curve"][0][0] == 0 and row["curve"][-1][0] == (8 if row["regime"] == "pretrain" else 6)
+        assert all(math.isfinite(loss) for _, loss in row["curve"])
+    # every mode starts from the same weights: the seed's init, then the one fp32 checkpoint
+    for regime in ("pretrain", "finetune"):
+        assert len({round(rows[m, regime]["curve"][0][1], 2) for m in ("fp32", "bf16-true", "ours+remainder")}) == 1
+    # exact masters update as fp32 does; bf16 weights and state hold 8 bytes/param, fp32 16, lean masters 14
+    assert rows["ours+remainder", "finetune"]["final"] == pytest.approx(rows["fp32", "finetune"]["final"], abs=2e-3)
+    params, rows_modes = rows["fp32", "pretrain"]["params"], ("fp32", "bf16-true", "ours+remainder")
+    # (the lean step's fixed-size staging buffers counted apart: they do not grow with the model)
+    rest = {m: (rows[m, "pretrain"]["at_rest"] - rows[m, "pretrain"]["fixed"]) / params for m in rows_modes}
+    assert rest["fp32"] == pytest.approx(16, abs=0.1) and rest["bf16-true"] == pytest.approx(8, abs=0.1)
+    assert rest["ours+remainder"] == pytest.approx(14, abs=0.1)
+    assert (tmp_path / "convergence.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert '| ours `"remainder"` |' in (tmp_path / "results.md").read_text() and "| fp32 |" in done.stdout
+    # the picture and table again from the saved rows, without training
+    again = tmp_path / "again.png"
+    replot = [sys.executable, str(ROOT / "benchmarks" / "convergence.py"), "--replot", str(tmp_path / "results.json")]
+    done = subprocess.run([*replot, "--png", str(again), "--out", str(tmp_path)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert again.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and '| ours `"remainder"` |' in done.stdout

