@@ -1,0 +1,144 @@
+"""2-rank Fabric checks (gloo on CPU), run by tests/test_fabric_distributed.py.
+
+    python tests/distributed/fabric_checks.py OUT
+
+In each process: the Trainer runs of ``common.fit`` (DDP and FSDP2) and a Fabric loop written as users write it with
+the same model, data, plugin settings and clipping, in the same process group; a Fabric run with an inf in rank 0's
+batch at step INJECT_AT; a Fabric run interrupted after epoch 0, saved with ``fabric.save``, rebuilt, loaded with
+``fabric.load`` and finished. Each rank saves what it saw to OUT/rank<r>.pt.
+"""
+
+from __future__ import annotations
+
+import sys
+import warnings
+from pathlib import Path
+from typing import Any, Optional
+
+import lightning as L
+import torch
+from lightning.fabric.strategies import ModelParallelStrategy as FabricModelParallel
+from lightning.pytorch.strategies import ModelParallelStrategy
+from torch import nn
+
+from tests.distributed.common import (
+    CLIP,
+    EPOCHS,
+    GLOBAL_BATCH,
+    INJECT_AT,
+    _full,
+    finish,
+    fit,
+    loader,
+    make_plugin,
+    save,
+    shard_net,
+)
+
+#: name -> (precision, master_weights, accumulate, FSDP2)
+RUNS = {
+    "remainder": ("bf16-mixed", "remainder", 1, False),
+    "remainder_acc2": ("bf16-mixed", "remainder", 2, False),
+    "masters_acc2": ("bf16-mixed", True, 2, False),
+    "fp16": ("16-mixed", False, 1, False),
+    "fsdp2_masters": ("bf16-mixed", True, 1, True),
+}
+
+
+def _shard(module: nn.Module, mesh: Any, plugin: Any) -> nn.Module:
+    """The user's parallelize_fn: the norm on its own with its policy, then the network (as ``shard_net``)."""
+    from torch.distributed.fsdp import fully_shard
+
+    fully_shard(module[1], mesh=mesh["data_parallel"], mp_policy=plugin.fsdp2_policy("1", module[1]))
+    fully_shard(module, mesh=mesh["data_parallel"], mp_policy=plugin.fsdp2_policy())
+    return module
+
+
+def fabric_run(
+    precision: str,
+    masters: Any,
+    accumulate: int = 1,
+    fsdp2: bool = False,
+    inject: bool = False,
+    stop_after_epoch: Optional[int] = None,
+    resume: Optional[Path] = None,
+    save_to: Optional[Path] = None,
+) -> dict[str, Any]:
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 16), nn.LayerNorm(16), nn.Tanh(), nn.Linear(16, 1))
+    plugin = make_plugin(precision, masters)
+    if fsdp2:
+        strategy: Any = FabricModelParallel(
+            parallelize_fn=lambda module, mesh: _shard(module, mesh, plugin),
+            data_parallel_size=2,
+            tensor_parallel_size=1,
+            save_distributed_checkpoint=False,
+        )
+    else:
+        strategy = "ddp"
+    fabric = L.Fabric(accelerator="cpu", devices=2, strategy=strategy, plugins=[plugin])
+    fabric.launch()
+    if fsdp2:  # FSDP2: the module first, then the optimizer on its sharded parameters
+        model = fabric.setup_module(net)
+        optimizer = fabric.setup_optimizers(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
+    else:  # the optimizer built before setup, on the fp32 parameters
+        model, optimizer = fabric.setup(net, torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9))
+    data = loader(GLOBAL_BATCH // 2 // accumulate, fabric.global_rank, 2)
+    start = 0
+    if resume is not None:
+        rest = fabric.load(resume, {"model": model, "optimizer": optimizer})
+        start = rest["epoch"] + 1
+    steps, step = [], start * (len(data) // accumulate)
+    for epoch in range(start, EPOCHS):
+        for i, (x, y) in enumerate(data):
+            if inject and step == INJECT_AT and fabric.global_rank == 0 and i % accumulate == 0:
+                x = x.clone()
+                x[0, 0] = float("inf")
+            last = (i + 1) % accumulate == 0
+            with fabric.no_backward_sync(model, enabled=not last):
+                loss = nn.functional.mse_loss(model(x).float(), y)
+                fabric.backward(loss / accumulate if accumulate > 1 else loss)
+            if not last:
+                continue
+            fabric.clip_gradients(model, optimizer, max_norm=CLIP)
+            optimizer.step()
+            optimizer.zero_grad()
+            steps.append((step, plugin.scaler.scale, plugin.scaler.skipped_steps))
+            step += 1
+        if stop_after_epoch == epoch:
+            fabric.save(save_to, {"model": model, "optimizer": optimizer, "epoch": epoch})
+            break
+    weights = {name: _full(p).cpu() for name, p in model.named_parameters()}
+    state = {k: _full(v).cpu() for k, v in model.state_dict().items()}
+    return {"weights": weights, "state": state, "scaler": plugin.scaler.state_dict(), "steps": steps}
+
+
+def trainer_run(precision: str, masters: Any, accumulate: int, fsdp2: bool) -> dict[str, Any]:
+    if fsdp2:
+        strategy = ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)
+        return fit(precision, masters, strategy=strategy, inject=False, shard=shard_net, accumulate=accumulate)
+    return fit(precision, masters, inject=False, accumulate=accumulate)
+
+
+def main() -> None:
+    out = Path(sys.argv[1])
+    results: dict[str, Any] = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for name, (precision, masters, accumulate, fsdp2) in RUNS.items():
+            results[name] = {
+                "trainer": trainer_run(precision, masters, accumulate, fsdp2),
+                "fabric": fabric_run(precision, masters, accumulate, fsdp2),
+            }
+        results["inject"] = fabric_run("bf16-mixed", "remainder", inject=True)
+        for masters, key in ((True, "masters"), ("remainder", "remainder")):
+            ckpt = out / f"{key}.ckpt"
+            results[f"whole_{key}"] = fabric_run("bf16-mixed", masters, inject=True)
+            fabric_run("bf16-mixed", masters, inject=True, stop_after_epoch=0, save_to=ckpt)
+            results[f"resumed_{key}"] = fabric_run("bf16-mixed", masters, inject=True, resume=ckpt)
+    save(results, out, torch.distributed.get_rank())
+    finish()
+
+
+if __name__ == "__main__":
+    main()
