@@ -53,3 +53,9 @@ def test_fabric_load_after_an_interrupted_two_rank_run_resumes_bit_exactly(ranks
         assert resumed["scaler"] == whole["scaler"]
         for a, b in zip(whole["state"].values(), resumed["state"].values()):
             assert torch.equal(a, b)
+
+
+def test_lean_masters_under_fabric_fsdp2_say_to_shard_before_setup_module(ranks):
+    for rank in ranks:
+        message = rank["lean_fsdp2_in_parallelize_fn"]
+        assert "not sharded yet" in message and "parallelize_fn=lambda model, mesh: model" in message

@@ -46,6 +46,7 @@ class FabricHooks:
             return self._fabric.strategy if self._fabric is not None else None
         if self._fabric is not None:
             self._fabric.release()
+        refuse_lean_fsdp2_before_sharding(self, fabric.strategy, module)
         self._fabric = FabricDriver(self, fabric.strategy)
         return fabric.strategy
 
@@ -87,3 +88,28 @@ class FabricHooks:
             self._fabric.release()
             self._fabric = None
         super().teardown()  # type: ignore[misc]
+
+
+#: Raised when lean masters meet a Fabric ``ModelParallelStrategy`` whose module is not sharded yet.
+LEAN_FSDP2_ORDER = (
+    "MixedPrecisionPlugin(master_weights='remainder') with Fabric's ModelParallelStrategy splits FSDP2's bf16 shards "
+    "into weights and remainders when fabric.setup_module runs, but the model is not sharded yet (Fabric calls "
+    "parallelize_fn after the plugin). Shard it first: fabric.launch(); plugin.fsdp2_shard(model, blocks, "
+    "mesh=fabric.strategy.device_mesh['data_parallel']); model = fabric.setup_module(model), with "
+    "ModelParallelStrategy(parallelize_fn=lambda model, mesh: model). Or use master_weights=True (FSDP2's fp32 "
+    "shards are the masters; sharding in parallelize_fn works)."
+)
+
+
+def refuse_lean_fsdp2_before_sharding(plugin: Any, strategy: Any, module: Module) -> None:
+    """Raise :data:`LEAN_FSDP2_ORDER` for lean masters under Fabric's FSDP2 when ``module`` has no FSDP2 module."""
+    from lightning.fabric.strategies import ModelParallelStrategy
+    from torch.distributed.fsdp import FSDPModule
+
+    lean = getattr(plugin.masters, "kind", None) == "remainder"
+    if (
+        lean
+        and isinstance(strategy, ModelParallelStrategy)
+        and not any(isinstance(m, FSDPModule) for m in module.modules())
+    ):
+        raise ValueError(LEAN_FSDP2_ORDER)

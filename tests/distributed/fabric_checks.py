@@ -42,6 +42,7 @@ RUNS = {
     "masters_acc2": ("bf16-mixed", True, 2, False),
     "fp16": ("16-mixed", False, 1, False),
     "fsdp2_masters": ("bf16-mixed", True, 1, True),
+    "fsdp2_remainder": ("bf16-mixed", "remainder", 1, True),
 }
 
 
@@ -67,9 +68,14 @@ def fabric_run(
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(4, 16), nn.LayerNorm(16), nn.Tanh(), nn.Linear(16, 1))
     plugin = make_plugin(precision, masters)
+    # FSDP2 with fp32 masters shards in parallelize_fn; lean masters split shards, so the model is sharded before
+    # fabric.setup_module (the plugin converts it there), and parallelize_fn has nothing left to do
+    lean = masters == "remainder"
     if fsdp2:
         strategy: Any = FabricModelParallel(
-            parallelize_fn=lambda module, mesh: _shard(module, mesh, plugin),
+            parallelize_fn=(lambda module, mesh: module)
+            if lean
+            else (lambda module, mesh: _shard(module, mesh, plugin)),
             data_parallel_size=2,
             tensor_parallel_size=1,
             save_distributed_checkpoint=False,
@@ -79,6 +85,8 @@ def fabric_run(
     fabric = L.Fabric(accelerator="cpu", devices=2, strategy=strategy, plugins=[plugin])
     fabric.launch()
     if fsdp2:  # FSDP2: the module first, then the optimizer on its sharded parameters
+        if lean:
+            _shard(net, fabric.strategy.device_mesh, plugin)
         model = fabric.setup_module(net)
         optimizer = fabric.setup_optimizers(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
     else:  # the optimizer built before setup, on the fp32 parameters
@@ -113,6 +121,21 @@ def fabric_run(
     return {"weights": weights, "state": state, "scaler": plugin.scaler.state_dict(), "steps": steps}
 
 
+def lean_fsdp2_sharded_too_late() -> str:
+    """Lean masters with the sharding left to parallelize_fn (which Fabric calls after the plugin): the error."""
+    plugin = make_plugin("bf16-mixed", "remainder")
+    strategy = FabricModelParallel(
+        parallelize_fn=lambda module, mesh: _shard(module, mesh, plugin), data_parallel_size=2, tensor_parallel_size=1
+    )
+    fabric = L.Fabric(accelerator="cpu", devices=2, strategy=strategy, plugins=[plugin])
+    fabric.launch()
+    try:
+        fabric.setup_module(nn.Sequential(nn.Linear(4, 16), nn.LayerNorm(16), nn.Tanh(), nn.Linear(16, 1)))
+    except ValueError as error:
+        return str(error)
+    return "no error"
+
+
 def trainer_run(precision: str, masters: Any, accumulate: int, fsdp2: bool) -> dict[str, Any]:
     if fsdp2:
         strategy = ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)
@@ -131,6 +154,7 @@ def main() -> None:
                 "fabric": fabric_run(precision, masters, accumulate, fsdp2),
             }
         results["inject"] = fabric_run("bf16-mixed", "remainder", inject=True)
+        results["lean_fsdp2_in_parallelize_fn"] = lean_fsdp2_sharded_too_late()
         for masters, key in ((True, "masters"), ("remainder", "remainder")):
             ckpt = out / f"{key}.ckpt"
             results[f"whole_{key}"] = fabric_run("bf16-mixed", masters, inject=True)
