@@ -6,6 +6,9 @@ from __future__ import annotations
 import sys
 from typing import Any, Optional
 
+import torch
+from lightning.fabric.plugins.precision.utils import _convert_fp_tensor
+from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor
 from torch.nn import Module
 from torch.optim import Optimizer
@@ -55,6 +58,13 @@ class FabricHooks:
         if self._fabric is not None:
             self._fabric.ensure_connected()
         return super().convert_input(data)  # type: ignore[misc]
+
+    def convert_output(self, data: Any) -> Any:
+        # as Fabric's own AMP plugin: floating outputs leave the forward in fp32 (torch's default dtype), so a loss
+        # the user computes outside the forward (Fabric's loop; under the Trainer it runs in autocast) is fp32
+        if self._fabric is None:
+            return super().convert_output(data)  # type: ignore[misc]
+        return apply_to_collection(data, function=_convert_fp_tensor, dtype=Tensor, dst_type=torch.get_default_dtype())
 
     def pre_backward(self, tensor: Tensor, module: Any) -> Any:
         # Lightning's runs the Trainer's on_before_backward hooks; Fabric has none here. Fabric's strategy drops
