@@ -346,3 +346,20 @@ def test_teardown_gives_the_model_its_fp32_values_and_the_strategy_its_methods()
     assert not set(vars(fabric.strategy)) & {"optimizer_step", "setup_module", "save_checkpoint"}
     assert all(p.dtype == torch.float32 for p in model.parameters())
     assert all(torch.equal(a, b) for a, b in zip(values, model.state_dict().values()))
+
+
+def test_audit_runs_on_a_fabric_wrapped_module_and_names_the_users_modules():
+    from lightning_mp import audit
+
+    plugin = MixedPrecisionPlugin("bf16-mixed", master_weights="remainder")
+    fabric = L.Fabric(accelerator="cpu", devices=1, plugins=[plugin])
+    model = build()
+    model, opt = fabric.setup(model, torch.optim.AdamW(model.parameters()))
+    x, y = batches()[0]
+    for census in (audit(model, x), audit(model, lambda: nn.functional.mse_loss(model(x), y))):
+        modules = {row.module for row in census.rows}
+        assert "0" in modules and not any("_forward_module" in name for name in modules)
+        assert census.half_flops_fraction() > 0.9  # Fabric's forward context ran: the matmuls are bf16
+    assert all(p.grad is None for p in model.parameters())  # the audit's backward left nothing behind
+    fabric.backward(nn.functional.mse_loss(model(x), y))  # and the loop goes on
+    opt.step()
