@@ -363,3 +363,19 @@ def test_audit_runs_on_a_fabric_wrapped_module_and_names_the_users_modules():
     assert all(p.grad is None for p in model.parameters())  # the audit's backward left nothing behind
     fabric.backward(nn.functional.mse_loss(model(x), y))  # and the loop goes on
     opt.step()
+
+
+def test_a_scheduler_given_to_fabric_setup_does_not_advance_on_a_skipped_step():
+    plugin = MixedPrecisionPlugin("bf16-mixed")
+    model = build()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0 / (step + 1))
+    fabric = L.Fabric(accelerator="cpu", devices=1, plugins=[plugin])
+    model, opt, scheduler = fabric.setup(model, opt, scheduler=scheduler)
+    for x, y in batches(inject=(1, 2))[:5]:
+        fabric.backward(nn.functional.mse_loss(model(x), y))
+        opt.step()
+        opt.zero_grad()
+        scheduler.step()
+    assert plugin.scaler.state_dict()["skipped_steps"] == 2
+    assert scheduler.last_epoch == 3  # the 3 steps that ran

@@ -11,6 +11,7 @@ from torch.nn import Module
 from torch.optim import LBFGS, Optimizer
 
 from lightning_mp import stepping
+from lightning_mp.schedulers import guard_scheduler
 
 if TYPE_CHECKING:
     from lightning_mp.plugin import MixedPrecisionPlugin
@@ -68,6 +69,8 @@ class FabricDriver:
             self._joint = False
         self.module = module
         self._connect(list(optimizers))
+        if scheduler is not None:  # fabric.setup(..., scheduler=): it does not advance on a skipped step
+            guard_scheduler(scheduler)
         return module, optimizers, scheduler
 
     def setup_module(self, module: Module) -> Module:
