@@ -85,8 +85,8 @@ def fabric_run(
     fabric = L.Fabric(accelerator="cpu", devices=2, strategy=strategy, plugins=[plugin])
     fabric.launch()
     if fsdp2:  # FSDP2: the module first, then the optimizer on its sharded parameters
-        if lean:
-            _shard(net, fabric.strategy.device_mesh, plugin)
+        if lean:  # as docs/fabric.md says: the plugin's one-call sharding, before setup_module
+            plugin.fsdp2_shard(net, mesh=fabric.strategy.device_mesh["data_parallel"])
         model = fabric.setup_module(net)
         optimizer = fabric.setup_optimizers(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
     else:  # the optimizer built before setup, on the fp32 parameters
