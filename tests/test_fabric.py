@@ -110,8 +110,8 @@ def fabric_run(
     return [p.detach().clone() for p in model.state_dict().values()]
 
 
-def _plugin(precision: str, masters: Any, scaler: Any = None) -> MixedPrecisionPlugin:
-    return MixedPrecisionPlugin(precision, master_weights=masters, scaler=scaler)
+def _plugin(precision: str, masters: Any, fp8: Any = None) -> MixedPrecisionPlugin:
+    return MixedPrecisionPlugin(precision, master_weights=masters, fp8=fp8)
 
 
 CASES = [
@@ -124,22 +124,30 @@ CASES = [
     ("bf16-mixed", False, "adamw", 1, ("norm", 0.5), (1,)),
     ("16-mixed", True, "adamw", 1, ("norm", 0.5), (2, 3)),
     ("16-mixed", False, "sgd", 2, None, (4,)),
+    ("bf16-mixed", "remainder", "adamw", 1, ("norm", 0.5), ("fp8", 2)),
 ]
 
 
 @pytest.mark.parametrize(("precision", "masters", "optimizer", "accumulate", "clip", "inject"), CASES)
 def test_fabric_loop_ends_bitwise_where_the_trainer_ends(precision, masters, optimizer, accumulate, clip, inject):
     """Same model, data and settings: the Fabric loop's fp32 values and scaler state equal the Trainer's, bitwise,
-    with skips (an inf in a batch), fp32 accumulation under ``no_backward_sync`` and both clipping forms."""
+    with skips (an inf in a batch), fp32 accumulation under ``no_backward_sync``, both clipping forms and fp8
+    (torchao's emulated float8 on CPU; ``inject`` then starts with ``"fp8"``)."""
+    fp8 = None
+    if inject and inject[0] == "fp8":
+        pytest.importorskip("torchao")
+        fp8, inject = "tensorwise", inject[1:]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        trainer_plugin, fabric_plugin = _plugin(precision, masters), _plugin(precision, masters)
+        trainer_plugin, fabric_plugin = _plugin(precision, masters, fp8), _plugin(precision, masters, fp8)
         expected = trainer_run(trainer_plugin, optimizer, accumulate, clip, inject)
         got = fabric_run(fabric_plugin, optimizer, accumulate, clip, inject)
     assert len(got) == len(expected)
     for a, b in zip(got, expected):
         assert a.dtype == torch.float32 and torch.equal(a, b)
     assert fabric_plugin.state_dict() == trainer_plugin.state_dict()
+    if fp8 is not None:
+        assert fabric_plugin.fp8 is not None and fabric_plugin.fp8.converted == ["0"]  # trained in fp8
     assert fabric_plugin.scaler.state_dict()["skipped_steps"] >= len(inject)  # fp16: also the first scale's
 
 

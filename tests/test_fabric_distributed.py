@@ -24,8 +24,8 @@ def ranks(tmp_path_factory) -> list[dict]:
 
 @pytest.mark.parametrize("run", sorted(RUNS))
 def test_fabric_loop_on_two_ranks_ends_bitwise_where_the_trainer_ends(ranks, run):
-    """DDP (masters True and remainder, fp32 reduction, accumulation under no_backward_sync through DDP's buckets),
-    fp16 with the dynamic scaler, FSDP2 with the plugin's sharding policy: fp32 values and scaler state."""
+    """DDP (masters True and remainder, fp32 and bf16 reduction, accumulation under no_backward_sync through DDP's
+    buckets), fp16 with the dynamic scaler, FSDP2 with the plugin's sharding policy: fp32 values and scaler state."""
     for rank in ranks:
         trainer, fabric = rank[run]["trainer"], rank[run]["fabric"]
         assert list(trainer["weights"].values())  # the Trainer's fp32 values after fit (net.*) ...

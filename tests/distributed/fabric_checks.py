@@ -35,14 +35,16 @@ from tests.distributed.common import (
     shard_net,
 )
 
-#: name -> (precision, master_weights, accumulate, FSDP2)
+#: name -> (precision, master_weights, accumulate, FSDP2, reduce_dtype)
 RUNS = {
-    "remainder": ("bf16-mixed", "remainder", 1, False),
-    "remainder_acc2": ("bf16-mixed", "remainder", 2, False),
-    "masters_acc2": ("bf16-mixed", True, 2, False),
-    "fp16": ("16-mixed", False, 1, False),
-    "fsdp2_masters": ("bf16-mixed", True, 1, True),
-    "fsdp2_remainder": ("bf16-mixed", "remainder", 1, True),
+    "remainder": ("bf16-mixed", "remainder", 1, False, "float32"),
+    "remainder_acc2": ("bf16-mixed", "remainder", 2, False, "float32"),
+    "masters_acc2": ("bf16-mixed", True, 2, False, "float32"),
+    "masters_bf16_reduce": ("bf16-mixed", True, 1, False, "bf16"),
+    "remainder_bf16_reduce": ("bf16-mixed", "remainder", 2, False, "bf16"),
+    "fp16": ("16-mixed", False, 1, False, "float32"),
+    "fsdp2_masters": ("bf16-mixed", True, 1, True, "float32"),
+    "fsdp2_remainder": ("bf16-mixed", "remainder", 1, True, "float32"),
 }
 
 
@@ -60,6 +62,7 @@ def fabric_run(
     masters: Any,
     accumulate: int = 1,
     fsdp2: bool = False,
+    reduce_dtype: str = "float32",
     inject: bool = False,
     stop_after_epoch: Optional[int] = None,
     resume: Optional[Path] = None,
@@ -67,7 +70,7 @@ def fabric_run(
 ) -> dict[str, Any]:
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(4, 16), nn.LayerNorm(16), nn.Tanh(), nn.Linear(16, 1))
-    plugin = make_plugin(precision, masters)
+    plugin = make_plugin(precision, masters, reduce_dtype)
     # FSDP2 with fp32 masters shards in parallelize_fn; lean masters split shards, so the model is sharded before
     # fabric.setup_module (the plugin converts it there), and parallelize_fn has nothing left to do
     lean = masters == "remainder"
@@ -136,11 +139,11 @@ def lean_fsdp2_sharded_too_late() -> str:
     return "no error"
 
 
-def trainer_run(precision: str, masters: Any, accumulate: int, fsdp2: bool) -> dict[str, Any]:
+def trainer_run(precision: str, masters: Any, accumulate: int, fsdp2: bool, reduce_dtype: str) -> dict[str, Any]:
     if fsdp2:
         strategy = ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)
         return fit(precision, masters, strategy=strategy, inject=False, shard=shard_net, accumulate=accumulate)
-    return fit(precision, masters, inject=False, accumulate=accumulate)
+    return fit(precision, masters, inject=False, accumulate=accumulate, reduce_dtype=reduce_dtype)
 
 
 def main() -> None:
@@ -148,10 +151,10 @@ def main() -> None:
     results: dict[str, Any] = {}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        for name, (precision, masters, accumulate, fsdp2) in RUNS.items():
+        for name, (precision, masters, accumulate, fsdp2, reduce_dtype) in RUNS.items():
             results[name] = {
-                "trainer": trainer_run(precision, masters, accumulate, fsdp2),
-                "fabric": fabric_run(precision, masters, accumulate, fsdp2),
+                "trainer": trainer_run(precision, masters, accumulate, fsdp2, reduce_dtype),
+                "fabric": fabric_run(precision, masters, accumulate, fsdp2, reduce_dtype),
             }
         results["inject"] = fabric_run("bf16-mixed", "remainder", inject=True)
         results["lean_fsdp2_in_parallelize_fn"] = lean_fsdp2_sharded_too_late()
