@@ -105,3 +105,46 @@ def test_the_monitor_reports_the_hooked_module_and_its_op_bf16_with_lean_masters
         "Linear",
         "mul",
     )
+
+
+def test_fabric_precision_monitor_localises_samples_and_reports_from_a_fabric_loop(tmp_path):
+    """The few lines of docs/fabric.md: the skipped step is replayed through ``loss_fn`` and localised at the hooked
+    module's ``mul``; gradients are sampled; the report is written."""
+    from lightning_mp.diagnostics import FabricPrecisionMonitor
+
+    state = {"step": 0}
+    with seeded():
+        net = Net()
+    net.block.down.register_forward_hook(lambda m, a, out: out * float("inf") if state["step"] == 1 else None)
+
+    def loss_fn(model: nn.Module, batch: Any) -> torch.Tensor:
+        x, y = batch
+        return nn.functional.mse_loss(model(x).float(), y)
+
+    monitor = FabricPrecisionMonitor(loss_fn, log_dir=tmp_path, sample_every=1)
+    plugin = MixedPrecisionPlugin("bf16-mixed", master_weights="remainder")
+    fabric = L.Fabric(accelerator="cpu", devices=1, plugins=[plugin], callbacks=[monitor])
+    model, optimizer = fabric.setup(net, torch.optim.AdamW(net.parameters(), lr=1e-3))
+    x = torch.randn(24, 4, generator=torch.Generator().manual_seed(0))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for index in range(3):
+            state["step"] = index
+            batch = (x[8 * index : 8 * index + 8], x[8 * index : 8 * index + 8].sum(1, keepdim=True))
+            fabric.call("on_train_batch_start", batch=batch, batch_idx=index)
+            fabric.backward(loss_fn(model, batch))
+            optimizer.step()
+            optimizer.zero_grad()
+        fabric.call("on_train_end")
+    assert monitor.history.skipped == [1] and monitor.history.steps == 3
+    (record,) = monitor.history.overflows
+    assert (record.step, record.phase, record.module, record.module_class, record.op) == (
+        1,
+        "forward",
+        "block.down",
+        "Linear",
+        "mul",
+    )
+    assert len(monitor.history.samples) == 3 and "block.down" in monitor.history.samples[0].layers
+    assert (tmp_path / "precision_report.md").exists()
+    assert monitor._on_skip not in plugin.skip_observers
