@@ -387,3 +387,20 @@ def test_a_scheduler_given_to_fabric_setup_does_not_advance_on_a_skipped_step():
         scheduler.step()
     assert plugin.scaler.state_dict()["skipped_steps"] == 2
     assert scheduler.last_epoch == 3  # the 3 steps that ran
+
+
+def test_a_second_model_with_master_weights_is_refused_and_the_plugin_pickles():
+    import pickle
+
+    plugin = MixedPrecisionPlugin("bf16-mixed", master_weights=True)
+    fabric = L.Fabric(accelerator="cpu", devices=1, plugins=[plugin])
+    model = build()
+    model, opt = fabric.setup(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    copy = pickle.loads(pickle.dumps(plugin))
+    assert copy._fabric is None and plugin._fabric is not None
+    with pytest.raises(ValueError, match="holds the masters of one model"):
+        fabric.setup(build())
+    without = MixedPrecisionPlugin("bf16-mixed")
+    fabric = L.Fabric(accelerator="cpu", devices=1, plugins=[without])
+    first, second = fabric.setup(build()), fabric.setup(build())  # without masters: several models are fine
+    fabric.backward(first(torch.randn(2, 16)).sum() + second(torch.randn(2, 16)).sum())

@@ -48,6 +48,8 @@ class FabricHooks:
         if fabric is None:
             return self._fabric.strategy if self._fabric is not None else None
         if self._fabric is not None:
+            if getattr(self, "masters", None) is not None and self._fabric.module is not None:
+                raise ValueError(TWO_MODELS_WITH_MASTERS)
             self._fabric.release()
         refuse_lean_fsdp2_before_sharding(self, fabric.strategy, module)
         self._fabric = FabricDriver(self, fabric.strategy)
@@ -93,12 +95,23 @@ class FabricHooks:
         if plugin._checking and any(p.grad is not None for g in optimizer.param_groups for p in g["params"]):
             plugin._unscale_once(optimizer)
 
+    def __getstate__(self) -> dict[str, Any]:
+        # a copy (pickle, deepcopy) is not driven by the Fabric that drives this plugin
+        return {**self.__dict__, "_fabric": None}
+
     def teardown(self) -> None:
         if self._fabric is not None:
             self._fabric.release()
             self._fabric = None
         super().teardown()  # type: ignore[misc]
 
+
+#: Raised when a second model is set up with a plugin that holds the master weights of a first one.
+TWO_MODELS_WITH_MASTERS = (
+    "MixedPrecisionPlugin with master weights holds the masters of one model, and this Fabric already set one up. "
+    "Set up one model per Fabric with master weights (wrap several networks in one nn.Module and set that up once), "
+    "or use master_weights=False."
+)
 
 #: Raised when lean masters meet a Fabric ``ModelParallelStrategy`` whose module is not sharded yet.
 LEAN_FSDP2_ORDER = (
