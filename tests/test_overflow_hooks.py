@@ -87,13 +87,13 @@ class HookedModule(L.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=1e-3)
 
 
-def test_the_monitor_reports_the_hooked_module_and_its_op_bf16_with_lean_masters():
+def test_the_monitor_reports_the_hooked_module_and_its_op_bf16_with_lean_masters(tmp_path):
     x = torch.randn(24, 4, generator=torch.Generator().manual_seed(0))
     monitor = PrecisionMonitor(localise_overflows=True)
     plugin = MixedPrecisionPlugin("bf16-mixed", master_weights="remainder")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        make_trainer(plugin, callbacks=[monitor], max_steps=3).fit(
+        make_trainer(plugin, callbacks=[monitor], max_steps=3, default_root_dir=tmp_path).fit(
             HookedModule(), DataLoader(TensorDataset(x, x.sum(1, keepdim=True)), batch_size=8)
         )
     assert monitor.history.skipped == [1]
