@@ -158,11 +158,16 @@ def main() -> None:
             }
         results["inject"] = fabric_run("bf16-mixed", "remainder", inject=True)
         results["lean_fsdp2_in_parallelize_fn"] = lean_fsdp2_sharded_too_late()
-        for masters, key in ((True, "masters"), ("remainder", "remainder")):
+        for masters, key, fsdp2 in (
+            (True, "masters", False),
+            ("remainder", "remainder", False),
+            (True, "fsdp2_masters", True),
+            ("remainder", "fsdp2_remainder", True),
+        ):
             ckpt = out / f"{key}.ckpt"
-            results[f"whole_{key}"] = fabric_run("bf16-mixed", masters, inject=True)
-            fabric_run("bf16-mixed", masters, inject=True, stop_after_epoch=0, save_to=ckpt)
-            results[f"resumed_{key}"] = fabric_run("bf16-mixed", masters, inject=True, resume=ckpt)
+            results[f"whole_{key}"] = fabric_run("bf16-mixed", masters, fsdp2=fsdp2, inject=True)
+            fabric_run("bf16-mixed", masters, fsdp2=fsdp2, inject=True, stop_after_epoch=0, save_to=ckpt)
+            results[f"resumed_{key}"] = fabric_run("bf16-mixed", masters, fsdp2=fsdp2, inject=True, resume=ckpt)
     save(results, out, torch.distributed.get_rank())
     finish()
 
