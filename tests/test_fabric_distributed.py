@@ -45,9 +45,12 @@ def test_an_inf_on_one_rank_skips_the_step_on_both(ranks):
         assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("masters", ["masters", "remainder", "fsdp2_masters", "fsdp2_remainder"])
+@pytest.mark.parametrize(
+    "masters", ["masters", "remainder", "fsdp2_masters", "fsdp2_remainder", "fsdp2_masters_dcp", "fsdp2_remainder_dcp"]
+)
 def test_fabric_load_after_an_interrupted_two_rank_run_resumes_bit_exactly(ranks, masters):
-    """DDP, and FSDP2 with a single-file checkpoint (``save_distributed_checkpoint=False``)."""
+    """DDP; FSDP2 with a single-file checkpoint (``save_distributed_checkpoint=False``) and with a distributed one
+    (``_dcp``: a folder, each rank its shards; the plugin's entry in its metadata)."""
     for rank in ranks:
         whole, resumed = rank[f"whole_{masters}"], rank[f"resumed_{masters}"]
         assert resumed["steps"] == whole["steps"][len(whole["steps"]) - len(resumed["steps"]) :]

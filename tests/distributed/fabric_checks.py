@@ -67,6 +67,7 @@ def fabric_run(
     stop_after_epoch: Optional[int] = None,
     resume: Optional[Path] = None,
     save_to: Optional[Path] = None,
+    distributed_checkpoint: bool = False,
 ) -> dict[str, Any]:
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(4, 16), nn.LayerNorm(16), nn.Tanh(), nn.Linear(16, 1))
@@ -81,7 +82,7 @@ def fabric_run(
             else (lambda module, mesh: _shard(module, mesh, plugin)),
             data_parallel_size=2,
             tensor_parallel_size=1,
-            save_distributed_checkpoint=False,
+            save_distributed_checkpoint=distributed_checkpoint,
         )
     else:
         strategy = "ddp"
@@ -163,11 +164,14 @@ def main() -> None:
             ("remainder", "remainder", False),
             (True, "fsdp2_masters", True),
             ("remainder", "fsdp2_remainder", True),
+            (True, "fsdp2_masters_dcp", True),
+            ("remainder", "fsdp2_remainder_dcp", True),
         ):
             ckpt = out / f"{key}.ckpt"
-            results[f"whole_{key}"] = fabric_run("bf16-mixed", masters, fsdp2=fsdp2, inject=True)
-            fabric_run("bf16-mixed", masters, fsdp2=fsdp2, inject=True, stop_after_epoch=0, save_to=ckpt)
-            results[f"resumed_{key}"] = fabric_run("bf16-mixed", masters, fsdp2=fsdp2, inject=True, resume=ckpt)
+            options = dict(fsdp2=fsdp2, inject=True, distributed_checkpoint=key.endswith("_dcp"))
+            results[f"whole_{key}"] = fabric_run("bf16-mixed", masters, **options)
+            fabric_run("bf16-mixed", masters, stop_after_epoch=0, save_to=ckpt, **options)
+            results[f"resumed_{key}"] = fabric_run("bf16-mixed", masters, resume=ckpt, **options)
     save(results, out, torch.distributed.get_rank())
     finish()
 
