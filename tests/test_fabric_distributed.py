@@ -63,3 +63,20 @@ def test_lean_masters_under_fabric_fsdp2_say_to_shard_before_setup_module(ranks)
     for rank in ranks:
         message = rank["lean_fsdp2_in_parallelize_fn"]
         assert "not sharded yet" in message and "parallelize_fn=lambda model, mesh: model" in message
+
+
+def test_fabric_precision_monitor_on_two_ranks_localises_rank_0s_inf_on_both(ranks):
+    """The inf is in rank 0's batch only; the skip is agreed, both ranks replay in lockstep and end with rank 0's
+    record: the first op that read it, the first Linear's ``addmm``."""
+    records = [rank["monitor"]["history"].overflows for rank in ranks]
+    assert [len(r) for r in records] == [1, 1]
+    for (record,) in records:
+        assert (record.step, record.phase, record.module, record.op, record.ranks) == (
+            INJECT_AT,
+            "forward",
+            "0",
+            "addmm",
+            [0],
+        )
+    assert ranks[0]["monitor"]["history"].skipped == ranks[1]["monitor"]["history"].skipped == [INJECT_AT]
+    assert ranks[0]["monitor"]["history"].samples

@@ -21,6 +21,7 @@ from lightning.fabric.strategies import ModelParallelStrategy as FabricModelPara
 from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import nn
 
+from lightning_mp.diagnostics import FabricPrecisionMonitor
 from tests.distributed.common import (
     CLIP,
     EPOCHS,
@@ -68,6 +69,7 @@ def fabric_run(
     resume: Optional[Path] = None,
     save_to: Optional[Path] = None,
     distributed_checkpoint: bool = False,
+    monitor: Any = None,
 ) -> dict[str, Any]:
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(4, 16), nn.LayerNorm(16), nn.Tanh(), nn.Linear(16, 1))
@@ -86,7 +88,8 @@ def fabric_run(
         )
     else:
         strategy = "ddp"
-    fabric = L.Fabric(accelerator="cpu", devices=2, strategy=strategy, plugins=[plugin])
+    callbacks = [monitor] if monitor is not None else []
+    fabric = L.Fabric(accelerator="cpu", devices=2, strategy=strategy, plugins=[plugin], callbacks=callbacks)
     fabric.launch()
     if fsdp2:  # FSDP2: the module first, then the optimizer on its sharded parameters
         if lean:  # as docs/fabric.md says: the plugin's one-call sharding, before setup_module
@@ -106,6 +109,7 @@ def fabric_run(
             if inject and step == INJECT_AT and fabric.global_rank == 0 and i % accumulate == 0:
                 x = x.clone()
                 x[0, 0] = float("inf")
+            fabric.call("on_train_batch_start", batch=(x, y), batch_idx=i)
             last = (i + 1) % accumulate == 0
             with fabric.no_backward_sync(model, enabled=not last):
                 loss = nn.functional.mse_loss(model(x).float(), y)
@@ -123,6 +127,11 @@ def fabric_run(
     weights = {name: _full(p).cpu() for name, p in model.named_parameters()}
     state = {k: _full(v).cpu() for k, v in model.state_dict().items()}
     return {"weights": weights, "state": state, "scaler": plugin.scaler.state_dict(), "steps": steps}
+
+
+def _loss(model: nn.Module, batch: Any) -> torch.Tensor:
+    x, y = batch
+    return nn.functional.mse_loss(model(x).float(), y)
 
 
 def lean_fsdp2_sharded_too_late() -> str:
@@ -159,6 +168,9 @@ def main() -> None:
             }
         results["inject"] = fabric_run("bf16-mixed", "remainder", inject=True)
         results["lean_fsdp2_in_parallelize_fn"] = lean_fsdp2_sharded_too_late()
+        monitor = FabricPrecisionMonitor(_loss, log_dir=out / "monitor", sample_every=2)
+        results["monitor"] = fabric_run("bf16-mixed", "remainder", inject=True, monitor=monitor)
+        results["monitor"]["history"] = monitor.history
         for masters, key, fsdp2 in (
             (True, "masters", False),
             ("remainder", "remainder", False),
