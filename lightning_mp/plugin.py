@@ -29,6 +29,7 @@ from lightning_mp.devices import warn_fp16_on_cpu as _warn_fp16_on_cpu
 from lightning_mp.distributed import GradientSync, mixed_precision_policy, sync_for
 from lightning_mp.distributed.shard import fsdp2_shard
 from lightning_mp.distributed.sync import reduce_dtype_of
+from lightning_mp.fabric.hooks import FabricHooks
 from lightning_mp.fp8.convert import Fp8Training
 from lightning_mp.master import MasterWeights, MasterWeightsOption, is_norm, masters_for
 from lightning_mp.policy import CastPolicy, ModuleRules, override_context
@@ -42,7 +43,7 @@ PrecisionName = Literal["16-mixed", "bf16-mixed"]
 _DTYPES: dict[str, torch.dtype] = {"16-mixed": torch.float16, "bf16-mixed": torch.bfloat16}
 
 
-class MixedPrecisionPlugin(Precision):
+class MixedPrecisionPlugin(FabricHooks, Precision):  # FabricHooks: the hooks as Fabric calls them
     """Mixed-precision training with a loss scaler you can tune and inspect.
 
     Args:
@@ -183,11 +184,11 @@ class MixedPrecisionPlugin(Precision):
         # The conversion is in place: DDP discards the returned module. Under FSDP2 its sharded fp32 parameters are
         # the masters (nothing converted) or, lean, the shards are split (lightning_mp.distributed.fsdp2_lean).
         self._resolve_policy(module)
-        trainer = getattr(module, "_trainer", None)
-        self._sync = sync_for(trainer.strategy if trainer is not None else None, self)
+        strategy = self._strategy_for(module)  # the Trainer's, or a Fabric's (then driven: lightning_mp.fabric)
+        self._sync = sync_for(strategy, self)
         self.masters = self._sync.adopt(self.masters)  # FSDP2: lean masters on the local shards
         if self.fp8 is not None:  # before the masters: Float8Linear keeps the parameters, the masters see them
-            self.fp8.convert(module, self, trainer.strategy if trainer is not None else None)
+            self.fp8.convert(module, self, strategy)
         if self.masters is None or self._sync.owns_masters:
             return module
         return self.masters.convert(module)

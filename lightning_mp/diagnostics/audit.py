@@ -195,6 +195,7 @@ def audit(
         raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
     if isinstance(large_reduction, bool) or not isinstance(large_reduction, int) or large_reduction < 1:
         raise ValueError(f"large_reduction must be a positive int (elements), got {large_reduction!r}")
+    wrapper, module = _fabric_unwrapped(module)  # a Fabric-wrapped module: named as the user's, run through Fabric
     recorder = _Recorder(large_reduction)
     tagger = _NodeTagger(recorder)
     handles = _module_hooks(module, recorder)
@@ -205,11 +206,12 @@ def audit(
                 if callable(batch_or_callable):
                     result = batch_or_callable()
                 else:
-                    result = _forward(module, batch_or_callable)
+                    result = _forward(wrapper, batch_or_callable)
             if backward:
                 loss = _as_loss(result)
                 recorder.phase = "backward"
-                loss.backward()
+                with _fabric_backward():
+                    loss.backward()
     finally:
         for handle in handles:
             handle.remove()
@@ -220,3 +222,24 @@ def audit(
                     grad.copy_(value)
                 param.grad = grad
     return recorder.census()
+
+
+def _fabric_unwrapped(module: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """``(what runs the forward, what is named and hooked)``: for a module that ``fabric.setup`` wrapped, the wrapper
+    (Fabric's forward context and output conversion) and the user's module inside; otherwise ``module`` twice."""
+    from lightning.fabric.wrappers import _FabricModule
+
+    return (module, module._forward_module) if isinstance(module, _FabricModule) else (module, module)
+
+
+@contextlib.contextmanager
+def _fabric_backward() -> Iterator[None]:
+    """Fabric refuses ``loss.backward()`` on a wrapped module's output outside ``fabric.backward``; the audit's own
+    backward (which steps nothing and leaves the gradients as they were) is let through."""
+    import lightning.fabric.wrappers as wrappers
+
+    before, wrappers._in_fabric_backward = wrappers._in_fabric_backward, True
+    try:
+        yield
+    finally:
+        wrappers._in_fabric_backward = before

@@ -14,10 +14,12 @@ through the operations whose outputs were non-finite, and returns the first (in 
 operations that created a kind of non-finite value its inputs did not hold (``x * 1e5`` overflowing to ``inf``;
 ``inf - inf`` making NaN; ``softmax`` of a row that is ``-inf`` everywhere making NaN). Operations of the roots' own
 phase come first (for gradients: the backward). Failing such an operation, the first that read inf/NaN from outside
-the trace (data, parameters), then one that writes a non-finite constant on purpose (``masked_fill(mask, -inf)``).
+the trace (data, parameters), then one that writes a non-finite constant on purpose (``masked_fill(mask, -inf)``;
+arithmetic with a non-finite constant, ``x * inf``, is an ordinary origin).
 Non-finite values that never reach a root are by design and are never an origin.
 
-Each operation is credited to a module: in forward, the innermost module running (forward pre/post hooks); in
+Each operation is credited to a module: in forward, the innermost module running (forward pre/post hooks; code in
+the module's own forward hooks and pre-hooks, registered before the trace starts, counts as the module's); in
 backward, the module whose forward created the autograd node being run (``torch._C._current_autograd_node()``,
 mapped to modules by a ``TorchFunctionMode`` during forward), which also credits code in a tensor hook registered on
 a module's output to that module. Everything is removed when the context exits. Only used to replay a skipped step:
@@ -41,6 +43,27 @@ from torch.utils.weak import WeakTensorKeyDictionary
 from lightning_mp.diagnostics.aten_ops import IGNORED_OPS
 
 OUTSIDE = "(outside any module)"
+#: ops that write a non-finite constant on purpose when given one (``masked_fill(mask, -inf)``, ``full(..., -inf)``,
+#: ``where(mask, x, -inf)``): an attention mask, not an origin. Arithmetic with a non-finite constant (``x * inf``, in
+#: a forward hook say) computes non-finite values: an origin like any other op
+CONSTANT_WRITERS = frozenset(
+    {
+        "masked_fill",
+        "masked_fill_",
+        "fill",
+        "fill_",
+        "full",
+        "full_like",
+        "new_full",
+        "where",
+        "index_fill",
+        "index_fill_",
+        "scalar_tensor",
+        "clamp",
+        "clamp_min",
+        "clamp_max",
+    }
+)
 #: ops that return uninitialised memory (whatever bits were there, NaN included): never checked
 UNINITIALISED_OPS = frozenset(
     {"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided", "empty_permuted"}
@@ -127,7 +150,9 @@ class _Checks(TorchDispatchMode):
         out = func(*args, **kwargs)
         outputs = _floats(out)
         if outputs:
-            trace._record(op, in_extremes, parents, outputs, _nonfinite_constant(args, kwargs))
+            trace._record(
+                op, in_extremes, parents, outputs, op in CONSTANT_WRITERS and _nonfinite_constant(args, kwargs)
+            )
         return out
 
 
@@ -236,7 +261,8 @@ class NonFiniteTrace:
     # ------------------------------------------------------------------ context
     def __enter__(self) -> NonFiniteTrace:
         for name, module in self.model.named_modules():
-            self._handles.append(module.register_forward_pre_hook(partial(self._push, name)))
+            # before the module's own pre-hooks and after its forward hooks: code in a hook belongs to the hooked module
+            self._handles.append(module.register_forward_pre_hook(partial(self._push, name), prepend=True))
             self._handles.append(module.register_forward_hook(partial(self._pop, name), always_call=True))
         self._modes = [_NodeModules(self), _Checks(self)]
         for mode in self._modes:

@@ -19,6 +19,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from lightning.fabric import strategies as fabric
 from lightning.pytorch.strategies import (
     DDPStrategy,
     DeepSpeedStrategy,
@@ -36,10 +37,15 @@ from lightning_mp.distributed.sync import GradientSync, ProcessGroupSync
 
 #: Strategies under which ``master_weights=True`` is supported.
 MASTER_WEIGHTS_STRATEGIES = (SingleDeviceStrategy, DDPStrategy, ModelParallelStrategy)
+# Fabric's strategies of the same names are other classes (lightning.fabric.strategies): each pair is one case
+_SINGLE = (SingleDeviceStrategy, fabric.SingleDeviceStrategy)
+_DDP = (DDPStrategy, fabric.DDPStrategy)
+_FSDP2 = (ModelParallelStrategy, fabric.ModelParallelStrategy)
+_KNOWN = _SINGLE + _DDP + _FSDP2
 
 
 def sync_for(strategy: Any, plugin: Any) -> GradientSync:
-    """The :class:`GradientSync` for ``strategy`` (``None``: the plugin is used without a Trainer).
+    """The :class:`GradientSync` for ``strategy``, a Trainer's or a Fabric's (``None``: the plugin is used alone).
 
     Raises:
         ValueError: DeepSpeed or FSDP1 (with what to use instead), or ``master_weights=True`` under a strategy
@@ -47,22 +53,22 @@ def sync_for(strategy: Any, plugin: Any) -> GradientSync:
     """
     if strategy is None:
         return GradientSync()
-    if isinstance(strategy, DeepSpeedStrategy):
+    if isinstance(strategy, (DeepSpeedStrategy, fabric.DeepSpeedStrategy)):
         refuse_deepspeed(strategy)
-    if isinstance(strategy, FSDPStrategy):
+    if isinstance(strategy, (FSDPStrategy, fabric.FSDPStrategy)):
         refuse_fsdp1(strategy)
-    known = isinstance(strategy, MASTER_WEIGHTS_STRATEGIES) and type(strategy).__name__ not in _NOT_DDP
+    known = isinstance(strategy, _KNOWN) and type(strategy).__name__ not in _NOT_DDP
     if plugin.master_weights and not known:
         supported = ", ".join(cls.__name__ for cls in MASTER_WEIGHTS_STRATEGIES)
         raise ValueError(
             f"master_weights=True does not support the {type(strategy).__name__} strategy (supported: {supported}). "
             "Use one of those, or master_weights=False."
         )
-    if isinstance(strategy, ModelParallelStrategy):
+    if isinstance(strategy, _FSDP2):
         return FSDP2Sync(strategy, lean=getattr(plugin.masters, "kind", None) == "remainder")
-    if known and isinstance(strategy, DDPStrategy):
+    if known and isinstance(strategy, _DDP):
         return DDPSync(strategy, plugin.reduce_dtype)
-    if isinstance(strategy, ParallelStrategy):
+    if isinstance(strategy, (ParallelStrategy, fabric.ParallelStrategy)):
         return ProcessGroupSync(strategy.root_device)
     return GradientSync()
 

@@ -1,0 +1,102 @@
+"""LitGPT's own model in a Fabric loop: bytes/param at rest, peak heap, step time and the loss after fine-tuning, for
+``bf16-true``, ``bf16-mixed``, lean masters with AdamW and lean masters with torchao's ``AdamW8bit``.
+
+    python benchmarks/fabric_litgpt.py                        # "small" (8.7M parameters), 60 + 100 steps, CPU
+    python benchmarks/fabric_litgpt.py --size tiny --pretrain-steps 10 --steps 10   # a quick run of the same code
+    python benchmarks/fabric_litgpt.py --record               # also append the table to benchmarks/RESULTS.md
+
+Needs litgpt without its dependencies (``pip install psutil && pip install --no-deps litgpt==0.5.13``) and torchao.
+The model, data and loop are those of examples/litgpt_finetune.py: pre-trained once in fp32 (this process), then
+fine-tuned at lr 2e-5 in each mode, one fresh process per mode, from the same weights on the same batches. *At
+rest*: the bytes of every live tensor storage after the last step (gradients still held), minus those alive before
+the model was built, per parameter. *Peak*: glibc ``mallinfo2()`` bytes in use polled every 0.5 ms from before the
+model is built to the end (benchmarks/decoder.py's ``HeapPeak``), per parameter. *Step*: the median time of the
+steps after the first two. *Loss*: the held-out loss of the trained values, evaluated in fp32.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent / "examples"))
+from _report import report, run_worker  # noqa: E402
+
+MODES = ["bf16-true", "bf16-mixed", "ours+remainder", "ours+remainder+8bit"]
+
+
+def _worker(args: argparse.Namespace) -> dict:
+    import litgpt_finetune as example
+    from decoder import HeapPeak
+
+    if args.worker.endswith("8bit"):
+        import torchao.optim  # noqa: F401  (imported before the count starts, like the others)
+    weights = torch.load(args.weights, weights_only=True)
+    heap = HeapPeak()
+    result = example.finetune(args.worker, weights, args.size, args.steps, args.lr)
+    peak = heap.stop()
+    params = sum(v.numel() for k, v in result["trained"].items() if not k.endswith((".cos", ".sin")))
+    loss = example.held_out_loss(result["trained"], args.size)
+    return {
+        "mode": args.worker,
+        "params": params,
+        "bytes_per_param": result["bytes_per_param"],
+        "peak_per_param": peak / params,
+        "step_s": statistics.median(result["step_s"][2:]),
+        "loss": loss,
+    }
+
+
+def _table(rows: list[dict], before: float) -> str:
+    mixed = next((r["loss"] for r in rows if r["mode"] == "bf16-mixed"), None)
+    lines = [
+        f"held-out loss before fine-tuning: {before:.4f}; {rows[0]['params'] / 1e6:.1f}M parameters\n",
+        "| mode | bytes/param at rest | peak heap per param | step (s) | loss after fine-tuning | vs bf16-mixed |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        versus = f"{100 * (r['loss'] / mixed - 1):+.3f}%" if mixed else ""
+        lines.append(
+            f"| {r['mode']} | {r['bytes_per_param']:.2f} | {r['peak_per_param']:.2f} | {r['step_s']:.3f} "
+            f"| {r['loss']:.4f} | {versus} |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--weights", default="", help=argparse.SUPPRESS)
+    parser.add_argument("--size", choices=["tiny", "small"], default="small")
+    parser.add_argument("--pretrain-steps", type=int, default=60)
+    parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--lr", type=float, default=2e-5)
+    parser.add_argument("--modes", nargs="+", choices=MODES, default=MODES)
+    parser.add_argument("--record", action="store_true")
+    args = parser.parse_args()
+    if args.worker:
+        import json
+
+        print("RESULT " + json.dumps(_worker(args)))
+        return
+    import litgpt_finetune as example
+
+    weights = example.pretrained(args.size, args.pretrain_steps)
+    before = example.held_out_loss(weights, args.size)
+    with tempfile.TemporaryDirectory() as folder:
+        args.weights = str(Path(folder) / "pretrained.pt")
+        torch.save(weights, args.weights)
+        rows = [run_worker(__file__, mode, args, ("weights", "size", "steps", "lr")) for mode in args.modes]
+    title = f"LitGPT GPT ({args.size}) in a Fabric loop: {args.pretrain_steps} fp32 steps, then {args.steps} at lr {args.lr}"
+    report(title, _table(rows, before), "cpu", args.record)
+
+
+if __name__ == "__main__":
+    main()
