@@ -3,7 +3,7 @@
 
     python benchmarks/fabric_litgpt.py                        # "small" (8.7M parameters), 60 + 100 steps, CPU
     python benchmarks/fabric_litgpt.py --size tiny --pretrain-steps 10 --steps 10   # a quick run of the same code
-    python benchmarks/fabric_litgpt.py --record               # also append the table to benchmarks/RESULTS.md
+    python benchmarks/fabric_litgpt.py --record               # also append the table to benchmarks/HISTORY.md
 
 Needs litgpt without its dependencies (``pip install psutil && pip install --no-deps litgpt==0.5.13``) and torchao.
 The model, data and loop are those of examples/litgpt_finetune.py: pre-trained once in fp32 (this process), then
