@@ -160,6 +160,16 @@ def cpu_kernel() -> Optional[ctypes.CDLL]:
                 ctypes.c_int64,
                 ctypes.POINTER(ctypes.c_int64),
             ]
+            library.lean_check_nonfinite.restype = None
+            library.lean_check_nonfinite.argtypes = [
+                ctypes.c_void_p,
+                ctypes.c_void_p,
+                ctypes.c_int64,
+                ctypes.c_int,
+                ctypes.c_uint32,
+                ctypes.c_void_p,
+                ctypes.c_int,
+            ]
             for name in ("lean_join", "lean_split"):
                 getattr(library, name).restype = None
                 getattr(library, name).argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64]
@@ -240,6 +250,25 @@ def cuda_update(owner: object) -> Any:
     if owner not in updates:
         updates[owner] = _state["cuda"].CudaLeanUpdate()
     return updates[owner]
+
+
+#: exponent bits per dtype: all ones means inf or NaN
+_EXPONENT_MASKS = {torch.bfloat16: (2, 0x7F80), torch.float16: (2, 0x7C00), torch.float32: (4, 0x7F800000)}
+
+
+def check_nonfinite(grads: list[torch.Tensor], found: torch.Tensor) -> bool:
+    """Set ``found`` (a 1-element fp32 CPU tensor) to 1 if any of ``grads`` (one dtype, contiguous CPU tensors)
+    holds an inf or NaN, reading them only; ``False`` (nothing done) where the kernel cannot take them."""
+    library = cpu_kernel() if enabled() else None
+    if library is None or not grads or grads[0].dtype not in _EXPONENT_MASKS:
+        return False
+    if not all(g.device.type == "cpu" and g.is_contiguous() and g.dtype == grads[0].dtype for g in grads):
+        return False
+    width, mask = _EXPONENT_MASKS[grads[0].dtype]
+    pointers = (ctypes.c_void_p * len(grads))(*[g.data_ptr() for g in grads])
+    numels = (ctypes.c_int64 * len(grads))(*[g.numel() for g in grads])
+    library.lean_check_nonfinite(pointers, numels, len(grads), width, mask, found.data_ptr(), torch.get_num_threads())
+    return True
 
 
 def join(high: torch.Tensor, low: torch.Tensor, out: torch.Tensor) -> torch.Tensor:

@@ -330,3 +330,51 @@ void lean_join(const uint16_t *high, const int16_t *low, float *values, int64_t 
 void lean_split(const float *values, uint16_t *high, int16_t *low, int64_t n) {
     for (int64_t i = 0; i < n; i++) split(values[i], &high[i], &low[i]);
 }
+
+/* The non-finite check of a step that only checks (bf16, no loss scale): read-only, where torch's
+ * _amp_foreach_non_finite_check_and_unscale_ also writes every gradient back (multiplied by one). `pointers[k]`
+ * holds numels[k] values of `width` bytes (2: bf16 or fp16 patterns given by `exponent_mask`; 4: fp32); sets
+ * *found to 1.0f when any value's exponent bits are all ones (an inf or a NaN). */
+typedef struct {
+    const void *const *pointers;
+    const int64_t *numels;
+    int64_t count;
+    int width;
+    uint32_t exponent_mask;
+    int64_t next;
+    int bad;
+} check_work;
+
+static void *check_worker(void *arg) {
+    check_work *w = (check_work *)arg;
+    for (;;) {
+        int64_t k = __atomic_fetch_add(&w->next, 1, __ATOMIC_RELAXED);
+        if (k >= w->count || __atomic_load_n(&w->bad, __ATOMIC_RELAXED)) break;
+        int64_t n = w->numels[k];
+        uint32_t mask = w->exponent_mask, hits = 0;
+        if (w->width == 2) {
+            const uint16_t *values = (const uint16_t *)w->pointers[k];
+            for (int64_t i = 0; i < n; i++) hits |= (uint32_t)((values[i] & mask) == mask);
+        } else {
+            const uint32_t *values = (const uint32_t *)w->pointers[k];
+            for (int64_t i = 0; i < n; i++) hits |= (uint32_t)((values[i] & mask) == mask);
+        }
+        if (hits) __atomic_store_n(&w->bad, 1, __ATOMIC_RELAXED);
+    }
+    return 0;
+}
+
+void lean_check_nonfinite(const void *const *pointers, const int64_t *numels, int64_t count, int width,
+                          uint32_t exponent_mask, float *found, int threads) {
+    check_work work = {pointers, numels, count, width, exponent_mask, 0, 0};
+    if (threads > 64) threads = 64;
+    pthread_t ids[64];
+    int started = 0;
+    for (int t = 1; t < threads && (int64_t)t < count; t++) {
+        if (pthread_create(&ids[started], 0, check_worker, &work) != 0) break;
+        started++;
+    }
+    check_worker(&work);
+    for (int t = 0; t < started; t++) pthread_join(ids[t], 0);
+    if (work.bad) *found = 1.0f;
+}
