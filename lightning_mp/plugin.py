@@ -1,14 +1,16 @@
 """``MixedPrecisionPlugin``: Lightning's precision hooks, wired to our loss scaler.
 
-The plugin is glue: numerics live in :mod:`lightning_mp.scaler`. One automatic-optimization step runs
-``forward_context`` (autocast) -> ``pre_backward`` (scale the loss) -> ``optimizer_step`` (closure, unscale,
-Lightning's hooks and clipping on unscaled grads, step only if finite, update the scale).
+The plugin is glue: numerics live in :mod:`lightning_mp.scaler`, the order of an optimizer step in
+:mod:`lightning_mp.stepping`. One automatic-optimization step runs ``forward_context`` (autocast) -> ``pre_backward``
+(scale the loss) -> ``optimizer_step`` (closure, unscale, Lightning's hooks and clipping on unscaled grads, step only
+if finite, update the scale).
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Generator, Mapping
+from functools import partial
 from typing import Any, Callable, Literal, Optional, Union
 
 import torch
@@ -16,11 +18,10 @@ from lightning.fabric.utilities.types import Optimizable
 from lightning.pytorch import LightningModule
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.utilities import GradClipAlgorithmType
-from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor
 from torch.nn import Module
-from torch.optim import LBFGS, Optimizer
+from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_mp import stepping
@@ -36,7 +37,7 @@ from lightning_mp.policy import _override_targets as override_targets
 from lightning_mp.scaler import DynamicLossScaler
 from lightning_mp.schedulers import guard_scheduler
 from lightning_mp.settings import foreign_scaler_state
-from lightning_mp.unscaled import UnscaledGradients
+from lightning_mp.stepping import UnscaledGradients
 
 PrecisionName = Literal["16-mixed", "bf16-mixed"]
 _DTYPES: dict[str, torch.dtype] = {"16-mixed": torch.float16, "bf16-mixed": torch.bfloat16}
@@ -274,38 +275,10 @@ class MixedPrecisionPlugin(Precision):
     def optimizer_step(  # type: ignore[override]
         self, optimizer: Optimizable, model: LightningModule, closure: Callable[[], Any], **kwargs: Any
     ) -> Any:
-        if isinstance(optimizer, LBFGS) and (self._checking or self.masters is not None):
-            raise MisconfigurationException(
-                "MixedPrecisionPlugin with an inf/NaN check or master weights cannot drive LBFGS: it re-evaluates "
-                "the closure inside step(), where gradients cannot be checked and the half model is stale. Use "
-                "MixedPrecisionPlugin('bf16-mixed', scaler={'enabled': False}) without master weights, or fp32."
-            )
-        if not self._checking:
-            if callable(getattr(self.masters, "fused_step", None)):  # masters that update themselves
-                closure()
-                self._after_closure(model, optimizer)
-                return self.masters.fused_step(_unwrap_optimizer(optimizer), None)
-            step_output = super().optimizer_step(optimizer, model=model, closure=closure, **kwargs)
-            if self.masters is not None:
-                self.masters.masters_to_model(_unwrap_optimizer(optimizer))
-            return step_output
-        assert self.scaler is not None
-        closure_result = closure()
-        if closure_result is None and model.automatic_optimization:
-            # training_step returned None: no backward ran, so nothing to unscale or step. Hooks and clipping
-            # still run, as in Lightning; whatever they unscale stays recorded until the next backward ends it
-            self._after_closure(model, optimizer)
-            return None
-        # unscale after the closure and before on_before_optimizer_step, so hooks and clipping see true grads
-        found_inf = self._sync.agree(self._unscale_once(optimizer))  # every rank takes the same decision, on device
-        self._after_closure(model, optimizer)
-        self._unscaled.consumed(_unwrap_optimizer(optimizer))
-        return stepping.step(self, optimizer, model, found_inf, kwargs)  # skipped on the device where it can be
-
-    def _unscale_once(self, optimizer: Optimizable) -> Tensor:
-        """Unscale ``optimizer``'s grads unless already done since their backward; the found-inf flag tensor."""
-        assert self.scaler is not None
-        return self._unscaled.unscale(self.scaler, _unwrap_optimizer(optimizer), self._param_names)
+        # the order of a step (closure, unscale and check once, agree across ranks, Lightning's hooks and clipping,
+        # step or skip, masters back into the model, update the scale) is lightning_mp.stepping's
+        plain_step = partial(super().optimizer_step, optimizer, model=model, closure=closure, **kwargs)
+        return stepping.optimizer_step(self, optimizer, model, closure, kwargs, plain_step)
 
     @override
     def clip_gradients(
@@ -314,25 +287,16 @@ class MixedPrecisionPlugin(Precision):
         clip_val: Union[int, float] = 0.0,
         gradient_clip_algorithm: GradClipAlgorithmType = GradClipAlgorithmType.NORM,
     ) -> None:
-        # In manual optimization `self.clip_gradients` runs inside training_step, before `opt.step()`:
-        # unscale here so clipping sees true gradients; optimizer_step then does not unscale twice.
-        # Fused optimizers need no special case: we always unscale before calling their step().
-        if clip_val > 0 and self._checking and _has_grads(optimizer):
-            self._unscale_once(optimizer)
+        stepping.unscale_before_clipping(self, optimizer, clip_val)  # manual optimization: clipping sees true grads
         super().clip_gradients(optimizer, clip_val=clip_val, gradient_clip_algorithm=gradient_clip_algorithm)
 
     @override
     def clip_grad_by_value(self, optimizer: Optimizer, clip_val: Union[int, float]) -> None:
-        # no gradients (a training_step that returned None): nothing to clip, and torch's value clipping fails there.
-        # Lean masters clip the fp32 gradients inside their step (bf16 gradients would round the clipped values)
-        if _has_grads(optimizer):
-            lean = getattr(self.masters, "clip_grad_value_", None)
-            lean(_unwrap_optimizer(optimizer), clip_val) if lean else super().clip_grad_by_value(optimizer, clip_val)
+        stepping.clip_grad_by_value(self, optimizer, clip_val, super().clip_grad_by_value)  # lean masters: their own
 
     @override
     def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: Union[int, float]) -> None:
-        lean = getattr(self.masters, "clip_grad_norm_", None)
-        lean(_unwrap_optimizer(optimizer), clip_val) if lean else super().clip_grad_by_norm(optimizer, clip_val)
+        stepping.clip_grad_by_norm(self, optimizer, clip_val, super().clip_grad_by_norm)
 
     # ------------------------------------------------------------------ checkpointing
     @override
@@ -388,12 +352,3 @@ def _info_once(message: str) -> None:
     if message not in _INFO_SHOWN:
         _INFO_SHOWN.add(message)
         rank_zero_info(message)
-
-
-def _has_grads(optimizer: Any) -> bool:
-    return any(p.grad is not None for group in optimizer.param_groups for p in group["params"])
-
-
-def _unwrap_optimizer(optimizer: Any) -> Any:
-    # LightningOptimizer (what the user holds in manual optimization) wraps the torch optimizer
-    return getattr(optimizer, "_optimizer", optimizer)
