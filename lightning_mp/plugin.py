@@ -18,24 +18,23 @@ from lightning.fabric.utilities.types import Optimizable
 from lightning.pytorch import LightningModule
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.utilities import GradClipAlgorithmType
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_mp import stepping
-from lightning_mp.devices import module_device as _module_device
-from lightning_mp.devices import warn_fp16_on_cpu as _warn_fp16_on_cpu
 from lightning_mp.distributed import GradientSync, mixed_precision_policy, sync_for
 from lightning_mp.distributed.shard import fsdp2_shard
 from lightning_mp.distributed.sync import reduce_dtype_of
+from lightning_mp.forward import ModuleRules, module_policy, override_context, override_targets, warn_at_connect
+from lightning_mp.forward import module_device as _module_device
 from lightning_mp.fp8.convert import Fp8Training
 from lightning_mp.master import MasterWeights, MasterWeightsOption, is_norm, masters_for
-from lightning_mp.policy import CastPolicy, ModuleRules, override_context
-from lightning_mp.policy import _override_targets as override_targets
+from lightning_mp.policy import CastPolicy
 from lightning_mp.scaler import DynamicLossScaler
-from lightning_mp.schedulers import guard_scheduler
+from lightning_mp.schedulers import guard_step_schedulers
 from lightning_mp.settings import foreign_scaler_state
 from lightning_mp.stepping import UnscaledGradients
 
@@ -106,6 +105,7 @@ class MixedPrecisionPlugin(Precision):
         self.keep_norm_fp32 = keep_norm_fp32
         self.masters: Optional[MasterWeights] = masters_for(self.dtype, master_weights, self._params_stay_fp32)
         self._effective_policy = self.policy
+        self._overrides: tuple[Optional[CastPolicy], bool] = (None, False)  # (policy, whether it overrides any op)
         self._module_rules = ModuleRules()
         self._device_type: Optional[str] = None
         self._param_names: dict[int, str] = {}
@@ -138,15 +138,8 @@ class MixedPrecisionPlugin(Precision):
         return (self.keep_norm_fp32 and is_norm(name, module)) or self.keeps_fp32(name, module)
 
     def _resolve_policy(self, module: Module) -> None:
-        declare = getattr(module, "configure_precision_policy", None)
-        self._effective_policy = self.policy
-        if callable(declare):
-            declared = CastPolicy.coerce(declare())
-            self._effective_policy = self.policy.merged_with(declared)
-            _info_once(
-                f"lightning_mp: {type(module).__name__}.configure_precision_policy() merged on top of the "
-                f"plugin's policy: {self._effective_policy!r}"
-            )
+        self._effective_policy = self.policy  # until the module's configure_precision_policy() has answered
+        self._effective_policy = module_policy(self.policy, module)
 
     @property
     def effective_policy(self) -> CastPolicy:
@@ -213,20 +206,8 @@ class MixedPrecisionPlugin(Precision):
         if self.scaler is not None:
             self.scaler.gather_names = self._sync.gather_names  # culprits at min_scale, from every rank
         self._unscaled.clear()
-        for rule, close in self._effective_policy.unmatched_module_rules(inner).items():
-            rank_zero_warn(
-                f"CastPolicy fp32_modules rule {rule!r} matches no module of {type(inner).__name__}, so it does "
-                f"nothing. Closest module names and classes: {close or 'none'}."
-            )
-        if self._device_type == "cpu" and self.dtype == torch.float16:
-            _warn_fp16_on_cpu()
-        for config in lr_schedulers:
-            if getattr(config, "interval", "step") == "step":
-                # the guard counts the optimizer steps that ran and applies the frequency itself, so Lightning
-                # (which counts batches) must call it after every optimizer step
-                guard_scheduler(config.scheduler, frequency=getattr(config, "frequency", 1))
-                if hasattr(config, "frequency"):
-                    config.frequency = 1
+        warn_at_connect(self._effective_policy, inner, self._device_type, self.dtype)  # rules matching nothing, fp16
+        guard_step_schedulers(lr_schedulers)  # they do not advance on a skipped step
         return model, optimizers, lr_schedulers
 
     # ------------------------------------------------------------------ forward and backward
@@ -236,8 +217,11 @@ class MixedPrecisionPlugin(Precision):
 
     @override
     def forward_context(self) -> Any:  # a context manager
-        # autocast alone on the default path, not wrapped (it is entered twice a step); op overrides add a mode
-        if not override_targets(self._effective_policy, self.dtype):
+        # autocast alone on the default path, not wrapped (it is entered twice a step); op overrides add a mode.
+        # Whether there are any is known once per policy object, not hashed again at every forward
+        if self._overrides[0] is not self._effective_policy:
+            self._overrides = (self._effective_policy, bool(override_targets(self._effective_policy, self.dtype)))
+        if not self._overrides[1]:
             return self.autocast_context_manager()
         return self._forward_with_overrides()
 
@@ -343,12 +327,3 @@ class MixedPrecisionPlugin(Precision):
             f"master_weights={masters}, policy={self.policy!r}"
             + (f", fp8={self.fp8.recipe!r})" if self.fp8 is not None else ")")
         )
-
-
-_INFO_SHOWN: set[str] = set()
-
-
-def _info_once(message: str) -> None:
-    if message not in _INFO_SHOWN:
-        _INFO_SHOWN.add(message)
-        rank_zero_info(message)
