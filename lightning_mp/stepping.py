@@ -43,7 +43,7 @@ from functools import partial
 from typing import Any, Callable, Optional
 
 import torch
-from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from lightning.fabric.utilities.exceptions import MisconfigurationException
 from torch import Tensor
 from torch.optim import LBFGS
 
