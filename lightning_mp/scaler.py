@@ -215,8 +215,7 @@ class DynamicLossScaler:
             for device, per_dtype in per_device:
                 inv_scale = self._device.one(device) if scale is None else scale.to(device).reciprocal().reshape(1)
                 found_inf = torch.zeros(1, dtype=torch.float32, device=device)
-                for pairs in per_dtype:
-                    grads = [grad for _, grad in pairs]
+                for _, grads in per_dtype:
                     torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale)
                 flags.append(found_inf if device == first_device else found_inf.to(first_device))
             self._last_unscaled = per_device

@@ -20,8 +20,8 @@ from torch import Tensor
 
 # What `DynamicLossScaler.unscale_` accepts: tensors whose ``.grad`` is unscaled, or ``(name, tensor)`` pairs.
 NamedOrPlainParams = Iterable[Union[Tensor, tuple[str, Tensor]]]
-# What one check saw (`GradientGroups.gradients`): per device, per dtype, the (name, gradient) pairs checked.
-Checked = list[tuple[torch.device, list[list[tuple[str, Tensor]]]]]
+# What one check saw (`GradientGroups.gradients`): per device, per dtype, the names and the gradients checked.
+Checked = list[tuple[torch.device, list[tuple[list[str], list[Tensor]]]]]
 
 
 #: Positions in the scaler's device state, one float64 vector (float64 so that the scale is the exact product the
@@ -228,27 +228,33 @@ class GradientGroups:
         return iter(self.named)
 
     def gradients(self) -> Checked:
-        """This step's gradients to check: per device (in order of first appearance), per dtype, ``(name, gradient)``
-        pairs; parameters without a gradient are left out, and so are devices and dtypes without any."""
+        """This step's gradients to check: per device (in order of first appearance), per dtype, their names and the
+        gradients; parameters without a gradient are left out, and so are devices and dtypes without any."""
         found = []
         for per_dtype in self.groups:
             lists = []
             for names, params in per_dtype:
-                pairs = [(name, grad) for name, param in zip(names, params) if (grad := param.grad) is not None]
-                if not self.plain or any(grad.is_sparse for _, grad in pairs):
-                    pairs = [
-                        (name, _checked_form(param)) for name, param in zip(names, params) if param.grad is not None
-                    ]
-                if pairs:
-                    lists.append(pairs)
+                grads = [grad for param in params if (grad := param.grad) is not None]
+                if len(grads) != len(params):  # some have no gradient (yet): name the others only
+                    names = [name for name, param in zip(names, params) if param.grad is not None]
+                if not self.plain or any(grad.is_sparse for grad in grads):
+                    grads = [_checked_form(param) for param in params if param.grad is not None]
+                if grads:
+                    lists.append((names, grads))
             if lists:
-                found.append((lists[0][0][1].device, lists))
+                found.append((lists[0][1][0].device, lists))
         return found
 
 
 def nonfinite_names(checked: Checked) -> list[str]:
     """Names of the gradients in ``checked`` that hold inf or NaN (one host synchronisation each: for errors)."""
-    return [name for _, lists in checked for pairs in lists for name, grad in pairs if not torch.isfinite(grad).all()]
+    return [
+        name
+        for _, lists in checked
+        for names, grads in lists
+        for name, grad in zip(names, grads)
+        if not torch.isfinite(grad).all()
+    ]
 
 
 def nonfinite_error(reason: str, names: list[str]) -> FloatingPointError:
