@@ -28,7 +28,7 @@ from lightning_mp.scaler_device import (
     nonfinite_error,
     nonfinite_names,
 )
-from lightning_mp.settings import FP32_MAX, SETTING_NAMES
+from lightning_mp.settings import COUNTER_NAMES, FP32_MAX, SETTING_NAMES
 
 
 class DynamicLossScaler:
@@ -323,11 +323,7 @@ class DynamicLossScaler:
         self._read()
         return {
             "scale": self._scale_value,
-            "growth_tracker": self._growth_tracker,
-            "hysteresis_tracker": self._hysteresis_tracker,
-            "steps": self._steps,
-            "skipped_steps": self._skipped_steps,
-            "consecutive_skips": self._consecutive_skips,
+            **{name: getattr(self, f"_{name}") for name in COUNTER_NAMES},
             **{name: getattr(self, name) for name in SETTING_NAMES},
         }
 
@@ -345,11 +341,8 @@ class DynamicLossScaler:
         settings, counters = rules.validated_state(state_dict, defaults=self.state_dict(), source=source)
         for name in SETTING_NAMES:
             setattr(self, name, settings[name])
-        self._growth_tracker = counters["growth_tracker"]
-        self._hysteresis_tracker = counters["hysteresis_tracker"]
-        self._steps = counters["steps"]
-        self._skipped_steps = counters["skipped_steps"]
-        self._consecutive_skips = counters["consecutive_skips"]
+        for name in COUNTER_NAMES:
+            setattr(self, f"_{name}", counters[name])
         self._scale_in_grads = None
         self._set_scale(settings["init_scale"])
 
