@@ -39,7 +39,6 @@ from __future__ import annotations
 
 import inspect
 import operator
-from functools import partial
 from typing import Any, Callable, Optional
 
 import torch
@@ -56,7 +55,12 @@ DECIDE_CPU_FLAGS_ON_HOST = True
 
 
 def optimizer_step(
-    plugin: Any, optimizer: Any, model: Any, closure: Callable[[], Any], kwargs: dict[str, Any], plain_step: partial
+    plugin: Any,
+    optimizer: Any,
+    model: Any,
+    closure: Callable[[], Any],
+    kwargs: dict[str, Any],
+    plain_step: Callable[[], Any],
 ) -> Any:
     """``plugin``'s optimizer step, in the order of the module docstring. ``plain_step`` is Lightning's own
     (closure, hooks and clipping inside ``optimizer.step``): the step without a check and without self-updating
