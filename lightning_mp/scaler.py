@@ -205,7 +205,9 @@ class DynamicLossScaler:
         self._last_unscaled = []
         if not self.enabled:
             return torch.zeros(1, dtype=torch.float32, device=groups.first_gradient_device())
-        with torch.no_grad():
+        grad_enabled = torch.is_grad_enabled()
+        torch._C._set_grad_enabled(False)  # torch.no_grad() without its Python frames, at every step
+        try:
             per_device = groups.gradients()
             if not per_device:
                 return torch.zeros(1, dtype=torch.float32)
@@ -219,6 +221,8 @@ class DynamicLossScaler:
                     torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale)
                 flags.append(found_inf if device == first_device else found_inf.to(first_device))
             self._last_unscaled = per_device
+        finally:
+            torch._C._set_grad_enabled(grad_enabled)
         return flags[0] if len(flags) == 1 else torch.stack(flags).sum(0)
 
     @staticmethod
@@ -261,7 +265,9 @@ class DynamicLossScaler:
             self._last_unscaled = []
 
     def _update_on_host(self, found_inf: bool) -> None:
-        self._read()._device.forget()  # the host's copy is ahead from here on; the device's is rebuilt when needed
+        if self._device.pending:
+            self._device.pull(self)
+        self._device.forget()  # the host's copy is ahead from here on; the device's is rebuilt when needed
         self._steps += 1
         if not found_inf:
             self._hysteresis_tracker = self.hysteresis

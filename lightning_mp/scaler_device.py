@@ -237,7 +237,7 @@ class GradientGroups:
                 grads = [grad for param in params if (grad := param.grad) is not None]
                 if len(grads) != len(params):  # some have no gradient (yet): name the others only
                     names = [name for name, param in zip(names, params) if param.grad is not None]
-                if not self.plain or any(grad.is_sparse for grad in grads):
+                if not self.plain or True in [grad.is_sparse for grad in grads]:  # (no generator frame per step)
                     grads = [_checked_form(param) for param in params if param.grad is not None]
                 if grads:
                     lists.append((names, grads))

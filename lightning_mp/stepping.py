@@ -88,9 +88,11 @@ def optimizer_step(
         plugin._after_closure(model, optimizer)
         return None
     # unscale after the closure and before on_before_optimizer_step, so hooks and clipping see true grads
-    found_inf = plugin._sync.agree(unscale_once(plugin, optimizer))  # every rank takes the same decision, on device
+    torch_optimizer = unwrap_optimizer(optimizer)
+    unscaled = plugin._unscaled.unscale(plugin.scaler, torch_optimizer, plugin._param_names)  # once since backward
+    found_inf = plugin._sync.agree(unscaled)  # every rank takes the same decision, on the device
     plugin._after_closure(model, optimizer)
-    plugin._unscaled.consumed(unwrap_optimizer(optimizer))
+    plugin._unscaled.consumed(torch_optimizer)
     return step(plugin, optimizer, model, found_inf, kwargs)  # skipped on the device where it can be
 
 
