@@ -234,7 +234,7 @@ class DynamicLossScaler:
         """Read the flag returned by :meth:`unscale_` and, in the same transfer, the state updated on the device
         since the last read (one host synchronisation in all)."""
         if not self._device.pending:
-            return self.found_inf(found_inf)
+            return bool(found_inf.item() > 0)
         return self._device.pull(self, found_inf) > 0
 
     def update(self, found_inf: Union[bool, Tensor]) -> None:

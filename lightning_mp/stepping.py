@@ -211,9 +211,9 @@ class UnscaledGradients:
         self._records: dict[int, tuple[Any, Tensor, Optional[Tensor]]] = {}
         # id(optimizer) -> found-inf flag of unscaled gradients that a later backward adds to
         self._carried: dict[int, Tensor] = {}
-        # id(optimizer) -> (its parameter lists when grouped; the named parameters grouped by device and dtype): built
-        # once, checked against param_groups every step (the same parameters in the same places), not rebuilt
-        self._groups: dict[int, tuple[list[Any], GradientGroups]] = {}
+        # id(optimizer) -> (its parameters and group sizes when grouped; the named parameters grouped by device and
+        # dtype): built once, checked against param_groups every step (the same parameters in the same places)
+        self._groups: dict[int, tuple[list[Any], list[int], GradientGroups]] = {}
 
     def unscale(self, scaler: DynamicLossScaler, optimizer: Any, names: dict[int, str]) -> Tensor:
         """Unscale ``optimizer``'s gradients unless already done since their backward; the found-inf flag.
@@ -230,24 +230,23 @@ class UnscaledGradients:
         return record[1]
 
     def _grouped_params(self, optimizer: Any, names: dict[int, str]) -> GradientGroups:
-        lists = [group["params"] for group in optimizer.param_groups]
+        groups = optimizer.param_groups
+        flat = [param for group in groups for param in group["params"]]
         cached = self._groups.get(id(optimizer))
-        if (
+        if (  # the same parameters, in the same places (group sizes too: unnamed ones are named by their place)
             cached is None
-            or len(cached[0]) != len(lists)
-            or not all(  # the same parameters, in the same places
-                len(params) == len(seen) and all(map(operator.is_, params, seen))
-                for params, seen in zip(lists, cached[0])
-            )
+            or len(cached[0]) != len(flat)
+            or not all(map(operator.is_, flat, cached[0]))
+            or (len(groups) > 1 and cached[1] != [len(group["params"]) for group in groups])
         ):
             named = [
                 (names.get(id(param), f"param_groups[{g}][{i}]"), param)
-                for g, params in enumerate(lists)
-                for i, param in enumerate(params)
+                for g, group in enumerate(groups)
+                for i, param in enumerate(group["params"])
             ]
-            cached = ([list(params) for params in lists], GradientGroups(named))
+            cached = (flat, [len(group["params"]) for group in groups], GradientGroups(named))
             self._groups[id(optimizer)] = cached
-        return cached[1]
+        return cached[2]
 
     def is_unscaled(self, optimizer: Any) -> bool:
         """Whether ``optimizer``'s gradients were unscaled since the backward that produced them."""
