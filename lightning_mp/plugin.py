@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Generator, Mapping
-from functools import partial
 from typing import Any, Callable, Literal, Optional, Union
 
 import torch
@@ -261,7 +260,9 @@ class MixedPrecisionPlugin(Precision):
     ) -> Any:
         # the order of a step (closure, unscale and check once, agree across ranks, Lightning's hooks and clipping,
         # step or skip, masters back into the model, update the scale) is lightning_mp.stepping's
-        plain_step = partial(super().optimizer_step, optimizer, model=model, closure=closure, **kwargs)
+        def plain_step() -> Any:  # Lightning's own, for the step without a check (made, not called, every step)
+            return super(MixedPrecisionPlugin, self).optimizer_step(optimizer, model=model, closure=closure, **kwargs)
+
         return stepping.optimizer_step(self, optimizer, model, closure, kwargs, plain_step)
 
     @override

@@ -218,15 +218,15 @@ class UnscaledGradients:
     def unscale(self, scaler: DynamicLossScaler, optimizer: Any, names: dict[int, str]) -> Tensor:
         """Unscale ``optimizer``'s gradients unless already done since their backward; the found-inf flag.
         ``names``: ``id(parameter) -> name`` (a parameter without one is named by its place in ``param_groups``)."""
-        record = self._records.get(id(optimizer))
+        key = id(optimizer)
+        record = self._records.get(key)
         if record is None:
             scale = scaler.scale_of_grads() if not scaler.check_only else None  # check-only: nothing to scale back
             found_inf = scaler.unscale_(self._grouped_params(optimizer, names))
-            carried = self._carried.pop(id(optimizer), None)
+            carried = self._carried.pop(key, None)
             if carried is not None:
                 found_inf = found_inf + carried.to(found_inf.device)
-            record = (optimizer, found_inf, scale)
-            self._records[id(optimizer)] = record
+            record = self._records[key] = (optimizer, found_inf, scale)
         return record[1]
 
     def _grouped_params(self, optimizer: Any, names: dict[int, str]) -> GradientGroups:
