@@ -1,8 +1,9 @@
 """``MixedPrecisionPlugin``: Lightning's precision hooks, wired to our loss scaler.
 
-The plugin is glue: numerics live in :mod:`lightning_mp.scaler`. One automatic-optimization step runs
-``forward_context`` (autocast) -> ``pre_backward`` (scale the loss) -> ``optimizer_step`` (closure, unscale,
-Lightning's hooks and clipping on unscaled grads, step only if finite, update the scale).
+The plugin is glue: numerics live in :mod:`lightning_mp.scaler`, the order of an optimizer step in
+:mod:`lightning_mp.stepping`. One automatic-optimization step runs ``forward_context`` (autocast) -> ``pre_backward``
+(scale the loss) -> ``optimizer_step`` (closure, unscale, Lightning's hooks and clipping on unscaled grads, step only
+if finite, update the scale).
 """
 
 from __future__ import annotations
@@ -16,28 +17,26 @@ from lightning.fabric.utilities.types import Optimizable
 from lightning.pytorch import LightningModule
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.utilities import GradClipAlgorithmType
-from lightning.pytorch.utilities.exceptions import MisconfigurationException
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 from torch.nn import Module
-from torch.optim import LBFGS, Optimizer
+from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_mp import stepping
-from lightning_mp.devices import module_device as _module_device
-from lightning_mp.devices import warn_fp16_on_cpu as _warn_fp16_on_cpu
 from lightning_mp.distributed import GradientSync, mixed_precision_policy, sync_for
 from lightning_mp.distributed.shard import fsdp2_shard
 from lightning_mp.distributed.sync import reduce_dtype_of
 from lightning_mp.fabric.hooks import FabricHooks
+from lightning_mp.forward import ModuleRules, module_policy, override_context, override_targets, warn_at_connect
+from lightning_mp.forward import module_device as _module_device
 from lightning_mp.fp8.convert import Fp8Training
 from lightning_mp.master import MasterWeights, MasterWeightsOption, is_norm, masters_for
-from lightning_mp.policy import CastPolicy, ModuleRules, override_context
-from lightning_mp.policy import _override_targets as override_targets
+from lightning_mp.policy import CastPolicy
 from lightning_mp.scaler import DynamicLossScaler
-from lightning_mp.schedulers import guard_scheduler
+from lightning_mp.schedulers import guard_step_schedulers
 from lightning_mp.settings import foreign_scaler_state
-from lightning_mp.unscaled import UnscaledGradients
+from lightning_mp.stepping import UnscaledGradients
 
 PrecisionName = Literal["16-mixed", "bf16-mixed"]
 _DTYPES: dict[str, torch.dtype] = {"16-mixed": torch.float16, "bf16-mixed": torch.bfloat16}
@@ -106,6 +105,7 @@ class MixedPrecisionPlugin(FabricHooks, Precision):  # FabricHooks: the hooks as
         self.keep_norm_fp32 = keep_norm_fp32
         self.masters: Optional[MasterWeights] = masters_for(self.dtype, master_weights, self._params_stay_fp32)
         self._effective_policy = self.policy
+        self._overrides: tuple[Optional[CastPolicy], bool] = (None, False)  # (policy, whether it overrides any op)
         self._module_rules = ModuleRules()
         self._device_type: Optional[str] = None
         self._param_names: dict[int, str] = {}
@@ -138,15 +138,8 @@ class MixedPrecisionPlugin(FabricHooks, Precision):  # FabricHooks: the hooks as
         return (self.keep_norm_fp32 and is_norm(name, module)) or self.keeps_fp32(name, module)
 
     def _resolve_policy(self, module: Module) -> None:
-        declare = getattr(module, "configure_precision_policy", None)
-        self._effective_policy = self.policy
-        if callable(declare):
-            declared = CastPolicy.coerce(declare())
-            self._effective_policy = self.policy.merged_with(declared)
-            _info_once(
-                f"lightning_mp: {type(module).__name__}.configure_precision_policy() merged on top of the "
-                f"plugin's policy: {self._effective_policy!r}"
-            )
+        self._effective_policy = self.policy  # until the module's configure_precision_policy() has answered
+        self._effective_policy = module_policy(self.policy, module)
 
     @property
     def effective_policy(self) -> CastPolicy:
@@ -213,20 +206,8 @@ class MixedPrecisionPlugin(FabricHooks, Precision):  # FabricHooks: the hooks as
         if self.scaler is not None:
             self.scaler.gather_names = self._sync.gather_names  # culprits at min_scale, from every rank
         self._unscaled.clear()
-        for rule, close in self._effective_policy.unmatched_module_rules(inner).items():
-            rank_zero_warn(
-                f"CastPolicy fp32_modules rule {rule!r} matches no module of {type(inner).__name__}, so it does "
-                f"nothing. Closest module names and classes: {close or 'none'}."
-            )
-        if self._device_type == "cpu" and self.dtype == torch.float16:
-            _warn_fp16_on_cpu()
-        for config in lr_schedulers:
-            if getattr(config, "interval", "step") == "step":
-                # the guard counts the optimizer steps that ran and applies the frequency itself, so Lightning
-                # (which counts batches) must call it after every optimizer step
-                guard_scheduler(config.scheduler, frequency=getattr(config, "frequency", 1))
-                if hasattr(config, "frequency"):
-                    config.frequency = 1
+        warn_at_connect(self._effective_policy, inner, self._device_type, self.dtype)  # rules matching nothing, fp16
+        guard_step_schedulers(lr_schedulers)  # they do not advance on a skipped step
         return model, optimizers, lr_schedulers
 
     # ------------------------------------------------------------------ forward and backward
@@ -236,8 +217,11 @@ class MixedPrecisionPlugin(FabricHooks, Precision):  # FabricHooks: the hooks as
 
     @override
     def forward_context(self) -> Any:  # a context manager
-        # autocast alone on the default path, not wrapped (it is entered twice a step); op overrides add a mode
-        if not override_targets(self._effective_policy, self.dtype):
+        # autocast alone on the default path, not wrapped (it is entered twice a step); op overrides add a mode.
+        # Whether there are any is known once per policy object, not hashed again at every forward
+        if self._overrides[0] is not self._effective_policy:
+            self._overrides = (self._effective_policy, bool(override_targets(self._effective_policy, self.dtype)))
+        if not self._overrides[1]:
             return self.autocast_context_manager()
         return self._forward_with_overrides()
 
@@ -275,38 +259,12 @@ class MixedPrecisionPlugin(FabricHooks, Precision):  # FabricHooks: the hooks as
     def optimizer_step(  # type: ignore[override]
         self, optimizer: Optimizable, model: LightningModule, closure: Callable[[], Any], **kwargs: Any
     ) -> Any:
-        if isinstance(optimizer, LBFGS) and (self._checking or self.masters is not None):
-            raise MisconfigurationException(
-                "MixedPrecisionPlugin with an inf/NaN check or master weights cannot drive LBFGS: it re-evaluates "
-                "the closure inside step(), where gradients cannot be checked and the half model is stale. Use "
-                "MixedPrecisionPlugin('bf16-mixed', scaler={'enabled': False}) without master weights, or fp32."
-            )
-        if not self._checking:
-            if callable(getattr(self.masters, "fused_step", None)):  # masters that update themselves
-                closure()
-                self._after_closure(model, optimizer)
-                return self.masters.fused_step(_unwrap_optimizer(optimizer), None)
-            step_output = super().optimizer_step(optimizer, model=model, closure=closure, **kwargs)
-            if self.masters is not None:
-                self.masters.masters_to_model(_unwrap_optimizer(optimizer))
-            return step_output
-        assert self.scaler is not None
-        closure_result = closure()
-        if closure_result is None and model.automatic_optimization:
-            # training_step returned None: no backward ran, so nothing to unscale or step. Hooks and clipping
-            # still run, as in Lightning; whatever they unscale stays recorded until the next backward ends it
-            self._after_closure(model, optimizer)
-            return None
-        # unscale after the closure and before on_before_optimizer_step, so hooks and clipping see true grads
-        found_inf = self._sync.agree(self._unscale_once(optimizer))  # every rank takes the same decision, on device
-        self._after_closure(model, optimizer)
-        self._unscaled.consumed(_unwrap_optimizer(optimizer))
-        return stepping.step(self, optimizer, model, found_inf, kwargs)  # skipped on the device where it can be
+        # the order of a step (closure, unscale and check once, agree across ranks, Lightning's hooks and clipping,
+        # step or skip, masters back into the model, update the scale) is lightning_mp.stepping's
+        def plain_step() -> Any:  # Lightning's own, for the step without a check (made, not called, every step)
+            return super(MixedPrecisionPlugin, self).optimizer_step(optimizer, model=model, closure=closure, **kwargs)
 
-    def _unscale_once(self, optimizer: Optimizable) -> Tensor:
-        """Unscale ``optimizer``'s grads unless already done since their backward; the found-inf flag tensor."""
-        assert self.scaler is not None
-        return self._unscaled.unscale(self.scaler, _unwrap_optimizer(optimizer), self._param_names)
+        return stepping.optimizer_step(self, optimizer, model, closure, kwargs, plain_step)
 
     @override
     def clip_gradients(
@@ -315,25 +273,16 @@ class MixedPrecisionPlugin(FabricHooks, Precision):  # FabricHooks: the hooks as
         clip_val: Union[int, float] = 0.0,
         gradient_clip_algorithm: GradClipAlgorithmType = GradClipAlgorithmType.NORM,
     ) -> None:
-        # In manual optimization `self.clip_gradients` runs inside training_step, before `opt.step()`:
-        # unscale here so clipping sees true gradients; optimizer_step then does not unscale twice.
-        # Fused optimizers need no special case: we always unscale before calling their step().
-        if clip_val > 0 and self._checking and _has_grads(optimizer):
-            self._unscale_once(optimizer)
+        stepping.unscale_before_clipping(self, optimizer, clip_val)  # manual optimization: clipping sees true grads
         super().clip_gradients(optimizer, clip_val=clip_val, gradient_clip_algorithm=gradient_clip_algorithm)
 
     @override
     def clip_grad_by_value(self, optimizer: Optimizer, clip_val: Union[int, float]) -> None:
-        # no gradients (a training_step that returned None): nothing to clip, and torch's value clipping fails there.
-        # Lean masters clip the fp32 gradients inside their step (bf16 gradients would round the clipped values)
-        if _has_grads(optimizer):
-            lean = getattr(self.masters, "clip_grad_value_", None)
-            lean(_unwrap_optimizer(optimizer), clip_val) if lean else super().clip_grad_by_value(optimizer, clip_val)
+        stepping.clip_grad_by_value(self, optimizer, clip_val, super().clip_grad_by_value)  # lean masters: their own
 
     @override
     def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: Union[int, float]) -> None:
-        lean = getattr(self.masters, "clip_grad_norm_", None)
-        lean(_unwrap_optimizer(optimizer), clip_val) if lean else super().clip_grad_by_norm(optimizer, clip_val)
+        stepping.clip_grad_by_norm(self, optimizer, clip_val, super().clip_grad_by_norm)
 
     # ------------------------------------------------------------------ checkpointing
     @override
@@ -380,21 +329,3 @@ class MixedPrecisionPlugin(FabricHooks, Precision):  # FabricHooks: the hooks as
             f"master_weights={masters}, policy={self.policy!r}"
             + (f", fp8={self.fp8.recipe!r})" if self.fp8 is not None else ")")
         )
-
-
-_INFO_SHOWN: set[str] = set()
-
-
-def _info_once(message: str) -> None:
-    if message not in _INFO_SHOWN:
-        _INFO_SHOWN.add(message)
-        rank_zero_info(message)
-
-
-def _has_grads(optimizer: Any) -> bool:
-    return any(p.grad is not None for group in optimizer.param_groups for p in group["params"])
-
-
-def _unwrap_optimizer(optimizer: Any) -> Any:
-    # LightningOptimizer (what the user holds in manual optimization) wraps the torch optimizer
-    return getattr(optimizer, "_optimizer", optimizer)

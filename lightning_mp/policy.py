@@ -1,25 +1,21 @@
-"""``CastPolicy``: which ops run in half precision and which in fp32, as plain data, and the context that applies it.
+"""``CastPolicy``: which ops run in half precision and which in fp32, as plain data (presets, rules, describe).
 
-The default path is ``torch.autocast`` alone. A policy with overrides adds a ``TorchFunctionMode`` that handles
-only the overridden torch functions (inputs cast, autocast off for that call) and passes everything else
-through, and forward hooks that run whole modules in fp32.
+What applies it during forward (autocast, a ``TorchFunctionMode`` for the overridden ops, hooks that run whole
+modules in fp32) is :mod:`lightning_mp.forward`; which ``nn.Linear`` layers train in fp8 is
+:mod:`lightning_mp.fp8.layers` (through :meth:`CastPolicy.fp8_layers`).
 """
 
 from __future__ import annotations
 
-import contextlib
 import difflib
 import fnmatch
-import functools
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Optional, Union
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor, nn
-from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_map
+from torch import nn
 
 _T = torch.Tensor
 #: User-facing op names -> the torch functions that implement them (functional, torch.*, Tensor methods).
@@ -196,7 +192,7 @@ class CastPolicy:
 
     def module_in_fp32(self, qualified_name: str, module: nn.Module) -> bool:
         """Whether a ``fp32_modules`` rule (class name or qualified-name glob) matches this module."""
-        return any(_rule_matches(rule, qualified_name, module) for rule in self.fp32_modules)
+        return any(rule_matches(rule, qualified_name, module) for rule in self.fp32_modules)
 
     def unmatched_module_rules(self, model: nn.Module, field: str = "fp32_modules") -> dict[str, list[str]]:
         """Rules of ``field`` (``fp32_modules``, ``fp8_exclude`` or ``fp8_only``) that match no module of ``model``
@@ -205,7 +201,7 @@ class CastPolicy:
         candidates = list(dict.fromkeys([n for n, _ in modules if n] + [type(m).__name__ for _, m in modules]))
         unmatched: dict[str, list[str]] = {}
         for rule in getattr(self, field):
-            if not any(_rule_matches(rule, n, m) for n, m in modules):
+            if not any(rule_matches(rule, n, m) for n, m in modules):
                 unmatched[rule] = difflib.get_close_matches(rule, candidates, n=3, cutoff=0.4)
         return unmatched
 
@@ -241,34 +237,9 @@ class CastPolicy:
         layer's), dimensions that are not multiples of 16 (torchao's fp8 matmuls need them), and the model's
         output projection (its last ``nn.Linear``; logits are sensitive to rounding), unless ``fp8_only`` names it.
         """
-        in_fp32 = in_fp32 or self.module_in_fp32
-        modules = dict(model.named_modules())
-        linears = [(name, module) for name, module in modules.items() if isinstance(module, nn.Linear)]
-        chosen = []
-        for index, (name, module) in enumerate(linears):
-            chain = [(parent, modules[parent]) for parent in _ancestors(name) if parent in modules]
-            fp32 = next((n for n, m in chain if in_fp32(n, m)), None)
-            excluded = next((r for r in self.fp8_exclude for n, m in chain if _rule_matches(r, n, m)), None)
-            named = not self.fp8_only or any(_rule_matches(r, n, m) for r in self.fp8_only for n, m in chain)
-            dims = (module.in_features, module.out_features)
-            cls = type(module)  # fully_shard makes an nn.Linear an FSDPLinear(FSDPModule, nn.Linear): still plain
-            reason = (
-                f"runs in fp32 ({fp32 or '(root)'} is an fp32 module)"
-                if fp32 is not None
-                else f"fp8_exclude rule {excluded!r}"
-                if excluded is not None
-                else "not named by fp8_only"
-                if not named
-                else f"{type(module).__name__} is a subclass of nn.Linear"
-                if cls is not nn.Linear and (cls.__name__, cls.__bases__[1:]) != ("FSDPLinear", (nn.Linear,))
-                else f"in/out features {dims} are not multiples of 16"
-                if any(d % 16 for d in dims)
-                else "the model's output projection (name it in fp8_only to convert it)"
-                if index == len(linears) - 1 and not self.fp8_only
-                else ""
-            )
-            chosen.append((name, module, reason))
-        return chosen
+        from lightning_mp.fp8.layers import fp8_layers  # the fp8 part decides; imported only when asked
+
+        return fp8_layers(self, model, in_fp32 or self.module_in_fp32)
 
     def describe(self, device: Optional[str] = None, modules: Optional[nn.Module] = None) -> str:
         """A table of the effective decision for every known op on ``device`` and where it comes from, then the
@@ -284,7 +255,7 @@ class CastPolicy:
         for rule in self.fp32_modules:
             matched = ""
             if modules is not None:
-                names = [n or "<root>" for n, m in modules.named_modules() if _rule_matches(rule, n, m)]
+                names = [n or "<root>" for n, m in modules.named_modules() if rule_matches(rule, n, m)]
                 matched = f" -> {len(names)} modules: {', '.join(names[:6])}{' ...' if len(names) > 6 else ''}"
             lines.append(f"module {rule!r:27} fp32     user{matched}")
         lines += [f"module {rule!r:27} not fp8  user (fp8_exclude)" for rule in self.fp8_exclude]
@@ -295,104 +266,10 @@ class CastPolicy:
         return self.describe()
 
 
-# ---------------------------------------------------------------------- applying it
+# ---------------------------------------------------------------------- module rules
 _MODULE_RULE_FIELDS = ("fp32_modules", "fp8_exclude", "fp8_only")
 
 
-def _ancestors(name: str) -> list[str]:
-    """``["a.b.c", "a.b", "a", ""]`` for ``"a.b.c"``: the module and every parent up to the root."""
-    parts = name.split(".") if name else []
-    return [".".join(parts[:i]) for i in range(len(parts), -1, -1)]
-
-
-def _rule_matches(rule: str, qualified_name: str, module: nn.Module) -> bool:
+def rule_matches(rule: str, qualified_name: str, module: nn.Module) -> bool:
     """An ``fp32_modules`` rule matches a module by its class name or by a glob over its qualified name."""
     return type(module).__name__ == rule or fnmatch.fnmatchcase(qualified_name, rule)
-
-
-class _OverrideMode(TorchFunctionMode):
-    """Intercepts only the overridden torch functions; everything else passes through untouched."""
-
-    def __init__(self, targets: dict[Callable[..., Any], torch.dtype], device_type: str) -> None:
-        super().__init__()
-        self.targets = targets
-        self.device_type = device_type
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        dtype = self.targets.get(func)
-        if dtype is None:
-            return func(*args, **kwargs)
-        cast = _caster(dtype)
-        with torch.autocast(self.device_type, enabled=False):
-            return func(*tree_map(cast, args), **tree_map(cast, kwargs))
-
-
-def _caster(dtype: torch.dtype) -> Callable[[Any], Any]:
-    def cast(value: Any) -> Any:
-        if isinstance(value, Tensor) and value.is_floating_point() and value.dtype != dtype:
-            return value.to(dtype)
-        return value
-
-    return cast
-
-
-@contextlib.contextmanager
-def override_context(policy: CastPolicy, device_type: str, half_dtype: torch.dtype) -> Iterator[None]:
-    """The op overrides of ``policy`` (nothing at all when it has none: autocast alone)."""
-    targets = _override_targets(policy, half_dtype)
-    if not targets:
-        yield
-        return
-    with _OverrideMode(targets, device_type):
-        yield
-
-
-@functools.lru_cache(maxsize=64)
-def _override_targets(policy: CastPolicy, half_dtype: torch.dtype) -> dict[Callable[..., Any], torch.dtype]:
-    # computed once per (frozen) policy and dtype, not on every forward
-    return {
-        func: (half_dtype if decision == "half" else torch.float32)
-        for op, (decision, _) in policy.op_rules().items()
-        for func in OPS[op]
-    }
-
-
-class ModuleRules:
-    """Forward hooks that run the matching modules in fp32: inputs upcast, autocast off inside."""
-
-    def __init__(self) -> None:
-        self._handles: list[Any] = []
-
-    def install(self, model: nn.Module, in_fp32: Callable[[str, nn.Module], bool], device_type: str) -> list[str]:
-        """Hook every module for which ``in_fp32(name, module)`` is true (outermost only); returns their names."""
-        self.remove()
-        chosen: list[str] = []
-        for name, module in model.named_modules():
-            if any(name.startswith(parent + ".") or parent == "" for parent in chosen) or not in_fp32(name, module):
-                continue
-            chosen.append(name)
-            previous: list[bool] = []
-            upcast = _caster(torch.float32)
-
-            def pre_hook(
-                mod: nn.Module, args: Any, kwargs: Any, previous: list[bool] = previous, upcast: Any = upcast
-            ) -> Any:
-                # a plain switch rather than an autocast object entered here and left in post_hook: the
-                # object form breaks under torch.compile, the switch does not
-                previous.append(torch.is_autocast_enabled(device_type))
-                torch.set_autocast_enabled(device_type, False)
-                return tree_map(upcast, args), tree_map(upcast, kwargs)
-
-            def post_hook(mod: nn.Module, args: Any, kwargs: Any, output: Any, previous: list[bool] = previous) -> Any:
-                torch.set_autocast_enabled(device_type, previous.pop())
-                return output
-
-            self._handles.append(module.register_forward_pre_hook(pre_hook, with_kwargs=True))
-            self._handles.append(module.register_forward_hook(post_hook, with_kwargs=True, always_call=True))
-        return chosen
-
-    def remove(self) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles = []

@@ -8,26 +8,28 @@ caller).
 The whole state lives on the gradients' device and nothing in a step waits for it: :meth:`~DynamicLossScaler.unscale_`
 returns the found-inf flag as a device tensor, and :meth:`~DynamicLossScaler.update` given that tensor applies the
 rules as tensor ops; the host reads the state lazily, in one transfer, when a property or ``state_dict()`` asks and on
-the steps where an error may be due, so that errors fire at the step they are due (see :mod:`lightning_mp.stepping`).
+the steps where an error may be due, so that errors fire at the step they are due (:mod:`lightning_mp.scaler_device`).
+When each part runs in an optimizer step is :mod:`lightning_mp.stepping`'s decision, not the scaler's.
 """
 
 from __future__ import annotations
 
-from collections import defaultdict
-from collections.abc import Iterable
 from typing import Any, Callable, Optional, Union
 
 import torch
 from torch import Tensor
 
 from lightning_mp import settings as rules
-from lightning_mp.amp_ops import non_finite_check_and_unscale_
-from lightning_mp.devices import local_shard
-from lightning_mp.settings import FP32_MAX
-from lightning_mp.stepping import DeviceState
-
-# What `unscale_` accepts: tensors whose ``.grad`` is unscaled, or ``(name, tensor)`` pairs (errors name them).
-NamedOrPlainParams = Iterable[Union[Tensor, tuple[str, Tensor]]]
+from lightning_mp.scaler_device import (
+    Checked,
+    DeviceState,
+    GradientGroups,
+    NamedOrPlainParams,
+    non_finite_check_and_unscale_,
+    nonfinite_error,
+    nonfinite_names,
+)
+from lightning_mp.settings import COUNTER_NAMES, FP32_MAX, SETTING_NAMES
 
 
 class DynamicLossScaler:
@@ -101,7 +103,7 @@ class DynamicLossScaler:
         # optimizers' steps (manual optimization) cannot unscale the second one's gradients with the new scale
         self._scale_in_grads: Optional[Tensor] = None
         # gradients checked by the last `unscale_`, kept until `update` to name the non-finite ones on error
-        self._last_unscaled: list[tuple[str, Tensor]] = []
+        self._last_unscaled: Checked = []
         #: ``gather_names(local_names) -> names`` from every rank, for the error at ``min_scale``; under a distributed
         #: strategy the plugin sets it to a collective (all ranks raise together, their decisions being agreed)
         self.gather_names: Callable[[list[str]], list[str]] = list
@@ -187,49 +189,41 @@ class DynamicLossScaler:
             return torch.full((), self._scale_value if self.enabled else 1.0, dtype=torch.float32, device=device)
         return current if device is None or self._scale_in_grads is not None else current.to(device)
 
-    def unscale_(self, params: NamedOrPlainParams) -> Tensor:
+    def unscale_(self, params: Union[NamedOrPlainParams, GradientGroups]) -> Tensor:
         """Divide the ``.grad`` of ``params`` by the scale in place and check them for inf/NaN.
 
         Accepts fp32, fp16 and bf16 gradients (dense or sparse), on any mix of devices. ``params`` holds tensors or
-        ``(name, tensor)`` pairs (names for the errors of :meth:`update`). Returns a 1-element fp32 tensor, ``> 0``
-        if a non-finite gradient was found, on the device of the first gradient; it does not synchronise.
+        ``(name, tensor)`` pairs (names for the errors of :meth:`update`), or is a
+        :class:`~lightning_mp.scaler_device.GradientGroups` of them, built once by a caller that checks the same
+        parameters every step. Returns a 1-element fp32 tensor, ``> 0`` if a non-finite gradient was found, on the
+        device of the first gradient; it does not synchronise.
 
         Sharded (``DTensor``) gradients are unscaled and checked through their local shards: no collective and no
         DTensor dispatch happen here, so the flag is this rank's; a caller on several ranks sums it over them before
         deciding (``lightning_mp.distributed``; the plugin does).
         """
-        named = [item if isinstance(item, tuple) else (f"<unnamed #{i}>", item) for i, item in enumerate(params)]
+        groups = params if isinstance(params, GradientGroups) else GradientGroups(params)
         self._last_unscaled = []
         if not self.enabled:
-            device = next((p.grad.device for _, p in named if p.grad is not None), None)
-            return torch.zeros(1, dtype=torch.float32, device=device)
-        first_device = None
-        per_device_dtype: dict[torch.device, dict[torch.dtype, list[Tensor]]] = defaultdict(lambda: defaultdict(list))
-        with torch.no_grad():
-            for name, param in named:
-                grad = param.grad
-                if grad is None:
-                    continue
-                if grad.is_sparse:
-                    # duplicate indices are summed by coalesce: check the sums, which may overflow
-                    if not grad.is_coalesced():
-                        param.grad = grad = grad.coalesce()
-                    grad = grad._values()
-                grad = local_shard(grad)
-                self._last_unscaled.append((name, grad))
-                if first_device is None:
-                    first_device = grad.device
-                per_device_dtype[grad.device][grad.dtype].append(grad)
-            if first_device is None:
+            return torch.zeros(1, dtype=torch.float32, device=groups.first_gradient_device())
+        grad_enabled = torch.is_grad_enabled()
+        torch._C._set_grad_enabled(False)  # torch.no_grad() without its Python frames, at every step
+        try:
+            per_device = groups.gradients()
+            if not per_device:
                 return torch.zeros(1, dtype=torch.float32)
+            first_device = per_device[0][0]
             scale = None if self.check_only else self.scale_of_grads(first_device)  # without scale_loss: current
             flags = []
-            for device, per_dtype in per_device_dtype.items():
+            for device, per_dtype in per_device:
                 inv_scale = self._device.one(device) if scale is None else scale.to(device).reciprocal().reshape(1)
                 found_inf = torch.zeros(1, dtype=torch.float32, device=device)
-                for grads in per_dtype.values():
-                    non_finite_check_and_unscale_(grads, found_inf, inv_scale)  # bf16 on CUDA too
-                flags.append(found_inf.to(first_device))
+                for _, grads in per_dtype:  # bf16 on CUDA too; a check-only step reads without writing back
+                    non_finite_check_and_unscale_(grads, found_inf, inv_scale, check_only=scale is None)
+                flags.append(found_inf if device == first_device else found_inf.to(first_device))
+            self._last_unscaled = per_device
+        finally:
+            torch._C._set_grad_enabled(grad_enabled)
         return flags[0] if len(flags) == 1 else torch.stack(flags).sum(0)
 
     @staticmethod
@@ -241,10 +235,8 @@ class DynamicLossScaler:
         """Read the flag returned by :meth:`unscale_` and, in the same transfer, the state updated on the device
         since the last read (one host synchronisation in all)."""
         if not self._device.pending:
-            return self.found_inf(found_inf)
-        state, found = self._device.read(found_inf)
-        self._take(state)
-        return found > 0
+            return bool(found_inf.item() > 0)
+        return self._device.pull(self, found_inf) > 0
 
     def update(self, found_inf: Union[bool, Tensor]) -> None:
         """Adapt the scale after an optimizer step.
@@ -261,18 +253,24 @@ class DynamicLossScaler:
         """
         if not self.enabled:
             return
-        if isinstance(found_inf, Tensor):
-            if self._device.pending + 1 < self._device.due(self):
-                scale = self._device.update(found_inf, self)
-                self._scale_tensor = scale if scale is not None else self._scale_tensor
-                self._steps += 1
-                self._last_unscaled = []
-                return
-            found_inf = self.read_found_inf(found_inf)  # an error may be due at this step: decide it here
-        self._read()._device.forget()  # the host's copy is ahead from here on; the device's is rebuilt when needed
+        try:  # the gradients checked by the last `unscale_` are kept until here, to name the non-finite ones
+            if isinstance(found_inf, Tensor):
+                if self._device.pending + 1 < self._device.due(self):
+                    scale = self._device.update(found_inf, self)
+                    self._scale_tensor = scale if scale is not None else self._scale_tensor
+                    self._steps += 1
+                    return
+                found_inf = self.read_found_inf(found_inf)  # an error may be due at this step: decide it here
+            self._update_on_host(found_inf)
+        finally:
+            self._last_unscaled = []
+
+    def _update_on_host(self, found_inf: bool) -> None:
+        if self._device.pending:
+            self._device.pull(self)
+        self._device.forget()  # the host's copy is ahead from here on; the device's is rebuilt when needed
         self._steps += 1
         if not found_inf:
-            self._last_unscaled = []
             self._hysteresis_tracker = self.hysteresis
             self._consecutive_skips = 0
             if not self.dynamic:
@@ -291,12 +289,10 @@ class DynamicLossScaler:
                 f"{', static' if not self.dynamic else ''}): training is not progressing."
             )
         if not self.dynamic:
-            self._last_unscaled = []
             return
         self._growth_tracker = 0
         self._hysteresis_tracker = max(self._hysteresis_tracker - 1, 0)  # once used up, every skip backs off
         if self._hysteresis_tracker > 0:
-            self._last_unscaled = []
             return
         new_scale = self._scale_value * self.backoff_factor
         if new_scale < self.min_scale:
@@ -304,34 +300,21 @@ class DynamicLossScaler:
                 f"Loss scale {self._scale_value:g} cannot back off below min_scale={self.min_scale:g} "
                 f"(backoff_factor={self.backoff_factor:g}): gradients are non-finite even at the minimum scale."
             )
-        self._last_unscaled = []
         self._set_scale(new_scale)
 
     # ------------------------------------------------------------------ the state on the device
     def _read(self, needed: bool = True) -> DynamicLossScaler:
         """Bring the host's copy of the state up to date if updates on the device are pending (one transfer)."""
         if needed and self._device.pending:
-            self._take(self._device.read()[0])
+            self._device.pull(self)
         return self
 
-    def _take(self, values: list[float]) -> None:
-        self._scale_value, growth, hysteresis, skipped, consecutive, _ = values
-        self._growth_tracker, self._hysteresis_tracker = int(growth), int(hysteresis)
-        self._skipped_steps, self._consecutive_skips = int(skipped), int(consecutive)
-
     def _raise(self, reason: str) -> None:
-        names = self.gather_names(self.nonfinite_grad_names())
-        self._last_unscaled = []
-        shown = ", ".join(names[:20]) + (f", ... ({len(names)} in all)" if len(names) > 20 else "")
-        raise FloatingPointError(
-            f"{reason} Non-finite gradients in: {shown or 'unknown parameters (pass (name, param) pairs to unscale_)'}. "
-            "Look for an overflow in the forward pass of these parameters' modules (run them in fp32), "
-            "a too-large learning rate, or bad input data."
-        )
+        raise nonfinite_error(reason, self.gather_names(self.nonfinite_grad_names()))
 
     def nonfinite_grad_names(self) -> list[str]:
         """Names of the parameters whose gradients, as last unscaled, hold inf or NaN (costs a sync each)."""
-        return [name for name, grad in self._last_unscaled if not bool(torch.isfinite(grad).all())]
+        return nonfinite_names(self._last_unscaled)
 
     def _set_scale(self, value: float) -> None:
         # a new tensor, not an in-place fill: `_scale_in_grads` must keep the scale the grads were made with
@@ -347,21 +330,8 @@ class DynamicLossScaler:
         self._read()
         return {
             "scale": self._scale_value,
-            "growth_tracker": self._growth_tracker,
-            "hysteresis_tracker": self._hysteresis_tracker,
-            "steps": self._steps,
-            "skipped_steps": self._skipped_steps,
-            "consecutive_skips": self._consecutive_skips,
-            "growth_factor": self.growth_factor,
-            "backoff_factor": self.backoff_factor,
-            "growth_interval": self.growth_interval,
-            "hysteresis": self.hysteresis,
-            "min_scale": self.min_scale,
-            "max_scale": self.max_scale,
-            "dynamic": self.dynamic,
-            "check_only": self.check_only,
-            "enabled": self.enabled,
-            "max_consecutive_skips": self.max_consecutive_skips,
+            **{name: getattr(self, f"_{name}") for name in COUNTER_NAMES},
+            **{name: getattr(self, name) for name in SETTING_NAMES},
         }
 
     def load_state_dict(self, state_dict: dict[str, Any], source: str = "state_dict") -> None:
@@ -376,24 +346,10 @@ class DynamicLossScaler:
                 ``source``).
         """
         settings, counters = rules.validated_state(state_dict, defaults=self.state_dict(), source=source)
-        for key in (
-            "growth_factor",
-            "backoff_factor",
-            "growth_interval",
-            "hysteresis",
-            "min_scale",
-            "max_scale",
-            "enabled",
-            "max_consecutive_skips",
-            "dynamic",
-            "check_only",
-        ):
-            setattr(self, key, settings[key])
-        self._growth_tracker = counters["growth_tracker"]
-        self._hysteresis_tracker = counters["hysteresis_tracker"]
-        self._steps = counters["steps"]
-        self._skipped_steps = counters["skipped_steps"]
-        self._consecutive_skips = counters["consecutive_skips"]
+        for name in SETTING_NAMES:
+            setattr(self, name, settings[name])
+        for name in COUNTER_NAMES:
+            setattr(self, f"_{name}", counters[name])
         self._scale_in_grads = None
         self._set_scale(settings["init_scale"])
 

@@ -84,6 +84,17 @@ def _skip_aware_class(cls: type) -> type:
     return type(cls.__name__, (_SkipAwareScheduler, cls), {"__module__": __name__, "__doc__": cls.__doc__})
 
 
+def guard_step_schedulers(configs: list[Any]) -> None:
+    """Guard every ``interval="step"`` scheduler of Lightning's scheduler configs (``connect``'s ``lr_schedulers``).
+    The guard counts the optimizer steps that ran and applies the frequency itself, so Lightning (which counts
+    batches) must call it after every optimizer step: its ``frequency`` becomes 1."""
+    for config in configs:
+        if getattr(config, "interval", "step") == "step":
+            guard_scheduler(config.scheduler, frequency=getattr(config, "frequency", 1))
+            if hasattr(config, "frequency"):
+                config.frequency = 1
+
+
 def guard_scheduler(scheduler: Any, frequency: int = 1) -> None:
     """Make ``scheduler.step()`` a no-op right after a skipped step of its optimizer, and advance it once every
     ``frequency`` optimizer steps that ran, counting each call of ``step()`` as one such step (in place,

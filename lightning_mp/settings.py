@@ -16,6 +16,21 @@ import torch
 
 #: The largest finite fp32 value: no scale may exceed it (the scale is held in an fp32 tensor).
 FP32_MAX = float(torch.finfo(torch.float32).max)
+#: A scaler's counters (its attributes of these names with a leading ``_``), in ``state_dict()``'s order, after "scale".
+COUNTER_NAMES = ("growth_tracker", "hysteresis_tracker", "steps", "skipped_steps", "consecutive_skips")
+#: A scaler's settings (its attributes of these names), in the order ``state_dict()`` writes them after the counters.
+SETTING_NAMES = (
+    "growth_factor",
+    "backoff_factor",
+    "growth_interval",
+    "hysteresis",
+    "min_scale",
+    "max_scale",
+    "dynamic",
+    "check_only",
+    "enabled",
+    "max_consecutive_skips",
+)
 
 
 def validated_settings(

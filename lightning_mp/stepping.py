@@ -1,21 +1,24 @@
-"""The optimizer step without waiting for the device: the loss scaler's rules as tensor ops, and the skip of a
-non-finite step done by the optimizer on the device.
+"""The order of one optimizer step, in one place; the scaler (:mod:`lightning_mp.scaler`) does the arithmetic.
 
-A step's found-inf flag is a device tensor. Nothing here reads it where that can be avoided:
+``MixedPrecisionPlugin.optimizer_step`` hands its arguments to :func:`optimizer_step`, which runs, in this order:
 
-- :class:`DeviceState` holds a :class:`~lightning_mp.DynamicLossScaler`'s state as one float64 vector on the
-  gradients' device and applies the scaler's rules there (:func:`update_on_device`); the host reads it lazily.
-- :func:`skips_on_device` says how an optimizer can skip a step on the device: a masters object with
-  ``fused_step(optimizer, found_inf)``, or an optimizer that declares ``_step_supports_amp_scaling`` (torch's
-  ``fused=True`` Adam, AdamW, SGD and Adagrad; the protocol of ``torch.amp.GradScaler``), which takes the flag as
-  its ``found_inf`` attribute and skips in its kernel, step count included.
-- :func:`step` is the plugin's optimizer step after the gradients are unscaled and checked. It reads the flag on the
-  host (one synchronisation, together with the scaler's pending state) only where the decision is needed there:
+1. the closure (forward, backward: ``pre_backward`` scaled the loss);
+2. unscale the gradients once since their backward and check them for inf/NaN (:class:`UnscaledGradients`: early
+   unscales, by clipping in manual optimization, are not repeated); the found-inf flag is a device tensor;
+3. agree on the flag across ranks (the strategy's ``GradientSync.agree``: one all-reduce of the device tensor);
+4. Lightning's ``on_before_optimizer_step`` hooks and gradient clipping, on the unscaled gradients;
+5. :func:`step`: step the optimizer or skip the step, then copy fp32 masters back into the model;
+6. update the scale (``DynamicLossScaler.update``).
 
-  * the optimizer cannot skip on the device (any optimizer without ``fused=True``: an exact skip of, say, the
-    for-loop AdamW would need a copy of the parameters and the optimizer state before each step and a
-    ``torch.where`` after it, measured at +36% of AdamW's step time for a small MLP and +35% for a large one on
-    CPU, and one more copy of the whole state in memory: more than the one read it saves);
+A step's found-inf flag is a device tensor, and :func:`step` reads it on the host (one synchronisation, together
+with the scaler's pending state) only where the decision is needed there:
+
+  * the optimizer cannot skip on the device (:func:`skips_on_device`: masters with ``fused_step(optimizer,
+    found_inf)``, or torch's ``fused=True`` Adam, AdamW, SGD and Adagrad, which declare
+    ``_step_supports_amp_scaling`` and take the flag as their ``found_inf`` attribute, the protocol of
+    ``torch.amp.GradScaler``). An exact skip of, say, the for-loop AdamW would need a copy of the parameters and
+    the optimizer state before each step and a ``torch.where`` after it, measured at +36% of AdamW's step time for
+    a small MLP and +35% for a large one on CPU, and one more copy of the whole state: more than the one read saves;
   * a scheduler with ``interval="step"`` is guarded on this optimizer (it must not advance on a skipped step, and
     it is stepped on the host right after the optimizer);
   * a skip observer is registered (``PrecisionMonitor(localise_overflows=True)`` replays the skipped step while
@@ -28,191 +31,116 @@ A step's found-inf flag is a device tensor. Nothing here reads it where that can
     accelerators' path on CPU tensors).
 
 On an accelerator the device path launches about 9 small kernels a step for a check-only or static scaler and about
-30 for a dynamic one (plus the 0/1 flag's two): host launch time, traded for the synchronisation it removes; one
-fused kernel would cut it (not done).
+30 for a dynamic one (plus the 0/1 flag's two): host launch time, traded for the synchronisation it removes. What does
+not change between steps (each optimizer's parameters grouped by device and dtype, their names) is built once.
 """
 
 from __future__ import annotations
 
 import inspect
-from typing import TYPE_CHECKING, Any, Optional
+import operator
+from typing import Any, Callable, Optional
 
 import torch
+from lightning.fabric.utilities.exceptions import MisconfigurationException
 from torch import Tensor
+from torch.optim import LBFGS
 
+from lightning_mp.scaler import DynamicLossScaler
+from lightning_mp.scaler_device import GradientGroups
 from lightning_mp.schedulers import has_step_scheduler, record_step
 
-if TYPE_CHECKING:
-    from lightning_mp.scaler import DynamicLossScaler
-
-#: Positions in the scaler's device state, one float64 vector (float64 so that the scale is the exact product the
-#: rules state in Python floats, and the counters are exact integers up to 2**53).
-SCALE, GROWTH, HYSTERESIS, SKIPPED, CONSECUTIVE, LAST_FOUND = range(6)
-
-
-def device_state(values: list[float], device: torch.device) -> torch.Tensor:
-    """``values`` (in the order above) as the float64 state vector on ``device``, without waiting for it."""
-    return torch.tensor(values, dtype=torch.float64).to(device, non_blocking=True)
-
-
-def update_on_device(
-    state: torch.Tensor,
-    constants: torch.Tensor,
-    found_inf: torch.Tensor,
-    dynamic: bool,
-    growth_interval: int,
-    hysteresis: int,
-    max_scale: float,
-    restore_hysteresis: bool,
-) -> None:
-    """One step of the scaler's rules as tensor ops on ``state`` (in place, no host synchronisation).
-
-    ``constants`` is ``[growth_factor, backoff_factor, 1.0]`` (float64, on the state's device). ``found_inf`` is the
-    step's flag (``> 0``: non-finite). The rules are those of ``DynamicLossScaler.update`` except the two errors:
-    the caller decides the steps where an error may be due on the host (see ``steps_before_an_error_may_be_due``),
-    so this function never meets a backoff below ``min_scale`` nor ``max_consecutive_skips``.
-    ``restore_hysteresis``: a static scaler whose hysteresis tracker is below ``hysteresis`` (possible only after
-    ``load_state_dict``) restores it on a finite step, as the host rules do.
-    """
-    found = found_inf.reshape(()) > 0
-    flag = found.to(torch.float64)
-    state[SKIPPED:LAST_FOUND].add_(flag)  # skipped += flag, consecutive += flag
-    state[CONSECUTIVE].mul_(flag)  # ... and back to 0 after a finite step
-    state[LAST_FOUND].copy_(flag)
-    if not dynamic:
-        if restore_hysteresis:
-            state[HYSTERESIS].copy_(torch.where(found, state[HYSTERESIS], float(hysteresis)))
-        return
-    growth = state[GROWTH].add_(1.0).mul_(1.0 - flag)  # finite steps in a row
-    grow = growth >= growth_interval
-    growth.sub_(grow.to(torch.float64) * growth_interval)  # back to 0 when it grows
-    allowance = torch.where(found, (state[HYSTERESIS] - 1.0).clamp_(min=0.0), float(hysteresis))
-    state[HYSTERESIS].copy_(allowance)
-    backoff = found & (allowance == 0.0)
-    factor = torch.where(grow, constants[0], torch.where(backoff, constants[1], constants[2]))
-    state[SCALE].mul_(factor).clamp_(max=max_scale)
-
-
-def steps_before_an_error_may_be_due(
-    scale: float,
-    hysteresis_tracker: int,
-    consecutive_skips: int,
-    dynamic: bool,
-    backoff_factor: float,
-    min_scale: float,
-    max_consecutive_skips: Optional[int],
-    limit: int = 1000,
-) -> int:
-    """From a known state, the number of the first step (1 = the next one) at which ``DynamicLossScaler.update``
-    could raise: ``max_consecutive_skips`` reached, or a backoff below ``min_scale``. Every step before it is safe
-    to update on the device; that step is decided on the host. At most ``limit`` (deciding earlier is always safe).
-
-    The fastest way to either error is a run of non-finite steps: a finite step resets the run, restores the
-    hysteresis allowance and may grow the scale, which only moves the errors further away.
-    """
-    due = limit
-    if max_consecutive_skips is not None:
-        due = min(due, max(max_consecutive_skips - consecutive_skips, 1))
-    if dynamic:
-        backoffs, value = 0, scale
-        while value * backoff_factor >= min_scale and backoffs < limit:
-            value *= backoff_factor
-            backoffs += 1
-        due = min(due, max(hysteresis_tracker, 1) + backoffs)  # the first backoff, then one per non-finite step
-    return due
-
-
-class DeviceState:
-    """A loss scaler's state as one float64 vector on the device, updated there; read by the host lazily.
-
-    ``pending`` counts the updates applied on the device since the host last read it.
-    """
-
-    def __init__(self) -> None:
-        self.tensor: Optional[Tensor] = None
-        self.constants: Optional[Tensor] = None
-        self.scale: Optional[Tensor] = None  # the fp32 scale after the latest update on the device
-        self.pending = 0
-        self._due = 0
-        self._ones: dict[torch.device, Tensor] = {}
-
-    def due(self, scaler: DynamicLossScaler) -> int:
-        """The pending count at which the next update must be decided on the host, computed from the host's copy of
-        ``scaler``'s state (exact when nothing is pending) by :func:`steps_before_an_error_may_be_due`."""
-        if not self.pending:
-            self._due = steps_before_an_error_may_be_due(
-                scaler._scale_value,
-                scaler._hysteresis_tracker,
-                scaler._consecutive_skips,
-                scaler.dynamic,
-                scaler.backoff_factor,
-                scaler.min_scale,
-                scaler.max_consecutive_skips,
-            )
-        return self._due
-
-    def update(self, found_inf: Tensor, scaler: DynamicLossScaler) -> Optional[Tensor]:
-        """Apply one step of ``scaler``'s rules on ``found_inf``'s device (the state is built there from the host's
-        copy when it lives elsewhere or was forgotten). Returns the new fp32 scale tensor of a dynamic scaler."""
-        device = found_inf.device
-        if self.tensor is None or self.tensor.device != device:
-            if self.pending:  # the gradients moved to another device: read the state there first
-                scaler._read()
-            self.tensor = device_state(
-                [
-                    scaler._scale_value,
-                    scaler._growth_tracker,
-                    scaler._hysteresis_tracker,
-                    scaler._skipped_steps,
-                    scaler._consecutive_skips,
-                    0.0,
-                ],
-                device,
-            )
-            self.constants = device_state([scaler.growth_factor, scaler.backoff_factor, 1.0], device)
-        assert self.constants is not None
-        update_on_device(
-            self.tensor,
-            self.constants,
-            found_inf,
-            dynamic=scaler.dynamic,
-            growth_interval=scaler.growth_interval,
-            hysteresis=scaler.hysteresis,
-            max_scale=scaler.max_scale,
-            restore_hysteresis=scaler._hysteresis_tracker != scaler.hysteresis,
-        )
-        self.pending += 1
-        if scaler.dynamic:  # a new tensor: the scale the current gradients were made with stays as it was
-            self.scale = self.tensor[SCALE].to(torch.float32)
-        return self.scale
-
-    def read(self, found_inf: Optional[Tensor] = None) -> tuple[list[float], Optional[float]]:
-        """The state (and ``found_inf``'s value, when given) in one transfer to the host: a synchronisation."""
-        assert self.tensor is not None
-        if found_inf is None:
-            values, found = self.tensor.tolist(), None
-        else:
-            flag = found_inf.reshape(-1)[:1].to(self.tensor.device, torch.float64)
-            *values, found = torch.cat([self.tensor, flag]).tolist()
-        self.pending = 0
-        return values, found
-
-    def one(self, device: torch.device) -> Tensor:
-        """A 1-element fp32 ``1.0`` on ``device`` (what a check-only scaler divides by), made once."""
-        if device not in self._ones:
-            self._ones[device] = torch.ones(1, dtype=torch.float32, device=device)
-        return self._ones[device]
-
-    def forget(self) -> None:
-        """The host's copy is ahead (a host update, a loaded state): drop the device copy (nothing may be pending)."""
-        self.tensor, self.scale, self.pending = None, None, 0
-
-
-# ------------------------------------------------------------------------------------------ the plugin's step
 #: Decide on the host when the found-inf flag is a CPU tensor (no device to wait for; see the module docstring).
 DECIDE_CPU_FLAGS_ON_HOST = True
 
 
+def optimizer_step(
+    plugin: Any,
+    optimizer: Any,
+    model: Any,
+    closure: Callable[[], Any],
+    kwargs: dict[str, Any],
+    plain_step: Callable[[], Any],
+) -> Any:
+    """``plugin``'s optimizer step, in the order of the module docstring. ``plain_step`` is Lightning's own
+    (closure, hooks and clipping inside ``optimizer.step``): the step without a check and without self-updating
+    masters takes it."""
+    masters, checking = plugin.masters, plugin._checking
+    if isinstance(optimizer, LBFGS) and (checking or masters is not None):
+        raise MisconfigurationException(
+            "MixedPrecisionPlugin with an inf/NaN check or master weights cannot drive LBFGS: it re-evaluates "
+            "the closure inside step(), where gradients cannot be checked and the half model is stale. Use "
+            "MixedPrecisionPlugin('bf16-mixed', scaler={'enabled': False}) without master weights, or fp32."
+        )
+    if not checking:
+        if callable(getattr(masters, "fused_step", None)):  # masters that update themselves
+            closure()
+            plugin._after_closure(model, optimizer)
+            return masters.fused_step(unwrap_optimizer(optimizer), None)
+        step_output = plain_step()
+        if masters is not None:
+            masters.masters_to_model(unwrap_optimizer(optimizer))
+        return step_output
+    closure_result = closure()
+    if closure_result is None and model.automatic_optimization:
+        # training_step returned None: no backward ran, so nothing to unscale or step. Hooks and clipping
+        # still run, as in Lightning; whatever they unscale stays recorded until the next backward ends it
+        plugin._after_closure(model, optimizer)
+        return None
+    # unscale after the closure and before on_before_optimizer_step, so hooks and clipping see true grads
+    torch_optimizer = unwrap_optimizer(optimizer)
+    unscaled = plugin._unscaled.unscale(plugin.scaler, torch_optimizer, plugin._param_names)  # once since backward
+    found_inf = plugin._sync.agree(unscaled)  # every rank takes the same decision, on the device
+    plugin._after_closure(model, optimizer)
+    plugin._unscaled.consumed(torch_optimizer)
+    return step(plugin, optimizer, model, found_inf, kwargs)  # skipped on the device where it can be
+
+
+def step_after_backward(plugin: Any, optimizer: Any, model: Any, kwargs: dict[str, Any]) -> Any:
+    """The step when the backward already ran (Lightning Fabric's ``optimizer.step()``: no closure), in the order of
+    :func:`optimizer_step` after its closure: unscale once and check, agree across ranks, step or skip, update."""
+    masters = plugin.masters
+    if not plugin._checking:
+        if callable(getattr(masters, "fused_step", None)):  # masters that update themselves
+            return masters.fused_step(optimizer, None)
+        output = optimizer.step(**kwargs)
+        if masters is not None:
+            masters.masters_to_model(optimizer)
+        return output
+    found_inf = plugin._sync.agree(unscale_once(plugin, optimizer))  # every rank takes the same decision
+    plugin._unscaled.consumed(optimizer)
+    return step(plugin, optimizer, model, found_inf, kwargs)
+
+
+def unscale_once(plugin: Any, optimizer: Any) -> Tensor:
+    """Unscale ``optimizer``'s grads unless already done since their backward; the found-inf flag tensor."""
+    return plugin._unscaled.unscale(plugin.scaler, unwrap_optimizer(optimizer), plugin._param_names)
+
+
+# ------------------------------------------------------------------------------------------ clipping
+def unscale_before_clipping(plugin: Any, optimizer: Any, clip_val: float) -> None:
+    """In manual optimization ``self.clip_gradients`` runs inside training_step, before ``opt.step()``: unscale
+    here so clipping sees true gradients; the step then does not unscale twice. Fused optimizers need no special
+    case: their step() is always called on unscaled gradients."""
+    if clip_val > 0 and plugin._checking and has_grads(optimizer):
+        unscale_once(plugin, optimizer)
+
+
+def clip_grad_by_value(plugin: Any, optimizer: Any, clip_val: float, plain: Callable[[Any, float], None]) -> None:
+    """No gradients (a training_step that returned None): nothing to clip, and torch's value clipping fails there.
+    Lean masters clip the fp32 gradients inside their step (bf16 gradients would round the clipped values)."""
+    if has_grads(optimizer):
+        lean = getattr(plugin.masters, "clip_grad_value_", None)
+        lean(unwrap_optimizer(optimizer), clip_val) if lean else plain(optimizer, clip_val)
+
+
+def clip_grad_by_norm(plugin: Any, optimizer: Any, clip_val: float, plain: Callable[[Any, float], None]) -> None:
+    """Lean masters clip by the norm of their fp32 gradients; anything else as Lightning does (``plain``)."""
+    lean = getattr(plugin.masters, "clip_grad_norm_", None)
+    lean(unwrap_optimizer(optimizer), clip_val) if lean else plain(optimizer, clip_val)
+
+
+# ------------------------------------------------------------------------------------------ step or skip
 def skips_on_device(optimizer: Any, masters: Any = None) -> bool:
     """Whether a step of ``optimizer`` (a torch optimizer) can be skipped on the device by a found-inf flag: the
     masters' ``fused_step`` takes it, or the optimizer follows ``torch.amp.GradScaler``'s attribute protocol: it
@@ -240,9 +168,9 @@ def step(plugin: Any, optimizer: Any, model: Any, found_inf: Tensor, kwargs: dic
     agreed on. Skipped on the device where the optimizer can and nothing needs the decision on the host (see the
     module docstring); otherwise the flag is read here, once, with the scaler's state. Then the scaler updates."""
     scaler: DynamicLossScaler = plugin.scaler
-    torch_optimizer = getattr(optimizer, "_optimizer", optimizer)
+    torch_optimizer = unwrap_optimizer(optimizer)
     observers = plugin.skip_observers
-    on_host = observers or (DECIDE_CPU_FLAGS_ON_HOST and found_inf.device.type == "cpu")
+    on_host = observers or (DECIDE_CPU_FLAGS_ON_HOST and found_inf.is_cpu)
     if not on_host and skips_on_device(torch_optimizer, plugin.masters) and not has_step_scheduler(torch_optimizer):
         flag = (found_inf.reshape(()) > 0).to(torch.float32)  # 0-dim, exactly 0 or 1, as the fused kernels expect
         record_step(torch_optimizer, flag)
@@ -274,3 +202,102 @@ def _step(masters: Any, optimizer: Any, torch_optimizer: Any, flag: Optional[Ten
     if masters is not None:  # flat fp32 masters: a skipped step copies back the unchanged values
         masters.masters_to_model(torch_optimizer)
     return output
+
+
+# ------------------------------------------------------------------------------------------ unscale once
+class UnscaledGradients:
+    """Per-optimizer record of gradients unscaled since their backward: every ``optimizer.step()`` the plugin lets
+    through sees gradients unscaled exactly once since the backward that produced them, and checked for inf/NaN.
+
+    Unscaling can happen early (``clip_gradients`` in manual optimization, or clipping on a step whose
+    ``training_step`` returned ``None``) and the step that would consume it may never come (a batch that clips but
+    does not step). So the record of "these gradients are unscaled" lives here, and a new backward ends it: gradients
+    still unscaled are multiplied back by the scale they were unscaled with, so that the new, scaled gradients add
+    up with them consistently and the next step unscales the sum once. What that earlier unscale found is carried
+    too (a device tensor, no sync): value clipping can clamp an inf away, yet the step those gradients feed into must
+    still be skipped. A step consumes its record. No state outlives the gradients it describes: if they are gone
+    (``zero_grad()``) when the next backward starts, nothing is carried.
+
+    It holds no scaler: the plugin owns the one :class:`DynamicLossScaler` and passes it to each call, so a scaler
+    replaced on the plugin (or spied on by a test) is the one used.
+    """
+
+    def __init__(self) -> None:
+        # id(optimizer) -> (the optimizer, found-inf flag, scale the gradients were unscaled with; None: check-only)
+        self._records: dict[int, tuple[Any, Tensor, Optional[Tensor]]] = {}
+        # id(optimizer) -> found-inf flag of unscaled gradients that a later backward adds to
+        self._carried: dict[int, Tensor] = {}
+        # id(optimizer) -> (its parameters and group sizes when grouped; the named parameters grouped by device and
+        # dtype): built once, checked against param_groups every step (the same parameters in the same places)
+        self._groups: dict[int, tuple[list[Any], list[int], GradientGroups]] = {}
+
+    def unscale(self, scaler: DynamicLossScaler, optimizer: Any, names: dict[int, str]) -> Tensor:
+        """Unscale ``optimizer``'s gradients unless already done since their backward; the found-inf flag.
+        ``names``: ``id(parameter) -> name`` (a parameter without one is named by its place in ``param_groups``)."""
+        key = id(optimizer)
+        record = self._records.get(key)
+        if record is None:
+            scale = scaler.scale_of_grads() if not scaler.check_only else None  # check-only: nothing to scale back
+            found_inf = scaler.unscale_(self._grouped_params(optimizer, names))
+            carried = self._carried.pop(key, None)
+            if carried is not None:
+                found_inf = found_inf + carried.to(found_inf.device)
+            record = self._records[key] = (optimizer, found_inf, scale)
+        return record[1]
+
+    def _grouped_params(self, optimizer: Any, names: dict[int, str]) -> GradientGroups:
+        groups = optimizer.param_groups
+        flat = [param for group in groups for param in group["params"]]
+        cached = self._groups.get(id(optimizer))
+        if (  # the same parameters, in the same places (group sizes too: unnamed ones are named by their place)
+            cached is None
+            or len(cached[0]) != len(flat)
+            or not all(map(operator.is_, flat, cached[0]))
+            or (len(groups) > 1 and cached[1] != [len(group["params"]) for group in groups])
+        ):
+            named = [
+                (names.get(id(param), f"param_groups[{g}][{i}]"), param)
+                for g, group in enumerate(groups)
+                for i, param in enumerate(group["params"])
+            ]
+            cached = (flat, [len(group["params"]) for group in groups], GradientGroups(named))
+            self._groups[id(optimizer)] = cached
+        return cached[2]
+
+    def is_unscaled(self, optimizer: Any) -> bool:
+        """Whether ``optimizer``'s gradients were unscaled since the backward that produced them."""
+        return id(optimizer) in self._records
+
+    def consumed(self, optimizer: Any) -> None:
+        """The step of ``optimizer`` was decided (taken or skipped): its record ends."""
+        self._records.pop(id(optimizer), None)
+        self._carried.pop(id(optimizer), None)
+
+    def new_backward(self, scaler: DynamicLossScaler) -> None:
+        """A backward is about to add scaled gradients: scale back whatever is still unscaled and carry what its
+        check found; end every record."""
+        for key, (optimizer, found_inf, scale) in self._records.items():
+            grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+            if not grads:  # zero_grad() since: nothing left to scale back or to carry
+                continue
+            self._carried[key] = found_inf
+            if scale is not None and not scaler.check_only:
+                with torch.no_grad():
+                    for grad in grads:
+                        grad.mul_(scale.to(grad.device))
+        self._records.clear()
+
+    def clear(self) -> None:
+        self._records.clear()
+        self._carried.clear()
+        self._groups.clear()
+
+
+# ------------------------------------------------------------------------------------------ helpers
+def has_grads(optimizer: Any) -> bool:
+    return any(p.grad is not None for group in optimizer.param_groups for p in group["params"])
+
+
+def unwrap_optimizer(optimizer: Any) -> Any:
+    # LightningOptimizer (what the user holds in manual optimization) wraps the torch optimizer
+    return getattr(optimizer, "_optimizer", optimizer)

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from lightning_mp import MixedPrecisionPlugin
-from lightning_mp.amp_ops import check_and_unscale_by_norm_, non_finite_check_and_unscale_
+from lightning_mp.scaler_device import check_and_unscale_by_norm_, non_finite_check_and_unscale_
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -62,3 +62,18 @@ def test_lean_masters_train_on_cuda_with_bf16_gradients_checked():
     trainer.fit(model, torch.utils.data.DataLoader(torch.randn(12, 16), batch_size=4))
     assert plugin.scaler.skipped_steps == 0
     assert not torch.equal(model.layer.weight.detach().float().cpu(), before)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("poison", [None, float("inf"), float("nan"), 65504.0])
+def test_a_check_only_step_reads_the_gradients_and_finds_what_torchs_kernel_finds(dtype, poison):
+    """Check-only (bf16, no loss scale): the CPU check reads without writing back (lightning_mp.master.native)."""
+    grads = [torch.randn(n).to(dtype) for n in (9, 1000, 3)]
+    if poison is not None:
+        grads[1][400] = poison
+    before = [g.clone() for g in grads]
+    flag, their_flag = torch.zeros(1), torch.zeros(1)
+    non_finite_check_and_unscale_(grads, flag, torch.ones(1), check_only=True)
+    torch._amp_foreach_non_finite_check_and_unscale_([g.clone() for g in grads], their_flag, torch.ones(1))
+    assert flag.item() == their_flag.item()
+    assert all(torch.equal(g.view(torch.uint8), b.view(torch.uint8)) for g, b in zip(grads, before))

@@ -32,7 +32,17 @@ NUMERICS = (
     "lightning_mp.settings",
     "lightning_mp.master",
     "lightning_mp.policy",
-    "lightning_mp.unscaled",
+    "lightning_mp.scaler_device",
+    "lightning_mp.stepping",
+    "lightning_mp.schedulers",
+)
+# the modules of one optimizer step: the plugin hands the step to stepping, which owns its order and calls the scaler
+STEP_MODULES = (
+    "lightning_mp.plugin",
+    "lightning_mp.stepping",
+    "lightning_mp.scaler",
+    "lightning_mp.scaler_device",
+    "lightning_mp.settings",
     "lightning_mp.schedulers",
 )
 
@@ -109,6 +119,28 @@ def test_no_module_level_import_cycle():
     for name in sorted(graph):
         if name not in state:
             visit(name, [name])
+
+
+def test_the_step_modules_import_one_way_even_lazily_or_for_type_checking():
+    # every import counts here (in functions, under TYPE_CHECKING): plugin -> stepping -> scaler -> scaler_device
+    graph = {
+        name: _imports(MODULES[name], module_level_only=False) & set(STEP_MODULES) - {name} for name in STEP_MODULES
+    }
+    assert "lightning_mp.stepping" in graph["lightning_mp.plugin"]
+    assert "lightning_mp.scaler" in graph["lightning_mp.stepping"]
+    for arithmetic in ("lightning_mp.scaler", "lightning_mp.scaler_device", "lightning_mp.settings"):
+        assert not graph[arithmetic] & {"lightning_mp.stepping", "lightning_mp.plugin"}, (arithmetic, graph[arithmetic])
+    done: set[str] = set()
+
+    def visit(name: str, path: list[str]) -> None:
+        for target in sorted(graph[name]):
+            assert target not in path, "import cycle: " + " -> ".join(path[path.index(target) :] + [target])
+            if target not in done:
+                visit(target, path + [target])
+        done.add(name)
+
+    for name in STEP_MODULES:
+        visit(name, [name])
 
 
 def test_dependency_arrows_point_one_way():

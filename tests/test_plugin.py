@@ -209,9 +209,9 @@ def test_bf16_plugin_checks_without_scaling_and_runs_bf16():
 
 
 def test_fp16_on_cpu_warns_once(monkeypatch):
-    import lightning_mp.devices
+    import lightning_mp.forward
 
-    monkeypatch.setattr(lightning_mp.devices, "_WARNED_FP16_ON_CPU", False)
+    monkeypatch.setattr(lightning_mp.forward, "_WARNED_FP16_ON_CPU", False)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for _ in range(2):

@@ -111,7 +111,7 @@ class FabricDriver:
     # ------------------------------------------------------------------ the step
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
         """``optimizer.step()`` through Fabric: unscale once, check, agree over ranks, step or skip, update the
-        scale, as the Trainer's step after its closure (:func:`lightning_mp.stepping.step`)."""
+        scale, as the Trainer's step after its closure (:func:`lightning_mp.stepping.step_after_backward`)."""
         plugin = self.plugin
         self.ensure_connected()
         masters = plugin.masters
@@ -121,16 +121,7 @@ class FabricDriver:
                 "the closure inside step(), where gradients cannot be checked and the half model is stale. Use "
                 "MixedPrecisionPlugin('bf16-mixed', scaler={'enabled': False}) without master weights, or fp32."
             )
-        if not plugin._checking:
-            if callable(getattr(masters, "fused_step", None)):  # masters that update themselves
-                return masters.fused_step(optimizer, None)  # type: ignore[union-attr]
-            output = optimizer.step(**kwargs)
-            if masters is not None:
-                masters.masters_to_model(optimizer)
-            return output
-        found_inf = plugin._sync.agree(plugin._unscale_once(optimizer))  # every rank takes the same decision
-        plugin._unscaled.consumed(optimizer)
-        return stepping.step(plugin, optimizer, self.module, found_inf, kwargs)
+        return stepping.step_after_backward(plugin, optimizer, self.module, kwargs)  # the order lives there
 
     # ------------------------------------------------------------------ clipping (fabric.clip_gradients)
     def clip_gradients_norm(

@@ -13,6 +13,7 @@ from torch import Tensor
 from torch.nn import Module
 from torch.optim import Optimizer
 
+from lightning_mp import stepping
 from lightning_mp.fabric.driver import FabricDriver
 
 
@@ -93,7 +94,7 @@ class FabricHooks:
         # fabric.clip_gradients calls this first, so clipping sees true gradients; the step does not unscale twice
         plugin: Any = self
         if plugin._checking and any(p.grad is not None for g in optimizer.param_groups for p in g["params"]):
-            plugin._unscale_once(optimizer)
+            stepping.unscale_once(plugin, optimizer)
 
     def __getstate__(self) -> dict[str, Any]:
         # a copy (pickle, deepcopy) is not driven by the Fabric that drives this plugin

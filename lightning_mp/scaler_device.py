@@ -1,0 +1,312 @@
+"""The loss scaler's device side: the gradients it checks, grouped per device and dtype, and its state as one
+float64 vector on the device, updated there by its rules as tensor ops, read by the host lazily.
+
+Nothing here decides when a step happens (that is :mod:`lightning_mp.stepping`) nor imports it: this is the
+arithmetic of :class:`~lightning_mp.DynamicLossScaler` that runs on the device.
+
+- :class:`GradientGroups`: parameters grouped once by device and dtype (the check kernel takes one device per call and
+  runs fastest on one dtype); each step then only reads their ``.grad`` (sparse values, ``DTensor`` local shards).
+- :class:`DeviceState` holds a scaler's state as one float64 vector on the gradients' device and applies the scaler's
+  rules there (:func:`update_on_device`); :func:`steps_before_an_error_may_be_due` says from which step an update must
+  be decided on the host, so that errors fire at the step they are due.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable, Iterator, Optional, Union
+
+import torch
+from torch import Tensor
+
+# What `DynamicLossScaler.unscale_` accepts: tensors whose ``.grad`` is unscaled, or ``(name, tensor)`` pairs.
+NamedOrPlainParams = Iterable[Union[Tensor, tuple[str, Tensor]]]
+# What one check saw (`GradientGroups.gradients`): per device, per dtype, the names and the gradients checked.
+Checked = list[tuple[torch.device, list[tuple[list[str], list[Tensor]]]]]
+
+
+#: Positions in the scaler's device state, one float64 vector (float64 so that the scale is the exact product the
+#: rules state in Python floats, and the counters are exact integers up to 2**53).
+SCALE, GROWTH, HYSTERESIS, SKIPPED, CONSECUTIVE, LAST_FOUND = range(6)
+
+
+def device_state(values: list[float], device: torch.device) -> torch.Tensor:
+    """``values`` (in the order above) as the float64 state vector on ``device``, without waiting for it."""
+    return torch.tensor(values, dtype=torch.float64).to(device, non_blocking=True)
+
+
+def update_on_device(
+    state: torch.Tensor,
+    constants: torch.Tensor,
+    found_inf: torch.Tensor,
+    dynamic: bool,
+    growth_interval: int,
+    hysteresis: int,
+    max_scale: float,
+    restore_hysteresis: bool,
+) -> None:
+    """One step of the scaler's rules as tensor ops on ``state`` (in place, no host synchronisation).
+
+    ``constants`` is ``[growth_factor, backoff_factor, 1.0]`` (float64, on the state's device). ``found_inf`` is the
+    step's flag (``> 0``: non-finite). The rules are those of ``DynamicLossScaler.update`` except the two errors:
+    the caller decides the steps where an error may be due on the host (see ``steps_before_an_error_may_be_due``),
+    so this function never meets a backoff below ``min_scale`` nor ``max_consecutive_skips``.
+    ``restore_hysteresis``: a static scaler whose hysteresis tracker is below ``hysteresis`` (possible only after
+    ``load_state_dict``) restores it on a finite step, as the host rules do.
+    """
+    found = found_inf.reshape(()) > 0
+    flag = found.to(torch.float64)
+    state[SKIPPED:LAST_FOUND].add_(flag)  # skipped += flag, consecutive += flag
+    state[CONSECUTIVE].mul_(flag)  # ... and back to 0 after a finite step
+    state[LAST_FOUND].copy_(flag)
+    if not dynamic:
+        if restore_hysteresis:
+            state[HYSTERESIS].copy_(torch.where(found, state[HYSTERESIS], float(hysteresis)))
+        return
+    growth = state[GROWTH].add_(1.0).mul_(1.0 - flag)  # finite steps in a row
+    grow = growth >= growth_interval
+    growth.sub_(grow.to(torch.float64) * growth_interval)  # back to 0 when it grows
+    allowance = torch.where(found, (state[HYSTERESIS] - 1.0).clamp_(min=0.0), float(hysteresis))
+    state[HYSTERESIS].copy_(allowance)
+    backoff = found & (allowance == 0.0)
+    factor = torch.where(grow, constants[0], torch.where(backoff, constants[1], constants[2]))
+    state[SCALE].mul_(factor).clamp_(max=max_scale)
+
+
+def steps_before_an_error_may_be_due(
+    scale: float,
+    hysteresis_tracker: int,
+    consecutive_skips: int,
+    dynamic: bool,
+    backoff_factor: float,
+    min_scale: float,
+    max_consecutive_skips: Optional[int],
+    limit: int = 1000,
+) -> int:
+    """From a known state, the number of the first step (1 = the next one) at which ``DynamicLossScaler.update``
+    could raise: ``max_consecutive_skips`` reached, or a backoff below ``min_scale``. Every step before it is safe
+    to update on the device; that step is decided on the host. At most ``limit`` (deciding earlier is always safe).
+
+    The fastest way to either error is a run of non-finite steps: a finite step resets the run, restores the
+    hysteresis allowance and may grow the scale, which only moves the errors further away.
+    """
+    due = limit
+    if max_consecutive_skips is not None:
+        due = min(due, max(max_consecutive_skips - consecutive_skips, 1))
+    if dynamic:
+        backoffs, value = 0, scale
+        while value * backoff_factor >= min_scale and backoffs < limit:
+            value *= backoff_factor
+            backoffs += 1
+        due = min(due, max(hysteresis_tracker, 1) + backoffs)  # the first backoff, then one per non-finite step
+    return due
+
+
+class DeviceState:
+    """A loss scaler's state as one float64 vector on the device, updated there; read by the host lazily.
+
+    ``pending`` counts the updates applied on the device since the host last read it.
+    """
+
+    def __init__(self) -> None:
+        self.tensor: Optional[Tensor] = None
+        self.constants: Optional[Tensor] = None
+        self.scale: Optional[Tensor] = None  # the fp32 scale after the latest update on the device
+        self.pending = 0
+        self._due = 0
+        self._ones: dict[torch.device, Tensor] = {}
+
+    def due(self, scaler: Any) -> int:
+        """The pending count at which the next update must be decided on the host, computed from the host's copy of
+        ``scaler``'s state (exact when nothing is pending) by :func:`steps_before_an_error_may_be_due`."""
+        if not self.pending:
+            self._due = steps_before_an_error_may_be_due(
+                scaler._scale_value,
+                scaler._hysteresis_tracker,
+                scaler._consecutive_skips,
+                scaler.dynamic,
+                scaler.backoff_factor,
+                scaler.min_scale,
+                scaler.max_consecutive_skips,
+            )
+        return self._due
+
+    def update(self, found_inf: Tensor, scaler: Any) -> Optional[Tensor]:
+        """Apply one step of ``scaler``'s rules on ``found_inf``'s device (the state is built there from the host's
+        copy when it lives elsewhere or was forgotten). Returns the new fp32 scale tensor of a dynamic scaler."""
+        device = found_inf.device
+        if self.tensor is None or self.tensor.device != device:
+            if self.pending:  # the gradients moved to another device: read the state there first
+                self.pull(scaler)
+            self.tensor = device_state(
+                [
+                    scaler._scale_value,
+                    scaler._growth_tracker,
+                    scaler._hysteresis_tracker,
+                    scaler._skipped_steps,
+                    scaler._consecutive_skips,
+                    0.0,
+                ],
+                device,
+            )
+            self.constants = device_state([scaler.growth_factor, scaler.backoff_factor, 1.0], device)
+        assert self.constants is not None
+        update_on_device(
+            self.tensor,
+            self.constants,
+            found_inf,
+            dynamic=scaler.dynamic,
+            growth_interval=scaler.growth_interval,
+            hysteresis=scaler.hysteresis,
+            max_scale=scaler.max_scale,
+            restore_hysteresis=scaler._hysteresis_tracker != scaler.hysteresis,
+        )
+        self.pending += 1
+        if scaler.dynamic:  # a new tensor: the scale the current gradients were made with stays as it was
+            self.scale = self.tensor[SCALE].to(torch.float32)
+        return self.scale
+
+    def read(self, found_inf: Optional[Tensor] = None) -> tuple[list[float], Optional[float]]:
+        """The state (and ``found_inf``'s value, when given) in one transfer to the host: a synchronisation."""
+        assert self.tensor is not None
+        if found_inf is None:
+            values, found = self.tensor.tolist(), None
+        else:
+            flag = found_inf.reshape(-1)[:1].to(self.tensor.device, torch.float64)
+            *values, found = torch.cat([self.tensor, flag]).tolist()
+        self.pending = 0
+        return values, found
+
+    def pull(self, scaler: Any, found_inf: Optional[Tensor] = None) -> Optional[float]:
+        """Bring ``scaler``'s host copy of the state up to date (and read ``found_inf``, when given) in one transfer:
+        a synchronisation. Returns ``found_inf``'s value (``None`` without one)."""
+        values, found = self.read(found_inf)
+        scaler._scale_value, growth, hysteresis, skipped, consecutive, _ = values
+        scaler._growth_tracker, scaler._hysteresis_tracker = int(growth), int(hysteresis)
+        scaler._skipped_steps, scaler._consecutive_skips = int(skipped), int(consecutive)
+        return found
+
+    def one(self, device: torch.device) -> Tensor:
+        """A 1-element fp32 ``1.0`` on ``device`` (what a check-only scaler divides by), made once."""
+        if device not in self._ones:
+            self._ones[device] = torch.ones(1, dtype=torch.float32, device=device)
+        return self._ones[device]
+
+    def forget(self) -> None:
+        """The host's copy is ahead (a host update, a loaded state): drop the device copy (nothing may be pending)."""
+        self.tensor, self.scale, self.pending = None, None, 0
+
+
+# ------------------------------------------------------------------------------------------ the gradients it checks
+class GradientGroups:
+    """``params`` (tensors, or ``(name, tensor)`` pairs: names for the errors) grouped once by device and dtype.
+
+    The grouping is by the parameters' device and dtype, which are their gradients' (torch refuses a ``.grad`` of
+    another device or dtype); a caller that checks the same parameters every step builds it once
+    (``lightning_mp.stepping`` does, per optimizer) and :meth:`gradients` then only reads each ``.grad``. Sparse
+    gradients are coalesced (duplicate indices are summed: the sums are what may overflow) and their values checked;
+    ``DTensor`` gradients through their local shards (same storage: unscaling them unscales the ``DTensor``).
+    """
+
+    def __init__(self, params: NamedOrPlainParams) -> None:
+        named = [item if isinstance(item, tuple) else (f"<unnamed #{i}>", item) for i, item in enumerate(params)]
+        by_device: dict[torch.device, dict[torch.dtype, tuple[list[str], list[Tensor]]]] = {}
+        for name, param in named:
+            names, group = by_device.setdefault(param.device, {}).setdefault(param.dtype, ([], []))
+            names.append(name)
+            group.append(param)
+        self.groups = [list(per_dtype.values()) for per_dtype in by_device.values()]
+        self.named = named
+        # subclasses (DTensor) have local shards to take; plain tensors and parameters do not
+        self.plain = all(type(param) in (Tensor, torch.nn.Parameter) for _, param in named)
+
+    def first_gradient_device(self) -> Optional[torch.device]:
+        """The device of the first parameter (in the order given) that has a gradient; ``None`` if none has."""
+        return next((grad.device for _, param in self.named if (grad := param.grad) is not None), None)
+
+    def __iter__(self) -> Iterator[tuple[str, Tensor]]:
+        """The ``(name, parameter)`` pairs, in the order given: a ``GradientGroups`` is what it was built from."""
+        return iter(self.named)
+
+    def gradients(self) -> Checked:
+        """This step's gradients to check: per device (in order of first appearance), per dtype, their names and the
+        gradients; parameters without a gradient are left out, and so are devices and dtypes without any."""
+        found = []
+        for per_dtype in self.groups:
+            lists = []
+            for names, params in per_dtype:
+                grads = [grad for param in params if (grad := param.grad) is not None]
+                if len(grads) != len(params):  # some have no gradient (yet): name the others only
+                    names = [name for name, param in zip(names, params) if param.grad is not None]
+                if not self.plain or True in [grad.is_sparse for grad in grads]:  # (no generator frame per step)
+                    grads = [_checked_form(param) for param in params if param.grad is not None]
+                if grads:
+                    lists.append((names, grads))
+            if lists:
+                found.append((lists[0][1][0].device, lists))
+        return found
+
+
+def nonfinite_names(checked: Checked) -> list[str]:
+    """Names of the gradients in ``checked`` that hold inf or NaN (one host synchronisation each: for errors)."""
+    return [
+        name
+        for _, lists in checked
+        for names, grads in lists
+        for name, grad in zip(names, grads)
+        if not torch.isfinite(grad).all()
+    ]
+
+
+def nonfinite_error(reason: str, names: list[str]) -> FloatingPointError:
+    """The scaler's error at ``min_scale`` or ``max_consecutive_skips``: ``reason``, then the culprits by name."""
+    shown = ", ".join(names[:20]) + (f", ... ({len(names)} in all)" if len(names) > 20 else "")
+    return FloatingPointError(
+        f"{reason} Non-finite gradients in: {shown or 'unknown parameters (pass (name, param) pairs to unscale_)'}. "
+        "Look for an overflow in the forward pass of these parameters' modules (run them in fp32), "
+        "a too-large learning rate, or bad input data."
+    )
+
+
+def _checked_form(param: Tensor) -> Tensor:
+    """What of ``param.grad`` the kernel checks: a sparse gradient's values, once coalesced; a DTensor's local shard."""
+    grad = param.grad
+    assert grad is not None
+    if grad.is_sparse:
+        if not grad.is_coalesced():
+            param.grad = grad = grad.coalesce()
+        grad = grad._values()
+    to_local = getattr(grad, "to_local", None)
+    return to_local() if to_local is not None else grad
+
+
+# ------------------------------------------------------------------ the check, for every dtype on every device
+# torch's CUDA kernel (_amp_foreach_non_finite_check_and_unscale_) takes fp32 and fp16 gradients but not bf16 ("not
+# implemented for 'BFloat16'"), which lean masters (bf16 parameters, bf16 gradients) meet on a GPU. There the check
+# is the max-abs norm of each gradient (torch._foreach_norm with ord=inf: one multi-tensor kernel; an inf or NaN
+# element makes the norm inf or NaN, and a max cannot overflow), and the unscale one torch._foreach_mul_. A
+# check-only step on the CPU reads the gradients without writing them back (torch's kernel multiplies them by one).
+
+
+def non_finite_check_and_unscale_(
+    grads: list[Tensor], found_inf: Tensor, inv_scale: Tensor, check_only: bool = False
+) -> None:
+    """Multiply ``grads`` (one device, one dtype) by ``inv_scale`` in place and set ``found_inf`` (a 1-element fp32
+    tensor) to 1 if any element is inf or NaN, as ``torch._amp_foreach_non_finite_check_and_unscale_`` does.
+    ``check_only`` (``inv_scale`` is one): on the CPU, read the gradients without writing them back, through the
+    compiled check of :mod:`lightning_mp.master.native` where it is built."""
+    if check_only and grads and grads[0].device.type == "cpu":
+        from lightning_mp.master import native  # the kernel's module, loaded on first use
+
+        if native.check_nonfinite(grads, found_inf):
+            return
+    if grads and grads[0].dtype == torch.bfloat16 and grads[0].device.type != "cpu":
+        return check_and_unscale_by_norm_(grads, found_inf, inv_scale)
+    torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale)
+
+
+def check_and_unscale_by_norm_(grads: list[Tensor], found_inf: Tensor, inv_scale: Tensor) -> None:
+    """The same through ``torch._foreach_norm(ord=inf)`` and ``torch._foreach_mul_`` (any dtype, any device)."""
+    norms = torch._foreach_norm(grads, float("inf"))
+    bad = torch.stack(norms).isfinite().logical_not().any()
+    found_inf.copy_(torch.maximum(found_inf, bad.to(found_inf.dtype).reshape(found_inf.shape)))
+    torch._foreach_mul_(grads, inv_scale.reshape(()))  # computed in fp32, as torch's kernel does
