@@ -287,6 +287,11 @@ def _checked_form(param: Tensor) -> Tensor:
 # check-only step on the CPU reads the gradients without writing them back (torch's kernel multiplies them by one).
 
 
+#: gradient elements from which a check-only step reads them through the compiled check (below: torch's kernel,
+#: whose call costs less than the ctypes call for small models; measured with benchmarks/framework_overhead.py)
+_READ_ONLY_FROM = 1 << 20
+
+
 def non_finite_check_and_unscale_(
     grads: list[Tensor], found_inf: Tensor, inv_scale: Tensor, check_only: bool = False
 ) -> None:
@@ -294,7 +299,7 @@ def non_finite_check_and_unscale_(
     tensor) to 1 if any element is inf or NaN, as ``torch._amp_foreach_non_finite_check_and_unscale_`` does.
     ``check_only`` (``inv_scale`` is one): on the CPU, read the gradients without writing them back, through the
     compiled check of :mod:`lightning_mp.master.native` where it is built."""
-    if check_only and grads and grads[0].device.type == "cpu":
+    if check_only and grads and grads[0].device.type == "cpu" and sum(g.numel() for g in grads) >= _READ_ONLY_FROM:
         from lightning_mp.master import native  # the kernel's module, loaded on first use
 
         if native.check_nonfinite(grads, found_inf):
