@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from lightning_mp.diagnostics.history import LayerSample, OverflowRecord, RunHistory
-from lightning_mp.diagnostics.monitor import PrecisionMonitor, _merged_across_ranks
+from lightning_mp.diagnostics.monitor import REPORT_SCALER_KEYS, PrecisionMonitor, _merged_across_ranks
 from lightning_mp.diagnostics.overflow import nonfinite_params
 from lightning_mp.diagnostics.underflow import (
     grouped_stats,
@@ -40,20 +40,6 @@ from lightning_mp.diagnostics.underflow import (
     read_rows,
     reduce_rows,
     scale_tensor,
-)
-
-#: the scaler settings the report shows (those of PrecisionMonitor.on_fit_start)
-_SCALER_KEYS = (
-    "scale",
-    "growth_factor",
-    "backoff_factor",
-    "growth_interval",
-    "hysteresis",
-    "min_scale",
-    "max_scale",
-    "dynamic",
-    "check_only",
-    "max_consecutive_skips",
 )
 
 
@@ -117,7 +103,7 @@ class FabricPrecisionMonitor:
         scaler = getattr(plugin, "scaler", None)
         if scaler is not None:
             state = scaler.state_dict()
-            monitor.history.scaler = {key: state[key] for key in _SCALER_KEYS if key in state}
+            monitor.history.scaler = {key: state[key] for key in REPORT_SCALER_KEYS if key in state}
         observers = getattr(plugin, "skip_observers", None)
         if monitor.localise_overflows and isinstance(observers, list) and self._on_skip not in observers:
             observers.append(self._on_skip)

@@ -32,6 +32,10 @@ from lightning_mp.diagnostics.underflow import (
     scale_tensor,
 )
 from lightning_mp.fp8.stats import Fp8Sampler, sample_record
+from lightning_mp.settings import SETTING_NAMES
+
+#: the scaler state the report shows: the scale and the settings (the counters come from the run itself)
+REPORT_SCALER_KEYS = ("scale", *(name for name in SETTING_NAMES if name != "enabled"))
 
 
 class PrecisionMonitor(L.Callback):
@@ -118,21 +122,7 @@ class PrecisionMonitor(L.Callback):
         scaler = _our_scaler(trainer)
         if scaler is not None:
             state = scaler.state_dict()
-            self.history.scaler = {
-                key: state[key]
-                for key in (
-                    "scale",
-                    "growth_factor",
-                    "backoff_factor",
-                    "growth_interval",
-                    "hysteresis",
-                    "min_scale",
-                    "max_scale",
-                    "dynamic",
-                    "check_only",
-                    "max_consecutive_skips",
-                )
-            }
+            self.history.scaler = {key: state[key] for key in REPORT_SCALER_KEYS}
 
     @override
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
