@@ -18,7 +18,7 @@ from torch import nn
 from torch.overrides import _pop_mode_temporarily
 
 from lightning_mp.master import RemainderMasters
-from lightning_mp.master.generic import _leaves
+from lightning_mp.master.skip_mask import leaves_of as _leaves
 from tests.helpers import HostSyncCounter, seeded
 
 FLAGS = [1, 0, 0, 1, 0, 0, 1, 0]  # a skip before any state exists, then finite and skipped steps

@@ -59,6 +59,7 @@ import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
+from lightning_mp.master.skip_mask import leaves_of, mask, mask_options, put_back, same_option, snapshot
 from lightning_mp.master.step import apply_grad_ops, apply_grad_ops_in_place, local_of
 
 
@@ -162,12 +163,12 @@ class GenericChunkedStep:
         apply_grad_ops_in_place(
             [p for params in self._model_params for p in params if self.store.offset_of(p) is None], grad_ops
         )
-        options = [_snapshot(group) for group in groups]
+        options = [snapshot(group) for group in groups]
         try:
             for number, (index, chunk) in enumerate(chunks):
                 if number:
                     for group, saved in zip(groups, options):
-                        _put_back(group, saved)
+                        put_back(group, saved)
                 staged = self._stage(chunk)
                 if staged is not None:
                     apply_grad_ops(staged, grad_ops)
@@ -178,7 +179,7 @@ class GenericChunkedStep:
                 if (
                     before is not None
                     and skip is not None
-                    and (self._plain_changed(chunk) or not _mask(skip, before, self._tensors(chunk)))
+                    and (self._plain_changed(chunk) or not mask(skip, before, self._tensors(chunk)))
                 ):
                     if self._state_changed(chunk, before, skip):  # read on the host: skipped after all
                         self._unstage(chunk, skip)  # the weights as they were
@@ -187,7 +188,7 @@ class GenericChunkedStep:
                 self._unstage(chunk, skip)
             if skip is not None:
                 for group, saved in zip(groups, options):
-                    _mask_options(skip, group, saved)
+                    mask_options(skip, group, saved)
             elif found_inf is not None and self.masks_on_device is None and had_state:
                 self.masks_on_device = self._maskable(found_inf.device, options)
         finally:
@@ -270,7 +271,7 @@ class GenericChunkedStep:
             if self.store.offset_of(s.param) is None:
                 tensors[(index, "")] = [self._values_of(s)]
             for key, value in self.optimizer.state[s.proxy].items():
-                tensors[(index, key)] = _leaves(value) if isinstance(value, Tensor) else []  # None: unused buffer
+                tensors[(index, key)] = leaves_of(value) if isinstance(value, Tensor) else []  # None: unused buffer
         return tensors
 
     def _save(self, chunk: list[_Slice]) -> dict[tuple[int, str], list[Tensor]]:
@@ -289,7 +290,7 @@ class GenericChunkedStep:
             for key, value in self.optimizer.state[s.proxy].items()
             if not isinstance(value, Tensor)
         }
-        return plain.keys() != self._plain.keys() or not all(_same_option(plain[k], self._plain[k]) for k in plain)
+        return plain.keys() != self._plain.keys() or not all(same_option(plain[k], self._plain[k]) for k in plain)
 
     def _state_changed(self, chunk: list[_Slice], before: dict[tuple[int, str], list[Tensor]], skip: Tensor) -> bool:
         """The step added (or reshaped) state: no mask can undo that. From now on this optimizer's skips are decided
@@ -306,7 +307,7 @@ class GenericChunkedStep:
                 if place == index and key and (place, key) in self._plain:
                     state[key] = self._plain[(place, key)]  # not a tensor before this step (None: an unused buffer)
                 elif place == index and key:
-                    leaves = _leaves(state[key])
+                    leaves = leaves_of(state[key])
                     if [t.shape for t in leaves] != [t.shape for t in old]:
                         raise RuntimeError(
                             f"{type(self.optimizer).__name__}.step() reshaped its state {key!r} on a step that had "
@@ -326,7 +327,7 @@ class GenericChunkedStep:
                 for value in self.optimizer.state.get(s.proxy, {}).values():
                     if value is None:  # an unused buffer (torch-optimi's Kahan buffer of an fp32 parameter)
                         continue
-                    leaves = _leaves(value) if isinstance(value, Tensor) else []
+                    leaves = leaves_of(value) if isinstance(value, Tensor) else []
                     if not leaves or any(t.device != device for t in leaves):
                         return False
         for group, saved in zip(self.optimizer.param_groups, options):
@@ -335,7 +336,7 @@ class GenericChunkedStep:
                 if isinstance(value, Tensor):
                     if not isinstance(current, Tensor) or current.device != device:
                         return False
-                elif not _same_option(current, value):
+                elif not same_option(current, value):
                     return False
         return True
 
@@ -349,51 +350,3 @@ class GenericChunkedStep:
                     self.optimizer.state[s.param] = state
         for hook in self._hooks:
             hook.remove()
-
-
-def _leaves(value: Tensor) -> list[Tensor]:
-    """A plain tensor, or the plain inner tensors of a wrapper subclass (``__tensor_flatten__``), recursively."""
-    flatten = getattr(value, "__tensor_flatten__", None)
-    if type(value) is Tensor or flatten is None:
-        return [value]
-    return [leaf for name in flatten()[0] for leaf in _leaves(getattr(value, name))]
-
-
-def _mask(skip: Tensor, before: dict[Any, list[Tensor]], after: dict[Any, list[Tensor]]) -> bool:
-    """``after = where(skip, before, after)``, in place (no host synchronisation); ``False`` (nothing masked) when
-    the step added or reshaped state."""
-    if before.keys() != after.keys() or any(
-        [t.shape for t in before[place]] != [t.shape for t in after[place]] for place in before
-    ):
-        return False
-    for place, old_leaves in before.items():
-        for old, new in zip(old_leaves, after[place]):
-            torch.where(skip, old, new, out=new)
-    return True
-
-
-def _mask_options(skip: Tensor, group: dict[str, Any], saved: dict[str, Any]) -> None:
-    for key, value in saved.items():
-        current = group.get(key)
-        if isinstance(value, Tensor) and isinstance(current, Tensor) and current.shape == value.shape:
-            torch.where(skip, value, current, out=current)
-
-
-def _same_option(current: Any, saved: Any) -> bool:
-    try:
-        return bool(current == saved)
-    except (RuntimeError, TypeError, ValueError):  # containers of tensors and the like: not comparable here
-        return False
-
-
-def _snapshot(group: dict[str, Any]) -> dict[str, Any]:
-    return {k: (v.clone() if isinstance(v, Tensor) else copy.copy(v)) for k, v in group.items() if k != "params"}
-
-
-def _put_back(group: dict[str, Any], saved: dict[str, Any]) -> None:
-    for key, value in saved.items():
-        current = group.get(key)
-        if isinstance(value, Tensor) and isinstance(current, Tensor) and current.shape == value.shape:
-            current.copy_(value)
-        else:
-            group[key] = copy.copy(value)
