@@ -135,6 +135,7 @@ class CudaLeanUpdate:
     def __init__(self) -> None:
         self._blocks: dict[tuple[Any, ...], tuple[Tensor, Tensor]] = {}
         self._tables: dict[int, tuple[list[int], Tensor]] = {}
+        self._option_values: Optional[tuple[list[float], Tensor]] = None  # the last options, on the device
 
     def run(
         self,
@@ -179,10 +180,9 @@ class CudaLeanUpdate:
     def _options(self, options: dict[str, Any], device: torch.device) -> Tensor:
         names = ("lr", "beta1", "beta2", "weight_decay", "eps", "momentum", "dampening", "clamp")
         values = [float(options.get(name, 0.0)) for name in names]
-        cached = self._tables.get(-1)
-        if cached is None or cached[0] != values:
-            self._tables[-1] = cached = (values, _to_device(torch.tensor(values, dtype=torch.float64), device))
-        return cached[1]
+        if self._option_values is None or self._option_values[0] != values:
+            self._option_values = (values, _to_device(torch.tensor(values, dtype=torch.float64), device))
+        return self._option_values[1]
 
 
 def _to_device(host: Tensor, device: torch.device) -> Tensor:
