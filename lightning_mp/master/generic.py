@@ -238,7 +238,7 @@ class GenericChunkedStep:
             view = slice(position, position + s.numel)
             offset = self.store.offset_of(s.param)
             high, low = self.store.flat_slices(device, offset + s.start, offset + s.end)
-            self.store.join_into(high, low, values[view])
+            self.store.codec.join_into(high, low, values[view])
             grads[view].copy_(local_of(s.param.grad).detach().reshape(-1)[s.start : s.end])
             s.point(values[view].view(s.shape), grads[view].view(s.shape))
             position += s.numel
@@ -251,10 +251,10 @@ class GenericChunkedStep:
                 continue
             high, low = self.store.flat_slices(s.param.device, offset + s.start, offset + s.end)
             if skip is None:
-                self.store.split_into(self._values_of(s).reshape(-1), high, low)
+                self.store.codec.split_into(self._values_of(s).reshape(-1), high, low)
                 continue
             new_high, new_low = torch.empty_like(high), torch.empty_like(low)  # a slice's worth: within the chunk
-            self.store.split_into(self._values_of(s).reshape(-1), new_high, new_low)
+            self.store.codec.split_into(self._values_of(s).reshape(-1), new_high, new_low)
             torch.where(skip, high, new_high, out=high)
             torch.where(skip, low, new_low, out=low)
 

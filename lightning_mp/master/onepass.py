@@ -52,30 +52,35 @@ def plan_grad_ops(
     return factor, clamp
 
 
-def available(params: list[Tensor], grad_ops: list[tuple[str, Any]]) -> bool:
-    """Whether the one-pass kernel can update a group of ``params`` with these deferred clipping operations."""
+def plan(params: list[Tensor], grad_ops: list[tuple[str, Any]]) -> Optional[tuple[Optional[Tensor], Optional[float]]]:
+    """The clipping the one-pass kernel applies to a group of ``params`` (:func:`plan_grad_ops`), or ``None`` when
+    the kernel cannot update it (the chunked path does)."""
     if not params or not native.enabled():
-        return False
+        return None
     device = local_of(params[0]).device
-    if any(local_of(p).device != device for p in params) or plan_grad_ops(grad_ops, device) is None:
-        return False
+    if any(local_of(p).device != device for p in params):
+        return None
     if device.type == "cpu":
-        return native.cpu_kernel() is not None
-    # CUDA: opt-in until its arithmetic matches torch's CUDA kernel (module doc)
-    return device.type == "cuda" and native.cuda_opted_in() and native.cuda_kernel() is not None
+        built = native.cpu_kernel() is not None
+    else:  # CUDA: opt-in until its arithmetic matches torch's CUDA kernel (module doc)
+        built = device.type == "cuda" and native.cuda_opted_in() and native.cuda_kernel() is not None
+    return plan_grad_ops(grad_ops, device) if built else None
 
 
 def update(
-    optimizer: Optimizer, group: dict[str, Any], store: Any, grad_ops: list[tuple[str, Any]], found: Optional[Tensor]
+    optimizer: Optimizer,
+    group: dict[str, Any],
+    store: Any,
+    clipping: tuple[Optional[Tensor], Optional[float]],
+    found: Optional[Tensor],
 ) -> None:
     """One step of ``group`` on the lean state (weights with a remainder), in one pass; fp32 parameters of the group
-    (no remainder) go through torch's own fused kernel in place. ``found``: a 0-dim fp32 tensor on the parameters'
-    device, or ``None``."""
+    (no remainder) go through torch's own fused kernel in place. ``clipping``: :func:`plan`'s; ``found``: a 0-dim
+    fp32 tensor on the parameters' device, or ``None``."""
     stepped = [p for p in group["params"] if p.grad is not None]
     if not stepped:
         return
-    device = local_of(stepped[0]).device
-    factor, clamp = plan_grad_ops(grad_ops, device)  # type: ignore[misc]
+    factor, clamp = clipping
     lean = [p for p in stepped if store.offset_of(p) is not None]
     plain = [p for p in stepped if store.offset_of(p) is None]
     if isinstance(optimizer, Adam):
@@ -154,7 +159,7 @@ def _run(
         by_dtype.setdefault(local_of(row[0].grad).dtype, []).append(row)
     options = {**options, "clamped": clamp is not None, "clamp": clamp if clamp is not None else -1.0}
     for dtype, chosen in by_dtype.items():
-        keep = []  # gradients made contiguous: alive until the kernel returns
+        keep = []  # gradients made contiguous: referenced here until the kernel has read them
         addresses = []
         for param, states, _ in chosen:
             local = local_of(param)
@@ -180,7 +185,6 @@ def _run(
                 factor,
                 device,
             )
-        del keep
 
 
 def _plain_adam(

@@ -26,8 +26,8 @@ import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from lightning_mp.master import native, onepass
-from lightning_mp.master.bits import join_fp32_into, split_fp32_into
+from lightning_mp.master import onepass
+from lightning_mp.master.bits import JoinSplit
 from lightning_mp.master.blocks import Blocks, join_by_chunks, split_by_chunks
 from lightning_mp.master.flat import MasterWeights, is_norm
 from lightning_mp.master.generic import GenericChunkedStep
@@ -97,7 +97,7 @@ class RemainderMasters(MasterWeights):
         self.chunk_size = chunk_size
         self.accumulate_grads_in = accumulate_grads_in
         self.compile = compile
-        self._compiled_split: Optional[Callable[..., Any]] = None
+        self.codec = JoinSplit(compile)  # the join and split of the chunked and generic paths
         super().__init__(dtype, keep_fp32)
 
     def _reset(self) -> None:
@@ -110,27 +110,6 @@ class RemainderMasters(MasterWeights):
         self._generic: dict[int, GenericChunkedStep] = {}
         self._optimizer_hooks: list[Any] = []
         self._staging = Staging(self.chunk_size_for)
-
-    def join_into(self, high: Tensor, low: Tensor, out: Tensor) -> Tensor:
-        """Join ``high`` (bf16) and ``low`` (int16) into ``out`` (fp32): one compiled pass on the CPU
-        (:mod:`lightning_mp.master.native`), three eager ops elsewhere or where it cannot be built."""
-        if _native_ok(high, low, out):
-            return native.join(high, low, out)
-        return join_fp32_into(high, low, out)
-
-    def split_into(self, value: Tensor, high: Tensor, low: Tensor) -> None:
-        """Split fp32 ``value`` into ``high`` (bf16) and ``low`` (int16): one compiled pass on the CPU; elsewhere
-        eager, or compiled with ``compile=True`` (the split, about ten eager passes with its NaN rule, gains)."""
-        if _native_ok(value, high, low):
-            return native.split(value, high, low)
-        if not self.compile:
-            return split_fp32_into(value, high, low)
-        if self._compiled_split is None:  # made on first use: a compiled function does not pickle (ddp_spawn)
-            self._compiled_split = torch.compile(split_fp32_into, dynamic=True)
-        return self._compiled_split(value, high, low)
-
-    def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "_compiled_split": None}
 
     # ------------------------------------------------------------------ setup
     def convert(self, module: nn.Module) -> nn.Module:
@@ -273,8 +252,9 @@ class RemainderMasters(MasterWeights):
         found = found_inf.to(torch.float32).reshape(()) if found_inf is not None else None  # 0-dim, as torch's
         for index, group in enumerate(optimizer.param_groups):
             apply_grad_ops_in_place([p for p in group["params"] if id(p) not in self._layout], grad_ops)
-            if onepass.available(group["params"], grad_ops):  # one compiled pass (CPU)
-                onepass.update(optimizer, group, self, grad_ops, found)
+            clipping = onepass.plan(group["params"], grad_ops)
+            if clipping is not None:  # one compiled pass (CPU; CUDA when opted in)
+                onepass.update(optimizer, group, self, clipping, found)
                 continue
             fused_update(optimizer, group, self._plan(optimizer, index, group), self, self._staging, grad_ops, found)
 
@@ -341,13 +321,6 @@ class RemainderMasters(MasterWeights):
             f"{type(self).__name__}(bf16 weights + 16-bit remainders: {len(self._layout)} tensors / {held} values, "
             f"chunk_size={self.chunk_size}, accumulate_grads_in={self.accumulate_grads_in})"
         )
-
-
-def _native_ok(*tensors: Tensor) -> bool:
-    """Whether the compiled join/split can take these tensors: plain contiguous CPU tensors, kernel built."""
-    if not all(t.device.type == "cpu" and t.is_contiguous() and type(t) is Tensor for t in tensors):
-        return False
-    return native.enabled() and native.cpu_kernel() is not None
 
 
 def _stash_fp32_state(optimizer: Optimizer, state_dict: dict[str, Any]) -> None:

@@ -134,7 +134,7 @@ class ChunkView:
             self.range = (first.flat_offset + first.start, first.flat_offset + first.start + total)
             self.values = values[:total]
             high, low = store.flat_slices(first.param.device, *self.range)
-            store.join_into(high, low, self.values)
+            store.codec.join_into(high, low, self.values)
             self.grads_flat = grads[:total]
             self.value_pieces, self.grad_pieces = [], []
             position = 0
@@ -157,7 +157,7 @@ class ChunkView:
     def write_back(self) -> None:
         if self.joined:
             high, low = self.store.flat_slices(self.pieces[0].param.device, *self.range)
-            self.store.split_into(self.values, high, low)
+            self.store.codec.split_into(self.values, high, low)
 
 
 def apply_grad_ops(grads: Tensor, grad_ops: list[tuple[str, Any]]) -> None:
