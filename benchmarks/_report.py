@@ -15,6 +15,8 @@ from pathlib import Path
 import torch
 
 HISTORY = Path(__file__).resolve().parent / "HISTORY.md"
+#: the Trainer options of every measured fit: no logger, no checkpoint, nothing printed per step
+QUIET_TRAINER = dict(logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
 
 
 def machine(device: str) -> str:

@@ -46,7 +46,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _fp8 import DECODER_MODES, FP8_MODES, prepare
-from _report import machine, report
+from _report import QUIET_TRAINER, machine, report
 from _turns import TakeTurns, Turns
 
 #: mode -> how the Trainer gets its precision: a Lightning flag, or MixedPrecisionPlugin arguments
@@ -133,10 +133,7 @@ def _train(workload: str, mode: str, index: int, args: dict[str, Any], turns: Tu
         max_steps=args["steps"] or work.steps,
         limit_val_batches=0,
         num_sanity_val_steps=0,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
+        **QUIET_TRAINER,
         callbacks=[timer],
         **trainer_precision(mode, device),
     )

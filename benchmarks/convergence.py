@@ -48,7 +48,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 # this checkout's lightning_mp (not another one installed in the environment), and the scripts beside this one
 sys.path[:0] = [str(ROOT), str(Path(__file__).resolve().parent)]
-from _report import report  # noqa: E402
+from _report import QUIET_TRAINER, report  # noqa: E402
 
 MODES = ["fp32", "bf16-mixed", "bf16-true", "ours+masters", "ours+remainder", "ours+remainder+8bit", "fp8"]
 LABELS = {
@@ -137,15 +137,7 @@ def _trainer_kwargs(mode: str, steps: int) -> dict:
     from lightning_mp import MixedPrecisionPlugin
 
     kwargs: dict = dict(
-        accelerator="cpu",
-        devices=1,
-        max_steps=steps,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        limit_val_batches=0,
+        accelerator="cpu", devices=1, max_steps=steps, **QUIET_TRAINER, num_sanity_val_steps=0, limit_val_batches=0
     )
     if mode in ("fp32", "bf16-mixed", "bf16-true"):
         kwargs["precision"] = {"fp32": "32-true"}.get(mode, mode)

@@ -39,7 +39,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _report import report, run_worker
+from _report import QUIET_TRAINER, report, run_worker
 
 SIZES = {
     "small": dict(
@@ -182,15 +182,7 @@ def _worker(args: argparse.Namespace) -> dict:
                 return AdamW8bit(self.parameters(), lr=1e-4, weight_decay=0.01)
             return torch.optim.AdamW(self.parameters(), lr=1e-4, weight_decay=0.01)
 
-    kwargs: dict = dict(
-        accelerator=args.device,
-        devices=1,
-        max_steps=args.steps,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
+    kwargs: dict = dict(accelerator=args.device, devices=1, max_steps=args.steps, **QUIET_TRAINER)
     if mode.startswith("builtin"):
         kwargs["precision"] = "bf16-true" if mode == "builtin-bf16-true" else "bf16-mixed"
     else:

@@ -20,7 +20,7 @@ import warnings
 
 import lightning as L
 import torch
-from _report import report
+from _report import QUIET_TRAINER, report
 from framework_overhead import _MLP
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -52,10 +52,7 @@ def _trainer_ms(steps: int) -> float:
     trainer = L.Trainer(
         accelerator="cpu",
         max_steps=steps,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
+        **QUIET_TRAINER,
         plugins=[MixedPrecisionPlugin("bf16-mixed")],
         callbacks=[timer],
     )

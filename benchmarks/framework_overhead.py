@@ -21,7 +21,7 @@ from typing import Callable
 
 import lightning as L
 import torch
-from _report import report
+from _report import QUIET_TRAINER, report
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -54,15 +54,7 @@ def _ms_per_step(mode: str, steps: int, clock: Callable[[], float] = time.perf_c
     else:
         scaler = {"enabled": False} if mode.endswith("without check") else None
         precision = {"plugins": [MixedPrecisionPlugin("bf16-mixed", scaler=scaler)]}
-    trainer = L.Trainer(
-        accelerator="cpu",
-        max_steps=steps,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        **precision,
-    )
+    trainer = L.Trainer(accelerator="cpu", max_steps=steps, **QUIET_TRAINER, **precision)
     start = clock()
     trainer.fit(_MLP(), data)
     return (clock() - start) / steps * 1e3

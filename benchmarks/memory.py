@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 import torch
-from _report import report, run_worker
+from _report import QUIET_TRAINER, report, run_worker
 from torch import nn
 
 SIZES = {
@@ -88,15 +88,7 @@ def _worker(args: argparse.Namespace) -> dict:
         def configure_optimizers(self):
             return torch.optim.AdamW(self.parameters(), lr=1e-5, weight_decay=0.01)
 
-    trainer_kwargs: dict = dict(
-        accelerator=args.device,
-        devices=1,
-        max_steps=args.steps,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
+    trainer_kwargs: dict = dict(accelerator=args.device, devices=1, max_steps=args.steps, **QUIET_TRAINER)
     if args.worker == "fp32":
         trainer_kwargs["precision"] = "32-true"
     elif args.worker == "builtin":

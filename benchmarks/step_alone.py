@@ -30,7 +30,7 @@ import warnings
 
 import lightning as L
 import torch
-from _report import report
+from _report import QUIET_TRAINER, report
 from torch import nn
 from torch.utils.data import DataLoader
 
@@ -83,15 +83,7 @@ def _fit(mode: str, args: argparse.Namespace) -> list[float]:
         precision = {"plugins": [MixedPrecisionPlugin("bf16-mixed", master_weights="remainder")]}
     timer = _StepTimer(args.device)
     trainer = L.Trainer(
-        accelerator=args.device,
-        devices=1,
-        max_steps=args.steps,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[timer],
-        **precision,
+        accelerator=args.device, devices=1, max_steps=args.steps, **QUIET_TRAINER, callbacks=[timer], **precision
     )
     trainer.fit(module, DataLoader(range(args.steps), batch_size=1))
     return timer.times

@@ -31,7 +31,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _report import report  # noqa: E402
+from _report import QUIET_TRAINER, report  # noqa: E402
 
 from lightning_mp import DynamicLossScaler, MixedPrecisionPlugin, stepping  # noqa: E402
 from tests.helpers import HostSyncCounter, TinyRegressor, regression_loader  # noqa: E402
@@ -60,10 +60,7 @@ def _trainer(plugin: Any, steps: int, callbacks: Any = ()) -> L.Trainer:
         accelerator="cpu",
         devices=1,
         max_steps=steps,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
+        **QUIET_TRAINER,
         limit_val_batches=0,
         callbacks=list(callbacks),
         **({"precision": plugin} if isinstance(plugin, str) else {"plugins": [plugin]}),
