@@ -90,9 +90,8 @@ PRETRAIN_LR, FINETUNE_LR, WARMUP = 1e-3, 2e-5, 50
 
 
 def _model_class():
-    import math
 
-    from lightning_mp.samples.models.gpt import GPTLanguageModel
+    from lightning_mp.samples.models.gpt import GPTLanguageModel, warmup_cosine
 
     class ConvergenceModel(GPTLanguageModel):
         """The GPT sample with AdamW or torchao's AdamW8bit, and a constant LR (fine-tune) or warm-up + cosine."""
@@ -119,14 +118,7 @@ def _model_class():
                 optimizer = torch.optim.AdamW(groups, lr=self.hparams.lr, betas=(0.9, 0.95))
             total, warmup = max(int(self.trainer.max_steps), 1), min(self.hparams.warmup_steps, self.trainer.max_steps)
 
-            def factor(step: int) -> float:
-                if self.constant_lr:
-                    return 1.0
-                if step < warmup:
-                    return (step + 1) / warmup
-                progress = min((step - warmup) / max(total - warmup, 1), 1.0)
-                return 0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * progress))
-
+            factor = (lambda step: 1.0) if self.constant_lr else warmup_cosine(warmup, total)
             scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
             return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 

@@ -10,7 +10,7 @@ attention and MLP projections in fp8 and keeps the output projection ``lm_head``
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Callable
 
 import lightning as L
 import torch
@@ -18,6 +18,18 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 VOCAB_SIZE = 256
+
+
+def warmup_cosine(warmup: int, total: int) -> Callable[[int], float]:
+    """The LR factor of step ``step``: linear warm-up over ``warmup`` steps, then cosine from 1 to 0.1 at ``total``."""
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = min((step - warmup) / max(total - warmup, 1), 1.0)
+        return 0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    return factor
 
 
 class CausalSelfAttention(nn.Module):
@@ -165,11 +177,5 @@ class GPTLanguageModel(L.LightningModule):
         total = max(int(self.trainer.estimated_stepping_batches), 1) if self._trainer is not None else 1000
         warmup = min(self.hparams.warmup_steps, total)
 
-        def factor(step: int) -> float:
-            if step < warmup:
-                return (step + 1) / warmup
-            progress = min((step - warmup) / max(total - warmup, 1), 1.0)
-            return 0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * progress))
-
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(warmup, total))
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
