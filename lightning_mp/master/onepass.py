@@ -173,18 +173,12 @@ def _run(
             addresses.append([high.data_ptr(), low.data_ptr(), grad.data_ptr(), *pointers, local.numel()])
         steps = [row[2] for row in chosen] if chosen[0][2] is not None else None
         device = local_of(chosen[0][0]).device
+        grad_fp32 = dtype == torch.float32
+        these = {**options, "grad_fp32": grad_fp32}
         if device.type == "cpu":
-            native.run_rows(addresses, steps, {**options, "grad_fp32": dtype == torch.float32}, factor, found)
+            native.run_rows(addresses, steps, these, factor, found)
         else:
-            native.cuda_update(store).run(
-                id(group) * 2 + (dtype == torch.float32),
-                addresses,
-                steps,
-                {**options, "grad_fp32": dtype == torch.float32},
-                found,
-                factor,
-                device,
-            )
+            native.cuda_update(store).run(id(group) * 2 + grad_fp32, addresses, steps, these, found, factor, device)
 
 
 def _plain_adam(
