@@ -139,6 +139,18 @@ class ManualNet(Net):
         return loss
 
 
+class EndSpawnedRanksTogether(Callback):
+    """strategy='ddp_spawn' on gloo: both spawned ranks meet and take the process group down at the end of fit.
+
+    Lightning leaves a gloo group to the interpreter's exit; rank 0 (which hosts the rendezvous store) can then exit
+    while rank 1 is still tearing its group down, and rank 1 aborts ("terminate called without an active
+    exception", SIGABRT; seen once in CI under load, reproduced here 1 in 4 runs with the CPUs busy). Nothing
+    collective runs after the teardown hook in a spawned rank (rank 0 only saves the weights and returns them)."""
+
+    def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        finish()
+
+
 class StepRecorder(Callback):
     """After every batch: (global step, loss scale, skipped steps so far)."""
 
@@ -198,6 +210,8 @@ def fit(
     )
     plugin = make_plugin(precision, masters, reduce_dtype, scaler, policy)
     callbacks: list[Callback] = [StepRecorder(), *extra_callbacks]
+    if strategy == "ddp_spawn":
+        callbacks.append(EndSpawnedRanksTogether())
     if checkpoint_dir is not None:
         callbacks.append(
             ModelCheckpoint(
