@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import statistics
 import subprocess
 import sys
 from datetime import datetime, timezone
@@ -23,6 +24,21 @@ def machine(device: str) -> str:
     if device == "cuda":
         return f"cuda ({torch.cuda.get_device_name()})"
     return f"cpu ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
+
+
+def rounds_table(times: dict[str, list[float]], base: str, ratio: str) -> str:
+    """The table of a run whose modes alternated round by round: each mode's median per-step time (ms) over the
+    rounds after the first (a warm-up), every round's time, and ``ratio`` against mode ``base``: ``"speed"``
+    (base / mode, higher is faster) or ``"time"`` (mode / base, lower is faster)."""
+    counted = {mode: values[1:] or values for mode, values in times.items()}
+    reference = statistics.median(counted[base])
+    lines = [f"| mode | ms per step (median) | rounds (ms) | {ratio} vs {base} |", "|---|---:|---|---:|"]
+    for mode, values in counted.items():
+        median = statistics.median(values)
+        shown = ", ".join(f"{value:.3f}" for value in times[mode])
+        factor = reference / median if ratio == "speed" else median / reference
+        lines.append(f"| {mode} | {median:.3f} | {shown} | {factor:.2f}x |")
+    return "\n".join(lines)
 
 
 def report(title: str, table: str, device: str, record: bool) -> None:

@@ -14,13 +14,12 @@ over the other rounds of the mean time per step.
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
 import warnings
 
 import lightning as L
 import torch
-from _report import QUIET_TRAINER, report
+from _report import QUIET_TRAINER, report, rounds_table
 from framework_overhead import _MLP
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -94,15 +93,8 @@ def main() -> None:
         times["trainer+ours"].append(_trainer_ms(args.steps))
         times["fabric+ours"].append(_fabric_ms(args.steps, builtin=False))
         times["fabric+builtin-bf16"].append(_fabric_ms(args.steps, builtin=True))
-    counted = {mode: values[1:] or values for mode, values in times.items()}
-    base = statistics.median(counted["trainer+ours"])
-    lines = ["| mode | ms per step (median) | rounds (ms) | time vs trainer+ours |", "|---|---:|---|---:|"]
-    for mode, values in counted.items():
-        median = statistics.median(values)
-        rounds = ", ".join(f"{value:.3f}" for value in times[mode])
-        lines.append(f"| {mode} | {median:.3f} | {rounds} | {median / base:.2f}x |")
     title = f"Fabric vs Trainer step time, 16-64-64-10 MLP, AdamW, {args.steps} steps x {args.rounds} rounds"
-    report(title, "\n".join(lines), "cpu", args.record)
+    report(title, rounds_table(times, "trainer+ours", "time"), "cpu", args.record)
 
 
 if __name__ == "__main__":

@@ -14,14 +14,13 @@ shared with other jobs, waiting for a core then does not count (with one thread,
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
 import warnings
 from typing import Callable
 
 import lightning as L
 import torch
-from _report import QUIET_TRAINER, report
+from _report import QUIET_TRAINER, report, rounds_table
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -73,16 +72,9 @@ def main() -> None:
     for _ in range(args.rounds):
         for mode in MODES:
             times[mode].append(_ms_per_step(mode, args.steps, CLOCKS[args.clock]))
-    counted = {mode: values[1:] or values for mode, values in times.items()}
-    base = statistics.median(counted["builtin-bf16"])
-    lines = ["| mode | ms per step (median) | rounds (ms) | speed vs builtin-bf16 |", "|---|---:|---|---:|"]
-    for mode, values in counted.items():
-        median = statistics.median(values)
-        rounds = ", ".join(f"{value:.3f}" for value in times[mode])
-        lines.append(f"| {mode} | {median:.3f} | {rounds} | {base / median:.2f}x |")
     title = f"Framework overhead per step, 16-64-64-10 MLP, AdamW, {args.steps} steps x {args.rounds} rounds"
     title += ", CPU time" if args.clock == "cpu" else ""
-    report(title, "\n".join(lines), "cpu", args.record)
+    report(title, rounds_table(times, "builtin-bf16", "speed"), "cpu", args.record)
 
 
 if __name__ == "__main__":
