@@ -233,3 +233,18 @@ def test_step_alone_benchmark_times_every_mode_and_names_the_path():
     path = "| remainder (one pass)" if native.cpu_kernel() is not None else "| remainder (chunked)"  # no C compiler
     assert rows == ["| builtin AdamW", "| builtin AdamW(fused)", path, "| remainder, chunked"]
     assert "first step of the first fit" in done.stdout
+
+
+def test_grad_check_benchmark_times_both_checks_on_every_layout():
+    from lightning_mp.master import native
+
+    command = [sys.executable, str(ROOT / "benchmarks" / "grad_check.py"), "--rounds", "1", "--shrink", "512"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    if native.cpu_kernel() is None:  # no C compiler: the script says so instead of timing torch's kernel alone
+        assert done.returncode != 0 and "not built here" in done.stderr
+        return
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [line.split(" | ")[:2] for line in done.stdout.splitlines() if line.startswith("| ") and "x 2^" in line]
+    layouts = ["| 32 x 2^19", "| 256 x 2^19", "| 1 x 2^27"]
+    methods = ["torch kernel (read + write)", "compiled check (read only)"]
+    assert rows == [[layout, method] for layout in layouts for method in methods]

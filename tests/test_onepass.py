@@ -163,6 +163,45 @@ def test_found_inf_leaves_every_byte_as_it_was():
     assert all(torch.equal(m, torch.ones_like(m)) for m in moments)
 
 
+def _check(grads):
+    flag = torch.zeros(1)
+    assert native.check_nonfinite(grads, flag)  # the compiled check took them
+    return flag.item()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_the_compiled_check_finds_every_non_finite_16_bit_pattern_and_no_finite_one(dtype):
+    """Every one of the 65536 bit patterns: all finite ones together read as finite (the largest finite magnitude
+    of either sign included), and each inf or NaN pattern alone, after them, is found."""
+    patterns = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(dtype)
+    finite = torch.isfinite(patterns.float())
+    assert _check([patterns[finite].contiguous()]) == 0.0
+    bad = patterns[~finite]
+    assert len(bad) == {torch.bfloat16: 256, torch.float16: 2048}[dtype]  # 2 signs x (inf + every NaN payload)
+    for value in bad:
+        assert _check([patterns[finite][:100].contiguous(), value.reshape(1).clone()]) == 1.0, value.view(torch.int16)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_the_compiled_check_finds_one_bad_value_wherever_it_is_among_units_and_tensors(monkeypatch, dtype):
+    """Units of GRAIN values cut across tensors (one large tensor is shared by the threads): one bad value in the
+    first, a middle or the last unit of a tensor, or in a small tensor after a large one, is found; the largest
+    finite value and its negative are not."""
+    sizes = [native.GRAIN * 3 + 5, 9, native.GRAIN + 1]
+    largest = torch.finfo(dtype).max
+    for threads in (1, 2, 3):
+        monkeypatch.setattr(torch, "get_num_threads", lambda threads=threads: threads)  # what the check reads
+        clean = [torch.randn(n).to(dtype) for n in sizes]
+        clean[0][native.GRAIN] = largest
+        clean[2][-1] = -largest
+        assert _check(clean) == 0.0
+        for tensor, index in [(0, 0), (0, native.GRAIN + 7), (0, sizes[0] - 1), (1, 4), (2, native.GRAIN)]:
+            for bad in (float("inf"), float("-inf"), float("nan")):
+                grads = [g.clone() for g in clean]
+                grads[tensor][index] = bad
+                assert _check(grads) == 1.0, (threads, tensor, index, bad)
+
+
 def test_join_and_split_kernels_equal_the_eager_ones_on_special_values():
     special = torch.tensor([0.0, -0.0, float("inf"), -float("inf"), float("nan"), 1e-45, -1e-45, 3.4e38, -3.4e38])
     values = torch.cat([special, torch.randn(5000) * 10.0 ** torch.randint(-30, 30, (5000,)).float()])

@@ -169,6 +169,8 @@ def cpu_kernel() -> Optional[ctypes.CDLL]:
                 ctypes.c_uint32,
                 ctypes.c_void_p,
                 ctypes.c_int,
+                ctypes.c_int64,
+                ctypes.POINTER(ctypes.c_int64),
             ]
             for name in ("lean_join", "lean_split"):
                 getattr(library, name).restype = None
@@ -267,7 +269,10 @@ def check_nonfinite(grads: list[torch.Tensor], found: torch.Tensor) -> bool:
     width, mask = _EXPONENT_MASKS[grads[0].dtype]
     pointers = (ctypes.c_void_p * len(grads))(*[g.data_ptr() for g in grads])
     numels = (ctypes.c_int64 * len(grads))(*[g.numel() for g in grads])
-    library.lean_check_nonfinite(pointers, numels, len(grads), width, mask, found.data_ptr(), torch.get_num_threads())
+    first_unit = (ctypes.c_int64 * (len(grads) + 1))()
+    library.lean_check_nonfinite(
+        pointers, numels, len(grads), width, mask, found.data_ptr(), torch.get_num_threads(), GRAIN, first_unit
+    )
     return True
 
 
