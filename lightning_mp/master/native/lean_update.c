@@ -276,49 +276,73 @@ static void run_range(const lean_piece *p, const lean_options *o, int64_t begin,
     if (end > body) f(p, o, begin > body ? begin : body, end, 1);
 }
 
-/* Work is cut into units of at most `grain` elements (a multiple of 64) of one piece; threads take units in turn. */
+/* Work (the update's, the check's) is cut into units of at most `grain` elements (a multiple of 64) of one tensor;
+ * threads take units in turn. `first_unit[k]` is the first unit of tensor k (count + 1 entries, filled by the
+ * caller with add_units). */
 typedef struct {
-    const lean_piece *pieces;
-    int64_t npieces;
-    const lean_options *options;
     int64_t grain;
     int64_t units;
-    const int64_t *first_unit; /* first unit index of each piece, npieces + 1 entries */
-    int64_t next;              /* the next unit to take (atomic) */
+    int64_t *first_unit;
+    int64_t next; /* the next unit to take (atomic) */
+} unit_queue;
+
+static void add_units(unit_queue *q, int64_t k, int64_t n) {
+    if (k == 0) q->first_unit[0] = 0;
+    q->first_unit[k + 1] = q->first_unit[k] + (n + q->grain - 1) / q->grain;
+    q->units = q->first_unit[k + 1];
+}
+
+/* Take the next unit: its tensor *k (a thread's units only increase, so *k only moves forward) and its first
+ * element *begin; 0 when none is left. */
+static int take_unit(unit_queue *q, int64_t *k, int64_t *begin) {
+    int64_t unit = __atomic_fetch_add(&q->next, 1, __ATOMIC_RELAXED);
+    if (unit >= q->units) return 0;
+    while (q->first_unit[*k + 1] <= unit) (*k)++;
+    *begin = (unit - q->first_unit[*k]) * q->grain;
+    return 1;
+}
+
+static int64_t unit_end(const unit_queue *q, int64_t begin, int64_t n) {
+    return begin + q->grain < n ? begin + q->grain : n;
+}
+
+/* Run work(arg) on the calling thread and up to threads - 1 others (no more than there are units). A thread that
+ * cannot be started is simply not there: the threads that are take its units. */
+static void run_threads(void *(*work)(void *), void *arg, int threads, int64_t units) {
+    if (threads > 64) threads = 64;
+    pthread_t ids[64];
+    int started = 0;
+    for (int t = 1; t < threads && (int64_t)t < units; t++) {
+        if (pthread_create(&ids[started], 0, work, arg) != 0) break;
+        started++;
+    }
+    work(arg);
+    for (int t = 0; t < started; t++) pthread_join(ids[t], 0);
+}
+
+typedef struct {
+    const lean_piece *pieces;
+    const lean_options *options;
+    unit_queue queue;
 } lean_work;
 
 static void *worker(void *arg) {
     lean_work *w = (lean_work *)arg;
-    int64_t piece = 0;
-    for (;;) {
-        int64_t unit = __atomic_fetch_add(&w->next, 1, __ATOMIC_RELAXED);
-        if (unit >= w->units) break;
-        while (w->first_unit[piece + 1] <= unit) piece++; /* a thread's units only increase */
+    int64_t piece = 0, begin;
+    while (take_unit(&w->queue, &piece, &begin)) {
         const lean_piece *p = &w->pieces[piece];
-        int64_t begin = (unit - w->first_unit[piece]) * w->grain;
-        int64_t end = begin + w->grain < p->n ? begin + w->grain : p->n;
-        run_range(p, w->options, begin, end);
+        run_range(p, w->options, begin, unit_end(&w->queue, begin, p->n));
     }
     return 0;
 }
 
-/* Update every piece; returns 0, or -1 when a thread could not be started (the caller then has nothing updated
- * twice: threads that did start finish their units, and the calling thread takes the rest). */
+/* Update every piece; returns 0. */
 int lean_update(const lean_piece *pieces, int64_t npieces, const lean_options *options, const float *found_inf,
                 int threads, int64_t grain, int64_t *first_unit) {
     if (found_inf && *found_inf != 0.0f) return 0; /* a skipped step leaves every byte as it was */
-    first_unit[0] = 0;
-    for (int64_t k = 0; k < npieces; k++) first_unit[k + 1] = first_unit[k] + (pieces[k].n + grain - 1) / grain;
-    lean_work work = {pieces, npieces, options, grain, first_unit[npieces], first_unit, 0};
-    if (threads > 64) threads = 64;
-    pthread_t ids[64];
-    int started = 0;
-    for (int t = 1; t < threads && (int64_t)t < work.units; t++) {
-        if (pthread_create(&ids[started], 0, worker, &work) != 0) break;
-        started++;
-    }
-    worker(&work);
-    for (int t = 0; t < started; t++) pthread_join(ids[t], 0);
+    lean_work work = {pieces, options, {grain, 0, first_unit, 0}};
+    for (int64_t k = 0; k < npieces; k++) add_units(&work.queue, k, pieces[k].n);
+    run_threads(worker, &work, threads, work.queue.units);
     return 0;
 }
 
@@ -346,10 +370,7 @@ typedef struct {
     const int64_t *numels;
     int width;
     uint32_t exponent_mask;
-    int64_t grain;
-    int64_t units;
-    const int64_t *first_unit; /* first unit index of each tensor, count + 1 entries */
-    int64_t next;
+    unit_queue queue;
     int bad;
 } check_work;
 
@@ -387,31 +408,18 @@ static int unit_bad(const check_work *w, int64_t k, int64_t begin, int64_t end) 
 
 static void *check_worker(void *arg) {
     check_work *w = (check_work *)arg;
-    int64_t k = 0;
-    for (;;) {
-        int64_t unit = __atomic_fetch_add(&w->next, 1, __ATOMIC_RELAXED);
-        if (unit >= w->units || __atomic_load_n(&w->bad, __ATOMIC_RELAXED)) break;
-        while (w->first_unit[k + 1] <= unit) k++; /* a thread's units only increase */
-        int64_t begin = (unit - w->first_unit[k]) * w->grain;
-        int64_t end = begin + w->grain < w->numels[k] ? begin + w->grain : w->numels[k];
-        if (unit_bad(w, k, begin, end)) __atomic_store_n(&w->bad, 1, __ATOMIC_RELAXED);
+    int64_t k = 0, begin;
+    while (!__atomic_load_n(&w->bad, __ATOMIC_RELAXED) && take_unit(&w->queue, &k, &begin)) {
+        if (unit_bad(w, k, begin, unit_end(&w->queue, begin, w->numels[k])))
+            __atomic_store_n(&w->bad, 1, __ATOMIC_RELAXED);
     }
     return 0;
 }
 
 void lean_check_nonfinite(const void *const *pointers, const int64_t *numels, int64_t count, int width,
                           uint32_t exponent_mask, float *found, int threads, int64_t grain, int64_t *first_unit) {
-    first_unit[0] = 0;
-    for (int64_t k = 0; k < count; k++) first_unit[k + 1] = first_unit[k] + (numels[k] + grain - 1) / grain;
-    check_work work = {pointers, numels, width, exponent_mask, grain, first_unit[count], first_unit, 0, 0};
-    if (threads > 64) threads = 64;
-    pthread_t ids[64];
-    int started = 0;
-    for (int t = 1; t < threads && (int64_t)t < work.units; t++) {
-        if (pthread_create(&ids[started], 0, check_worker, &work) != 0) break;
-        started++;
-    }
-    check_worker(&work);
-    for (int t = 0; t < started; t++) pthread_join(ids[t], 0);
+    check_work work = {pointers, numels, width, exponent_mask, {grain, 0, first_unit, 0}, 0};
+    for (int64_t k = 0; k < count; k++) add_units(&work.queue, k, numels[k]);
+    run_threads(check_worker, &work, threads, work.queue.units);
     if (work.bad) *found = 1.0f;
 }
