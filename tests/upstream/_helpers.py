@@ -18,6 +18,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_mp import MixedPrecisionPlugin
+from tests.distributed.common import finish
 
 MASTER_WEIGHTS = [False, True]
 
@@ -92,10 +93,7 @@ def _rank_entry(rank: int, world_size: int, port: int, fn: Callable[..., None], 
     )
     torch.set_num_threads(1)
     fn(*args)
-    # leave no gloo threads to the interpreter's shutdown (they can abort the process there)
-    if torch.distributed.is_initialized():
-        torch.distributed.barrier()
-        torch.distributed.destroy_process_group()
+    finish()  # leave no gloo threads to the interpreter's shutdown (they can abort the process there)
 
 
 def run_in_two_processes(fn: Callable[..., None], *args: Any) -> None:
