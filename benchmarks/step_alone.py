@@ -55,10 +55,18 @@ class _OnlyParameters(L.LightningModule):
 
 
 class _StepTimer(L.Callback):
-    def __init__(self, device: str) -> None:
+    def __init__(self, device: str, profile: bool = False) -> None:
         self.device = device
         self.times: list[float] = []
         self._start = 0.0
+        self.profiler = None
+        if profile:  # steps 5..9 of the fit (after warm-up): what each step launches and where its time goes
+            activities = [torch.profiler.ProfilerActivity.CPU]
+            if device == "cuda":
+                activities.append(torch.profiler.ProfilerActivity.CUDA)
+            self.profiler = torch.profiler.profile(activities=activities, schedule=torch.profiler.schedule(
+                wait=0, warmup=0, active=5, skip_first=5, repeat=1))  # fmt: skip
+            self.profiler.start()
 
     def _sync(self) -> None:
         if self.device == "cuda":
@@ -71,9 +79,11 @@ class _StepTimer(L.Callback):
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
         self._sync()
         self.times.append(time.perf_counter() - self._start)
+        if self.profiler is not None:
+            self.profiler.step()
 
 
-def _fit(mode: str, args: argparse.Namespace) -> list[float]:
+def _fit(mode: str, args: argparse.Namespace, profile: bool = False) -> list[float]:
     os.environ["LIGHTNING_MP_NATIVE"] = "0" if mode.endswith("chunked") else "1"
     torch.manual_seed(0)
     module = _OnlyParameters(args.tensors, args.numel, fused=mode == "builtin AdamW(fused)")
@@ -81,11 +91,15 @@ def _fit(mode: str, args: argparse.Namespace) -> list[float]:
         precision = {"precision": "bf16-mixed"}
     else:
         precision = {"plugins": [MixedPrecisionPlugin("bf16-mixed", master_weights="remainder")]}
-    timer = _StepTimer(args.device)
+    timer = _StepTimer(args.device, profile)
     trainer = L.Trainer(
         accelerator=args.device, devices=1, max_steps=args.steps, **QUIET_TRAINER, callbacks=[timer], **precision
     )
     trainer.fit(module, DataLoader(range(args.steps), batch_size=1))
+    if timer.profiler is not None:
+        timer.profiler.stop()
+        sort = "self_cuda_time_total" if args.device == "cuda" else "self_cpu_time_total"
+        print(f"=== profile of 5 steps: {mode}\n" + timer.profiler.key_averages().table(sort_by=sort, row_limit=25))
     return timer.times
 
 
@@ -99,6 +113,7 @@ def main() -> None:
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
     parser.add_argument("--record", action="store_true")
+    parser.add_argument("--profile", action="store_true", help="then print a torch.profiler table of 5 steps per mode")
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
     rounds: dict[str, list[float]] = {mode: [] for mode in args.modes}
@@ -125,6 +140,9 @@ def main() -> None:
         f"{args.steps} steps x {args.rounds} rounds, {args.device}"
     )
     report(title, "\n".join(lines), args.device, args.record)
+    if args.profile:
+        for mode in args.modes:
+            _fit(mode, args, profile=True)
 
 
 if __name__ == "__main__":

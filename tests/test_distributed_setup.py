@@ -88,3 +88,23 @@ def test_fsdp1_strategy_is_refused_with_what_to_use_instead():
         "strategy='ddp'",
     ):
         assert fragment in message, fragment
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA device (Lightning's FSDPStrategy runs only there)"
+)
+@pytest.mark.parametrize("masters", [True, "remainder"])
+def test_fsdp1_on_one_gpu_is_refused_before_the_first_step(masters):
+    """Where FSDP1 really runs (CUDA): the plugin with masters under ``strategy="fsdp"`` fails before any step, with an
+    error that names FSDP1 and what to use instead (FSDP2, DDP, or Lightning's own FSDPPrecision)."""
+    precision = "bf16-mixed" if masters == "remainder" else "16-mixed"
+    model = TinyRegressor()
+    with pytest.raises((TypeError, ValueError)) as error:
+        trainer = L.Trainer(
+            accelerator="cuda", devices=1, strategy="fsdp", max_steps=1, logger=False, enable_checkpointing=False,
+            plugins=[MixedPrecisionPlugin(precision, master_weights=masters)],
+        )  # fmt: skip
+        trainer.fit(model, regression_loader())
+    print(f"FSDP1 on CUDA: {type(error.value).__name__}: {error.value}")
+    assert "FSDP" in str(error.value)

@@ -1,28 +1,66 @@
 """The one-pass lean update on CUDA: one Triton kernel per param group and step (Triton ships with CUDA builds of
 torch; without it, the chunked path runs, after one warning).
 
-Each program of the kernel updates ``BLOCK`` elements of one tensor: it joins the bf16 weights and int16 remainders
-into fp32, applies the optimizer's arithmetic and splits the result back, reading and writing each byte once. Which
-tensor and where: a table of ``(tensor, start)`` per program, built once per set of tensor sizes; the tensors'
-addresses: a small int64 table, copied to the device (pinned, asynchronously) only when an address changed.
+Each program of the kernel updates ``CHUNK`` elements of one tensor, ``BLOCK`` at a time: it joins the bf16 weights
+and int16 remainders into fp32, applies the optimizer's arithmetic and splits the result back, reading and writing
+each byte once. Which tensor and where: a table of ``(tensor, start)`` per program, built once per set of tensor
+sizes; the tensors' addresses: a small int64 table, copied to the device (pinned, asynchronously) only when an
+address changed. :data:`CONFIG` holds the launch shape (``BLOCK``, ``CHUNK``, warps), chosen on an H100 by
+``benchmarks/kernel_contract.py --tune``; ``LIGHTNING_MP_TRITON_CONFIG=BLOCK,CHUNK,WARPS`` overrides it.
 
-Arithmetic: that of torch's CUDA fused kernels (``fused_adam_utils.cuh``, ``fused_sgd_kernel.cu``): values in
-fp32, the terms torch computes with the optimizer's double-precision options in fp64, bias corrections per tensor
-from its step count on the device (no host synchronisation). The generated code may contract multiply-adds where
-nvcc did not (or the reverse), so results can differ from ``torch.optim.AdamW(fused=True)`` in the last bit of an
-element per step; tests/test_onepass.py bounds that difference on a GPU.
+Arithmetic: that of torch's CUDA fused kernels (``fused_adam_utils.cuh``, ``FusedSgdKernel.cu``): values in fp32,
+the terms torch computes with the optimizer's double-precision options in fp64, IEEE-rounded division and square
+root (Triton's default fp32 division is approximate), bias corrections per tensor from its step count on the device
+(no host synchronisation). The compilers may contract multiply-adds differently, so results can differ from
+``torch.optim.AdamW(fused=True)`` in the last bits; the contract (:mod:`lightning_mp.master.native.contract`) is
+that each value is as close to a float64 evaluation of the formula as torch's own kernel's.
 """
 
 from __future__ import annotations
 
-from typing import Any, Optional
+import os
+from typing import Any, NamedTuple, Optional
 
 import torch
 from torch import Tensor
 
-BLOCK = 1024
 ADAM, ADAMW, SGD = 0, 1, 2
 _kernels: dict[str, Any] = {}
+
+
+class LaunchConfig(NamedTuple):
+    """The kernel's launch shape: elements per vector ``block``, elements per program ``chunk`` (a multiple of
+    ``block``), warps per program; and the arithmetic of Adam's weight update: ``precise`` (from the unrounded
+    moments in fp64, rounded once) or torch's (fp32 with IEEE division)."""
+
+    block: int
+    chunk: int
+    warps: int
+    precise: bool = False
+
+
+#: the default launch shape and arithmetic (module doc)
+CONFIG = LaunchConfig(block=1024, chunk=1024, warps=4, precise=True)
+
+
+def launch_config() -> LaunchConfig:
+    """:data:`CONFIG`, or ``LIGHTNING_MP_TRITON_CONFIG=BLOCK,CHUNK,WARPS[,PRECISE]`` where set (checked: powers of
+    two, ``CHUNK`` a multiple of ``BLOCK``, ``PRECISE`` 0 or 1)."""
+    text = os.environ.get("LIGHTNING_MP_TRITON_CONFIG")
+    if not text:
+        return CONFIG
+    try:
+        numbers = [int(part) for part in text.split(",")]
+        config = LaunchConfig(*numbers[:3], bool(numbers[3]) if len(numbers) == 4 else CONFIG.precise)
+        valid = len(numbers) in (3, 4) and numbers[3:] in ([], [0], [1])
+    except (TypeError, ValueError):
+        valid = False
+    if not valid or any(v <= 0 or v & (v - 1) for v in config[:3]) or config.chunk % config.block:
+        raise ValueError(
+            f"LIGHTNING_MP_TRITON_CONFIG={text!r}: expected powers of two BLOCK,CHUNK,WARPS with CHUNK a multiple "
+            "of BLOCK, then optionally PRECISE (0 or 1), for example 1024,4096,4 or 1024,4096,4,1"
+        )
+    return config
 
 
 def triton_available() -> bool:
@@ -44,7 +82,8 @@ def _kernel() -> Any:
         table, block_tensor, block_start, scalars, found, grad_mul, option_values,
         KIND: tl.constexpr, GRAD_FP32: tl.constexpr, AMSGRAD: tl.constexpr, MAXIMIZE: tl.constexpr,
         NESTEROV: tl.constexpr, FIRST: tl.constexpr, HAS_MUL: tl.constexpr, CLAMPED: tl.constexpr,
-        HAS_FOUND: tl.constexpr, HAS_MOMENTUM: tl.constexpr, BLOCK: tl.constexpr,
+        HAS_FOUND: tl.constexpr, HAS_MOMENTUM: tl.constexpr, PRECISE: tl.constexpr, BLOCK: tl.constexpr,
+        CHUNK: tl.constexpr,
     ):  # fmt: skip
         pid = tl.program_id(0)
         lr = tl.load(option_values)  # fp64, as torch's kernels take the optimizer's options
@@ -61,69 +100,98 @@ def _kernel() -> Any:
         high_ptr = tl.load(row).to(tl.pointer_type(tl.int16))
         low_ptr = tl.load(row + 1).to(tl.pointer_type(tl.int16))
         n = tl.load(row + 6)
-        offsets = start + tl.arange(0, BLOCK)
-        mask = offsets < n
-        if HAS_FOUND:
-            mask = mask & (tl.load(found) == 0)
-        high = tl.load(high_ptr + offsets, mask=mask, other=0).to(tl.int32)
-        low = tl.load(low_ptr + offsets, mask=mask, other=0).to(tl.int32)
-        w = ((high << 16) + low).to(tl.float32, bitcast=True)
-        if GRAD_FP32:
-            g = tl.load(tl.load(row + 2).to(tl.pointer_type(tl.float32)) + offsets, mask=mask, other=0.0)
-        else:
-            g = tl.load(tl.load(row + 2).to(tl.pointer_type(tl.bfloat16)) + offsets, mask=mask, other=0.0)
-            g = g.to(tl.float32)
-        if HAS_MUL:
-            g = g * tl.load(grad_mul)
-        if CLAMPED:
-            g = tl.where(g < -clamp, -clamp, g)
-            g = tl.where(g > clamp, clamp, g)
-        if MAXIMIZE:
-            g = -g
         s1_ptr = tl.load(row + 3).to(tl.pointer_type(tl.float32))
-        if KIND == 2:  # SGD
-            if weight_decay != 0:
-                g = (g.to(tl.float64) + weight_decay * w.to(tl.float64)).to(tl.float32)
-            if HAS_MOMENTUM:
-                if FIRST:
-                    buf = g
-                else:
-                    buf = tl.load(s1_ptr + offsets, mask=mask, other=0.0)
-                    buf = (momentum * buf.to(tl.float64) + (1 - dampening) * g.to(tl.float64)).to(tl.float32)
-                tl.store(s1_ptr + offsets, buf, mask=mask)
-                if NESTEROV:
-                    g = (g.to(tl.float64) + momentum * buf.to(tl.float64)).to(tl.float32)
-                else:
-                    g = buf
-            w = (w.to(tl.float64) - lr * g.to(tl.float64)).to(tl.float32)
+        s2_ptr = tl.load(row + 4).to(tl.pointer_type(tl.float32))
+        s3_ptr = tl.load(row + 5).to(tl.pointer_type(tl.float32))
+        if GRAD_FP32:
+            g32_ptr = tl.load(row + 2).to(tl.pointer_type(tl.float32))
         else:
-            s2_ptr = tl.load(row + 4).to(tl.pointer_type(tl.float32))
-            if weight_decay != 0:
-                if KIND == 1:  # AdamW: param -= lr * weight_decay * param
-                    w = (w.to(tl.float64) - lr * weight_decay * w.to(tl.float64)).to(tl.float32)
-                else:
-                    g = (g.to(tl.float64) + w.to(tl.float64) * weight_decay).to(tl.float32)
-            m = tl.load(s1_ptr + offsets, mask=mask, other=0.0)
-            v = tl.load(s2_ptr + offsets, mask=mask, other=0.0)
-            g64 = g.to(tl.float64)
-            m = (beta1 * m.to(tl.float64) + (1 - beta1) * g64).to(tl.float32)
-            v = (beta2 * v.to(tl.float64) + (1 - beta2) * g64 * g64).to(tl.float32)
-            tl.store(s1_ptr + offsets, m, mask=mask)
-            tl.store(s2_ptr + offsets, v, mask=mask)
-            step_size = tl.load(scalars + t * 2)
-            bc2_sqrt = tl.load(scalars + t * 2 + 1)
-            if AMSGRAD:
-                s3_ptr = tl.load(row + 5).to(tl.pointer_type(tl.float32))
-                vmax = tl.maximum(tl.load(s3_ptr + offsets, mask=mask, other=0.0), v)
-                tl.store(s3_ptr + offsets, vmax, mask=mask)
-                v = vmax
-            denom = ((tl.sqrt_rn(v) / bc2_sqrt).to(tl.float64) + eps).to(tl.float32)
-            w = w - step_size * m / denom
-        bits = w.to(tl.int32, bitcast=True)
-        rounded = (bits + 0x8000) >> 16
-        rounded = tl.where(w != w, (bits >> 16) | 0x0040, rounded)
-        tl.store(high_ptr + offsets, rounded.to(tl.int16), mask=mask)
-        tl.store(low_ptr + offsets, bits.to(tl.int16), mask=mask)
+            g16_ptr = tl.load(row + 2).to(tl.pointer_type(tl.bfloat16))
+        if HAS_FOUND:  # a skipped step: every load and store masked off
+            go = tl.load(found) == 0
+        if HAS_MUL:
+            factor = tl.load(grad_mul)
+        if KIND != 2:
+            if PRECISE:  # fp64 bias terms (scalars: fp64, 4 per tensor; :func:`_bias_scalars`)
+                step_size = tl.load(scalars + t * 4 + 2)
+                bc2_sqrt = tl.load(scalars + t * 4 + 3)
+            else:  # torch's: fp32
+                step_size = tl.load(scalars + t * 4).to(tl.float32)
+                bc2_sqrt = tl.load(scalars + t * 4 + 1).to(tl.float32)
+        for first in tl.range(0, CHUNK, BLOCK):
+            offsets = start + first + tl.arange(0, BLOCK)
+            mask = offsets < n
+            if HAS_FOUND:
+                mask = mask & go
+            high = tl.load(high_ptr + offsets, mask=mask, other=0).to(tl.int32)
+            low = tl.load(low_ptr + offsets, mask=mask, other=0).to(tl.int32)
+            w = ((high << 16) + low).to(tl.float32, bitcast=True)
+            if GRAD_FP32:
+                g = tl.load(g32_ptr + offsets, mask=mask, other=0.0)
+            else:
+                g = tl.load(g16_ptr + offsets, mask=mask, other=0.0)
+                g = g.to(tl.float32)
+            if HAS_MUL:
+                g = g * factor
+            if CLAMPED:
+                g = tl.where(g < -clamp, -clamp, g)
+                g = tl.where(g > clamp, clamp, g)
+            if MAXIMIZE:
+                g = -g
+            # fp64 terms as torch's CUDA kernels form them; PRECISE keeps every intermediate in fp64 and rounds each
+            # stored value once, torch's arithmetic rounds where its kernel holds an fp32 variable
+            w64 = w.to(tl.float64)
+            d = g.to(tl.float64)
+            if KIND == 2:  # SGD
+                if weight_decay != 0:
+                    d = d + weight_decay * w64
+                    if not PRECISE:
+                        d = d.to(tl.float32).to(tl.float64)
+                if HAS_MOMENTUM:
+                    if FIRST:
+                        buf = d
+                    else:
+                        old = tl.load(s1_ptr + offsets, mask=mask, other=0.0)
+                        buf = momentum * old.to(tl.float64) + (1 - dampening) * d
+                    tl.store(s1_ptr + offsets, buf.to(tl.float32), mask=mask)
+                    if NESTEROV:
+                        d = d + momentum * buf  # torch's buffer here is a double
+                    else:
+                        d = buf
+                    if not PRECISE:
+                        d = d.to(tl.float32).to(tl.float64)
+                w = (w64 - lr * d).to(tl.float32)
+            else:
+                if weight_decay != 0:
+                    if KIND == 1:  # AdamW: param -= lr * weight_decay * param
+                        w64 = w64 - lr * weight_decay * w64
+                        if not PRECISE:
+                            w64 = w64.to(tl.float32).to(tl.float64)
+                    else:
+                        d = d + w64 * weight_decay
+                        if not PRECISE:
+                            d = d.to(tl.float32).to(tl.float64)
+                m64 = beta1 * tl.load(s1_ptr + offsets, mask=mask, other=0.0).to(tl.float64) + (1 - beta1) * d
+                v64 = beta2 * tl.load(s2_ptr + offsets, mask=mask, other=0.0).to(tl.float64) + (1 - beta2) * d * d
+                m = m64.to(tl.float32)
+                v = v64.to(tl.float32)
+                tl.store(s1_ptr + offsets, m, mask=mask)
+                tl.store(s2_ptr + offsets, v, mask=mask)
+                if AMSGRAD:
+                    old_max = tl.load(s3_ptr + offsets, mask=mask, other=0.0)
+                    tl.store(s3_ptr + offsets, tl.maximum(old_max, v), mask=mask)
+                    v = tl.maximum(old_max, v)
+                    v64 = tl.maximum(old_max.to(tl.float64), v64)
+                if PRECISE:
+                    w = (w64 - step_size * m64 / (tl.sqrt(v64) / bc2_sqrt + eps)).to(tl.float32)
+                else:  # fp32, IEEE-rounded division and square root
+                    denom = (tl.math.div_rn(tl.sqrt_rn(v), bc2_sqrt).to(tl.float64) + eps).to(tl.float32)
+                    w = w64.to(tl.float32) - tl.math.div_rn(step_size * m, denom)
+            bits = w.to(tl.int32, bitcast=True)
+            rounded = (bits + 0x8000) >> 16
+            rounded = tl.where(w != w, (bits >> 16) | 0x0040, rounded)
+            tl.store(high_ptr + offsets, rounded.to(tl.int16), mask=mask)
+            tl.store(low_ptr + offsets, bits.to(tl.int16), mask=mask)
 
     _kernels["adam"] = lean_update_kernel
     return lean_update_kernel
@@ -148,11 +216,12 @@ class CudaLeanUpdate:
         device: torch.device,
     ) -> None:
         """Update the tensors of ``rows`` (``[high, low, grad, state1, state2, state3, numel]`` addresses each)."""
-        numels = tuple(row[6] for row in rows)
+        config = launch_config()
+        numels = (config.chunk, *(row[6] for row in rows))
         if numels not in self._blocks:
             tensors, starts = [], []
-            for index, numel in enumerate(numels):
-                for start in range(0, numel, BLOCK):
+            for index, numel in enumerate(numels[1:]):
+                for start in range(0, numel, config.chunk):
                     tensors.append(index)
                     starts.append(start)
             self._blocks[numels] = (
@@ -174,7 +243,9 @@ class CudaLeanUpdate:
             MAXIMIZE=options["maximize"], NESTEROV=options.get("nesterov", False),
             FIRST=options.get("first_step", False), HAS_MUL=grad_mul is not None,
             CLAMPED=options.get("clamped", False), HAS_FOUND=found is not None,
-            HAS_MOMENTUM=options.get("momentum", 0.0) != 0, BLOCK=BLOCK,
+            HAS_MOMENTUM=options.get("momentum", 0.0) != 0, PRECISE=config.precise,
+            BLOCK=config.block, CHUNK=config.chunk,
+            num_warps=config.warps,
         )  # fmt: skip
 
     def _options(self, options: dict[str, Any], device: torch.device) -> Tensor:
@@ -193,10 +264,13 @@ def _to_device(host: Tensor, device: torch.device) -> Tensor:
 
 
 def _bias_scalars(steps: list[Tensor], options: dict[str, Any], device: torch.device) -> Tensor:
-    """Per tensor ``(step_size, sqrt(bias_correction2))`` in fp32, as torch's CUDA kernel forms them from the step
-    count (the double-precision options' arithmetic in fp64), on the device."""
+    """Per tensor ``(step_size, sqrt(bias_correction2))`` as torch's CUDA kernel forms them from the step count (fp32,
+    from fp64 arithmetic of the double-precision options), then the same two in fp64 (the precise variant's), as an
+    fp64 ``(tensors, 4)`` table on the device (no host synchronisation)."""
     step = torch.stack(steps).to(device, torch.float64)
-    bias_correction1 = (1 - torch.pow(options["beta1"], step)).float()
-    step_size = (options["lr"] / bias_correction1.double()).float()
-    bias_correction2_sqrt = (1 - torch.pow(options["beta2"], step)).float().sqrt()
-    return torch.stack([step_size, bias_correction2_sqrt], dim=1).contiguous()
+    bias_correction1 = 1 - torch.pow(options["beta1"], step)
+    bias_correction2 = 1 - torch.pow(options["beta2"], step)
+    step_size = (options["lr"] / bias_correction1.float().double()).float().double()
+    bias_correction2_sqrt = bias_correction2.float().sqrt().double()
+    precise = [options["lr"] / bias_correction1, bias_correction2.sqrt()]
+    return torch.stack([step_size, bias_correction2_sqrt, *precise], dim=1).contiguous()
