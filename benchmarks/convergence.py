@@ -125,11 +125,11 @@ def _model_class():
     return ConvergenceModel
 
 
-def _trainer_kwargs(mode: str, steps: int) -> dict:
+def _trainer_kwargs(mode: str, steps: int, device: str = "cpu") -> dict:
     from lightning_mp import MixedPrecisionPlugin
 
     kwargs: dict = dict(
-        accelerator="cpu", devices=1, max_steps=steps, **QUIET_TRAINER, num_sanity_val_steps=0, limit_val_batches=0
+        accelerator=device, devices=1, max_steps=steps, **QUIET_TRAINER, num_sanity_val_steps=0, limit_val_batches=0
     )
     if mode in ("fp32", "bf16-mixed", "bf16-true"):
         kwargs["precision"] = {"fp32": "32-true"}.get(mode, mode)
@@ -166,7 +166,9 @@ def fixed_buffers() -> int:
     return sum(t.untyped_storage().nbytes() for o in staged for pair in o._buffers.values() for t in pair)
 
 
-def _train(mode: str, size: dict, seed: int, regime: str, out: Path, measure: bool, sources: list[str]) -> dict:
+def _train(
+    mode: str, size: dict, seed: int, regime: str, out: Path, measure: bool, sources: list[str], device: str = "cpu"
+) -> dict:
     """One Trainer fit; the curve of validation loss, step times and (with ``measure``) memory."""
     import lightning as L
     from decoder import HeapPeak, live_tensor_bytes
@@ -182,8 +184,10 @@ def _train(mode: str, size: dict, seed: int, regime: str, out: Path, measure: bo
     )
     loader, val = _data(sources[0] if pretrain else sources[1], size, seed)
     gc.collect()
-    baseline = live_tensor_bytes() if measure else 0
-    heap = HeapPeak() if measure else None
+    baseline = live_tensor_bytes(device) if measure else 0
+    heap = HeapPeak() if measure and device == "cpu" else None  # CUDA: torch.cuda.max_memory_allocated
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
     torch.manual_seed(seed if regime != "checkpoint" else 0)
     model_args = {k: size[k] for k in ("n_layer", "n_head", "n_embd", "block_size")}
     module = _model_class()(
@@ -194,7 +198,7 @@ def _train(mode: str, size: dict, seed: int, regime: str, out: Path, measure: bo
         **model_args,
     )
     if not pretrain:
-        module.model.load_state_dict(torch.load(out / "checkpoint.pt", weights_only=True))
+        module.model.load_state_dict(torch.load(out / "checkpoint.pt", weights_only=True, map_location="cpu"))
     params = sum(p.numel() for p in module.parameters())
 
     class Record(L.Callback):
@@ -206,7 +210,7 @@ def _train(mode: str, size: dict, seed: int, regime: str, out: Path, measure: bo
         def _evaluate(self, trainer, module) -> None:
             module.eval()
             with torch.no_grad(), trainer.precision_plugin.val_step_context():
-                losses = [module._loss(batch).item() for batch in val]
+                losses = [module._loss(trainer.strategy.batch_to_device(batch)).item() for batch in val]
             module.train()
             self.curve.append((trainer.global_step, statistics.fmean(losses)))
 
@@ -222,12 +226,14 @@ def _train(mode: str, size: dict, seed: int, regime: str, out: Path, measure: bo
                 self._evaluate(trainer, module)
             if measure and trainer.global_step == steps:
                 gc.collect()
-                self.at_rest, self.fixed = live_tensor_bytes() - baseline, fixed_buffers()
+                self.at_rest, self.fixed = live_tensor_bytes(device) - baseline, fixed_buffers()
 
     record = Record()
-    trainer = L.Trainer(callbacks=[record], **_trainer_kwargs(mode, steps))
+    trainer = L.Trainer(callbacks=[record], **_trainer_kwargs(mode, steps, device))
     trainer.fit(module, train_dataloaders=loader)
     peak = heap.stop() if heap is not None else 0
+    if device == "cuda" and measure:
+        peak = torch.cuda.max_memory_allocated()
     if regime == "checkpoint":
         torch.save(module.model.state_dict(), out / "checkpoint.pt")
     import lightning_mp
@@ -251,10 +257,10 @@ def _worker(args: argparse.Namespace) -> list[dict]:
     torch.set_num_threads(1)
     size, out = SIZES[args.size], Path(args.out)
     if args.worker == "checkpoint":
-        return [_train("fp32", size, 0, "checkpoint", out, False, args.sources)]
+        return [_train("fp32", size, 0, "checkpoint", out, False, args.sources, args.device)]
     return [
-        _train(args.worker, size, args.seed, "pretrain", out, True, args.sources),
-        _train(args.worker, size, args.seed, "finetune", out, False, args.sources),
+        _train(args.worker, size, args.seed, "pretrain", out, True, args.sources, args.device),
+        _train(args.worker, size, args.seed, "finetune", out, False, args.sources, args.device),
     ]
 
 
@@ -263,7 +269,7 @@ def _run(worker: str, seed: int, args: argparse.Namespace) -> list[dict]:
     import subprocess
 
     command = [sys.executable, __file__, "--worker", worker, "--seed", str(seed), "--size", args.size]
-    command += ["--out", str(args.out), "--sources", *args.sources]
+    command += ["--out", str(args.out), "--sources", *args.sources, "--device", args.device]
     env = {**os.environ, "PYTHONWARNINGS": "ignore", "OMP_NUM_THREADS": "1"}
     done = subprocess.run(command, capture_output=True, text=True, env=env, cwd=ROOT)
     if done.returncode != 0:
@@ -367,6 +373,7 @@ def main(argv: list[str] | None = None) -> None:
         help="the GPT sample's text sources of the two regimes (default: shakespeare rotten_tomatoes)",
     )
     parser.add_argument("--jobs", type=int, default=2, help="processes at a time (default 2, one torch thread each)")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where every mode trains")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "out" / "convergence")
     parser.add_argument("--png", type=Path, default=None, help="default: docs/convergence.png (full), OUT (quick)")
     parser.add_argument("--record", action="store_true", help="append the table to benchmarks/HISTORY.md")
@@ -410,7 +417,10 @@ def main(argv: list[str] | None = None) -> None:
     text = table(rows, args.modes)
     (args.out / "results.md").write_text(f"{title}\n\n{text}\n")
     report(
-        title, text + f"\n\nCurves: `{png.relative_to(ROOT) if png.is_relative_to(ROOT) else png}`", "cpu", args.record
+        title,
+        text + f"\n\nCurves: `{png.relative_to(ROOT) if png.is_relative_to(ROOT) else png}`",
+        args.device,
+        args.record,
     )
 
 

@@ -32,10 +32,12 @@ from _report import report
 
 from lightning_mp.master.native import contract
 
-#: launch shapes tried by --tune: (BLOCK, CHUNK, WARPS)
+#: launch shapes tried by --tune: (BLOCK, CHUNK, WARPS, PRECISE); precise arithmetic is the default's (the contract
+#: table shows why), torch's arithmetic timed once for its cost
 SHAPES = [
-    (1024, 1024, 4), (1024, 4096, 4), (1024, 8192, 4), (2048, 2048, 8), (2048, 8192, 8), (2048, 16384, 8),
-    (4096, 4096, 8), (4096, 16384, 8), (4096, 16384, 16), (512, 8192, 4),
+    (1024, 1024, 4, 0), (1024, 1024, 4, 1), (512, 512, 4, 1), (512, 2048, 4, 1), (1024, 2048, 4, 1),
+    (1024, 4096, 4, 1), (1024, 1024, 8, 1), (2048, 2048, 8, 1), (2048, 4096, 8, 1), (2048, 8192, 8, 1),
+    (4096, 4096, 8, 1), (4096, 8192, 16, 1),
 ]  # fmt: skip
 
 
@@ -67,18 +69,21 @@ def contract_table(device: torch.device, path: str, variants: list[tuple[str, st
     return "\n".join(lines), rows
 
 
-def _time(fn, reps: int) -> float:
-    """Median seconds of ``fn`` over ``reps`` calls, CUDA events, after three warm-up calls."""
+def _time(fn, reps: int, inner: int = 10) -> float:
+    """Seconds per call of ``fn``: the median over ``reps`` rounds of ``inner`` calls queued between two CUDA events
+    (the host runs ahead, so its launch overhead overlaps the device's work: the device's time per update, as in a
+    training loop), after three warm-up calls."""
     for _ in range(3):
         fn()
     times = []
     for _ in range(reps):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        fn()
+        for _ in range(inner):
+            fn()
         end.record()
         end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
+        times.append(start.elapsed_time(end) / 1e3 / inner)
     return statistics.median(times)
 
 
@@ -124,16 +129,16 @@ def tune_table(args: argparse.Namespace) -> tuple[str, list[dict]]:
     options = dict(kind=native.ADAMW, grad_fp32=False, amsgrad=False, maximize=False, lr=1e-3, beta1=0.9,
                    beta2=0.999, weight_decay=0.01, eps=1e-8, clamped=False, clamp=-1.0)  # fmt: skip
     for shape in SHAPES:
-        for precise in (0, 1):
-            os.environ["LIGHTNING_MP_TRITON_CONFIG"] = ",".join(map(str, (*shape, precise)))
-            update = CudaLeanUpdate()
-            try:
-                seconds = _time(lambda u=update: u.run(0, table, steps, options, None, None, device), args.reps)
-            except Exception as error:  # a shape the compiler refuses: reported, the others still run
-                print(f"shape {shape} precise={precise}: {type(error).__name__}: {error}")
-                continue
-            name = f"Triton {shape[0]},{shape[1]},{shape[2]}" + (" precise" if precise else "")
-            rows.append({"option": name, "seconds": seconds, "bytes": 26})
+        config = ",".join(map(str, shape))
+        os.environ["LIGHTNING_MP_TRITON_CONFIG"] = config
+        update = CudaLeanUpdate()
+        try:
+            seconds = _time(lambda u=update: u.run(0, table, steps, options, None, None, device), args.reps)
+        except Exception as error:  # a shape the compiler refuses: reported, the others still run
+            print(f"shape {config}: {type(error).__name__}: {error}")
+            continue
+        name = f"Triton {shape[0]},{shape[1]},{shape[2]}" + (" precise" if shape[3] else ", torch's arithmetic")
+        rows.append({"option": name, "seconds": seconds, "bytes": 26, "config": config})
     os.environ.pop("LIGHTNING_MP_TRITON_CONFIG", None)
     base = rows[0]["seconds"]
     lines = ["| option | ms (median) | GB/s | time vs torch fused |", "|---|---:|---:|---:|"]
@@ -153,6 +158,7 @@ def main() -> None:
     parser.add_argument("--tensors", type=int, default=32)
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--json", type=Path, default=None, help="write every row here")
+    parser.add_argument("--best", type=Path, default=None, help="--tune: write the fastest precise shape here")
     parser.add_argument("--record", action="store_true")
     args = parser.parse_args()
     device = torch.device(args.device)
@@ -169,6 +175,9 @@ def main() -> None:
         text, out["tune"] = tune_table(args)
         title = f"Lean update, AdamW on {args.params:g}M parameters in {args.tensors} tensors: launch shapes"
         report(title, text, args.device, args.record)
+        precise = [row for row in out["tune"] if row.get("config", "").endswith(",1")]
+        if args.best and precise:
+            args.best.write_text(min(precise, key=lambda row: row["seconds"])["config"])
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(out, indent=1))

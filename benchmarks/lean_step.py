@@ -11,7 +11,7 @@ Options timed, interleaved round by round (each round runs every option once; th
 - ``flat fp32 masters``: ours with ``master_weights=True``: AdamW (foreach) on the flat fp32 masters, then the
   copy into the bf16 model;
 - ``remainder, one pass``: ours with ``master_weights="remainder"``: the one-pass update (a compiled C
-  kernel on CPU, the default there; the opt-in Triton kernel on CUDA: :mod:`lightning_mp.master.onepass`);
+  kernel on CPU, the Triton kernel on CUDA, the default on both: :mod:`lightning_mp.master.onepass`);
 - ``remainder, chunk N``: the chunked path it replaced (``LIGHTNING_MP_NATIVE=0``): join bf16 + remainder into an fp32 chunk,
   torch's fused AdamW kernel on it, split back (eager ops), for chunk sizes N;
 - ``remainder, chunk N, compile=True``: the same with the split compiled by ``torch.compile`` (one loop; the
@@ -85,7 +85,7 @@ def _options(args: argparse.Namespace, device: str) -> dict[str, Callable[[], Ca
 
         def run() -> None:
             os.environ["LIGHTNING_MP_NATIVE"] = "1" if one_pass else "0"  # the chunked rows: the path before it
-            os.environ["LIGHTNING_MP_CUDA_ONE_PASS"] = "1" if one_pass else "0"  # opt-in on CUDA
+            os.environ["LIGHTNING_MP_CUDA_ONE_PASS"] = "1" if one_pass else "0"  # the default on CUDA
             store.fused_step(opt, None)
 
         return run

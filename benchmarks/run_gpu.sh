@@ -13,7 +13,7 @@
 #  3. lean      lean_step.py (the optimizer alone, 128M parameters) and step_alone.py (a Trainer step that is the
 #               optimizer's: built-in AdamW(fused) against lean masters, one pass and chunked);
 #  4. decoder   decoder.py --size gpu: HF Llama at hidden 2048, lean masters against the built-in bf16-mixed with
-#               AdamW(fused=True) and default AdamW, bf16-true, and AdamW8bit both ways (torchao);
+#               AdamW(fused=True) and default AdamW, bf16-true, and lean masters with AdamW8bit (torchao);
 #  5. fp8       compare.py decoder-4096: fp8="tensorwise" against bf16, eager and compiled (torchao);
 #  6. bert      compare.py bert-base (the seed's shape, batch 64 x seq 256): fp32 against 16-mixed and the plugin;
 #  7. convergence  convergence.py --quick on the GPU: every mode's losses on the GPT sample;
@@ -42,14 +42,18 @@ run() { "$python" "$@"; }
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv 2>/dev/null
 run -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 stage tests run -m pytest -m gpu -q -p no:cacheprovider -rs -s -k "${TESTS_K:-not nothing}" tests
-stage contract run benchmarks/kernel_contract.py --device cuda --tune --record --json "$out/kernel.json"
+stage contract run benchmarks/kernel_contract.py --device cuda --tune --record --json "$out/kernel.json" \
+    --best "$out/best_config.txt"
+if [[ -s $out/best_config.txt && -z ${LIGHTNING_MP_TRITON_CONFIG:-} ]]; then  # the stages below run the tuned shape
+    export LIGHTNING_MP_TRITON_CONFIG=$(cat "$out/best_config.txt"); echo "launch shape: $LIGHTNING_MP_TRITON_CONFIG"
+fi
 stage lean bash -c "'$python' benchmarks/lean_step.py --device cuda --params 128 --no-compiled --rounds 5 \
     --chunks 1048576 --record && '$python' benchmarks/step_alone.py --device cuda --rounds 3 --steps 20 --record"
 stage decoder run benchmarks/decoder.py --device cuda --size gpu --batch 8 --seq 512 --steps 12 --rounds 1 \
-    --modes builtin-bf16-fused builtin-bf16 ours+remainder builtin-bf16-true ours+remainder+8bit builtin+8bit --record
+    --modes builtin-bf16-fused builtin-bf16 ours+remainder builtin-bf16-true ours+remainder+8bit --record
 stage fp8 run benchmarks/compare.py --device cuda --workloads decoder-4096 --steps 30 --record --out /tmp/gpu-fp8 \
     --modes builtin-bf16 fp8 builtin-bf16+compile fp8+compile
-stage bert run benchmarks/compare.py --device cuda --workloads bert-base --steps 40 --record --out /tmp/gpu-bert \
+stage bert run benchmarks/compare.py --device cuda --workloads bert-base --steps 30 --record --out /tmp/gpu-bert \
     --modes fp32 builtin-16 ours ours+masters
 stage convergence run benchmarks/convergence.py --quick --device cuda --record --out /tmp/gpu-convergence
 stage profile run benchmarks/step_alone.py --device cuda --rounds 1 --steps 12 --profile \

@@ -248,3 +248,21 @@ def test_grad_check_benchmark_times_both_checks_on_every_layout():
     layouts = ["| 32 x 2^19", "| 256 x 2^19", "| 1 x 2^27"]
     methods = ["torch kernel (read + write)", "compiled check (read only)"]
     assert rows == [[layout, method] for layout in layouts for method in methods]
+
+
+def test_kernel_contract_benchmark_measures_both_kernels_against_float64_on_every_case(tmp_path):
+    """The contract table on the CPU (torch's fused kernel and the C kernel, each against float64): a row per
+    optimizer configuration and gradient dtype, every one within the contract; the JSON has the same rows."""
+    from lightning_mp.master import native
+    from lightning_mp.master.native import contract
+
+    if native.cpu_kernel() is None:
+        pytest.skip("no C compiler here: the C kernel cannot be built")
+    command = [sys.executable, str(ROOT / "benchmarks" / "kernel_contract.py"), "--device", "cpu"]
+    done = subprocess.run(command + ["--json", str(tmp_path / "k.json")], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [line for line in done.stdout.splitlines() if line.startswith(("| adam", "| sgd"))]
+    assert len(rows) == 2 * len(contract.CASES) and all(row.endswith("| yes |") for row in rows)
+    saved = json.loads((tmp_path / "k.json").read_text())["contract"]
+    assert [r["case"] for r in saved] == [contract.case_name(k, f) for k, f in contract.CASES] * 2
+    assert all(r["C kernel"] == r["torch"] for r in saved)  # bitwise, so the same distance

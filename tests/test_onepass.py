@@ -352,3 +352,36 @@ def test_a_bad_triton_launch_config_names_the_value_and_the_allowed_form(monkeyp
             cuda.launch_config()
     monkeypatch.setenv("LIGHTNING_MP_TRITON_CONFIG", "2048,8192,8,1")
     assert cuda.launch_config() == cuda.LaunchConfig(2048, 8192, 8, True)
+
+
+def test_the_bias_kernel_forms_adams_bias_terms_from_the_step_counts_on_the_device(monkeypatch):
+    """The one launch that forms each tensor's Adam bias terms from its step count on the device (by squaring, in
+    fp64) against the same terms in Python's float64 and numpy's IEEE fp32: torch's CUDA kernel's fp32 columns
+    (``lr / float(1 - beta1**step)`` rounded to fp32, ``sqrt`` of ``float(1 - beta2**step)``) within one fp32 ulp,
+    the fp64 ones within the rounding that ``1 - beta**step`` amplifies."""
+    import numpy as np
+
+    pytest.importorskip("triton", reason="Triton is not installed here (CUDA builds of torch ship it)")
+    from lightning_mp.master.native import cuda
+
+    if not torch.cuda.is_available():
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+        monkeypatch.setattr(cuda, "_kernels", {})
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    counts = [1, 2, 3, 10, 999, 12345, 2**20 - 1]
+    for beta1, beta2 in [(0.9, 0.999), (0.2, 0.9), (0.95, 0.99999)]:
+        options = dict(lr=3e-4, beta1=beta1, beta2=beta2, weight_decay=0.0, eps=1e-8)
+        steps = [torch.tensor(float(c), device=device) for c in counts]
+        table = torch.tensor([v for s in steps for v in [0] * 7 + [s.data_ptr()]], dtype=torch.int64, device=device)
+        scalars = torch.empty(4 * len(steps), dtype=torch.float64, device=device)
+        cuda._kernel()
+        cuda._kernels["bias"][(len(steps),)](table, cuda.CudaLeanUpdate()._options(options, device), scalars)
+        got = scalars.view(-1, 4).cpu().numpy()
+        for row, count in zip(got, counts):
+            bias1, bias2 = 1 - beta1**count, 1 - beta2**count
+            step_size = np.float32(options["lr"] / float(np.float32(bias1)))
+            root = np.sqrt(np.float32(bias2))
+            assert abs(np.float32(row[0]) - step_size) <= np.spacing(step_size), (beta1, count)
+            assert abs(np.float32(row[1]) - root) <= np.spacing(root), (beta2, count)
+            assert row[2] == pytest.approx(options["lr"] / bias1, rel=1e-12)
+            assert row[3] == pytest.approx(bias2**0.5, rel=1e-11)

@@ -24,6 +24,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.nn import Module
 
 from lightning_mp.distributed.fsdp2_lean import ShardedRemainderMasters
+from lightning_mp.distributed.shard import fsdp_param_groups
 from lightning_mp.distributed.sync import ProcessGroupSync
 
 
@@ -55,8 +56,7 @@ def compute_dtypes(model: Module) -> dict[int, torch.dtype]:
     for module in model.modules():
         if not isinstance(module, FSDPModule):
             continue
-        state = module._get_fsdp_state()
-        for group in getattr(state, "_fsdp_param_groups", None) or []:
+        for group in fsdp_param_groups(module):
             for fsdp_param in group.fsdp_params:
                 param = fsdp_param.sharded_param
                 dtypes[id(param)] = group.mp_policy.param_dtype or param.dtype

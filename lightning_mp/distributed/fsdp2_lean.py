@@ -43,6 +43,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from lightning_mp.distributed.fsdp2_generic import ShardedGenericStep
+from lightning_mp.distributed.shard import fsdp_param_groups
 from lightning_mp.master.bits import join_fp32, split_fp32_into
 from lightning_mp.master.remainder import RemainderMasters, _restore_fp32_state, _stash_fp32_state, check_params_belong
 from lightning_mp.master.step import fp32_zeros_like, local_of, uses_fused_kernel
@@ -55,7 +56,7 @@ def fsdp_params(module: nn.Module) -> list[Any]:
     found: dict[int, Any] = {}
     for owner in module.modules():
         if isinstance(owner, FSDPModule):
-            for group in owner._get_fsdp_state()._fsdp_param_groups or []:
+            for group in fsdp_param_groups(owner):
                 for fsdp_param in group.fsdp_params:
                     found.setdefault(id(fsdp_param), (fsdp_param, group))
     return list(found.values())

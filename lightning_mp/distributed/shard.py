@@ -106,3 +106,14 @@ def _data_parallel_mesh(module: Module) -> Any:
             "ModelParallelStrategy before configure_model); pass mesh= (e.g. init_device_mesh('cpu', (2,)))."
         )
     return mesh["data_parallel"] if "data_parallel" in (mesh.mesh_dim_names or ()) else mesh
+
+
+def fsdp_param_groups(module: Module) -> list[Any]:
+    """The ``FSDPParamGroup``s of a ``fully_shard``-ed module: torch >= 2.12 keeps a list (``_fsdp_param_groups``),
+    earlier versions one group or ``None`` (``_fsdp_param_group``; the GPU machines' torch 2.11)."""
+    state = module._get_fsdp_state()
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is None:
+        single = getattr(state, "_fsdp_param_group", None)
+        groups = [single] if single is not None else []
+    return list(groups)

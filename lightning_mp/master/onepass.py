@@ -8,18 +8,20 @@ use, spread over ``torch.get_num_threads()`` threads), on CUDA the Triton kernel
 buffer, torch's fused kernel, split back: about ten passes) remains the fallback, taken when the kernel cannot be
 built (one warning), on other devices, and for deferred clipping it does not express (see :func:`plan_grad_ops`).
 
-Exactness: the fp32 master values stay exact (the join and split are lossless) and each element's update is the
-IEEE operations of torch's fused CPU kernel in its order, including the fused multiply-adds that torch's compiler
-formed (in the vector body and in the scalar tail of each tensor, the last ``numel % 8`` elements, which differ), so
-the result is bitwise ``torch.optim.AdamW/Adam/SGD(fused=True)`` on the joined fp32 values, for every flag
-(tests/test_onepass.py checks each against torch's kernel). Should a future torch order its kernel differently, the
-same test names the flag whose bits moved.
+Exactness, on every device (:mod:`lightning_mp.master.native.contract`): the fp32 master values stay exact (the join
+and split are lossless), and each value the update writes is as close to a float64 evaluation of the optimizer's
+formula as torch's own fused kernel's on the same device.
 
-On CUDA the Triton kernel is opt-in (``LIGHTNING_MP_CUDA_ONE_PASS=1``): it is 11x faster than the chunked path on an
-H200 (1.8 against 20.1 ms for AdamW on 128M parameters; torch's fused fp32 kernel 1.3 ms), but its arithmetic does
-not yet match torch's CUDA kernel: measured on an H200 (2026-11-26), one step from the same fp32 values differs by up
-to 12 units in the last place (of the value's scale before the step) for Adam and 84 for SGD with dampening, where
-the CPU kernel is bitwise. Until it matches, the default on CUDA is the chunked path, bitwise torch's CUDA kernel.
+- CPU: each element's update is the IEEE operations of torch's fused CPU kernel in its order, including the fused
+  multiply-adds that torch's compiler formed (in the vector body and in the scalar tail of each tensor, the last
+  ``numel % 8`` elements, which differ), so the result is bitwise ``torch.optim.AdamW/Adam/SGD(fused=True)`` on the
+  joined fp32 values, for every flag (tests/test_onepass.py checks each against torch's kernel).
+- CUDA (the default there since 2026-11-26; ``LIGHTNING_MP_CUDA_ONE_PASS=0`` turns it off): the Triton kernel keeps
+  every intermediate in fp64 and rounds each stored value once, so each value is the float64 evaluation correctly
+  rounded (at most 0.5 ulp from it, measured on an H100), where torch's CUDA kernel is up to 299 ulp away on the
+  same inputs (cancellation in its fp32 variables). Its results are therefore not bitwise torch's; torch's CUDA
+  kernel's are not bitwise its own CPU kernel's either. The chunked path (torch's CUDA kernel on joined fp32 chunks)
+  stays the fallback where Triton is missing.
 """
 
 from __future__ import annotations
@@ -62,8 +64,8 @@ def plan(params: list[Tensor], grad_ops: list[tuple[str, Any]]) -> Optional[tupl
         return None
     if device.type == "cpu":
         built = native.cpu_kernel() is not None
-    else:  # CUDA: opt-in until its arithmetic matches torch's CUDA kernel (module doc)
-        built = device.type == "cuda" and native.cuda_opted_in() and native.cuda_kernel() is not None
+    else:  # CUDA: the Triton kernel, unless LIGHTNING_MP_CUDA_ONE_PASS=0 (module doc)
+        built = device.type == "cuda" and native.cuda_one_pass() and native.cuda_kernel() is not None
     return plan_grad_ops(grad_ops, device) if built else None
 
 

@@ -223,10 +223,10 @@ def run_rows(
     run(pieces, fields, found)
 
 
-def cuda_opted_in() -> bool:
-    """Whether the CUDA one-pass kernel is asked for (``LIGHTNING_MP_CUDA_ONE_PASS=1``; see
-    :mod:`lightning_mp.master.onepass` for why it is not the default yet)."""
-    return os.environ.get("LIGHTNING_MP_CUDA_ONE_PASS", "0") == "1"
+def cuda_one_pass() -> bool:
+    """Whether the CUDA one-pass kernel may run: the default; ``LIGHTNING_MP_CUDA_ONE_PASS=0`` turns it off on CUDA
+    alone (the chunked path, bitwise torch's CUDA kernel, runs instead)."""
+    return os.environ.get("LIGHTNING_MP_CUDA_ONE_PASS", "1") != "0"
 
 
 def cuda_kernel() -> Optional[Any]:

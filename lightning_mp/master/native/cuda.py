@@ -96,7 +96,7 @@ def _kernel() -> Any:
         clamp = tl.load(option_values + 7).to(tl.float32)
         t = tl.load(block_tensor + pid).to(tl.int64)
         start = tl.load(block_start + pid)
-        row = table + t * 7
+        row = table + t * 8
         high_ptr = tl.load(row).to(tl.pointer_type(tl.int16))
         low_ptr = tl.load(row + 1).to(tl.pointer_type(tl.int16))
         n = tl.load(row + 6)
@@ -193,7 +193,36 @@ def _kernel() -> Any:
             tl.store(high_ptr + offsets, rounded.to(tl.int16), mask=mask)
             tl.store(low_ptr + offsets, bits.to(tl.int16), mask=mask)
 
+    @triton.jit
+    def bias_kernel(table, option_values, scalars):
+        """Per tensor (one program each): Adam's bias terms from its step count on the device, as
+        :func:`_bias_scalars` computes them with torch ops (one launch instead of about sixteen)."""
+        t = tl.program_id(0)
+        step = tl.load(tl.load(table + t * 8 + 7).to(tl.pointer_type(tl.float32)))
+        lr = tl.load(option_values)
+        beta1 = tl.load(option_values + 1)
+        beta2 = tl.load(option_values + 2)
+        exponent = step.to(tl.int64)  # a whole number: torch's step counts count steps
+        power1 = beta1 * 0.0 + 1.0
+        power2 = beta2 * 0.0 + 1.0
+        base1 = beta1
+        base2 = beta2
+        for i in tl.static_range(40):  # beta ** step by squaring, in fp64 (steps below 2 ** 40)
+            bit = (exponent >> i) & 1
+            power1 = tl.where(bit == 1, power1 * base1, power1)
+            power2 = tl.where(bit == 1, power2 * base2, power2)
+            base1 = base1 * base1
+            base2 = base2 * base2
+        bias1 = 1.0 - power1
+        bias2 = 1.0 - power2
+        # torch's: fp32 bias corrections, lr / bias1 in fp64 rounded to fp32, sqrt in fp32
+        tl.store(scalars + t * 4, (lr / bias1.to(tl.float32).to(tl.float64)).to(tl.float32).to(tl.float64))
+        tl.store(scalars + t * 4 + 1, tl.sqrt_rn(bias2.to(tl.float32)).to(tl.float64))
+        tl.store(scalars + t * 4 + 2, lr / bias1)  # precise: fp64
+        tl.store(scalars + t * 4 + 3, tl.sqrt(bias2))
+
     _kernels["adam"] = lean_update_kernel
+    _kernels["bias"] = bias_kernel
     return lean_update_kernel
 
 
@@ -204,6 +233,7 @@ class CudaLeanUpdate:
         self._blocks: dict[tuple[Any, ...], tuple[Tensor, Tensor]] = {}
         self._tables: dict[int, tuple[list[int], Tensor]] = {}
         self._option_values: Optional[tuple[list[float], Tensor]] = None  # the last options, on the device
+        self._scalars: dict[int, Tensor] = {}  # Adam's bias terms per tensor (fp64, 4 each), written on the device
 
     def run(
         self,
@@ -215,7 +245,8 @@ class CudaLeanUpdate:
         grad_mul: Optional[Tensor],
         device: torch.device,
     ) -> None:
-        """Update the tensors of ``rows`` (``[high, low, grad, state1, state2, state3, numel]`` addresses each)."""
+        """Update the tensors of ``rows`` (``[high, low, grad, state1, state2, state3, numel]`` addresses each);
+        ``steps``: their step counts (fp32 tensors on ``device``, already advanced) for Adam, ``None`` for SGD."""
         config = launch_config()
         numels = (config.chunk, *(row[6] for row in rows))
         if numels not in self._blocks:
@@ -229,16 +260,27 @@ class CudaLeanUpdate:
                 torch.tensor(starts, dtype=torch.int64, device=device),
             )
         block_tensor, block_start = self._blocks[numels]
-        flat = [value for row in rows for value in row]
+        on_device = steps is not None and all(s.device == device and s.dtype == torch.float32 for s in steps)
+        step_addresses = [step.data_ptr() for step in steps] if on_device else [0] * len(rows)
+        flat = [value for row, step in zip(rows, step_addresses) for value in (*row, step)]
         cached = self._tables.get(key)
         if cached is None or cached[0] != flat:
             self._tables[key] = cached = (flat, _to_device(torch.tensor(flat, dtype=torch.int64), device))
-        scalars = _bias_scalars(steps, options, device) if steps is not None else block_start
+        kernel = _kernel()
+        option_values = self._options(options, device)
+        scalars = block_start
+        if on_device:
+            scalars = self._scalars.get(key)
+            if scalars is None or scalars.numel() != 4 * len(rows):
+                self._scalars[key] = scalars = torch.empty(4 * len(rows), dtype=torch.float64, device=device)
+            _kernels["bias"][(len(rows),)](cached[1], option_values, scalars)
+        elif steps is not None:  # step counts elsewhere (a state loaded from a checkpoint onto the CPU): torch ops
+            scalars = _bias_scalars(steps, options, device)
         kind = options["kind"]
-        _kernel()[(block_tensor.numel(),)](
+        kernel[(block_tensor.numel(),)](
             cached[1], block_tensor, block_start, scalars,
             found if found is not None else block_start, grad_mul if grad_mul is not None else block_start,
-            self._options(options, device),
+            option_values,
             KIND=kind, GRAD_FP32=options["grad_fp32"], AMSGRAD=options.get("amsgrad", False),
             MAXIMIZE=options["maximize"], NESTEROV=options.get("nesterov", False),
             FIRST=options.get("first_step", False), HAS_MUL=grad_mul is not None,
