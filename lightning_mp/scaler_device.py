@@ -305,13 +305,16 @@ def non_finite_check_and_unscale_(
         if native.check_nonfinite(grads, found_inf):
             return
     if grads and grads[0].dtype == torch.bfloat16 and grads[0].device.type != "cpu":
-        return check_and_unscale_by_norm_(grads, found_inf, inv_scale)
+        return check_and_unscale_by_norm_(grads, found_inf, None if check_only else inv_scale)
     torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale)
 
 
-def check_and_unscale_by_norm_(grads: list[Tensor], found_inf: Tensor, inv_scale: Tensor) -> None:
-    """The same through ``torch._foreach_norm(ord=inf)`` and ``torch._foreach_mul_`` (any dtype, any device)."""
+def check_and_unscale_by_norm_(grads: list[Tensor], found_inf: Tensor, inv_scale: Optional[Tensor]) -> None:
+    """The same through ``torch._foreach_norm(ord=inf)`` and ``torch._foreach_mul_`` (any dtype, any device);
+    ``inv_scale=None``: check only (a bf16 step has no scale; multiplying each gradient by one was a kernel launch
+    per gradient for nothing, seen in an H100 profile: mixed dtypes take the per-tensor path)."""
     norms = torch._foreach_norm(grads, float("inf"))
     bad = torch.stack(norms).isfinite().logical_not().any()
     found_inf.copy_(torch.maximum(found_inf, bad.to(found_inf.dtype).reshape(found_inf.shape)))
-    torch._foreach_mul_(grads, inv_scale.reshape(()))  # computed in fp32, as torch's kernel does
+    if inv_scale is not None:
+        torch._foreach_mul_(grads, inv_scale.reshape(()))  # computed in fp32, as torch's kernel does

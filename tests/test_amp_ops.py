@@ -77,3 +77,23 @@ def test_a_check_only_step_reads_the_gradients_and_finds_what_torchs_kernel_find
     torch._amp_foreach_non_finite_check_and_unscale_([g.clone() for g in grads], their_flag, torch.ones(1))
     assert flag.item() == their_flag.item()
     assert all(torch.equal(g.view(torch.uint8), b.view(torch.uint8)) for g, b in zip(grads, before))
+
+
+def test_the_norm_check_of_bf16_gradients_finds_non_finite_values_and_writes_nothing_when_check_only():
+    """The path CUDA bf16 gradients take (torch's kernel refuses bf16): ``inv_scale=None`` checks without writing
+    (the check-only bf16 step; one kernel per gradient saved), an ``inv_scale`` unscales like torch's kernel."""
+    from lightning_mp.scaler_device import check_and_unscale_by_norm_
+
+    grads = [torch.randn(300).bfloat16(), torch.randn(7).bfloat16()]
+    before = [g.clone() for g in grads]
+    found = torch.zeros(1)
+    check_and_unscale_by_norm_(grads, found, None)
+    assert found.item() == 0 and all(
+        torch.equal(g.view(torch.int16), b.view(torch.int16)) for g, b in zip(grads, before)
+    )
+    grads[1][3] = float("nan")
+    check_and_unscale_by_norm_(grads, found, None)
+    assert found.item() == 1
+    found.zero_()
+    check_and_unscale_by_norm_(grads[:1], found, torch.tensor(0.5))
+    assert found.item() == 0 and torch.equal(grads[0], (before[0].float() * 0.5).bfloat16())

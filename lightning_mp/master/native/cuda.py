@@ -5,15 +5,19 @@ Each program of the kernel updates ``CHUNK`` elements of one tensor, ``BLOCK`` a
 and int16 remainders into fp32, applies the optimizer's arithmetic and splits the result back, reading and writing
 each byte once. Which tensor and where: a table of ``(tensor, start)`` per program, built once per set of tensor
 sizes; the tensors' addresses: a small int64 table, copied to the device (pinned, asynchronously) only when an
-address changed. :data:`CONFIG` holds the launch shape (``BLOCK``, ``CHUNK``, warps), chosen on an H100 by
-``benchmarks/kernel_contract.py --tune``; ``LIGHTNING_MP_TRITON_CONFIG=BLOCK,CHUNK,WARPS`` overrides it.
+address changed. Adam's bias terms are formed per tensor from its step count on the device by a second, tiny
+kernel (one launch). :data:`CONFIG` holds the launch shape (``BLOCK``, ``CHUNK``, warps) and the arithmetic, chosen
+on an H100 by ``benchmarks/kernel_contract.py --tune``; ``LIGHTNING_MP_TRITON_CONFIG=BLOCK,CHUNK,WARPS[,PRECISE]``
+overrides it.
 
-Arithmetic: that of torch's CUDA fused kernels (``fused_adam_utils.cuh``, ``FusedSgdKernel.cu``): values in fp32,
-the terms torch computes with the optimizer's double-precision options in fp64, IEEE-rounded division and square
-root (Triton's default fp32 division is approximate), bias corrections per tensor from its step count on the device
-(no host synchronisation). The compilers may contract multiply-adds differently, so results can differ from
-``torch.optim.AdamW(fused=True)`` in the last bits; the contract (:mod:`lightning_mp.master.native.contract`) is
-that each value is as close to a float64 evaluation of the formula as torch's own kernel's.
+Arithmetic, by default *precise*: every intermediate in fp64 (the optimizer's options are doubles, as torch's
+kernels take them) and each stored value rounded to fp32 once, so each weight and state is the float64 evaluation
+of the formula correctly rounded (0.5 ulp from it on an H100, where torch's CUDA kernel is up to 299 ulp away:
+cancellation in its fp32 variables). The other arithmetic, ``PRECISE=0``, is torch's CUDA kernel's
+(``fused_adam_utils.cuh``, ``FusedSgdKernel.cu``: fp32 variables, fp64 terms) with IEEE division and square root
+(Triton's default fp32 division is approximate): up to 9.3 ulp, 4% faster. Either meets the contract of
+:mod:`lightning_mp.master.native.contract`; neither is bitwise torch's CUDA kernel (its compiler contracts
+multiply-adds its own way).
 """
 
 from __future__ import annotations
@@ -39,8 +43,9 @@ class LaunchConfig(NamedTuple):
     precise: bool = False
 
 
-#: the default launch shape and arithmetic (module doc)
-CONFIG = LaunchConfig(block=1024, chunk=1024, warps=4, precise=True)
+#: the default launch shape and arithmetic: the fastest precise shape on an H100 (2026-11-26,
+#: ``benchmarks/kernel_contract.py --tune``: 2580 GB/s, 0.99x the bandwidth of torch's fused fp32 AdamW there)
+CONFIG = LaunchConfig(block=512, chunk=512, warps=4, precise=True)
 
 
 def launch_config() -> LaunchConfig:
