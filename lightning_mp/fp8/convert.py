@@ -91,9 +91,11 @@ class Fp8Training:
             _refuse_sharded(module, chosen)
         if chosen:
             float8.convert_to_float8_training(module, config=self.config, module_filter_fn=lambda _, fqn: fqn in chosen)
-            if device.type != "cuda":  # Float8Linear follows CUDA's autocast only: do here what it does there
-                for name in chosen:
-                    _follow_autocast(module.get_submodule(name), device.type)
+            # Float8Linear follows CUDA's autocast only, and leaves it on around its matmul, where autocast's cast of
+            # an fp8 operand fails in evaluation (seen on an H100, trainer.test: aten.to.dtype on a
+            # Float8TrainingTensor): on every device, the input cast it does and autocast off inside the layer
+            for name in chosen:
+                _follow_autocast(module.get_submodule(name), device.type)
         if not chosen and layers == self.layers:  # e.g. convert_module after fp8_convert: the table was shown
             return module
         self.layers = layers
@@ -147,10 +149,11 @@ class Fp8Training:
 
 
 def _follow_autocast(layer: nn.Module, device_type: str) -> None:
-    """What ``Float8Linear`` does under CUDA autocast, for another device's: its input cast to the autocast dtype,
-    and autocast off inside it (its matmul operands are fp8 already: casting them is what fails under inference
-    mode, ``aten.to.dtype`` on a ``Float8TrainingTensor``). A plain switch, as in the policy's module rules, so
-    that ``torch.compile`` traces it."""
+    """What ``Float8Linear`` does under CUDA autocast, for any device: its input cast to the autocast dtype (where
+    ``Float8Linear`` then finds autocast off and casts nothing more), and autocast off inside it (its matmul operands
+    are fp8 already: casting them is what fails under inference mode, ``aten.to.dtype`` on a
+    ``Float8TrainingTensor``, on the CPU and, in evaluation, on CUDA). A plain switch, as in the policy's module
+    rules, so that ``torch.compile`` traces it."""
     previous: list[bool] = []
 
     def pre_hook(module: nn.Module, args: tuple[Any, ...]) -> Any:
