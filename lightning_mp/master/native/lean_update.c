@@ -283,13 +283,15 @@ typedef struct {
     int64_t grain;
     int64_t units;
     int64_t *first_unit;
-    int64_t next; /* the next unit to take (atomic) */
+    int64_t next;     /* the next unit to take (atomic) */
+    int64_t elements; /* in all units */
 } unit_queue;
 
 static void add_units(unit_queue *q, int64_t k, int64_t n) {
-    if (k == 0) q->first_unit[0] = 0;
+    if (k == 0) q->first_unit[0] = 0, q->elements = 0;
     q->first_unit[k + 1] = q->first_unit[k] + (n + q->grain - 1) / q->grain;
     q->units = q->first_unit[k + 1];
+    q->elements += n;
 }
 
 /* Take the next unit: its tensor *k (a thread's units only increase, so *k only moves forward) and its first
@@ -306,9 +308,13 @@ static int64_t unit_end(const unit_queue *q, int64_t begin, int64_t n) {
     return begin + q->grain < n ? begin + q->grain : n;
 }
 
-/* Run work(arg) on the calling thread and up to threads - 1 others (no more than there are units). A thread that
- * cannot be started is simply not there: the threads that are take its units. */
-static void run_threads(void *(*work)(void *), void *arg, int threads, int64_t units) {
+/* Run work(arg) on the calling thread and up to threads - 1 others: no more than there are units, nor than there
+ * are `grain`s of elements in all (many small tensors are many units but little work: a thread started for them
+ * costs more than it saves, milliseconds on a busy machine). A thread that cannot be started is simply not there:
+ * the threads that are take its units. */
+static void run_threads(void *(*work)(void *), void *arg, int threads, const unit_queue *q) {
+    int64_t units = q->units, useful = (q->elements + q->grain - 1) / q->grain;
+    if (useful < units) units = useful;
     if (threads > 64) threads = 64;
     pthread_t ids[64];
     int started = 0;
@@ -340,9 +346,9 @@ static void *worker(void *arg) {
 int lean_update(const lean_piece *pieces, int64_t npieces, const lean_options *options, const float *found_inf,
                 int threads, int64_t grain, int64_t *first_unit) {
     if (found_inf && *found_inf != 0.0f) return 0; /* a skipped step leaves every byte as it was */
-    lean_work work = {pieces, options, {grain, 0, first_unit, 0}};
+    lean_work work = {pieces, options, {grain, 0, first_unit, 0, 0}};
     for (int64_t k = 0; k < npieces; k++) add_units(&work.queue, k, pieces[k].n);
-    run_threads(worker, &work, threads, work.queue.units);
+    run_threads(worker, &work, threads, &work.queue);
     return 0;
 }
 
@@ -418,8 +424,8 @@ static void *check_worker(void *arg) {
 
 void lean_check_nonfinite(const void *const *pointers, const int64_t *numels, int64_t count, int width,
                           uint32_t exponent_mask, float *found, int threads, int64_t grain, int64_t *first_unit) {
-    check_work work = {pointers, numels, width, exponent_mask, {grain, 0, first_unit, 0}, 0};
+    check_work work = {pointers, numels, width, exponent_mask, {grain, 0, first_unit, 0, 0}, 0};
     for (int64_t k = 0; k < count; k++) add_units(&work.queue, k, numels[k]);
-    run_threads(check_worker, &work, threads, work.queue.units);
+    run_threads(check_worker, &work, threads, &work.queue);
     if (work.bad) *found = 1.0f;
 }
