@@ -385,3 +385,31 @@ def test_the_bias_kernel_forms_adams_bias_terms_from_the_step_counts_on_the_devi
             assert abs(np.float32(row[1]) - root) <= np.spacing(root), (beta2, count)
             assert row[2] == pytest.approx(options["lr"] / bias1, rel=1e-12)
             assert row[3] == pytest.approx(bias2**0.5, rel=1e-11)
+
+
+def test_the_cuda_kernels_store_keeps_every_class_of_fp32_pattern(monkeypatch):
+    """Contract (a) on the Triton path: an update that changes nothing (SGD, lr 0, zero gradients) writes every
+    finite value, signed zero, subnormal and infinity back bit for bit, and a NaN as a NaN (quieted), through the
+    kernel's own split (compiled on a GPU, interpreted elsewhere)."""
+    pytest.importorskip("triton", reason="Triton is not installed here (CUDA builds of torch ship it)")
+    from lightning_mp.master.native import cuda
+
+    if not torch.cuda.is_available():
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+        monkeypatch.setattr(cuda, "_kernels", {})
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    generator = torch.Generator().manual_seed(0)
+    bits = torch.randint(-(2**31), 2**31 - 1, (6000,), generator=generator, dtype=torch.int64).to(torch.int32)
+    special = torch.tensor([0, -(2**31), 1, 0x007FFFFF, 0x7F7FFFFF, 0x7F800000, -8388608, 0x7FC00000, 0x7F800001],
+                           dtype=torch.int64).to(torch.int32)  # fmt: skip
+    values = torch.cat([bits, special]).view(torch.float32)
+    high, low = (t.to(device) for t in split_fp32(values))
+    grad = torch.zeros(values.numel(), dtype=torch.bfloat16, device=device)
+    options = dict(kind=native.SGD, grad_fp32=False, maximize=False, lr=0.0, weight_decay=0.0, momentum=0.0,
+                   dampening=0.0, nesterov=False, first_step=False, clamped=False, clamp=-1.0)  # fmt: skip
+    row = [high.data_ptr(), low.data_ptr(), grad.data_ptr(), 0, 0, 0, values.numel()]
+    cuda.CudaLeanUpdate().run(0, [row], None, options, None, None, device)
+    out = join_fp32(high.cpu(), low.cpu())
+    nan = values.isnan()
+    assert torch.equal(out[~nan].view(torch.int32), values[~nan].view(torch.int32))
+    assert out[nan].isnan().all()
