@@ -163,8 +163,11 @@ def main() -> None:
     args = parser.parse_args()
     device = torch.device(args.device)
     path = args.path or ("cpu" if args.device == "cpu" else "triton")
-    if path == "triton":
-        variants = [("torch's arithmetic", "1024,1024,4,0"), ("precise", "1024,1024,4,1")]
+    if path == "triton":  # the default launch shape, in both arithmetics
+        from lightning_mp.master.native.cuda import CONFIG
+
+        shape = f"{CONFIG.block},{CONFIG.chunk},{CONFIG.warps}"
+        variants = [("torch's arithmetic", f"{shape},0"), ("precise", f"{shape},1")]
     else:
         variants = [("C kernel", "")]
     text, rows = contract_table(device, path, variants)
