@@ -59,7 +59,9 @@ def test_run_gpu_fp8_stage_is_valid_bash_and_its_command_names_what_compare_know
     commands = [line.split() for line in done.stdout.splitlines() if "compare.py" in line]
     assert len(commands) == 1 and commands[0][0] == "benchmarks/compare.py"
     argv = commands[0][1:]
-    assert argv[argv.index("--workloads") + 1 : argv.index("--record")] == ["decoder-2048", "decoder-4096"]
+    assert argv[argv.index("--workloads") + 1 : argv.index("--steps")] == ["decoder-4096"]
+    modes = argv[argv.index("--modes") + 1 :]
+    assert modes == ["builtin-bf16", "fp8", "builtin-bf16+compile", "fp8+compile"]
     sys.path.insert(0, str(ROOT / "benchmarks"))
     try:
         import compare
@@ -68,7 +70,7 @@ def test_run_gpu_fp8_stage_is_valid_bash_and_its_command_names_what_compare_know
     finally:  # compare.py puts its folder on sys.path too
         while str(ROOT / "benchmarks") in sys.path:
             sys.path.remove(str(ROOT / "benchmarks"))
-    assert {"decoder-2048", "decoder-4096"} <= set(PRESETS["gpu"])
+    assert {"decoder-2048", "decoder-4096"} <= set(PRESETS["gpu"]) and set(modes) <= set(compare.MODES)
     assert {"fp8+compile", "torchao-fp8+compile", "builtin-bf16+compile"} <= set(DECODER_MODES["cuda"])
     assert set(DECODER_MODES["cuda"]) <= set(FP8_MODES) | {"builtin-bf16", "ours-bf16"}
     if torch.cuda.is_available():
