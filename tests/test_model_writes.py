@@ -1,0 +1,143 @@
+"""Every write into a set-up model reaches the master weights, or fails loudly naming the parameter.
+
+The matrix of docs/master-weights.md ("Writes after setup"): write kind x target (a parameter of the root module, or
+of a child module) x Trainer (writes in ``on_train_start``, in a callback, between steps) and Fabric (after
+``fabric.setup``, between steps) x master mode. Steps run at lr 0, so the fp32 weights that
+``trainer.save_checkpoint`` / ``fabric.save`` write must be bitwise the values written (the fp32 reference: the
+loaded or carried fp32 values, the model's 16-bit value after a write in place) and, elsewhere, the fp32 values the
+model had before setup.
+"""
+
+from __future__ import annotations
+
+import re
+
+import lightning as L
+import pytest
+import torch
+from torch import nn
+
+from lightning_mp.master.model_sync import ModelWriteError
+from tests.model_writes import (
+    KINDS,
+    MODES,
+    TARGETS,
+    Net,
+    assert_exact,
+    fabric_with_writes,
+    fit_with_writes,
+    loader,
+    plugin,
+    snapshot,
+    zero_lr_optimizer,
+)
+
+pytest.importorskip("litgpt")
+
+
+@pytest.mark.parametrize("mode", MODES, ids=["fp32", "remainder"])
+@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize("kind", KINDS)
+def test_trainer_masters_follow_each_write(kind, target, mode, tmp_path):
+    other = "root" if target == "child" else "child"
+    writes = [("on_train_start", kind, target), ("callback", kind, target), ("batch_end", kind, other)]
+    module = fit_with_writes(mode, writes, tmp_path)
+    assert_exact(module.saved, module.expected, f"Trainer, master_weights={mode!r}, writes {writes}")
+    # after fit the model holds the masters' exact fp32 values (what save_pretrained would write)
+    assert_exact(snapshot(module), module.expected, "the model after fit")
+
+
+@pytest.mark.parametrize("mode", MODES, ids=["fp32", "remainder"])
+@pytest.mark.parametrize("target", TARGETS)
+@pytest.mark.parametrize("kind", KINDS)
+def test_fabric_masters_follow_each_write(kind, target, mode, tmp_path):
+    other = "root" if target == "child" else "child"
+    fabric_with_writes(mode, [(0, kind, target), (1, kind, target), (2, kind, other)], tmp_path)
+
+
+def _fabric_model(mode):
+    fabric = L.Fabric(accelerator="cpu", devices=1, plugins=[plugin(mode)])
+    model = Net()
+    model, optimizer = fabric.setup(model, zero_lr_optimizer(model.parameters()))
+    return fabric, model, optimizer
+
+
+def _step(model, optimizer, fabric):
+    x, y = next(iter(loader(1)))
+    fabric.backward(nn.functional.mse_loss(model(x).float(), y))
+    optimizer.step()
+
+
+@pytest.mark.parametrize("mode", MODES, ids=["fp32", "remainder"])
+@pytest.mark.parametrize(
+    "write, problem",
+    [
+        (lambda m: setattr(m.net[2].weight, "data", torch.zeros(2, 2)), "shape is now (2, 2)"),
+        (lambda m: setattr(m.net[2], "weight", nn.Parameter(torch.zeros(3, 5))), "shape is now (3, 5)"),
+        (
+            lambda m: setattr(m.net[2], "weight", nn.Parameter(torch.zeros(3, 6, dtype=torch.int32), requires_grad=False)),
+            "not a floating dtype",
+        ),
+        (lambda m: setattr(m.net[2], "weight", None), "removed"),
+    ],
+    ids=["data-shape", "replace-shape", "replace-int", "removed"],
+)
+def test_a_write_the_masters_cannot_follow_fails_at_the_next_step_naming_the_parameter(mode, write, problem):
+    # written between the backward and the step (a forward after such a write would fail first, in torch)
+    fabric, model, optimizer = _fabric_model(mode)
+    x, y = next(iter(loader(1)))
+    fabric.backward(nn.functional.mse_loss(model(x).float(), y))
+    write(model.module)
+    with pytest.raises(ModelWriteError, match=r"'net\.2\.weight'.*" + re.escape(problem) + r".*param\.copy_\(value\)"):
+        optimizer.step()
+
+
+@pytest.mark.parametrize("mode", MODES, ids=["fp32", "remainder"])
+def test_trainer_raises_for_a_write_it_cannot_follow(mode, tmp_path):
+    class Reshaping(L.Callback):
+        def on_after_backward(self, trainer, pl_module):
+            if trainer.global_step == 1:
+                pl_module.net[0].bias.data = torch.zeros(7)
+
+    from tests.model_writes import WritingModule
+
+    trainer = L.Trainer(
+        accelerator="cpu", max_steps=3, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, plugins=[plugin(mode)], callbacks=[Reshaping()],
+    )  # fmt: skip
+    with pytest.raises(ModelWriteError, match=r"'net\.0\.bias'.*shape is now \(7,\)"):
+        trainer.fit(WritingModule([], tmp_path), loader(3))
+
+
+@pytest.mark.parametrize("mode", MODES, ids=["fp32", "remainder"])
+def test_replaced_parameter_object_is_put_back_and_keeps_training(mode):
+    # the optimizer holds the object the masters belong to: the module gets it back, holding the new value
+    fabric, model, optimizer = _fabric_model(mode)
+    inner = model.module
+    original = inner.net[0].weight
+    inner.net[0].weight = nn.Parameter(torch.full((6, 4), 0.25))
+    _step(model, optimizer, fabric)
+    assert inner.net[0].weight is original
+    assert torch.equal(inner.state_dict()["net.0.weight"], torch.full((6, 4), 0.25))
+    assert inner.net[0].weight.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("mode", MODES, ids=["fp32", "remainder"])
+def test_data_copy_bumps_nothing_and_is_the_documented_exception(mode):
+    # p.data.copy_(t) changes no version counter and no storage: nothing records it (docs: "Writes after setup");
+    # the supported write, p.copy_(t) under no_grad, is followed (test_*_masters_follow_each_write, kind "copy")
+    fabric, model, optimizer = _fabric_model(mode)
+    written = torch.full((6, 4), 2.0)
+    model.module.net[0].weight.data.copy_(written)
+    fabric._precision.follow_model_writes()
+    assert not torch.equal(model.module.state_dict()["net.0.weight"], written)
+
+
+def test_a_step_without_writes_changes_no_record():
+    # the plugin's own writes (masters back into the model, the lean update) are not taken for user writes
+    for mode in MODES:
+        fabric, model, optimizer = _fabric_model(mode)
+        sync = fabric._precision.masters.model_sync
+        for _ in range(3):
+            _step(model, optimizer, fabric)
+            assert sync.unchanged()
