@@ -8,6 +8,7 @@ or new storage carries, the model's 16-bit value for a write in place.
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -54,7 +55,7 @@ def write(kind: str, root: nn.Module, target: str, tmp_path: Path, seed: int = 0
     param = getattr(owner, name)
     if kind in LOADS:
         state = {key: _fp32_values(p.shape, generator) for key, p in owner.named_parameters()}
-        path = tmp_path / f"{kind}-{seed}.pt"
+        path = tmp_path / f"{kind}-{seed}-{os.getpid()}.pt"  # one file per process (ranks write their own)
         if kind == "load":
             owner.load_state_dict(state)
         elif kind == "load_assign":
@@ -139,9 +140,12 @@ class WritingModule(L.LightningModule):
         self.expected = snapshot(self)
         self.saved: dict[str, Tensor] = {}
 
+    def forward(self, x: Tensor) -> Tensor:
+        return self.net(x) * self.scale
+
     def training_step(self, batch: Any, batch_idx: int) -> Tensor:
         x, y = batch
-        return nn.functional.mse_loss((self.net(x) * self.scale).float(), y)
+        return nn.functional.mse_loss(self(x).float(), y)
 
     def configure_optimizers(self) -> Any:
         return zero_lr_optimizer(self.parameters())
@@ -170,11 +174,16 @@ class WriteInCallback(L.Callback):
             pl_module.run_writes("callback")
 
 
-def fit_with_writes(mode: Any, writes: list[tuple[str, str, str]], tmp_path: Path, steps: int = 3) -> WritingModule:
-    module = WritingModule(writes, tmp_path)
+def fit_with_writes(
+    mode: Any, writes: list[tuple[str, str, str]], tmp_path: Path, steps: int = 3, **trainer_kwargs: Any
+) -> WritingModule:
+    """A Trainer fit of :class:`WritingModule` (one device unless ``trainer_kwargs`` say otherwise)."""
+    torch.manual_seed(0)  # the same model on every rank
+    module = trainer_kwargs.pop("module", None) or WritingModule(writes, tmp_path)
+    devices = trainer_kwargs.pop("devices", 1)
     trainer = L.Trainer(
         accelerator="cpu",
-        devices=1,
+        devices=devices,
         max_steps=steps,
         logger=False,
         enable_checkpointing=False,
@@ -182,8 +191,9 @@ def fit_with_writes(mode: Any, writes: list[tuple[str, str, str]], tmp_path: Pat
         enable_model_summary=False,
         plugins=[plugin(mode)],
         callbacks=[WriteInCallback()],
+        **trainer_kwargs,
     )
-    trainer.fit(module, loader(steps))
+    trainer.fit(module, loader(steps * devices))
     return module
 
 

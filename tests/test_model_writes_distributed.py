@@ -1,0 +1,37 @@
+"""Writes into a set-up model reach the masters under DDP (both modes) and FSDP2 (lean masters): 2 real processes
+(gloo, CPU); the runs are tests/distributed/write_checks.py (one launch for the module)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.distributed.launch import launch
+from tests.distributed.common import load_ranks
+from tests.distributed.write_checks import DDP_WRITES
+from tests.model_writes import assert_exact
+
+pytest.importorskip("litgpt")
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory) -> list[dict]:
+    out = tmp_path_factory.mktemp("writes")
+    launch("write_checks.py", str(out), timeout=400)
+    return load_ranks(out)
+
+
+def test_every_write_under_ddp_reaches_the_masters_on_both_ranks(ranks):
+    runs = [name for name in ranks[0] if name.startswith("ddp")]
+    assert len(runs) == 2 * len(DDP_WRITES)
+    for rank in ranks:
+        for name in runs:
+            saved, expected = rank[name]
+            assert_exact(saved, expected, name)
+
+
+def test_loads_and_writes_in_place_under_fsdp2_reach_the_lean_masters(ranks):
+    for rank in ranks:
+        saved, expected = rank["fsdp2 remainder"]
+        assert_exact(saved, expected, "FSDP2, master_weights='remainder'")
+    torch.testing.assert_close(ranks[0]["fsdp2 remainder"][0], ranks[1]["fsdp2 remainder"][0], rtol=0, atol=0)
