@@ -83,7 +83,9 @@ def main() -> None:
             times[mode].append(_ms_per_step(mode, args.steps, CLOCKS[args.clock], args.master_weights))
     title = f"Framework overhead per step, 16-64-64-10 MLP, AdamW, {args.steps} steps x {args.rounds} rounds"
     title += ", CPU time" if args.clock == "cpu" else ""
-    title += f", plugin with master_weights={MASTER_WEIGHTS[args.master_weights]!r}" if args.master_weights != "none" else ""
+    title += (
+        f", plugin with master_weights={MASTER_WEIGHTS[args.master_weights]!r}" if args.master_weights != "none" else ""
+    )
     report(title, rounds_table(times, "builtin-bf16", "speed"), "cpu", args.record)
 
 

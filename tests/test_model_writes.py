@@ -75,7 +75,9 @@ def _step(model, optimizer, fabric):
         (lambda m: setattr(m.net[2].weight, "data", torch.zeros(2, 2)), "shape is now (2, 2)"),
         (lambda m: setattr(m.net[2], "weight", nn.Parameter(torch.zeros(3, 5))), "shape is now (3, 5)"),
         (
-            lambda m: setattr(m.net[2], "weight", nn.Parameter(torch.zeros(3, 6, dtype=torch.int32), requires_grad=False)),
+            lambda m: setattr(
+                m.net[2], "weight", nn.Parameter(torch.zeros(3, 6, dtype=torch.int32), requires_grad=False)
+            ),
             "not a floating dtype",
         ),
         (lambda m: setattr(m.net[2], "weight", None), "removed"),

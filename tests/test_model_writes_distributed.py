@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.distributed.launch import launch
 from tests.distributed.common import load_ranks
+from tests.distributed.launch import launch
 from tests.distributed.write_checks import DDP_WRITES
 from tests.model_writes import assert_exact
 
