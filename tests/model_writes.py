@@ -177,10 +177,14 @@ class WriteInCallback(L.Callback):
 def fit_with_writes(
     mode: Any, writes: list[tuple[str, str, str]], tmp_path: Path, steps: int = 3, **trainer_kwargs: Any
 ) -> WritingModule:
-    """A Trainer fit of :class:`WritingModule` (one device unless ``trainer_kwargs`` say otherwise)."""
+    """A Trainer fit of :class:`WritingModule` (one device unless ``trainer_kwargs`` say otherwise); with
+    ``ckpt_path``, resumed from that checkpoint (what it holds is the reference the writes update)."""
     torch.manual_seed(0)  # the same model on every rank
     module = trainer_kwargs.pop("module", None) or WritingModule(writes, tmp_path)
     devices = trainer_kwargs.pop("devices", 1)
+    ckpt_path = trainer_kwargs.pop("ckpt_path", None)
+    if ckpt_path is not None:
+        module.expected = dict(torch.load(ckpt_path, weights_only=True)["state_dict"])
     trainer = L.Trainer(
         accelerator="cpu",
         devices=devices,
@@ -193,7 +197,7 @@ def fit_with_writes(
         callbacks=[WriteInCallback()],
         **trainer_kwargs,
     )
-    trainer.fit(module, loader(steps * devices))
+    trainer.fit(module, loader(steps * devices), ckpt_path=ckpt_path)
     return module
 
 

@@ -29,6 +29,7 @@ from tests.model_writes import (
     loader,
     plugin,
     snapshot,
+    write,
     zero_lr_optimizer,
 )
 
@@ -53,6 +54,32 @@ def test_trainer_masters_follow_each_write(kind, target, mode, tmp_path):
 def test_fabric_masters_follow_each_write(kind, target, mode, tmp_path):
     other = "root" if target == "child" else "child"
     fabric_with_writes(mode, [(0, kind, target), (1, kind, target), (2, kind, other)], tmp_path)
+
+
+@pytest.mark.parametrize("mode", MODES, ids=["fp32", "remainder"])
+@pytest.mark.parametrize("kind", ["load_lazy", "init", "data"])
+def test_trainer_masters_follow_writes_after_a_resume(kind, mode, tmp_path):
+    first = fit_with_writes(mode, [("batch_end", "load", "child")], tmp_path)
+    resumed_path = tmp_path / "resumed.ckpt"
+    (tmp_path / "trainer.ckpt").rename(resumed_path)
+    writes = [("on_train_start", kind, "root"), ("callback", kind, "child")]
+    module = fit_with_writes(mode, writes, tmp_path, steps=6, ckpt_path=resumed_path)
+    assert module.saved.keys() == first.saved.keys()
+    assert_exact(module.saved, module.expected, f"Trainer resumed, master_weights={mode!r}, writes {writes}")
+
+
+@pytest.mark.parametrize("mode", MODES, ids=["fp32", "remainder"])
+def test_fabric_module_set_up_without_optimizer_follows_writes(mode, tmp_path):
+    # no optimizer: the masters are the values kept at the cast (connected at the first forward)
+    fabric = L.Fabric(accelerator="cpu", devices=1, plugins=[plugin(mode)])
+    model = Net()
+    expected = snapshot(model)
+    model = fabric.setup_module(model)
+    expected.update(write("load_lazy", model.module, "child", tmp_path))
+    expected.update(write("init", model.module, "root", tmp_path, seed=1))
+    model(next(iter(loader(1)))[0])
+    expected.update(write("mul", model.module, "child", tmp_path, seed=2))
+    assert_exact(model.module.state_dict(), expected, f"Fabric setup_module, master_weights={mode!r}")
 
 
 def _fabric_model(mode):
