@@ -108,8 +108,9 @@ def _step(model, optimizer, fabric):
             "not a floating dtype",
         ),
         (lambda m: setattr(m.net[2], "weight", None), "removed"),
+        (lambda m: delattr(m.net[2], "weight"), "removed"),
     ],
-    ids=["data-shape", "replace-shape", "replace-int", "removed"],
+    ids=["data-shape", "replace-shape", "replace-int", "set-none", "deleted"],
 )
 def test_a_write_the_masters_cannot_follow_fails_at_the_next_step_naming_the_parameter(mode, write, problem):
     # written between the backward and the step (a forward after such a write would fail first, in torch)

@@ -115,7 +115,7 @@ class ModelSync:
         return list(map(Tensor.data_ptr, self._params)) if self.watch_objects else []
 
     def _slot_list(self) -> list[int]:
-        return list(map(id, map(operator.getitem, self._slot_dicts, self._slot_names))) if self.watch_objects else []
+        return list(map(id, map(dict.get, self._slot_dicts, self._slot_names))) if self.watch_objects else []
 
     def record(self) -> None:
         """Take the parameters as they are now as known to the masters (after a write by the plugin itself)."""
@@ -166,11 +166,11 @@ class ModelSync:
         """Put back the parameter objects the masters belong to where a module holds another one now; their new
         values, by ``id`` of the object put back."""
         values: dict[int, Tensor] = {}
-        current = list(map(operator.getitem, self._slot_dicts, self._slot_names))
+        current = list(map(dict.get, self._slot_dicts, self._slot_names))  # None: deleted or set to None
         for slots, name, param, now in zip(self._slot_dicts, self._slot_names, self._slot_params, current):
             if now is param:
                 continue
-            what = f"replaced by {type(now).__name__}" if now is not None else "removed (set to None)"
+            what = f"replaced by {type(now).__name__}" if now is not None else "removed (deleted or set to None)"
             if now is None:
                 raise ModelWriteError(self._message(param, what, "the masters need a parameter there."))
             self._check_value(param, now, f"replaced (`module.{name} = nn.Parameter(...)`)")
