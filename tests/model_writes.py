@@ -8,6 +8,7 @@ or new storage carries, the model's 16-bit value for a write in place.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from pathlib import Path
 from typing import Any
@@ -21,7 +22,10 @@ from lightning_mp import MixedPrecisionPlugin
 
 MODES = (True, "remainder")
 TARGETS = ("root", "child")
-LOADS = ("load", "load_mmap", "load_lazy", "load_assign")
+#: loads of fp32 values: plain tensors, mmap'd, LitGPT's lazy_load, assign=True, safetensors (where installed)
+LOADS = ("load", "load_mmap", "load_lazy", "load_assign") + (
+    ("load_safetensors",) if importlib.util.find_spec("safetensors") else ()
+)
 IN_PLACE = ("init", "copy", "fill", "mul", "reset")
 NEW_VALUES = ("replace", "data", "data_bf16")
 KINDS = LOADS + IN_PLACE + NEW_VALUES
@@ -64,6 +68,11 @@ def write(kind: str, root: nn.Module, target: str, tmp_path: Path, seed: int = 0
             torch.save(state, path)
             if kind == "load_mmap":
                 owner.load_state_dict(torch.load(path, mmap=True, weights_only=True))
+            elif kind == "load_safetensors":
+                from safetensors.torch import load_file, save_file
+
+                save_file(state, path.with_suffix(".safetensors"))
+                owner.load_state_dict(load_file(path.with_suffix(".safetensors")))
             else:  # LitGPT's own loader: NotYetLoadedTensor values (a __torch_function__ wrapper)
                 from litgpt.utils import lazy_load
 
