@@ -97,6 +97,7 @@ class ModelSync:
         self._slot_ids = [id(s[2]) for s in slots]
         self._versions: list[int] = []
         self._pointers: list[int] = []
+        self._held: list[Tensor] = []  # the recorded storages, kept alive (see record_storage)
         self._devices = [p.device for p in self._params]  # where the masters expect each parameter
         self._loaded: dict[int, Any] = {}  # id(param) -> the value a load in progress brings
         self._hooks = [
@@ -120,11 +121,14 @@ class ModelSync:
     def record(self) -> None:
         """Take the parameters as they are now as known to the masters (after a write by the plugin itself)."""
         self._versions = list(map(_version, self._params))
-        self._pointers = self._pointer_list()
+        self.record_storage()
 
     def record_storage(self) -> None:
-        """Take the parameters' storage as it is now as known (the plugin moved them itself); versions stay."""
+        """Take the parameters' storage as it is now as known (the plugin moved them itself); versions stay. Once
+        started, the recorded storages are held: a storage freed by ``p.data = t`` could otherwise come back at the
+        same address for a later ``p.data = t2``, which the address alone would not tell apart."""
         self._pointers = self._pointer_list()
+        self._held = [p.data for p in self._params] if self.started and self.watch_objects else []
         self._devices = [p.device for p in self._params]
 
     def start(self) -> None:
@@ -133,7 +137,6 @@ class ModelSync:
             self.follow()
         self.started = True
         self.record()
-        self._devices = [p.device for p in self._params]
 
     def unchanged(self) -> bool:
         """Whether nothing wrote the parameters since the last record (three list comparisons, no Python loop)."""
@@ -242,6 +245,8 @@ class ModelSync:
                 self._versions[index] = param._version
                 if self.watch_objects:
                     self._pointers[index] = param.data_ptr()
+                    if self._held:
+                        self._held[index] = param.data
 
     def remove(self) -> None:
         """Remove the hooks (at teardown)."""
