@@ -244,7 +244,10 @@ class MasterWeights:
             master = self._fp32_values[id(param)] = materialise(value, param.shape, param.device)
         else:
             master.copy_(value)
-        param.copy_(master)
+        if param.dtype != self.dtype:  # `param.data = fp32 tensor` before the load: half precision again
+            param.data = master.to(self.dtype)
+        else:
+            param.copy_(master)
 
     def follow_write(self, param: nn.Parameter, value: Optional[Tensor]) -> None:
         """``param`` was written outside the plugin's step: the master becomes the value now in the model.

@@ -293,6 +293,8 @@ class RemainderMasters(MasterWeights):
             value = materialise(value, param.shape, place[0])
         high, low = self.flat_slices(place[0], place[1], place[1] + param.numel())
         split_by_chunks(value.detach().reshape(-1), high, low, self.chunk_size_for(place[0]))
+        if param.data_ptr() != high.data_ptr():  # `param.data = tensor` before the load: the block again
+            param.data = high.view_as(param)
 
     def follow_write(self, param: nn.Parameter, value: Optional[Tensor]) -> None:
         """``param`` was written outside the plugin's step: its remainder becomes zero (a write in place, ``value``
