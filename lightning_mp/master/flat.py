@@ -45,6 +45,10 @@ class MasterWeights:
         dtype: ``torch.float16`` or ``torch.bfloat16``, the dtype the model runs in.
         keep_fp32: ``keep_fp32(qualified_name, module)`` is true for modules whose own parameters and
             buffers stay fp32 (default: :func:`is_norm`). Their parameters are trained as they are.
+
+    After :meth:`convert`, :attr:`model_sync` (a :class:`~lightning_mp.master.model_sync.ModelSync`) keeps the masters
+    equal to whatever writes the model: loads into any submodule at once, other writes once started
+    (``model_sync.start()``, which the plugin calls at the end of its setup) at each ``model_sync.follow()``.
     """
 
     def __init__(self, dtype: torch.dtype, keep_fp32: Callable[[str, nn.Module], bool] = is_norm) -> None:
