@@ -206,14 +206,16 @@ class MixedPrecisionPlugin(FabricHooks, Precision):  # FabricHooks: the hooks as
         if self.scaler is not None:
             self.scaler.gather_names = self._sync.gather_names  # culprits at min_scale, from every rank
         self._unscaled.clear()
-        self._start_following()  # setup is over: every later write into the model reaches the masters
+        self._start_following(model)  # setup is over: every later write into the model reaches the masters
         warn_at_connect(self._effective_policy, inner, self._device_type, self.dtype)  # rules matching nothing, fp16
         guard_step_schedulers(lr_schedulers)  # they do not advance on a skipped step
         return model, optimizers, lr_schedulers
 
-    def _start_following(self) -> None:
+    def _start_following(self, model: Optional[Module] = None) -> None:
         sync = getattr(self.masters, "model_sync", None)
         if sync is not None:
+            # DDP hooks each parameter's gradient accumulator, which torch drops when `p.data = t` changes the dtype
+            sync.keep_dtypes = isinstance(model, torch.nn.parallel.DistributedDataParallel)
             sync.start()
 
     def follow_model_writes(self) -> None:

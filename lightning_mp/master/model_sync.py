@@ -72,6 +72,8 @@ class ModelSync:
         self.store = store
         self.watch_objects = watch_objects
         self.started = False
+        #: refuse ``p.data = t`` of another dtype (under DDP: torch then drops the gradient accumulator DDP hooks)
+        self.keep_dtypes = False
         self._params: list[nn.Parameter] = list(params.values())
         self._index = {id(p): i for i, p in enumerate(self._params)}
         self._shapes = [tuple(p.shape) for p in self._params]
@@ -98,7 +100,8 @@ class ModelSync:
         self._versions: list[int] = []
         self._pointers: list[int] = []
         self._held: list[Tensor] = []  # the recorded storages, kept alive (see record_storage)
-        self._devices = [p.device for p in self._params]  # where the masters expect each parameter
+        self._devices = [p.device for p in self._params]  # where the masters expect each parameter, in which dtype
+        self._dtypes = [p.dtype for p in self._params]
         self._loaded: dict[int, Any] = {}  # id(param) -> the value a load in progress brings
         self._hooks = [
             hook
@@ -130,6 +133,7 @@ class ModelSync:
         self._pointers = self._pointer_list()
         self._held = [p.data for p in self._params] if self.started and self.watch_objects else []
         self._devices = [p.device for p in self._params]
+        self._dtypes = [p.dtype for p in self._params]
 
     def start(self) -> None:
         """Setup is over: from now on every write is followed. Called again (a later connect), follow what changed."""
@@ -159,7 +163,7 @@ class ModelSync:
                 if id(param) in replaced:
                     self.store.follow_write(param, replaced[id(param)])
                 elif self.watch_objects and pointers[index] != self._pointers[index]:
-                    self._check_value(param, param.data, "given new storage (`param.data = tensor`)")
+                    self._check_value(param, param.data, "given new storage (`param.data = tensor`)", self.keep_dtypes)
                     self.store.follow_write(param, param.data)
                 elif versions[index] != self._versions[index]:
                     self.store.follow_write(param, None)
@@ -182,14 +186,19 @@ class ModelSync:
             values[id(param)] = now.detach()
         return values
 
-    def _check_value(self, param: nn.Parameter, value: Tensor, what: str) -> None:
+    def _check_value(self, param: nn.Parameter, value: Tensor, what: str, keep_dtype: bool = False) -> None:
         index = self._index[id(param)]
-        shape, device = self._shapes[index], self._devices[index]
+        shape, device, dtype = self._shapes[index], self._devices[index], self._dtypes[index]
         problem = None
         if tuple(value.shape) != shape:
             problem = f"its shape is now {tuple(value.shape)}, the masters' is {shape}"
         elif not value.is_floating_point():
             problem = f"its dtype is now {value.dtype}, not a floating dtype"
+        elif keep_dtype and value.dtype != dtype:
+            problem = (
+                f"its dtype is now {value.dtype}, not {dtype}: under DDP torch then drops the parameter's gradient "
+                f"accumulator, which holds DDP's hook (assign `tensor.to({dtype})` instead)"
+            )
         elif value.device != device:
             problem = f"it is now on {value.device}, its masters on {device}"
         if problem is not None:

@@ -98,6 +98,12 @@ def main(out: Path) -> None:
     strategy = ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1, save_distributed_checkpoint=False)
     module = fit_with_writes("remainder", FSDP2_WRITES, out, module=sharded, strategy=strategy, devices=2)
     results["fsdp2 remainder"] = (module.saved, {**expected_before, **module.expected})
+    for mode in MODES:  # p.data = fp32 tensor into a bf16 parameter: refused under DDP, naming the parameter
+        try:
+            fit_with_writes(mode, [("callback", "data", "child")], out, strategy="ddp", devices=2)
+            results[f"ddp dtype change {mode}"] = None
+        except Exception as error:  # what was raised is the result
+            results[f"ddp dtype change {mode}"] = f"{type(error).__name__}: {error}"
     save(results, out, rank)
     finish()
 
