@@ -30,11 +30,12 @@ def test_every_write_under_ddp_reaches_the_masters_on_both_ranks(ranks):
             assert_exact(saved, expected, name)
 
 
-def test_loads_and_writes_in_place_under_fsdp2_reach_the_lean_masters(ranks):
+@pytest.mark.parametrize("mode", ["remainder", "True"])
+def test_loads_and_writes_in_place_under_fsdp2_reach_the_masters(ranks, mode):
     for rank in ranks:
-        saved, expected = rank["fsdp2 remainder"]
-        assert_exact(saved, expected, "FSDP2, master_weights='remainder'")
-    torch.testing.assert_close(ranks[0]["fsdp2 remainder"][0], ranks[1]["fsdp2 remainder"][0], rtol=0, atol=0)
+        saved, expected = rank[f"fsdp2 {mode}"]
+        assert_exact(saved, expected, f"FSDP2, master_weights={mode}")
+    torch.testing.assert_close(ranks[0][f"fsdp2 {mode}"][0], ranks[1][f"fsdp2 {mode}"][0], rtol=0, atol=0)
 
 
 def test_new_storage_of_another_dtype_is_refused_under_ddp_naming_the_parameter(ranks):

@@ -5,8 +5,8 @@
 DDP with ``master_weights=True`` and ``"remainder"``: every write kind of tests/model_writes.py (but those that put
 new parameter objects into the modules, which DDP itself refuses) into the root and a
 child module, in ``on_train_start``, a callback and between steps (the same values on both ranks), steps at lr 0;
-FSDP2 (ModelParallelStrategy) with ``"remainder"``: loads of DTensor values into a child module and the root, and
-writes in place into the bf16 shards, between steps. Each rank saves, per run, the fp32 values written and the fp32
+FSDP2 (ModelParallelStrategy) with both modes: loads of DTensor values into a child module and the root, and writes
+in place into the shards (bf16 with ``"remainder"``, FSDP2's fp32 masters with ``True``), between steps. Each rank saves, per run, the fp32 values written and the fp32
 values the model's state dict holds after the last step (``on_train_end``).
 """
 
@@ -92,12 +92,15 @@ def main(out: Path) -> None:
             module = fit_with_writes(mode, writes, out, strategy="ddp", devices=2)
             rank = module.global_rank
             results[f"ddp {mode} {writes[0][1]}"] = (module.saved, module.expected)
-    torch.manual_seed(0)  # the same model on every rank
-    sharded = ShardedWritingModule(FSDP2_WRITES, out)
-    expected_before = snapshot(sharded)
-    strategy = ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1, save_distributed_checkpoint=False)
-    module = fit_with_writes("remainder", FSDP2_WRITES, out, module=sharded, strategy=strategy, devices=2)
-    results["fsdp2 remainder"] = (module.saved, {**expected_before, **module.expected})
+    for mode in MODES:  # True: FSDP2's sharded fp32 parameters are the masters, written directly
+        torch.manual_seed(0)  # the same model on every rank
+        sharded = ShardedWritingModule(FSDP2_WRITES, out)
+        expected_before = snapshot(sharded)
+        strategy = ModelParallelStrategy(
+            data_parallel_size=2, tensor_parallel_size=1, save_distributed_checkpoint=False
+        )
+        module = fit_with_writes(mode, FSDP2_WRITES, out, module=sharded, strategy=strategy, devices=2)
+        results[f"fsdp2 {mode}"] = (module.saved, {**expected_before, **module.expected})
     for mode in MODES:  # p.data = fp32 tensor into a bf16 parameter: refused under DDP, naming the parameter
         try:
             fit_with_writes(mode, [("callback", "data", "child")], out, strategy="ddp", devices=2)
