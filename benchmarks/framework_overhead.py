@@ -1,13 +1,15 @@
 """What the plugin's per-step work costs where nothing else does: a tiny MLP whose step is framework time.
 
-    python benchmarks/framework_overhead.py [--steps 600] [--rounds 5] [--clock wall|cpu] [--record]
+    python benchmarks/framework_overhead.py [--steps 600] [--rounds 5] [--clock wall|cpu]
+        [--master-weights none|fp32|remainder] [--record]
 
 Lightning's built-in ``bf16-mixed`` against ``MixedPrecisionPlugin("bf16-mixed")`` (the default: every step's
 gradients checked for inf/NaN, a non-finite step skipped) and against the plugin with ``scaler={"enabled": False}``
 (no check: what the built-in does). One process, one thread, the modes alternating round by round, each round a
 fresh Trainer fitting ``--steps`` steps of a 16-64-64-10 MLP with AdamW and a step-interval LambdaLR (batch 32).
 The first round warms up and is not counted; the table gives the median over the other rounds of the mean
-wall-clock time per step. ``--clock cpu`` times this process's CPU time instead (``time.process_time``): on a machine
+wall-clock time per step. ``--master-weights fp32|remainder`` gives the plugin's modes master weights (the
+built-in stays as it is): what the masters' per-step work, the check of writes into the model included, costs. ``--clock cpu`` times this process's CPU time instead (``time.process_time``): on a machine
 shared with other jobs, waiting for a core then does not count (with one thread, both clocks agree on an idle one).
 """
 
@@ -45,14 +47,20 @@ class _MLP(L.LightningModule):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
 
 
-def _ms_per_step(mode: str, steps: int, clock: Callable[[], float] = time.perf_counter) -> float:
+MASTER_WEIGHTS = {"none": False, "fp32": True, "remainder": "remainder"}
+
+
+def _ms_per_step(
+    mode: str, steps: int, clock: Callable[[], float] = time.perf_counter, master_weights: str = "none"
+) -> float:
     torch.manual_seed(0)
     data = DataLoader(TensorDataset(torch.randn(32 * steps, 16), torch.randint(0, 10, (32 * steps,))), batch_size=32)
     if mode == "builtin-bf16":
         precision = {"precision": "bf16-mixed"}
     else:
         scaler = {"enabled": False} if mode.endswith("without check") else None
-        precision = {"plugins": [MixedPrecisionPlugin("bf16-mixed", scaler=scaler)]}
+        masters = MASTER_WEIGHTS[master_weights]
+        precision = {"plugins": [MixedPrecisionPlugin("bf16-mixed", scaler=scaler, master_weights=masters)]}
     trainer = L.Trainer(accelerator="cpu", max_steps=steps, **QUIET_TRAINER, **precision)
     start = clock()
     trainer.fit(_MLP(), data)
@@ -64,6 +72,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=600)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--clock", choices=("wall", "cpu"), default="wall")
+    parser.add_argument("--master-weights", choices=tuple(MASTER_WEIGHTS), default="none")
     parser.add_argument("--record", action="store_true")
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -71,9 +80,12 @@ def main() -> None:
     times: dict[str, list[float]] = {mode: [] for mode in MODES}
     for _ in range(args.rounds):
         for mode in MODES:
-            times[mode].append(_ms_per_step(mode, args.steps, CLOCKS[args.clock]))
+            times[mode].append(_ms_per_step(mode, args.steps, CLOCKS[args.clock], args.master_weights))
     title = f"Framework overhead per step, 16-64-64-10 MLP, AdamW, {args.steps} steps x {args.rounds} rounds"
     title += ", CPU time" if args.clock == "cpu" else ""
+    title += (
+        f", plugin with master_weights={MASTER_WEIGHTS[args.master_weights]!r}" if args.master_weights != "none" else ""
+    )
     report(title, rounds_table(times, "builtin-bf16", "speed"), "cpu", args.record)
 
 

@@ -206,9 +206,26 @@ class MixedPrecisionPlugin(FabricHooks, Precision):  # FabricHooks: the hooks as
         if self.scaler is not None:
             self.scaler.gather_names = self._sync.gather_names  # culprits at min_scale, from every rank
         self._unscaled.clear()
+        self._start_following(model)  # setup is over: every later write into the model reaches the masters
         warn_at_connect(self._effective_policy, inner, self._device_type, self.dtype)  # rules matching nothing, fp16
         guard_step_schedulers(lr_schedulers)  # they do not advance on a skipped step
         return model, optimizers, lr_schedulers
+
+    def _start_following(self, model: Optional[Module] = None) -> None:
+        sync = getattr(self.masters, "model_sync", None)
+        if sync is not None:
+            # DDP hooks each parameter's gradient accumulator, which torch drops when `p.data = t` changes the dtype
+            sync.keep_dtypes = isinstance(model, torch.nn.parallel.DistributedDataParallel)
+            sync.start()
+
+    def follow_model_writes(self) -> None:
+        """Make the master weights follow every write into the model since the plugin's last step (a load into
+        any submodule, ``nn.init``, ``copy_`` under ``no_grad``, ``p.data = t``, a replaced parameter), or raise
+        :class:`~lightning_mp.master.model_sync.ModelWriteError` naming a parameter they cannot follow. Runs before
+        each optimizer step, each save and at teardown (see docs/master-weights.md, "Writes after setup")."""
+        sync = getattr(self.masters, "model_sync", None)
+        if sync is not None:
+            sync.follow()
 
     # ------------------------------------------------------------------ forward and backward
     def autocast_context_manager(self) -> torch.autocast:
@@ -265,6 +282,13 @@ class MixedPrecisionPlugin(FabricHooks, Precision):  # FabricHooks: the hooks as
             return super(MixedPrecisionPlugin, self).optimizer_step(optimizer, model=model, closure=closure, **kwargs)
 
         return stepping.optimizer_step(self, optimizer, model, closure, kwargs, plain_step)
+
+    @override
+    def _after_closure(self, model: Any, optimizer: Any) -> None:
+        # the last thing before every update of the Trainer's paths (stepping's, and Lightning's own closure):
+        # writes into the model since the last step reach the masters here, before the step updates them
+        super()._after_closure(model, optimizer)
+        self.follow_model_writes()
 
     @override
     def clip_gradients(

@@ -99,6 +99,7 @@ def optimizer_step(
 def step_after_backward(plugin: Any, optimizer: Any, model: Any, kwargs: dict[str, Any]) -> Any:
     """The step when the backward already ran (Lightning Fabric's ``optimizer.step()``: no closure), in the order of
     :func:`optimizer_step` after its closure: unscale once and check, agree across ranks, step or skip, update."""
+    plugin.follow_model_writes()  # writes into the model since the last step reach the masters before the update
     masters = plugin.masters
     if not plugin._checking:
         if callable(getattr(masters, "fused_step", None)):  # masters that update themselves

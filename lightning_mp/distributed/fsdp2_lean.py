@@ -25,9 +25,10 @@ become fp32 before each further backward and FSDP2 adds each micro-batch's reduc
 
 Checkpoints: the model's ``state_dict`` holds fp32 ``DTensor`` s (bf16 shard joined with its remainder): distributed
 checkpoints store exact fp32 shards, full ones exact fp32 tensors. Loading before the first forward (Lightning's
-resume) goes into the fp32 shards; later, ``load_state_dict`` with fp32 values is split back exactly, but torch's
-``set_model_state_dict`` with a *full* state dict copies each slice into the bf16 shard in place (rounding it) before
-any hook sees it. Optimizer states are fp32 ``DTensor`` s made at setup (torch's distributed checkpoint would
+resume) goes into the fp32 shards; later, ``load_state_dict`` into any module with fp32 values is split back exactly
+(:mod:`lightning_mp.master.model_sync` owns those hooks), and a write in place into a bf16 shard zeroes its
+remainder; torch's ``set_model_state_dict`` with a *full* state dict copies each slice into the bf16 shard in place
+(rounding it) before any hook sees it: followed as such a write (the rounded bf16 value). Optimizer states are fp32 ``DTensor`` s made at setup (torch's distributed checkpoint would
 otherwise make them with a step on the bf16 parameters, in bf16). FSDP2's internals used here
 (``_sharded_param_data``, ``reset_sharded_param``, ``_init_mp_dtypes``) are those of torch 2.13, tested on CPU/gloo.
 """
@@ -45,6 +46,7 @@ from torch.optim import Optimizer
 from lightning_mp.distributed.fsdp2_generic import ShardedGenericStep
 from lightning_mp.distributed.shard import fsdp_param_groups
 from lightning_mp.master.bits import join_fp32, split_fp32_into
+from lightning_mp.master.model_sync import ModelSync, materialise
 from lightning_mp.master.remainder import RemainderMasters, _restore_fp32_state, _stash_fp32_state, check_params_belong
 from lightning_mp.master.step import fp32_zeros_like, local_of, uses_fused_kernel
 
@@ -151,18 +153,10 @@ class ShardedRemainderMasters(RemainderMasters):
         self._pending = []
         for hook in self._forward_hooks:
             hook.remove()
-        for name, param in self._module.named_parameters(remove_duplicate=False):
-            if id(param) in self._params:
-                self._names.setdefault(id(param), []).append(name)
-        owners = {
-            id(m): m for m in self._module.modules() for p in m.parameters(recurse=False) if id(p) in self._params
-        }
-        for owner in owners.values():  # per owning module: DCP loads full checkpoints one submodule at a time
-            self._hooks += [
-                owner._register_state_dict_hook(self._state_dict_hook),
-                owner.register_load_state_dict_pre_hook(self._load_state_dict_pre_hook),
-                owner.register_load_state_dict_post_hook(self._load_state_dict_post_hook),
-            ]
+        # loads into any module, saves, and writes in place reach the remainders from now on (FSDP2 swaps sharded and
+        # unsharded parameters in the modules itself: only version counters are compared, not objects or storage)
+        self.model_sync = ModelSync(self, self._module, self._params, watch_objects=False)
+        self.model_sync.start()
 
     def _split(self, value: Tensor, high: Tensor, low: Tensor) -> None:
         flat, high, low = value.reshape(-1), high.view(-1), low.view(-1)
@@ -250,31 +244,30 @@ class ShardedRemainderMasters(RemainderMasters):
             joined, param.device_mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride()
         )
 
-    def _state_dict_hook(self, module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
-        for name, param in module.named_parameters(recurse=False):
-            if id(param) in self._params and prefix + name in state_dict:
-                state_dict[prefix + name] = self.fp32_value(param)
+    def load_fp32(self, param: nn.Parameter, value: Any) -> None:
+        """A load brought ``value`` (a DTensor, a full tensor or any tensor-like) for ``param``: this rank's shard of
+        it is split into the bf16 shard and its remainder, exactly."""
+        shard = self._shards.get(id(param))
+        if shard is None:
+            return super().load_fp32(param, value)
+        local = local_of(param)
+        if not isinstance(value, Tensor):  # a tensor-like (LitGPT's NotYetLoadedTensor): read it once
+            value = materialise(value, value.shape, local.device)
+        self._split(_local_shard_of(value, param).to(local.device), local, shard[2])
 
-    def _load_state_dict_pre_hook(self, module: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
-        # keep each loaded value at full precision (this rank's shard of it) before torch copies it into the bf16
-        # parameter; the post-hook splits it into the parameter's bf16 shard and remainder
-        for name, param in module.named_parameters(recurse=False):
-            value = state_dict.get(prefix + name)
-            if id(param) in self._params and isinstance(value, Tensor):
-                self._fp32_values[id(param)] = _local_shard_of(value, param)
-
-    def _load_state_dict_post_hook(self, module: nn.Module, incompatible_keys: Any) -> None:
-        with torch.no_grad():
-            for _, param in module.named_parameters(recurse=False):
-                value = self._fp32_values.pop(id(param), None)
-                if value is not None and id(param) in self._shards:
-                    self._split(value.to(local_of(param).device), local_of(param), self._shards[id(param)][2])
+    def follow_write(self, param: nn.Parameter, value: Optional[Tensor]) -> None:
+        """A write in place into the bf16 shard: its remainder becomes zero (the written bf16 value is the value)."""
+        shard = self._shards.get(id(param))
+        if shard is None:
+            return super().follow_write(param, value)
+        shard[2].zero_()
 
     def restore(self) -> None:
         """Give FSDP2 fp32 shards again holding the exact values (a later forward all-gathers them in the policy's
         ``param_dtype``); optimizer state stays keyed by the same parameters. Hooks and remainders are released."""
         from torch.distributed.fsdp import FSDPModule
 
+        self.stop_following()
         for owner in self._module.modules() if self._module is not None else ():
             if isinstance(owner, FSDPModule):
                 owner.reshard()  # after a forward without backward (validation) the root holds unsharded parameters
@@ -287,7 +280,7 @@ class ShardedRemainderMasters(RemainderMasters):
             _retype_groups([group for _, group, _ in self._shards.values()])
         for generic in self._generic.values():
             generic.restore()
-        for hook in self._hooks + self._optimizer_hooks + self._forward_hooks:
+        for hook in self._optimizer_hooks + self._forward_hooks:
             hook.remove()
         self._staging.release()
         self._reset()

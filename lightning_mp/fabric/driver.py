@@ -76,6 +76,7 @@ class FabricDriver:
     def setup_module(self, module: Module) -> Module:
         self.module = self._originals["setup_module"](module)
         self.connected = False  # a module set up again (or anew) connects again
+        self.plugin._start_following(self.module)  # writes from now on reach the masters (connect: first forward)
         return self.module
 
     def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
@@ -107,6 +108,7 @@ class FabricDriver:
         if plugin.fp8 is not None:
             inner = getattr(self.module, "module", self.module)
             plugin.fp8.connect(inner, [optimizer])
+        plugin._start_following(self.module)
 
     # ------------------------------------------------------------------ the step
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:

@@ -21,6 +21,8 @@ import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
+from lightning_mp.master.model_sync import ModelSync, materialise
+
 #: Module classes whose parameters and buffers stay fp32 by default (and their subclasses).
 NORM_TYPES: tuple[type[nn.Module], ...] = (
     nn.modules.batchnorm._NormBase,
@@ -43,6 +45,10 @@ class MasterWeights:
         dtype: ``torch.float16`` or ``torch.bfloat16``, the dtype the model runs in.
         keep_fp32: ``keep_fp32(qualified_name, module)`` is true for modules whose own parameters and
             buffers stay fp32 (default: :func:`is_norm`). Their parameters are trained as they are.
+
+    After :meth:`convert`, :attr:`model_sync` (a :class:`~lightning_mp.master.model_sync.ModelSync`) keeps the masters
+    equal to whatever writes the model: loads into any submodule at once, other writes once started
+    (``model_sync.start()``, which the plugin calls at the end of its setup) at each ``model_sync.follow()``.
     """
 
     def __init__(self, dtype: torch.dtype, keep_fp32: Callable[[str, nn.Module], bool] = is_norm) -> None:
@@ -54,9 +60,7 @@ class MasterWeights:
 
     def _reset(self) -> None:
         self._module: Optional[nn.Module] = None
-        self._hooks: list[Any] = []
-        # id(half model param) -> every qualified name it has (tied parameters have several)
-        self._names: dict[int, list[str]] = {}
+        self.model_sync: Optional[ModelSync] = None  # hooks and check: every write to the model reaches the masters
         self._params: dict[int, nn.Parameter] = {}  # id(half model param) -> the param, for every converted one
         # fp32 values of the half parameters before the cast (the original tensors), until masters replace them
         self._fp32_values: dict[int, Tensor] = {}
@@ -101,14 +105,8 @@ class MasterWeights:
                     half = buffer.to(self.dtype)
                     self._buffers.append((owner, name, prefix + name, buffer, half))
                     owner._buffers[name] = half
-        for name, param in module.named_parameters(remove_duplicate=False):
-            if id(param) in self._params:
-                self._names.setdefault(id(param), []).append(name)
-        self._hooks = [
-            module._register_state_dict_hook(self._state_dict_hook),
-            module.register_load_state_dict_pre_hook(self._load_state_dict_pre_hook),
-            module.register_load_state_dict_post_hook(self._load_state_dict_post_hook),
-        ]
+        buffers = tuple((owner, name, original, half) for owner, name, _, original, half in self._buffers)
+        self.model_sync = ModelSync(self, module, self._params, buffers)
         return module
 
     def _cast_param(self, param: nn.Parameter) -> None:
@@ -232,72 +230,69 @@ class MasterWeights:
         return param.detach().float()
 
     @staticmethod
-    def _buffer_value(owner: nn.Module, name: str, original: Tensor, half: Tensor) -> Tensor:
+    def buffer_value(owner: nn.Module, name: str, original: Tensor, half: Tensor) -> Tensor:
+        """A converted buffer at full precision: its value before the cast while untouched, else an upcast."""
         current = owner._buffers[name]
         if current is half:  # untouched since the cast: the original is exact
             return original.to(current.device)
         return current.to(original.dtype)
 
-    def _state_dict_hook(self, module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
-        # the model's state_dict holds fp32 values under every name of a parameter (tied ones have several), so
-        # it loads into a plain fp32 model with nothing lost, whichever alias is loaded last
-        for key, param in self._params.items():
-            value = None
-            for name in self._names.get(key, ()):
-                if prefix + name in state_dict:
-                    value = self.fp32_value(param) if value is None else value
-                    state_dict[prefix + name] = value
-        for owner, name, qualified_name, original, half in self._buffers:
-            if prefix + qualified_name in state_dict and owner._buffers.get(name) is not None:
-                state_dict[prefix + qualified_name] = self._buffer_value(owner, name, original, half)
+    # ------------------------------------------------------------------ writes into the model (ModelSync calls these)
+    def load_fp32(self, param: nn.Parameter, value: Any) -> None:
+        """A load brought ``value`` (any tensor-like) for ``param``: the master becomes it exactly, the model its
+        rounding (whichever alias of a tied parameter torch copied last)."""
+        if tuple(value.shape) != tuple(param.shape):
+            return  # torch reports the size mismatch
+        master = self._masters.get(id(param))
+        if master is None:  # before attach(), or not trained: kept until attach() or restore()
+            master = self._fp32_values[id(param)] = materialise(value, param.shape, param.device)
+        else:
+            master.copy_(value)
+        if param.dtype != self.dtype:  # `param.data = fp32 tensor` before the load: half precision again
+            param.data = master.to(self.dtype)
+        else:
+            param.copy_(master)
 
-    def _load_state_dict_pre_hook(self, module: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
-        # Loading into the converted model (a resume after setup, or a user's load_state_dict during fit) must
-        # reach the fp32 masters, not only the half copies: take each parameter's value from the state, at full
-        # precision. Among a tied parameter's names, an fp32/fp64 value wins over a half one (older checkpoints
-        # stored the half copy under the alias).
-        with torch.no_grad():
-            for key, param in self._params.items():
-                values = [state_dict[prefix + name] for name in self._names.get(key, ()) if prefix + name in state_dict]
-                values = [v for v in values if isinstance(v, Tensor)]
-                if not values:
-                    continue
-                value = next((v for v in values if v.dtype in (torch.float32, torch.float64)), values[0])
-                if key in self._masters:
-                    self._masters[key].copy_(value)
-                else:
-                    self._fp32_values[key] = self._loaded_value(param, value)
+    def follow_write(self, param: nn.Parameter, value: Optional[Tensor]) -> None:
+        """``param`` was written outside the plugin's step: the master becomes the value now in the model.
+        ``value``: a new value (a replacement's, or new storage: fp32 or half, same shape and device), or ``None``
+        for a write in place (the model's 16-bit value is the new value, exactly)."""
+        key = id(param)
+        source = param.detach() if value is None else value.detach()
+        master = self._masters.get(key)
+        if master is not None:
+            master.copy_(source)
+        elif value is None:
+            self._fp32_values.pop(key, None)  # fp32_value() upcasts the model's value: exact
+        else:
+            self._fp32_values[key] = source.to(torch.float32, copy=True)
+        if value is not None:  # a copy: the model never shares storage with the tensor written
+            param.data = source.to(self.dtype, copy=True)
 
-    def _loaded_value(self, param: nn.Parameter, value: Tensor) -> Tensor:
-        # kept until attach() or restore(): a copy, since the caller may change or free its state dict
-        return value.detach().to(param.device, torch.float32, copy=True)
-
-    def _load_state_dict_post_hook(self, module: nn.Module, incompatible_keys: Any) -> None:
-        # the half copies are the masters rounded once, whichever alias was loaded last
-        with torch.no_grad():
-            for key, param in self._params.items():
-                if key in self._masters:
-                    param.copy_(self._masters[key])
-                elif key in self._fp32_values:
-                    param.copy_(self._fp32_values[key])
+    def stop_following(self) -> None:
+        """Follow the writes since the last step (a hook after training wrote the model), then remove the hooks."""
+        sync, self.model_sync = self.model_sync, None
+        if sync is not None:
+            sync.follow()
+            sync.remove()
 
     def restore(self) -> None:
         """Give the model back its fp32 values and the optimizers back the model's parameters (with their
-        state). The masters, their flat buffers and the half copies are released."""
+        state). The masters, their flat buffers and the half copies are released. Writes since the last step are
+        followed first."""
+        self.stop_following()
         for key, param in self._params.items():
             if key in self._masters:  # a fresh tensor, not a view that would keep the flat buffer alive
                 param.data = self._masters[key].detach().to(param.device, copy=True)
             else:
                 param.data = self.fp32_value(param).to(param.device)
         for owner, name, _, original, half in self._buffers:
-            owner._buffers[name] = self._buffer_value(owner, name, original, half)
+            owner._buffers[name] = self.buffer_value(owner, name, original, half)
         for optimizer in self._optimizers:
             for group in optimizer.param_groups:
                 group["params"] = [self._param_of_master.get(id(p), p) for p in group["params"]]
             for master in [m for m in optimizer.state if id(m) in self._param_of_master]:
                 optimizer.state[self._param_of_master[id(master)]] = optimizer.state.pop(master)
-        for hook in self._hooks:
-            hook.remove()
         self._reset()
 
     def __repr__(self) -> str:

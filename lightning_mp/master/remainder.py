@@ -31,6 +31,7 @@ from lightning_mp.master.bits import JoinSplit
 from lightning_mp.master.blocks import Blocks, join_by_chunks, split_by_chunks
 from lightning_mp.master.flat import MasterWeights, is_norm
 from lightning_mp.master.generic import GenericChunkedStep
+from lightning_mp.master.model_sync import materialise
 from lightning_mp.master.step import (
     FUSED_UNIT,
     Staging,
@@ -139,6 +140,8 @@ class RemainderMasters(MasterWeights):
         for index, optimizer in enumerate(self._optimizers):
             check_params_belong(index, optimizer, module_params)
         self._blocks.relocate()
+        if self.model_sync is not None:
+            self.model_sync.record_storage()  # the plugin's own move: not a write
         for optimizer in self._optimizers:
             if uses_fused_kernel(optimizer):
                 self._optimizer_hooks += [
@@ -278,29 +281,41 @@ class RemainderMasters(MasterWeights):
             return join_by_chunks(high, low, value.view(-1), self.chunk_size_for(high.device)).view(param.shape)
         return super().fp32_value(param)
 
-    def _loaded_value(self, param: nn.Parameter, value: Tensor) -> Tensor:
-        # the post-hook of the same load splits it into the blocks, chunk by chunk: no copy of the whole model
-        return value.detach() if id(param) in self._layout else super()._loaded_value(param, value)
+    def load_fp32(self, param: nn.Parameter, value: Any) -> None:
+        """A load brought ``value`` (any tensor-like) for ``param``: split it exactly into the bf16 weight and its
+        remainder, chunk by chunk (after torch copied it into the bf16 weight, rounding ties its own way)."""
+        place = self._layout.get(id(param))
+        if place is None:
+            return super().load_fp32(param, value)
+        if tuple(value.shape) != tuple(param.shape):
+            return  # torch reports the size mismatch
+        if not isinstance(value, Tensor):  # a tensor-like (LitGPT's NotYetLoadedTensor): read it once, in fp32
+            value = materialise(value, param.shape, place[0])
+        high, low = self.flat_slices(place[0], place[1], place[1] + param.numel())
+        split_by_chunks(value.detach().reshape(-1), high, low, self.chunk_size_for(place[0]))
+        if param.data_ptr() != high.data_ptr():  # `param.data = tensor` before the load: the block again
+            param.data = high.view_as(param)
 
-    def _load_state_dict_post_hook(self, module: nn.Module, incompatible_keys: Any) -> None:
-        # the pre-hook (MasterWeights') put each loaded fp32 value in _fp32_values; split it into weight + remainder
-        with torch.no_grad():
-            for key, param in self._params.items():
-                value = self._fp32_values.get(key)
-                if value is None:
-                    continue
-                if key in self._layout:
-                    device, offset = self._layout[key]
-                    high, low = self.flat_slices(device, offset, offset + param.numel())
-                    split_by_chunks(self._fp32_values.pop(key).reshape(-1), high, low, self.chunk_size_for(device))
-                else:
-                    param.copy_(value)
+    def follow_write(self, param: nn.Parameter, value: Optional[Tensor]) -> None:
+        """``param`` was written outside the plugin's step: its remainder becomes zero (a write in place, ``value``
+        ``None``: the bf16 weight in the block holds the new value), or ``value`` (fp32 or bf16) is split into the
+        block and the parameter views the block again."""
+        place = self._layout.get(id(param))
+        if place is None:
+            return super().follow_write(param, value)
+        high, low = self.flat_slices(place[0], place[1], place[1] + param.numel())
+        if value is None:
+            low.zero_()
+            return
+        split_by_chunks(value.detach().reshape(-1), high, low, self.chunk_size_for(place[0]))
+        param.data = high.view_as(param)
 
     def restore(self) -> None:
         """Give the model back its exact fp32 values (fresh tensors), block by block, each block released once its
         parameters are fp32 (the model's weights then cost at most one block more than the fp32 model). Optimizer
         state of AdamW/Adam/SGD stays keyed by the same parameters; see :meth:`GenericChunkedStep.restore` for
         others."""
+        self.stop_following()  # while the blocks still hold the weights
         for generic in self._generic.values():
             generic.restore()
         for hook in self._optimizer_hooks:

@@ -1,0 +1,274 @@
+"""The one owner of the agreement between a model's parameters and its master weights: every write reaches the masters.
+
+The plugin's own step is one writer of a model among several: a ``load_state_dict`` into the model or any submodule
+(Lightning's resume, ``fabric.load``, LitGPT's ``load_checkpoint``), an ``nn.init`` in a hook, a callback that
+replaces a layer's weight. :class:`ModelSync` sees each of them and makes the masters follow, or fails loudly:
+
+- **loads**: hooks on every module that owns a converted parameter (a load pre-hook on the root alone does not see
+  ``model.child.load_state_dict(...)``: torch calls each submodule's ``_load_from_state_dict`` with its own prefix)
+  keep each loaded value, whatever torch can copy from (tensors, mmap'd tensors, safetensors, DTensors, tensor-likes
+  with ``__torch_function__`` such as LitGPT's ``NotYetLoadedTensor``), and once torch has copied it into the model
+  the store makes it the exact fp32 master (:meth:`~lightning_mp.master.MasterWeights.load_fp32`).
+- **saves**: a state-dict hook on the same modules writes the exact fp32 values in place of the 16-bit ones.
+- **other writes**, found by :meth:`ModelSync.follow` once per step (before the update) and before every save and
+  teardown: an in-place write bumps the parameter's version counter (``nn.init.*``, ``copy_``/``fill_``/``mul_``
+  under ``no_grad``, ``reset_parameters()``), ``p.data = t`` changes its storage (``data_ptr()``), and
+  ``module.weight = nn.Parameter(t)`` puts another object in the module. The masters become the value now in the
+  model (:meth:`~lightning_mp.master.MasterWeights.follow_write`): the 16-bit value with a zero remainder, or the
+  fp32 value a replacement carries; a replaced parameter object is put back into the module holding the new value
+  (the optimizer keeps stepping the object it holds). A write that cannot be followed (another shape, device or a
+  non-floating dtype, a removed parameter) raises :class:`ModelWriteError` naming the parameter.
+
+The check is three C-level passes over lists (version counters, storage addresses, the objects the modules hold),
+compared with the lists recorded after the last write the masters know of: no Python per parameter while nothing
+was written. ``p.data.copy_(t)`` bumps no counter and keeps the storage: nothing in torch records it, and it is the
+one write the masters cannot follow (write ``with torch.no_grad(): p.copy_(t)`` instead).
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.overrides import is_tensor_like
+
+_version = operator.attrgetter("_version")
+
+#: How to write a parameter so the masters follow (quoted by every error and the docs).
+HOW_TO_WRITE = (
+    "Write it in place with the same shape, e.g. `with torch.no_grad(): param.copy_(value)`, nn.init.*, or "
+    "module.load_state_dict(...) (any of them followed exactly)."
+)
+
+
+class ModelWriteError(RuntimeError):
+    """A write into the model after setup that the master weights cannot follow; names the parameter."""
+
+
+class ModelSync:
+    """Hooks and per-step check that keep ``store``'s masters equal to ``module``'s parameters (see module doc).
+
+    Args:
+        store: the master-weights store (:class:`~lightning_mp.master.MasterWeights` or a subclass): it provides
+            ``fp32_value(param)``, ``load_fp32(param, value)``, ``follow_write(param, value)`` and
+            ``buffer_value(owner, name, original, half)``.
+        module: the converted model.
+        params: ``id(parameter) -> parameter`` for every parameter that has a master.
+        buffers: converted buffers ``(owner, name, value before the cast, half value)``, saved at full precision.
+        watch_objects: compare the objects the modules hold and the storage addresses too (``False`` under FSDP2,
+            which swaps sharded and unsharded parameters in the modules itself).
+    """
+
+    def __init__(
+        self,
+        store: Any,
+        module: nn.Module,
+        params: dict[int, nn.Parameter],
+        buffers: tuple[tuple[nn.Module, str, Tensor, Tensor], ...] = (),
+        watch_objects: bool = True,
+    ) -> None:
+        self.store = store
+        self.watch_objects = watch_objects
+        self.started = False
+        #: refuse ``p.data = t`` of another dtype (under DDP: torch then drops the gradient accumulator DDP hooks)
+        self.keep_dtypes = False
+        self._params: list[nn.Parameter] = list(params.values())
+        self._index = {id(p): i for i, p in enumerate(self._params)}
+        self._shapes = [tuple(p.shape) for p in self._params]
+        self._names: dict[int, str] = {}
+        # per owning module: [(attribute name, parameter)] and [(buffer name, original, half)]
+        self._owned: dict[int, list[tuple[str, nn.Parameter]]] = {}
+        self._owned_buffers: dict[int, list[tuple[str, Tensor, Tensor]]] = {}
+        owners: dict[int, nn.Module] = {}
+        for module_name, owner in module.named_modules():
+            for name, param in owner._parameters.items():
+                if param is not None and id(param) in params:
+                    self._owned.setdefault(id(owner), []).append((name, param))
+                    owners[id(owner)] = owner
+                    self._names.setdefault(id(param), f"{module_name}.{name}" if module_name else name)
+        for owner, name, original, half in buffers:
+            self._owned_buffers.setdefault(id(owner), []).append((name, original, half))
+            owners[id(owner)] = owner
+        # the slots the check compares: the dict each owner keeps its parameters in, the name, the object expected
+        slots = [(owners[key]._parameters, name, param) for key, owned in self._owned.items() for name, param in owned]
+        self._slot_dicts = [s[0] for s in slots]
+        self._slot_names = [s[1] for s in slots]
+        self._slot_params = [s[2] for s in slots]
+        self._slot_ids = [id(s[2]) for s in slots]
+        self._versions: list[int] = []
+        self._pointers: list[int] = []
+        self._held: list[Tensor] = []  # the recorded storages, kept alive (see record_storage)
+        self._devices = [p.device for p in self._params]  # where the masters expect each parameter, in which dtype
+        self._dtypes = [p.dtype for p in self._params]
+        self._loaded: dict[int, Any] = {}  # id(param) -> the value a load in progress brings
+        self._hooks = [
+            hook
+            for owner in owners.values()
+            for hook in (
+                owner._register_state_dict_hook(self._state_dict_hook),
+                owner.register_load_state_dict_pre_hook(self._load_pre_hook),
+                owner.register_load_state_dict_post_hook(self._load_post_hook),
+            )
+        ]
+        self.record()
+
+    # ------------------------------------------------------------------ the record and the check
+    def _pointer_list(self) -> list[int]:
+        return list(map(Tensor.data_ptr, self._params)) if self.watch_objects else []
+
+    def _slot_list(self) -> list[int]:
+        return list(map(id, map(dict.get, self._slot_dicts, self._slot_names))) if self.watch_objects else []
+
+    def record(self) -> None:
+        """Take the parameters as they are now as known to the masters (after a write by the plugin itself)."""
+        self._versions = list(map(_version, self._params))
+        self.record_storage()
+
+    def record_storage(self) -> None:
+        """Take the parameters' storage as it is now as known (the plugin moved them itself); versions stay. Once
+        started, the recorded storages are held: a storage freed by ``p.data = t`` could otherwise come back at the
+        same address for a later ``p.data = t2``, which the address alone would not tell apart."""
+        self._pointers = self._pointer_list()
+        self._held = [p.data for p in self._params] if self.started and self.watch_objects else []
+        self._devices = [p.device for p in self._params]
+        self._dtypes = [p.dtype for p in self._params]
+
+    def start(self) -> None:
+        """Setup is over: from now on every write is followed. Called again (a later connect), follow what changed."""
+        if self.started:
+            self.follow()
+        self.started = True
+        self.record()
+
+    def unchanged(self) -> bool:
+        """Whether nothing wrote the parameters since the last record (three list comparisons, no Python loop)."""
+        return (
+            list(map(_version, self._params)) == self._versions
+            and self._pointer_list() == self._pointers
+            and self._slot_list() == self._slot_ids
+        )
+
+    def follow(self) -> None:
+        """Make the masters follow every write since the last record; raise :class:`ModelWriteError` for one that
+        cannot be followed. Called before each update, before each save, at teardown."""
+        if not self.started or self.unchanged():
+            return
+        replaced = self._put_back_replaced() if self.watch_objects else {}
+        pointers = self._pointer_list()
+        versions = list(map(_version, self._params))
+        with torch.no_grad():
+            for index, param in enumerate(self._params):
+                if id(param) in replaced:
+                    self.store.follow_write(param, replaced[id(param)])
+                elif self.watch_objects and pointers[index] != self._pointers[index]:
+                    self._check_value(param, param.data, "given new storage (`param.data = tensor`)", self.keep_dtypes)
+                    self.store.follow_write(param, param.data)
+                elif versions[index] != self._versions[index]:
+                    self.store.follow_write(param, None)
+        self.record()
+
+    def _put_back_replaced(self) -> dict[int, Tensor]:
+        """Put back the parameter objects the masters belong to where a module holds another one now; their new
+        values, by ``id`` of the object put back."""
+        values: dict[int, Tensor] = {}
+        current = list(map(dict.get, self._slot_dicts, self._slot_names))  # None: deleted or set to None
+        for slots, name, param, now in zip(self._slot_dicts, self._slot_names, self._slot_params, current):
+            if now is param:
+                continue
+            what = f"replaced by {type(now).__name__}" if now is not None else "removed (deleted or set to None)"
+            if now is None:
+                raise ModelWriteError(self._message(param, what, "the masters need a parameter there."))
+            self._check_value(param, now, f"replaced (`module.{name} = nn.Parameter(...)`)")
+            slots[name] = param
+            param.requires_grad_(now.requires_grad)
+            values[id(param)] = now.detach()
+        return values
+
+    def _check_value(self, param: nn.Parameter, value: Tensor, what: str, keep_dtype: bool = False) -> None:
+        index = self._index[id(param)]
+        shape, device, dtype = self._shapes[index], self._devices[index], self._dtypes[index]
+        problem = None
+        if tuple(value.shape) != shape:
+            problem = f"its shape is now {tuple(value.shape)}, the masters' is {shape}"
+        elif not value.is_floating_point():
+            problem = f"its dtype is now {value.dtype}, not a floating dtype"
+        elif keep_dtype and value.dtype != dtype:
+            problem = (
+                f"its dtype is now {value.dtype}, not {dtype}: under DDP torch then drops the parameter's gradient "
+                f"accumulator, which holds DDP's hook (assign `tensor.to({dtype})` instead)"
+            )
+        elif value.device != device:
+            problem = f"it is now on {value.device}, its masters on {device}"
+        if problem is not None:
+            raise ModelWriteError(self._message(param, what, problem))
+
+    def _message(self, param: nn.Parameter, what: str, problem: str) -> str:
+        return (
+            f"MixedPrecisionPlugin with master weights: parameter {self._names.get(id(param), '?')!r} was {what} "
+            f"after setup, and the master weights cannot follow it: {problem}. {HOW_TO_WRITE} To change the model's "
+            "structure, do it before the plugin sets the model up (before fabric.setup / in configure_model)."
+        )
+
+    def name_of(self, param: Tensor) -> str:
+        """The parameter's qualified name in the model (its first, for tied ones)."""
+        return self._names.get(id(param), "?")
+
+    # ------------------------------------------------------------------ hooks on every owning module
+    def _state_dict_hook(self, module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
+        # the module's state_dict holds the exact fp32 values under every name of a parameter (tied ones have
+        # several), so it loads into a plain fp32 model with nothing lost; writes since the last step count
+        self.follow()
+        for name, param in self._owned.get(id(module), ()):
+            if prefix + name in state_dict:
+                state_dict[prefix + name] = self.store.fp32_value(param)
+        for name, original, half in self._owned_buffers.get(id(module), ()):
+            if prefix + name in state_dict and module._buffers.get(name) is not None:
+                state_dict[prefix + name] = self.store.buffer_value(module, name, original, half)
+
+    def _load_pre_hook(self, module: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
+        # keep what the load brings (any value torch copies from, as torch's _load_from_state_dict accepts it);
+        # among a tied parameter's names an fp32/fp64 value wins over a half one (older checkpoints stored the half
+        # copy under the alias)
+        for name, param in self._owned.get(id(module), ()):
+            value = state_dict.get(prefix + name)
+            if value is None or not is_tensor_like(value):
+                continue
+            held = self._loaded.get(id(param))
+            if held is None or not _is_wide(held) or _is_wide(value):
+                self._loaded[id(param)] = value
+
+    def _load_post_hook(self, module: nn.Module, incompatible_keys: Any) -> None:
+        # torch has copied (rounded) the values into the model: the masters take them at full precision, and the
+        # model their rounding; a load with assign=True put new objects in the module: the masters' come back
+        with torch.no_grad():
+            for name, param in self._owned.get(id(module), ()):
+                value = self._loaded.pop(id(param), None)
+                if value is None:
+                    continue
+                if self.watch_objects and module._parameters.get(name) is not param:
+                    module._parameters[name] = param
+                self.store.load_fp32(param, value)
+                index = self._index[id(param)]
+                self._versions[index] = param._version
+                if self.watch_objects:
+                    self._pointers[index] = param.data_ptr()
+                    if self._held:
+                        self._held[index] = param.data
+
+    def remove(self) -> None:
+        """Remove the hooks (at teardown)."""
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+        self._loaded.clear()
+
+
+def _is_wide(value: Any) -> bool:
+    return getattr(value, "dtype", None) in (torch.float32, torch.float64)
+
+
+def materialise(value: Any, shape: Any, device: torch.device) -> Tensor:
+    """``value`` (a tensor or any tensor-like torch can copy from) as a new fp32 tensor of ``shape`` on ``device``."""
+    return torch.empty(tuple(shape), dtype=torch.float32, device=device).copy_(value)
