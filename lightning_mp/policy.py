@@ -190,6 +190,12 @@ class CastPolicy:
             rules[op] = ("fp32", "user")
         return rules
 
+    @staticmethod
+    def rule_matches(rule: str, qualified_name: str, module: nn.Module) -> bool:
+        """Whether a module rule (``fp32_modules``, ``fp8_exclude``, ``fp8_only``) matches ``module``:
+        :func:`rule_matches`."""
+        return rule_matches(rule, qualified_name, module)
+
     def module_in_fp32(self, qualified_name: str, module: nn.Module) -> bool:
         """Whether a ``fp32_modules`` rule (class name or qualified-name glob) matches this module."""
         return any(rule_matches(rule, qualified_name, module) for rule in self.fp32_modules)

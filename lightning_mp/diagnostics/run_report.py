@@ -48,9 +48,10 @@ def report(path_or_trainer: Union[str, Path, Any], out_dir: Union[str, Path, Non
 
 
 def _from_trainer(trainer: Any) -> tuple[RunHistory, Path]:
-    from lightning_mp.diagnostics.monitor import PrecisionMonitor
-
-    monitors = [c for c in getattr(trainer, "callbacks", []) if isinstance(c, PrecisionMonitor)]
+    # a PrecisionMonitor, known by what it keeps (its history and log directory): the report does not import the
+    # callback that writes it
+    callbacks = getattr(trainer, "callbacks", [])
+    monitors = [c for c in callbacks if isinstance(getattr(c, "history", None), RunHistory) and hasattr(c, "log_dir")]
     if monitors and monitors[0].log_dir is not None:
         return monitors[0].history, monitors[0].log_dir
     directory = Path(trainer.log_dir or trainer.default_root_dir)

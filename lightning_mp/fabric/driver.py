@@ -3,7 +3,7 @@ See :mod:`lightning_mp.fabric`."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional
 
 import torch
 from torch import Tensor
@@ -12,9 +12,6 @@ from torch.optim import LBFGS, Optimizer
 
 from lightning_mp import stepping
 from lightning_mp.schedulers import guard_scheduler
-
-if TYPE_CHECKING:
-    from lightning_mp.plugin import MixedPrecisionPlugin
 
 #: The strategy methods a Fabric-driven plugin wraps (on the strategy object, never on its class).
 WRAPPED = (
@@ -38,7 +35,7 @@ class FabricDriver:
             attributes, removed by :meth:`release`).
     """
 
-    def __init__(self, plugin: MixedPrecisionPlugin, strategy: Any) -> None:
+    def __init__(self, plugin: Any, strategy: Any) -> None:  # the plugin: not imported here (it imports this)
         self.plugin = plugin
         self.strategy = strategy
         self.module: Optional[Module] = None  # what the strategy's setup_module returned (a DDP wrapper, ...)

@@ -7,26 +7,26 @@ converts what :func:`fp8_layers` chose. Nothing here imports torchao.
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable
 
 from torch import nn
 
-from lightning_mp.policy import CastPolicy, rule_matches
-
 
 def fp8_layers(
-    policy: CastPolicy, model: nn.Module, in_fp32: Callable[[str, nn.Module], bool]
+    policy: Any, model: nn.Module, in_fp32: Callable[[str, nn.Module], bool]
 ) -> list[tuple[str, nn.Module, str]]:
     """``(name, layer, reason)`` for every ``nn.Linear`` of ``model``, in model order (see
-    :meth:`lightning_mp.CastPolicy.fp8_layers` for the reasons and their precedence)."""
+    :meth:`lightning_mp.CastPolicy.fp8_layers` for the reasons and their precedence). ``policy``: a
+    :class:`~lightning_mp.CastPolicy` (its rules and ``rule_matches``; this module does not import the policy's, so
+    that the policy can ask it without a cycle)."""
     modules = dict(model.named_modules())
     linears = [(name, module) for name, module in modules.items() if isinstance(module, nn.Linear)]
     chosen = []
     for index, (name, module) in enumerate(linears):
         chain = [(parent, modules[parent]) for parent in _ancestors(name) if parent in modules]
         fp32 = next((n for n, m in chain if in_fp32(n, m)), None)
-        excluded = next((r for r in policy.fp8_exclude for n, m in chain if rule_matches(r, n, m)), None)
-        named = not policy.fp8_only or any(rule_matches(r, n, m) for r in policy.fp8_only for n, m in chain)
+        excluded = next((r for r in policy.fp8_exclude for n, m in chain if policy.rule_matches(r, n, m)), None)
+        named = not policy.fp8_only or any(policy.rule_matches(r, n, m) for r in policy.fp8_only for n, m in chain)
         dims = (module.in_features, module.out_features)
         cls = type(module)  # fully_shard makes an nn.Linear an FSDPLinear(FSDPModule, nn.Linear): still plain
         reason = (
