@@ -231,7 +231,7 @@ class MixedPrecisionPlugin(FabricHooks, Precision):  # FabricHooks: the hooks as
         if self._in_backward is not None:
             self._in_backward.remove()
             self._in_backward = None
-        if self.optimizer_in_backward:
+        if self.optimizer_in_backward and optimizers:  # none under validate/test/predict
             trainer = getattr(model, "_trainer", None)
             clamp = getattr(trainer, "gradient_clip_val", None) or None  # check_setup refused clipping by norm
             optimizer = getattr(optimizers[0], "_optimizer", optimizers[0])

@@ -43,6 +43,9 @@ class Net(L.LightningModule):
         loss = nn.functional.mse_loss(self.net(x).float(), y)
         return loss * float("nan") if self.trainer.global_step == self.bad_loss_at else loss
 
+    def validation_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self.training_step(batch, batch_idx)
+
     def on_train_batch_end(self, *args: Any) -> None:
         self.grads_after_step.append([p.grad for p in self.parameters()])
 
@@ -268,3 +271,14 @@ def test_several_optimizers_fabric_and_multi_device_strategies_are_refused():
     fabric = L.Fabric(accelerator="cpu", devices=1, plugins=[_plugin(optimizer_in_backward=True)])
     with pytest.raises(ValueError, match=r"not available under Lightning Fabric"):
         fabric.setup(nn.Linear(4, 4))
+
+
+def test_validation_during_and_after_fit_runs_without_updates(tmp_path):
+    with seeded():
+        model = Net()
+    plugin = MixedPrecisionPlugin("bf16-mixed", master_weights="remainder", optimizer_in_backward=True)
+    trainer = make_trainer(plugin, max_steps=3, limit_val_batches=2, val_check_interval=2)
+    trainer.fit(model, _loader(), _loader(16))
+    fitted = {name: p.detach().clone() for name, p in model.named_parameters()}
+    trainer.validate(model, _loader(16))  # connect without optimizers: nothing to refuse, no hooks
+    assert all(torch.equal(p, fitted[name]) for name, p in model.named_parameters())

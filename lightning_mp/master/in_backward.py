@@ -69,6 +69,8 @@ def check_setup(trainer: Any, model: Any, optimizers: list[Optimizer]) -> None:
             "optimizer.step() itself",
             "Use automatic optimization, or optimizer_in_backward=False.",
         )
+    if not optimizers:  # validate/test/predict (or no optimizer at all): nothing is updated, nothing to refuse
+        return
     if len(optimizers) != 1:
         raise refusal(
             f"takes exactly one optimizer, configure_optimizers returned {len(optimizers)}",
@@ -145,6 +147,7 @@ class StepInBackward:
         self._flags: list[tuple[Tensor, Tensor]] = []  # (parameter, its 0-dim flag) updated in this backward
         self._one_groups: dict[int, tuple[dict[str, Any], dict[str, Any]]] = {}
         self._chunks: dict[int, list[Any]] = {}
+        self._ones: dict[torch.device, Tensor] = {}
         self._hooks = []
         for group in optimizer.param_groups:
             for param in group["params"]:
@@ -179,8 +182,12 @@ class StepInBackward:
         grad = param.grad
         found = self._loss_found.clone() if self._loss_found is not None else grad.new_zeros((), dtype=torch.float32)
         found = found.to(grad.device)
-        # sets found to 1 where the gradient holds inf/NaN; multiplies by 1 (leaves the gradient's bits)
-        torch._amp_foreach_non_finite_check_and_unscale_([grad.detach()], found, found.new_ones(()))
+        one = self._ones.get(grad.device)
+        if one is None:
+            one = self._ones[grad.device] = torch.ones((), dtype=torch.float32, device=grad.device)
+        # sets found to 1 where the gradient holds inf/NaN (no transient the size of the gradient); multiplies the
+        # gradient by 1, which leaves its bits
+        torch._amp_foreach_non_finite_check_and_unscale_([grad.detach()], found, one)
         self._flags.append((param, found))
         return found
 
