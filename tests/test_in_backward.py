@@ -102,6 +102,15 @@ def test_updates_in_backward_equal_the_normal_lean_step_bitwise_and_free_the_gra
     assert all(grad is None for step in model.grads_after_step for grad in step)  # freed as soon as used
 
 
+@pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
+def test_the_chunked_fallback_without_the_kernel_is_bitwise_too(tmp_path, monkeypatch, optimizer):
+    monkeypatch.setenv("LIGHTNING_MP_NATIVE", "0")  # no one-pass kernel: torch's fused kernel on joined chunks
+    model, ours = _fit(True, tmp_path, "ours", optimizer, max_steps=3)
+    _, reference = _fit(False, tmp_path, "reference", optimizer, max_steps=3)
+    _assert_same_bits(ours, reference)
+    assert all(grad is None for step in model.grads_after_step for grad in step)
+
+
 def test_clip_by_value_runs_per_parameter_inside_backward_bitwise(tmp_path):
     clip = dict(gradient_clip_val=0.05, gradient_clip_algorithm="value", max_steps=4)
     _, ours = _fit(True, tmp_path, "ours", **clip)
