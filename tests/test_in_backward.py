@@ -291,3 +291,13 @@ def test_validation_during_and_after_fit_runs_without_updates(tmp_path):
     fitted = {name: p.detach().clone() for name, p in model.named_parameters()}
     trainer.validate(model, _loader(16))  # connect without optimizers: nothing to refuse, no hooks
     assert all(torch.equal(p, fitted[name]) for name, p in model.named_parameters())
+
+
+def test_the_cli_passes_the_option_and_refuses_what_the_plugin_refuses():
+    from lightning_mp.cli.choice import choose_precision
+    from lightning_mp.cli.errors import CLIConfigError
+
+    choice = choose_precision("bf16-mixed", "cpu", None, {"master_weights": "remainder", "optimizer_in_backward": True})
+    assert choice.plugin is not None and choice.plugin.optimizer_in_backward is True
+    with pytest.raises(CLIConfigError, match=r"optimizer_in_backward=True\) needs master_weights='remainder'"):
+        choose_precision("bf16-mixed", "cpu", None, {"optimizer_in_backward": True})
