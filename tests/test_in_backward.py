@@ -6,6 +6,7 @@ seed: the fp32 weights a checkpoint holds and the optimizer state must be the sa
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 from typing import Any, Optional
 
@@ -24,8 +25,11 @@ OPTIMIZERS = ("adamw", "adam", "sgd")
 class Net(L.LightningModule):
     """Linear (bf16 + remainder: bf16 gradients) -> LayerNorm (kept fp32: fp32 gradients) -> GELU -> Linear."""
 
-    def __init__(self, optimizer: str = "adamw", bad_loss_at: int = -1, bad_grad_at: int = -1) -> None:
+    def __init__(
+        self, optimizer: str = "adamw", bad_loss_at: int = -1, bad_grad_at: int = -1, scheduler: bool = False
+    ) -> None:
         super().__init__()
+        self.scheduler, self.lrs = scheduler, []
         self.net = nn.Sequential(nn.Linear(16, 32), nn.LayerNorm(32), nn.GELU(), nn.Linear(32, 1))
         self.optimizer_name, self.bad_loss_at, self.bad_grad_at = optimizer, bad_loss_at, bad_grad_at
         self.grads_after_step: list[list[Optional[torch.Tensor]]] = []
@@ -48,8 +52,13 @@ class Net(L.LightningModule):
 
     def on_train_batch_end(self, *args: Any) -> None:
         self.grads_after_step.append([p.grad for p in self.parameters()])
+        self.lrs.append(self.trainer.optimizers[0].param_groups[0]["lr"])
 
     def configure_optimizers(self) -> Any:
+        if self.scheduler:
+            optimizer = torch.optim.AdamW(self.parameters(), lr=1e-2, weight_decay=0.1)
+            scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+            return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
         if self.optimizer_name == "adamw":
             return torch.optim.AdamW(self.parameters(), lr=1e-2, weight_decay=0.1)
         if self.optimizer_name == "adam":
@@ -67,7 +76,7 @@ def _fit(
     in_backward: bool, tmp_path: Path, name: str, optimizer: str = "adamw", resume: Optional[Path] = None, **kw: Any
 ) -> tuple[Net, dict[str, Any]]:
     """Fit a fresh seeded :class:`Net` (``kw``: its arguments and the Trainer's); the checkpoint written at the end."""
-    model_kw = {k: kw.pop(k) for k in ("bad_loss_at", "bad_grad_at") if k in kw}
+    model_kw = {k: kw.pop(k) for k in ("bad_loss_at", "bad_grad_at", "scheduler") if k in kw}
     with seeded():
         model = Net(optimizer, **model_kw)
     plugin = MixedPrecisionPlugin("bf16-mixed", master_weights="remainder", optimizer_in_backward=in_backward)
@@ -129,6 +138,15 @@ def test_a_non_finite_loss_skips_every_update_of_its_step(tmp_path):
         for key, value in state.items():
             assert torch.equal(ours["optimizer_states"][0]["state"][index][key], value), (index, key)
     _, reference = _fit(False, tmp_path, "reference", bad_loss_at=2, max_steps=3)
+    _assert_same_bits(ours, reference)
+
+
+def test_a_step_scheduler_advances_as_with_the_normal_step_and_holds_on_a_non_finite_loss(tmp_path):
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*lr_scheduler.step\\(\\)")  # torch's "before optimizer.step()"
+        ours_model, ours = _fit(True, tmp_path, "ours", bad_loss_at=2, scheduler=True, max_steps=5)
+    reference_model, reference = _fit(False, tmp_path, "reference", bad_loss_at=2, scheduler=True, max_steps=5)
+    assert ours_model.lrs == reference_model.lrs and ours_model.lrs[1] == ours_model.lrs[2]  # held on step 2
     _assert_same_bits(ours, reference)
 
 
