@@ -319,3 +319,37 @@ def test_the_cli_passes_the_option_and_refuses_what_the_plugin_refuses():
     assert choice.plugin is not None and choice.plugin.optimizer_in_backward is True
     with pytest.raises(CLIConfigError, match=r"optimizer_in_backward=True\) needs master_weights='remainder'"):
         choose_precision("bf16-mixed", "cpu", None, {"optimizer_in_backward": True})
+
+
+def test_a_large_parameter_updated_single_threaded_inside_backward_equals_the_threaded_step(monkeypatch):
+    """Without a Trainer: the kernel runs on one thread inside backward (native.single_threaded), on two after it
+    (512 x 512 values: four units of native.GRAIN, shared by the threads): the same bits."""
+    from lightning_mp.master import RemainderMasters, native
+    from lightning_mp.master.in_backward import StepInBackward
+
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)  # what the kernel reads outside single_threaded
+    assert 2 * native.GRAIN <= 512 * 512
+    results = []
+    for in_backward in (True, False):
+        with seeded():
+            model = nn.Sequential(nn.Linear(512, 512), nn.Linear(512, 1))
+        store = RemainderMasters()
+        store.convert(model)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+        store.attach([optimizer])
+        stepper = StepInBackward(store, optimizer) if in_backward else None
+        for step in range(3):
+            x = torch.randn(8, 512, generator=torch.Generator().manual_seed(step)).to(torch.bfloat16)
+            loss = model(x).float().pow(2).mean()
+            if stepper is not None:
+                stepper.begin(loss)
+                loss.backward()
+                assert stepper.finish() == (False, []) and model[0].weight.grad is None
+            else:
+                loss.backward()
+                store.fused_step(optimizer, torch.zeros(()))
+                optimizer.zero_grad()
+        states = [optimizer.state[p][key] for p in model.parameters() for key in sorted(optimizer.state[p])]
+        results.append([store.fp32_value(p) for p in model.parameters()] + states)
+    assert len(results[0]) == len(results[1]) == 4 + 4 * 3  # weights, biases; step, exp_avg, exp_avg_sq
+    assert all(torch.equal(a, b) for a, b in zip(*results))

@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from lightning_mp.master import onepass
+from lightning_mp.master import native, onepass
 from lightning_mp.master.step import FUSED_TYPES, apply_grad_ops_in_place, fused_update, plan_chunks, uses_fused_kernel
 
 OPTION = "optimizer_in_backward=True"
@@ -172,7 +172,7 @@ class StepInBackward:
         one.update(group)  # hyperparameters as they are now (a scheduler may have changed them)
         one["params"] = [param]
         found = self._flag_for(param)
-        with torch.no_grad():
+        with torch.no_grad(), native.single_threaded():  # see native.single_threaded: faster inside backward
             self._step(one, param, found)
         param.grad = None  # the gradient is used: free it now
 
