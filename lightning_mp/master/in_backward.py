@@ -29,6 +29,7 @@ from torch.optim import Optimizer
 
 from lightning_mp.master import native, onepass
 from lightning_mp.master.step import FUSED_TYPES, apply_grad_ops_in_place, fused_update, plan_chunks, uses_fused_kernel
+from lightning_mp.scaler_device import non_finite_check_and_unscale_
 
 OPTION = "optimizer_in_backward=True"
 
@@ -185,9 +186,10 @@ class StepInBackward:
         one = self._ones.get(grad.device)
         if one is None:
             one = self._ones[grad.device] = torch.ones((), dtype=torch.float32, device=grad.device)
-        # sets found to 1 where the gradient holds inf/NaN (no transient the size of the gradient); multiplies the
-        # gradient by 1, which leaves its bits
-        torch._amp_foreach_non_finite_check_and_unscale_([grad.detach()], found, one)
+        # found becomes 1 where the gradient holds inf/NaN, the scaler's check-only way (read only, no transient the
+        # size of the gradient on the CPU; by its inf-norm for bf16 on CUDA)
+        with native.single_threaded():
+            non_finite_check_and_unscale_([grad.detach()], found, one, check_only=True)
         self._flags.append((param, found))
         return found
 

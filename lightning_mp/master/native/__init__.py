@@ -202,7 +202,7 @@ _local = threading.local()  # .threads: this thread's cap on the CPU kernel's th
 
 @contextlib.contextmanager
 def single_threaded() -> Iterator[None]:
-    """Within the block, the CPU kernel runs on the calling thread only. Inside backward (the step in backward)
+    """Within the block, the CPU kernels (update and check) run on the calling thread only. Inside backward (the step in backward)
     torch's OpenMP threads spin-wait between autograd's ops and hold the other cores: kernel threads started there
     competed with them (measured on 2 cores: 39 calls inside backward 27-48 ms with 2 threads, 7-14 ms with 1)."""
     before = getattr(_local, "threads", None)
@@ -219,8 +219,11 @@ def run(pieces: list[Piece], options: Options, found_inf: Optional[torch.Tensor]
     array = (Piece * len(pieces))(*pieces)
     first_unit = (ctypes.c_int64 * (len(pieces) + 1))()
     flag = found_inf.data_ptr() if found_inf is not None else None
-    threads = getattr(_local, "threads", None) or torch.get_num_threads()
-    library.lean_update(array, len(pieces), ctypes.byref(options), flag, threads, GRAIN, first_unit)
+    library.lean_update(array, len(pieces), ctypes.byref(options), flag, _threads(), GRAIN, first_unit)
+
+
+def _threads() -> int:
+    return getattr(_local, "threads", None) or torch.get_num_threads()
 
 
 def run_rows(
@@ -291,7 +294,7 @@ def check_nonfinite(grads: list[torch.Tensor], found: torch.Tensor) -> bool:
     numels = (ctypes.c_int64 * len(grads))(*[g.numel() for g in grads])
     first_unit = (ctypes.c_int64 * (len(grads) + 1))()
     library.lean_check_nonfinite(
-        pointers, numels, len(grads), width, mask, found.data_ptr(), torch.get_num_threads(), GRAIN, first_unit
+        pointers, numels, len(grads), width, mask, found.data_ptr(), _threads(), GRAIN, first_unit
     )
     return True
 
