@@ -104,10 +104,9 @@ def step_in_backward(plugin: Any, optimizer: Any, model: Any, closure: Callable[
     report of non-finite values (one host read), LR schedulers held on a skipped step, the scaler's count."""
     in_backward = plugin._in_backward
     closure_result = closure()
-    if closure_result is None and not in_backward.armed:  # training_step returned None: no backward, no step
-        plugin._after_closure(model, optimizer)
-        return None
     plugin._after_closure(model, optimizer)
+    if not in_backward.armed:  # training_step returned None: no backward ran, so no step either
+        return closure_result
     skipped, names = in_backward.finish()
     record_step(unwrap_optimizer(optimizer), skipped)  # a non-finite loss skipped every update: schedulers hold
     if names:

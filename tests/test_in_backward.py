@@ -353,3 +353,24 @@ def test_a_large_parameter_updated_single_threaded_inside_backward_equals_the_th
         results.append([store.fp32_value(p) for p in model.parameters()] + states)
     assert len(results[0]) == len(results[1]) == 4 + 4 * 3  # weights, biases; step, exp_avg, exp_avg_sq
     assert all(torch.equal(a, b) for a, b in zip(*results))
+
+
+def test_a_training_step_that_returns_none_updates_nothing():
+    class Skips(Net):
+        def training_step(self, batch: Any, batch_idx: int) -> Optional[torch.Tensor]:
+            return None if batch_idx == 1 else super().training_step(batch, batch_idx)
+
+        def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+            self.before = [self.trainer.precision_plugin.masters.fp32_value(p) for p in self.net[0].parameters()]
+
+        def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+            after = [self.trainer.precision_plugin.masters.fp32_value(p) for p in self.net[0].parameters()]
+            self.changed.append(not all(torch.equal(a, b) for a, b in zip(self.before, after)))
+
+    with seeded():
+        model = Skips()
+    model.changed = []
+    plugin = MixedPrecisionPlugin("bf16-mixed", master_weights="remainder", optimizer_in_backward=True)
+    make_trainer(plugin, limit_train_batches=3).fit(model, _loader())
+    assert model.changed == [True, False, True]  # the batch without a loss updated nothing
+    assert plugin.scaler.skipped_steps == 0
