@@ -14,6 +14,8 @@ Modes, each a fresh process per round, the rounds alternating the modes (so mach
 - ``ours+remainder``: ``master_weights="remainder"`` (bf16 model + 16-bit remainders), AdamW;
 - ``ours+remainder+compile``: the same with ``{"kind": "remainder", "compile": True}``;
 - ``ours+remainder+8bit``: lean masters with torchao ``AdamW8bit``;
+- ``ours+remainder+inbackward``: lean masters, AdamW, ``optimizer_in_backward=True`` (each parameter updated inside
+  backward, its gradient freed);
 - ``builtin+8bit``: Lightning ``bf16-mixed`` with torchao ``AdamW8bit``.
 
 Measured: *at rest*, the bytes of every live tensor storage after a step (walking ``gc.get_objects()``,
@@ -78,6 +80,7 @@ MODES = [
     "ours+remainder+compile",
     "ours+remainder+8bit",
     "builtin+8bit",
+    "ours+remainder+inbackward",
 ]
 
 
@@ -201,7 +204,10 @@ def _worker(args: argparse.Namespace) -> dict:
         masters = {"ours+masters": True, "ours+remainder+compile": {"kind": "remainder", "compile": True}}.get(
             mode, "remainder"
         )
-        kwargs["plugins"] = [MixedPrecisionPlugin("bf16-mixed", master_weights=masters)]
+        in_backward = mode.endswith("inbackward")
+        kwargs["plugins"] = [
+            MixedPrecisionPlugin("bf16-mixed", master_weights=masters, optimizer_in_backward=in_backward)
+        ]
     torch.manual_seed(0)
     ids = torch.randint(0, SIZES[args.size]["vocab_size"], (args.batch * args.steps, args.seq))
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(ids), batch_size=args.batch)

@@ -32,6 +32,7 @@ from lightning_mp.forward import ModuleRules, module_policy, override_context, o
 from lightning_mp.forward import module_device as _module_device
 from lightning_mp.fp8.convert import Fp8Training
 from lightning_mp.master import MasterWeights, MasterWeightsOption, is_norm, masters_for
+from lightning_mp.master.in_backward import StepInBackward, check_options, check_setup, check_strategy
 from lightning_mp.policy import CastPolicy
 from lightning_mp.scaler import DynamicLossScaler
 from lightning_mp.schedulers import guard_step_schedulers
@@ -70,6 +71,11 @@ class MixedPrecisionPlugin(FabricHooks, Precision):  # FabricHooks: the hooks as
         fp8: ``None`` (default), a torchao recipe name (``"tensorwise"``, ``"rowwise"``, ``"rowwise_with_gw_hp"``) or
             a ``torchao.float8.Float8LinearConfig``: the policy's eligible ``nn.Linear`` layers train in fp8 (needs
             the ``fp8`` extra; see :mod:`lightning_mp.fp8`). Under FSDP2 shard with :meth:`fsdp2_shard` (it converts).
+        optimizer_in_backward: ``True`` (with ``"bf16-mixed"`` and ``master_weights="remainder"``): each parameter is
+            updated inside backward as soon as its gradient is final, and the gradient freed (12 bytes/param at rest
+            with AdamW; :mod:`lightning_mp.master.in_backward`). Trainer, automatic optimization, one device, one
+            ``torch.optim.AdamW``/``Adam``/``SGD``; accumulation and clipping by norm are refused at setup. Default
+            ``False``.
 
     The autocast device is the device the model lives on, found when Lightning connects the plugin; ``fp16``
     is honoured on CPU too (Lightning's built-in switches to bf16 there), with a one-time warning that it is
@@ -87,11 +93,15 @@ class MixedPrecisionPlugin(FabricHooks, Precision):  # FabricHooks: the hooks as
         policy: Union[CastPolicy, str, dict[str, Any], None] = None,
         reduce_dtype: Union[str, torch.dtype] = "float32",
         fp8: Any = None,
+        optimizer_in_backward: bool = False,
     ) -> None:
         if precision not in _DTYPES:
             raise ValueError(
                 f"MixedPrecisionPlugin(precision={precision!r}) is not supported: use one of {sorted(_DTYPES)}."
             )
+        check_options(optimizer_in_backward, precision, master_weights)
+        self.optimizer_in_backward = optimizer_in_backward
+        self._in_backward: Optional[StepInBackward] = None  # its hooks, from connect to teardown
         self.precision = precision
         self.dtype = _DTYPES[precision]
         self.scaler: Optional[DynamicLossScaler] = DynamicLossScaler.for_precision(precision, scaler)
@@ -178,6 +188,8 @@ class MixedPrecisionPlugin(FabricHooks, Precision):  # FabricHooks: the hooks as
         # the masters (nothing converted) or, lean, the shards are split (lightning_mp.distributed.fsdp2_lean).
         self._resolve_policy(module)
         strategy = self._strategy_for(module)  # the Trainer's, or a Fabric's (then driven: lightning_mp.fabric)
+        if self.optimizer_in_backward:
+            check_strategy(strategy, fabric=self._fabric is not None)
         self._sync = sync_for(strategy, self)
         self.masters = self._sync.adopt(self.masters)  # FSDP2: lean masters on the local shards
         if self.fp8 is not None:  # before the masters: Float8Linear keeps the parameters, the masters see them
@@ -196,6 +208,8 @@ class MixedPrecisionPlugin(FabricHooks, Precision):  # FabricHooks: the hooks as
         self._param_names = {id(param): name for name, param in inner.named_parameters()}
         self._resolve_policy(inner)
         self._module_rules.install(inner, self.keeps_fp32, self._device_type)
+        if self.optimizer_in_backward:
+            check_setup(getattr(inner, "_trainer", None), inner, optimizers)
         if self.masters is not None and not self._sync.owns_masters:
             self.masters.attach(optimizers)
             for param, master in self.masters.pairs():
@@ -206,10 +220,22 @@ class MixedPrecisionPlugin(FabricHooks, Precision):  # FabricHooks: the hooks as
         if self.scaler is not None:
             self.scaler.gather_names = self._sync.gather_names  # culprits at min_scale, from every rank
         self._unscaled.clear()
+        self._install_in_backward(inner, optimizers)
         self._start_following(model)  # setup is over: every later write into the model reaches the masters
         warn_at_connect(self._effective_policy, inner, self._device_type, self.dtype)  # rules matching nothing, fp16
         guard_step_schedulers(lr_schedulers)  # they do not advance on a skipped step
         return model, optimizers, lr_schedulers
+
+    def _install_in_backward(self, model: Module, optimizers: list[Optimizer]) -> None:
+        # the hooks that update each parameter inside backward (clip by value per parameter, inside the update)
+        if self._in_backward is not None:
+            self._in_backward.remove()
+            self._in_backward = None
+        if self.optimizer_in_backward and optimizers:  # none under validate/test/predict
+            trainer = getattr(model, "_trainer", None)
+            clamp = getattr(trainer, "gradient_clip_val", None) or None  # check_setup refused clipping by norm
+            optimizer = getattr(optimizers[0], "_optimizer", optimizers[0])
+            self._in_backward = StepInBackward(self.masters, optimizer, clamp, self._checking, self._param_names)
 
     def _start_following(self, model: Optional[Module] = None) -> None:
         sync = getattr(self.masters, "model_sync", None)
@@ -258,7 +284,11 @@ class MixedPrecisionPlugin(FabricHooks, Precision):  # FabricHooks: the hooks as
             assert self.scaler is not None
             self._unscaled.new_backward(self.scaler)
             tensor = self.scaler.scale_loss(tensor)
-        return super().pre_backward(tensor, module)
+        tensor = super().pre_backward(tensor, module)
+        if self._in_backward is not None:  # the updates run in this backward: writes so far reach the masters first
+            self.follow_model_writes()
+            self._in_backward.begin(tensor)  # the loss checked on the device: a non-finite one skips every update
+        return tensor
 
     @override
     def post_backward(self, tensor: Tensor, module: LightningModule) -> Tensor:  # type: ignore[override]
@@ -281,6 +311,8 @@ class MixedPrecisionPlugin(FabricHooks, Precision):  # FabricHooks: the hooks as
         def plain_step() -> Any:  # Lightning's own, for the step without a check (made, not called, every step)
             return super(MixedPrecisionPlugin, self).optimizer_step(optimizer, model=model, closure=closure, **kwargs)
 
+        if self._in_backward is not None:  # the updates ran inside the closure's backward: bookkeeping only
+            return stepping.step_in_backward(self, optimizer, model, closure)
         return stepping.optimizer_step(self, optimizer, model, closure, kwargs, plain_step)
 
     @override
@@ -341,6 +373,9 @@ class MixedPrecisionPlugin(FabricHooks, Precision):  # FabricHooks: the hooks as
     @override
     def teardown(self) -> None:
         # after fit/validate/test/predict the model holds its fp32 values again (the masters, after training)
+        if self._in_backward is not None:
+            self._in_backward.remove()
+            self._in_backward = None
         if self.masters is not None:
             self.masters.restore()
         self._module_rules.remove()

@@ -57,7 +57,15 @@ class PrecisionChoice:
 
 
 _OURS = {"16-mixed": "16-mixed", "16": "16-mixed", "bf16-mixed": "bf16-mixed", "bf16": "bf16-mixed"}
-_PLUGIN_OPTIONS = ("scaler", "master_weights", "keep_norm_fp32", "policy", "reduce_dtype", "fp8")
+_PLUGIN_OPTIONS = (
+    "scaler",
+    "master_weights",
+    "keep_norm_fp32",
+    "policy",
+    "reduce_dtype",
+    "fp8",
+    "optimizer_in_backward",
+)
 _PLUGIN_DEFAULTS = {
     "scaler": None,
     "master_weights": False,
@@ -65,6 +73,7 @@ _PLUGIN_DEFAULTS = {
     "policy": None,
     "reduce_dtype": "float32",
     "fp8": None,
+    "optimizer_in_backward": False,
 }
 
 

@@ -1,0 +1,231 @@
+"""The lean step inside backward: each parameter is updated as soon as its gradient is final, and the gradient freed.
+
+``MixedPrecisionPlugin("bf16-mixed", master_weights="remainder", optimizer_in_backward=True)``. At setup,
+:class:`StepInBackward` registers ``Tensor.register_post_accumulate_grad_hook`` on every parameter of the one
+optimizer (``torch.optim.AdamW``, ``Adam`` or ``SGD``). During backward, once autograd has accumulated a parameter's
+gradient, its hook runs the lean update of that one parameter (:func:`lightning_mp.master.onepass.update` on a
+one-parameter group: the same kernel, the same bits as the normal step, which updates each tensor independently) and
+sets ``param.grad = None``. No gradient outlives its update: at rest a bf16 parameter costs 2 (weight) + 2
+(remainder) + the optimizer state, 12 bytes with AdamW.
+
+Non-finite values, without a host synchronisation inside backward: :meth:`StepInBackward.begin` turns the loss into
+a 0-dim device flag before backward (a non-finite loss skips every update of the step); each hook adds its own
+gradient's check to it (a non-finite gradient skips that parameter's update only). :meth:`StepInBackward.finish`
+reads the flags once, after backward, so the step can be reported and LR schedulers held on a skipped step.
+
+A parameter's bf16 value is rewritten while backward still runs. Autograd has used it by then in every node that
+produces its gradient; a node that saved the parameter without producing its gradient (a ``detach()`` of it in the
+forward) would see the new value.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Optional
+
+import torch
+from torch import Tensor
+from torch.optim import Optimizer
+
+from lightning_mp.master import native, onepass
+from lightning_mp.master.step import FUSED_TYPES, apply_grad_ops_in_place, fused_update, plan_chunks, uses_fused_kernel
+from lightning_mp.scaler_device import non_finite_check_and_unscale_
+
+OPTION = "optimizer_in_backward=True"
+
+
+def refusal(reason: str, change: str) -> ValueError:
+    """The one error each setup that cannot step in backward raises: the option, why, and what to change."""
+    return ValueError(f"MixedPrecisionPlugin({OPTION}) {reason}. {change}")
+
+
+def check_options(optimizer_in_backward: Any, precision: str, master_weights: Any) -> None:
+    """Raise a :func:`refusal` for plugin arguments that cannot step in backward (called by the constructor)."""
+    if not isinstance(optimizer_in_backward, bool):
+        raise ValueError(f"optimizer_in_backward={optimizer_in_backward!r} must be True or False.")
+    if not optimizer_in_backward:
+        return
+    if precision != "bf16-mixed":
+        raise refusal(
+            f"needs precision='bf16-mixed', not {precision!r}: fp16 needs loss scaling, whose scale is known to be "
+            "right only after every gradient is checked, and lean masters need bf16",
+            "Use MixedPrecisionPlugin('bf16-mixed', master_weights='remainder', optimizer_in_backward=True).",
+        )
+    kind = master_weights.get("kind") if isinstance(master_weights, Mapping) else master_weights
+    if kind != "remainder" and getattr(master_weights, "kind", None) != "remainder":
+        raise refusal(
+            f"needs master_weights='remainder', not {master_weights!r}: the update inside backward is the lean "
+            "masters' one-pass update, one parameter at a time",
+            "Pass master_weights='remainder' (exact fp32 masters in 4 bytes/param), or optimizer_in_backward=False.",
+        )
+
+
+def check_setup(trainer: Any, model: Any, optimizers: list[Optimizer]) -> None:
+    """Raise a :func:`refusal` for a Trainer setup whose updates cannot run inside backward (called at connect,
+    before any step): manual optimization, several optimizers, an optimizer the one-pass update does not take,
+    gradient accumulation, clipping by norm. The strategy and Fabric are refused at ``convert_module``."""
+    if not getattr(model, "automatic_optimization", True):
+        raise refusal(
+            "needs automatic optimization: with manual optimization your training_step calls backward and "
+            "optimizer.step() itself",
+            "Use automatic optimization, or optimizer_in_backward=False.",
+        )
+    if not optimizers:  # validate/test/predict (or no optimizer at all): nothing is updated, nothing to refuse
+        return
+    if len(optimizers) != 1:
+        raise refusal(
+            f"takes exactly one optimizer, configure_optimizers returned {len(optimizers)}",
+            "Return one optimizer (param groups are fine), or use optimizer_in_backward=False.",
+        )
+    optimizer = getattr(optimizers[0], "_optimizer", optimizers[0])
+    if not uses_fused_kernel(optimizer):
+        names = ", ".join(f"torch.optim.{t.__name__}" for t in FUSED_TYPES)
+        raise refusal(
+            f"updates {names} only (without differentiable=True or capturable=True), not "
+            f"{type(optimizer).__module__}.{type(optimizer).__qualname__}",
+            "Use one of those optimizers, or optimizer_in_backward=False for any other.",
+        )
+    accumulate = getattr(trainer, "accumulate_grad_batches", 1)
+    if accumulate != 1:
+        raise refusal(
+            f"cannot accumulate gradients (accumulate_grad_batches={accumulate}): each gradient is used and freed "
+            "in the backward that produced it",
+            "Set Trainer(accumulate_grad_batches=1) and a larger batch, or use optimizer_in_backward=False.",
+        )
+    clip_val = getattr(trainer, "gradient_clip_val", None)
+    algorithm = getattr(trainer, "gradient_clip_algorithm", None)
+    if clip_val and str(getattr(algorithm, "value", algorithm) or "norm") == "norm":
+        raise refusal(
+            f"cannot clip by the global norm (gradient_clip_val={clip_val}, gradient_clip_algorithm='norm'): the "
+            "norm needs every gradient, and each is used and freed as soon as it is final",
+            "Clip by value (gradient_clip_algorithm='value': applied per parameter inside backward), or use "
+            "optimizer_in_backward=False.",
+        )
+
+
+def check_strategy(strategy: Any, fabric: bool) -> None:
+    """Raise a :func:`refusal` under Fabric or a strategy other than Lightning's single-device ones."""
+    if fabric:
+        raise refusal(
+            "is not available under Lightning Fabric yet: the Trainer (automatic optimization) only",
+            "Use the Trainer, or optimizer_in_backward=False with Fabric.",
+        )
+    if strategy is not None and type(strategy).__name__ not in ("SingleDeviceStrategy", "SingleDeviceXLAStrategy"):
+        raise refusal(
+            f"runs on one device only for now, not under {type(strategy).__name__} (DDP, FSDP2 and other "
+            "multi-device strategies would need the reduced gradient of each parameter inside its hook)",
+            "Train on one device (devices=1), or use optimizer_in_backward=False with this strategy.",
+        )
+
+
+class StepInBackward:
+    """Per-parameter updates of ``optimizer`` on ``store``'s lean state, run by post-accumulate-grad hooks.
+
+    Args:
+        store: the :class:`~lightning_mp.master.RemainderMasters` holding the parameters.
+        optimizer: a ``torch.optim.AdamW``, ``Adam`` or ``SGD`` over (some of) the store's parameters.
+        clamp: clip each gradient to ``[-clamp, clamp]`` (in fp32, inside the update) before it is used; ``None``
+            (default): no clipping.
+        check: check the loss and each gradient for inf/NaN and skip what is non-finite (default ``True``).
+        names: ``id(parameter) -> name``, for the report of non-finite gradients.
+    """
+
+    def __init__(
+        self,
+        store: Any,
+        optimizer: Optimizer,
+        clamp: Optional[float] = None,
+        check: bool = True,
+        names: Optional[dict[int, str]] = None,
+    ) -> None:
+        self.store = store
+        self.optimizer = optimizer
+        self.grad_ops: list[tuple[str, Any]] = [("clamp", float(clamp))] if clamp else []
+        self.check = check
+        self.names = names or {}
+        self.armed = False  # hooks update only between begin() and finish(): a backward of the plugin's step
+        self._loss_found: Optional[Tensor] = None
+        self._flags: list[tuple[Tensor, Tensor]] = []  # (parameter, its 0-dim flag) updated in this backward
+        self._one_groups: dict[int, tuple[dict[str, Any], dict[str, Any]]] = {}
+        self._chunks: dict[int, list[Any]] = {}
+        self._ones: dict[torch.device, Tensor] = {}
+        self._hooks = []
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                # one dict per parameter for its whole life: the CUDA kernel caches its address tables by id(group)
+                self._one_groups[id(param)] = (group, {**group, "params": [param]})
+                self._hooks.append(param.register_post_accumulate_grad_hook(self._update))
+
+    def begin(self, loss: Optional[Tensor]) -> None:
+        """Before backward: arm the hooks; ``loss`` (the tensor backward starts from) becomes the step's device
+        flag, nonzero when it is non-finite (then every update of this backward is skipped)."""
+        self.armed = True
+        self._flags = []
+        if self.check and loss is not None:
+            self._loss_found = torch.logical_not(torch.isfinite(loss.detach()).all()).to(torch.float32).reshape(())
+        else:
+            self._loss_found = None
+
+    def _update(self, param: Tensor) -> None:
+        if not self.armed or param.grad is None:
+            return
+        group, one = self._one_groups[id(param)]
+        one.update(group)  # hyperparameters as they are now (a scheduler may have changed them)
+        one["params"] = [param]
+        found = self._flag_for(param)
+        with torch.no_grad(), native.single_threaded():  # see native.single_threaded: faster inside backward
+            self._step(one, param, found)
+        param.grad = None  # the gradient is used: free it now
+
+    def _flag_for(self, param: Tensor) -> Optional[Tensor]:
+        if not self.check:
+            return None
+        grad = param.grad
+        found = self._loss_found.clone() if self._loss_found is not None else grad.new_zeros((), dtype=torch.float32)
+        found = found.to(grad.device)
+        one = self._ones.get(grad.device)
+        if one is None:
+            one = self._ones[grad.device] = torch.ones((), dtype=torch.float32, device=grad.device)
+        # found becomes 1 where the gradient holds inf/NaN, the scaler's check-only way (read only, no transient the
+        # size of the gradient on the CPU; by its inf-norm for bf16 on CUDA)
+        with native.single_threaded():
+            non_finite_check_and_unscale_([grad.detach()], found, one, check_only=True)
+        self._flags.append((param, found))
+        return found
+
+    def _step(self, one: dict[str, Any], param: Tensor, found: Optional[Tensor]) -> None:
+        # the body of RemainderMasters.fused_step for one parameter: fp32 ones clipped in place, then one pass
+        if self.store.offset_of(param) is None:
+            apply_grad_ops_in_place([param], self.grad_ops)
+        clipping = onepass.plan([param], self.grad_ops)
+        if clipping is not None:
+            onepass.update(self.optimizer, one, self.store, clipping, found)
+            return
+        chunks = self._chunks.get(id(param))
+        if chunks is None:  # the chunked fallback (no kernel built): this parameter's pieces, planned once
+            offsets = {id(param): self.store.offset_of(param)}
+            chunks = self._chunks[id(param)] = plan_chunks([param], offsets, self.store.chunk_size_for(param.device))
+        fused_update(self.optimizer, one, chunks, self.store, self.store._staging, self.grad_ops, found)
+
+    def finish(self) -> tuple[bool, list[str]]:
+        """After backward: disarm the hooks; ``(whether the loss was non-finite, names of the parameters whose
+        non-finite gradient skipped their update)``. One host read of the step's flags (none without a check)."""
+        self.armed = False
+        self.optimizer._opt_called = True  # type: ignore[attr-defined]  # as torch's step() records for schedulers
+        if not self.check:
+            return False, []
+        flags = [flag for _, flag in self._flags]
+        loss = self._loss_found if self._loss_found is not None else torch.zeros(())
+        values = torch.stack([loss.to(flags[0].device), *flags]).tolist() if flags else [loss.item()]
+        params = [param for param, _ in self._flags]
+        self._flags = []
+        if values[0] > 0:
+            return True, []
+        return False, [self.names.get(id(p), f"parameter {tuple(p.shape)}") for p, v in zip(params, values[1:]) if v]
+
+    def remove(self) -> None:
+        """Remove the hooks (at teardown)."""
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+        self.armed = False

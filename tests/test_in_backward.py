@@ -1,0 +1,376 @@
+"""``optimizer_in_backward=True``: the lean update of each parameter inside backward, its gradient freed.
+
+The reference of every run is the normal lean step (``optimizer_in_backward=False``) on the same model, data and
+seed: the fp32 weights a checkpoint holds and the optimizer state must be the same bits.
+"""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+from typing import Any, Optional
+
+import lightning as L
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_mp import MixedPrecisionPlugin
+from tests.helpers import make_trainer, seeded
+
+OPTIMIZERS = ("adamw", "adam", "sgd")
+
+
+class Net(L.LightningModule):
+    """Linear (bf16 + remainder: bf16 gradients) -> LayerNorm (kept fp32: fp32 gradients) -> GELU -> Linear."""
+
+    def __init__(
+        self, optimizer: str = "adamw", bad_loss_at: int = -1, bad_grad_at: int = -1, scheduler: bool = False
+    ) -> None:
+        super().__init__()
+        self.scheduler, self.lrs = scheduler, []
+        self.net = nn.Sequential(nn.Linear(16, 32), nn.LayerNorm(32), nn.GELU(), nn.Linear(32, 1))
+        self.optimizer_name, self.bad_loss_at, self.bad_grad_at = optimizer, bad_loss_at, bad_grad_at
+        self.grads_after_step: list[list[Optional[torch.Tensor]]] = []
+        if bad_grad_at >= 0:  # an inf in net.3.weight's gradient, as soon as autograd has produced it
+            self.net[3].weight.register_hook(lambda g: self._poison(g))
+
+    def _poison(self, grad: torch.Tensor) -> torch.Tensor:
+        if self.trainer.global_step == self.bad_grad_at:
+            grad = grad.clone()
+            grad[0, 0] = float("inf")
+        return grad
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = nn.functional.mse_loss(self.net(x).float(), y)
+        return loss * float("nan") if self.trainer.global_step == self.bad_loss_at else loss
+
+    def validation_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self.training_step(batch, batch_idx)
+
+    def on_train_batch_end(self, *args: Any) -> None:
+        self.grads_after_step.append([p.grad for p in self.parameters()])
+        self.lrs.append(self.trainer.optimizers[0].param_groups[0]["lr"])
+
+    def configure_optimizers(self) -> Any:
+        if self.scheduler:
+            optimizer = torch.optim.AdamW(self.parameters(), lr=1e-2, weight_decay=0.1)
+            scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+            return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+        if self.optimizer_name == "adamw":
+            return torch.optim.AdamW(self.parameters(), lr=1e-2, weight_decay=0.1)
+        if self.optimizer_name == "adam":
+            return torch.optim.Adam(self.parameters(), lr=1e-2, weight_decay=0.01, amsgrad=True)
+        return torch.optim.SGD(self.parameters(), lr=1e-2, momentum=0.9, nesterov=True, weight_decay=0.01)
+
+
+def _loader(n: int = 48) -> DataLoader:
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(n, 16, generator=generator)
+    return DataLoader(TensorDataset(x, x.sum(1, keepdim=True)), batch_size=8)
+
+
+def _fit(
+    in_backward: bool, tmp_path: Path, name: str, optimizer: str = "adamw", resume: Optional[Path] = None, **kw: Any
+) -> tuple[Net, dict[str, Any]]:
+    """Fit a fresh seeded :class:`Net` (``kw``: its arguments and the Trainer's); the checkpoint written at the end."""
+    model_kw = {k: kw.pop(k) for k in ("bad_loss_at", "bad_grad_at", "scheduler") if k in kw}
+    with seeded():
+        model = Net(optimizer, **model_kw)
+    plugin = MixedPrecisionPlugin("bf16-mixed", master_weights="remainder", optimizer_in_backward=in_backward)
+    trainer = make_trainer(plugin, **kw)
+    trainer.fit(model, _loader(), ckpt_path=resume)
+    path = tmp_path / f"{name}.ckpt"
+    trainer.save_checkpoint(path)
+    return model, torch.load(path, weights_only=True)
+
+
+def _assert_same_bits(ours: dict[str, Any], reference: dict[str, Any]) -> None:
+    assert ours["state_dict"].keys() == reference["state_dict"].keys()
+    for key, value in reference["state_dict"].items():
+        assert value.dtype == torch.float32 and torch.equal(ours["state_dict"][key], value), key
+    states, reference_states = ours["optimizer_states"][0]["state"], reference["optimizer_states"][0]["state"]
+    assert states.keys() == reference_states.keys() and states
+    for index, state in reference_states.items():
+        assert states[index].keys() == state.keys()
+        for key, value in state.items():
+            assert torch.equal(states[index][key], value), (index, key)
+    assert ours["global_step"] == reference["global_step"]
+
+
+@pytest.mark.parametrize("optimizer", OPTIMIZERS)
+def test_updates_in_backward_equal_the_normal_lean_step_bitwise_and_free_the_gradients(tmp_path, optimizer):
+    model, ours = _fit(True, tmp_path, "ours", optimizer, max_steps=4)
+    _, reference = _fit(False, tmp_path, "reference", optimizer, max_steps=4)
+    _assert_same_bits(ours, reference)
+    assert ours["global_step"] == 4
+    # both gradient dtypes were updated: bf16 (lean Linear) and fp32 (the LayerNorm kept fp32)
+    assert model.net[0].weight.dtype == torch.float32  # teardown gave back the fp32 values
+    assert all(grad is None for step in model.grads_after_step for grad in step)  # freed as soon as used
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
+def test_the_chunked_fallback_without_the_kernel_is_bitwise_too(tmp_path, monkeypatch, optimizer):
+    monkeypatch.setenv("LIGHTNING_MP_NATIVE", "0")  # no one-pass kernel: torch's fused kernel on joined chunks
+    model, ours = _fit(True, tmp_path, "ours", optimizer, max_steps=3)
+    _, reference = _fit(False, tmp_path, "reference", optimizer, max_steps=3)
+    _assert_same_bits(ours, reference)
+    assert all(grad is None for step in model.grads_after_step for grad in step)
+
+
+def test_clip_by_value_runs_per_parameter_inside_backward_bitwise(tmp_path):
+    clip = dict(gradient_clip_val=0.05, gradient_clip_algorithm="value", max_steps=4)
+    _, ours = _fit(True, tmp_path, "ours", **clip)
+    _, reference = _fit(False, tmp_path, "reference", **clip)
+    _assert_same_bits(ours, reference)
+
+
+def test_a_non_finite_loss_skips_every_update_of_its_step(tmp_path):
+    # step 2's loss is NaN: after 3 steps the state equals the normal lean step's after the same 3 steps, where
+    # the check skips step 2 as a whole (all its gradients are NaN)
+    _, ours = _fit(True, tmp_path, "ours", bad_loss_at=2, max_steps=3)
+    _, two = _fit(True, tmp_path, "two", max_steps=2)
+    for key, value in two["state_dict"].items():
+        assert torch.equal(ours["state_dict"][key], value), key
+    for index, state in two["optimizer_states"][0]["state"].items():
+        for key, value in state.items():
+            assert torch.equal(ours["optimizer_states"][0]["state"][index][key], value), (index, key)
+    _, reference = _fit(False, tmp_path, "reference", bad_loss_at=2, max_steps=3)
+    _assert_same_bits(ours, reference)
+
+
+def test_a_step_scheduler_advances_as_with_the_normal_step_and_holds_on_a_non_finite_loss(tmp_path):
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*lr_scheduler.step\\(\\)")  # torch's "before optimizer.step()"
+        ours_model, ours = _fit(True, tmp_path, "ours", bad_loss_at=2, scheduler=True, max_steps=5)
+    reference_model, reference = _fit(False, tmp_path, "reference", bad_loss_at=2, scheduler=True, max_steps=5)
+    assert ours_model.lrs == reference_model.lrs and ours_model.lrs[1] == ours_model.lrs[2]  # held on step 2
+    _assert_same_bits(ours, reference)
+
+
+def test_a_non_finite_gradient_skips_that_parameter_only_and_is_reported(tmp_path):
+    with pytest.warns(UserWarning, match=r"non-finite gradients in 1 parameter\(s\) \(net\.3\.weight\)"):
+        _, ours = _fit(True, tmp_path, "ours", bad_grad_at=1, max_steps=2)
+    _, one = _fit(True, tmp_path, "one", max_steps=1)
+    _, two = _fit(True, tmp_path, "two", max_steps=2)
+    index = list(dict(Net().named_parameters())).index("net.3.weight")
+    for key, value in ours["state_dict"].items():
+        expected = one if key == "net.3.weight" else two  # that parameter as after step 1, the others stepped
+        assert torch.equal(value, expected["state_dict"][key]), key
+    for i, state in ours["optimizer_states"][0]["state"].items():
+        expected = one if i == index else two
+        for key, value in state.items():
+            assert torch.equal(value, expected["optimizer_states"][0]["state"][i][key]), (i, key)
+
+
+@pytest.mark.parametrize(("first", "then"), [(True, False), (False, True), (True, True)])
+def test_checkpoints_move_between_in_backward_and_the_normal_step(tmp_path, first, then):
+    # the reference: the normal step saved after 2 steps and resumed with it to 4 (Lightning's resume as it is)
+    _fit(False, tmp_path, "normal", max_steps=2)
+    _, reference = _fit(False, tmp_path, "reference", resume=tmp_path / "normal.ckpt", max_steps=4)
+    _, first_checkpoint = _fit(first, tmp_path, "first", max_steps=2)
+    _assert_same_bits(first_checkpoint, torch.load(tmp_path / "normal.ckpt", weights_only=True))
+    _, resumed = _fit(then, tmp_path, "resumed", resume=tmp_path / "first.ckpt", max_steps=4)
+    _assert_same_bits(resumed, reference)
+
+
+class Writes(L.LightningModule):
+    """``tests/model_writes.py``'s model under SGD at ``lr``; one write of ``kind`` into it before step 1."""
+
+    def __init__(self, kind: str, lr: float, tmp_path: Path) -> None:
+        super().__init__()
+        from tests.model_writes import Net as WriteNet
+
+        self.model, self.kind, self.lr, self.tmp_path = WriteNet(), kind, lr, tmp_path
+        self.expected: dict[str, torch.Tensor] = {}
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        from tests.model_writes import write
+
+        if self.trainer.global_step == 1:
+            self.expected = write(self.kind, self.model, "child", self.tmp_path)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self.model(batch[0]).float().pow(2).mean()
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=self.lr)
+
+
+def _fit_writes(kind: str, lr: float, in_backward: bool, tmp_path: Path) -> Writes:
+    with seeded():
+        module = Writes(kind, lr, tmp_path)
+    plugin = MixedPrecisionPlugin("bf16-mixed", master_weights="remainder", optimizer_in_backward=in_backward)
+    loader = DataLoader(TensorDataset(torch.randn(24, 4, generator=torch.Generator().manual_seed(1))), batch_size=8)
+    make_trainer(plugin, max_steps=3).fit(module, loader)
+    return module
+
+
+@pytest.mark.parametrize("kind", ["load", "copy"])
+def test_writes_into_the_model_after_setup_are_still_followed(tmp_path, kind):
+    # at lr 0 the masters hold exactly what was written; at lr 0.1 the run equals the normal step's with the same
+    # write (an in-place write must reach the masters before the update inside backward, not after it)
+    still = _fit_writes(kind, 0.0, True, tmp_path)
+    for name, value in still.expected.items():
+        assert torch.equal(still.model.get_parameter(name), value), name
+    ours, reference = _fit_writes(kind, 0.1, True, tmp_path), _fit_writes(kind, 0.1, False, tmp_path)
+    for (name, value), expected in zip(ours.named_parameters(), reference.parameters()):
+        assert value.dtype == torch.float32 and torch.equal(value, expected), name
+
+
+# ---------------------------------------------------------------------- refusals, before any step
+class Counting(Net):
+    steps = 0
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        Counting.steps += 1
+        return super().training_step(batch, batch_idx)
+
+
+def _plugin(**kw: Any) -> MixedPrecisionPlugin:
+    return MixedPrecisionPlugin(**{"precision": "bf16-mixed", "master_weights": "remainder", **kw})
+
+
+@pytest.mark.parametrize(
+    ("arguments", "message"),
+    [
+        (dict(master_weights=True), r"optimizer_in_backward=True\) needs master_weights='remainder'"),
+        (dict(master_weights=False), r"needs master_weights='remainder', not False"),
+        (dict(precision="16-mixed"), r"optimizer_in_backward=True\) needs precision='bf16-mixed', not '16-mixed'"),
+        (dict(optimizer_in_backward="yes"), r"optimizer_in_backward='yes' must be True or False"),
+    ],
+)
+def test_constructor_refuses_what_cannot_step_in_backward(arguments, message):
+    with pytest.raises(ValueError, match=message):
+        _plugin(**{"optimizer_in_backward": True, **arguments})
+
+
+class Manual(Net):
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+
+
+class RMSprop(Net):
+    def configure_optimizers(self) -> Any:
+        return torch.optim.RMSprop(self.parameters())
+
+
+@pytest.mark.parametrize(
+    ("module", "trainer", "message"),
+    [
+        (Net, dict(accumulate_grad_batches=2), r"cannot accumulate gradients \(accumulate_grad_batches=2\)"),
+        (Net, dict(gradient_clip_val=1.0), r"cannot clip by the global norm.*gradient_clip_algorithm='value'"),
+        (Net, dict(gradient_clip_val=1.0, gradient_clip_algorithm="norm"), r"cannot clip by the global norm"),
+        (Manual, {}, r"needs automatic optimization"),
+        (
+            RMSprop,
+            {},
+            r"updates torch.optim.AdamW, torch.optim.Adam, torch.optim.SGD only.*torch.optim.rmsprop.RMSprop",
+        ),
+    ],
+)
+def test_trainer_setups_that_cannot_step_in_backward_are_refused_before_any_step(module, trainer, message):
+    Counting.steps = 0
+    model = type("Refused", (Counting, module), {})()
+    with pytest.raises(ValueError, match=r"MixedPrecisionPlugin\(optimizer_in_backward=True\) " + message):
+        make_trainer(_plugin(optimizer_in_backward=True), max_steps=1, **trainer).fit(model, _loader())
+    assert Counting.steps == 0
+
+
+def test_several_optimizers_fabric_and_multi_device_strategies_are_refused():
+    from lightning.pytorch.strategies import DDPStrategy
+
+    from lightning_mp.master.in_backward import check_setup, check_strategy
+
+    # Lightning refuses several optimizers in automatic optimization itself; the plugin's own check, directly
+    net = nn.Linear(4, 4)
+    two = [torch.optim.AdamW([net.weight]), torch.optim.AdamW([net.bias])]
+    with pytest.raises(ValueError, match=r"takes exactly one optimizer, configure_optimizers returned 2"):
+        check_setup(None, net, two)
+
+    with pytest.raises(ValueError, match=r"optimizer_in_backward=True\) is not available under Lightning Fabric"):
+        check_strategy(None, fabric=True)
+    with pytest.raises(ValueError, match=r"runs on one device only for now, not under DDPStrategy"):
+        check_strategy(DDPStrategy(), fabric=False)
+    fabric = L.Fabric(accelerator="cpu", devices=1, plugins=[_plugin(optimizer_in_backward=True)])
+    with pytest.raises(ValueError, match=r"not available under Lightning Fabric"):
+        fabric.setup(nn.Linear(4, 4))
+
+
+def test_validation_during_and_after_fit_runs_without_updates(tmp_path):
+    with seeded():
+        model = Net()
+    plugin = MixedPrecisionPlugin("bf16-mixed", master_weights="remainder", optimizer_in_backward=True)
+    trainer = make_trainer(plugin, max_steps=3, limit_val_batches=2, val_check_interval=2)
+    trainer.fit(model, _loader(), _loader(16))
+    fitted = {name: p.detach().clone() for name, p in model.named_parameters()}
+    trainer.validate(model, _loader(16))  # connect without optimizers: nothing to refuse, no hooks
+    assert all(torch.equal(p, fitted[name]) for name, p in model.named_parameters())
+
+
+def test_the_cli_passes_the_option_and_refuses_what_the_plugin_refuses():
+    from lightning_mp.cli.choice import choose_precision
+    from lightning_mp.cli.errors import CLIConfigError
+
+    choice = choose_precision("bf16-mixed", "cpu", None, {"master_weights": "remainder", "optimizer_in_backward": True})
+    assert choice.plugin is not None and choice.plugin.optimizer_in_backward is True
+    with pytest.raises(CLIConfigError, match=r"optimizer_in_backward=True\) needs master_weights='remainder'"):
+        choose_precision("bf16-mixed", "cpu", None, {"optimizer_in_backward": True})
+
+
+def test_a_large_parameter_updated_single_threaded_inside_backward_equals_the_threaded_step(monkeypatch):
+    """Without a Trainer: the kernel runs on one thread inside backward (native.single_threaded), on two after it
+    (512 x 512 values: four units of native.GRAIN, shared by the threads): the same bits."""
+    from lightning_mp.master import RemainderMasters, native
+    from lightning_mp.master.in_backward import StepInBackward
+
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)  # what the kernel reads outside single_threaded
+    assert 2 * native.GRAIN <= 512 * 512
+    results = []
+    for in_backward in (True, False):
+        with seeded():
+            model = nn.Sequential(nn.Linear(512, 512), nn.Linear(512, 1))
+        store = RemainderMasters()
+        store.convert(model)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+        store.attach([optimizer])
+        stepper = StepInBackward(store, optimizer) if in_backward else None
+        for step in range(3):
+            x = torch.randn(8, 512, generator=torch.Generator().manual_seed(step)).to(torch.bfloat16)
+            loss = model(x).float().pow(2).mean()
+            if stepper is not None:
+                stepper.begin(loss)
+                loss.backward()
+                assert stepper.finish() == (False, []) and model[0].weight.grad is None
+            else:
+                loss.backward()
+                store.fused_step(optimizer, torch.zeros(()))
+                optimizer.zero_grad()
+        states = [optimizer.state[p][key] for p in model.parameters() for key in sorted(optimizer.state[p])]
+        results.append([store.fp32_value(p) for p in model.parameters()] + states)
+    assert len(results[0]) == len(results[1]) == 4 + 4 * 3  # weights, biases; step, exp_avg, exp_avg_sq
+    assert all(torch.equal(a, b) for a, b in zip(*results))
+
+
+def test_a_training_step_that_returns_none_updates_nothing():
+    class Skips(Net):
+        def training_step(self, batch: Any, batch_idx: int) -> Optional[torch.Tensor]:
+            return None if batch_idx == 1 else super().training_step(batch, batch_idx)
+
+        def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+            self.before = [self.trainer.precision_plugin.masters.fp32_value(p) for p in self.net[0].parameters()]
+
+        def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+            after = [self.trainer.precision_plugin.masters.fp32_value(p) for p in self.net[0].parameters()]
+            self.changed.append(not all(torch.equal(a, b) for a, b in zip(self.before, after)))
+
+    with seeded():
+        model = Skips()
+    model.changed = []
+    plugin = MixedPrecisionPlugin("bf16-mixed", master_weights="remainder", optimizer_in_backward=True)
+    make_trainer(plugin, limit_train_batches=3).fit(model, _loader())
+    assert model.changed == [True, False, True]  # the batch without a loss updated nothing
+    assert plugin.scaler.skipped_steps == 0
