@@ -32,7 +32,8 @@ from lightning_mp.forward import ModuleRules, module_policy, override_context, o
 from lightning_mp.forward import module_device as _module_device
 from lightning_mp.fp8.convert import Fp8Training
 from lightning_mp.master import MasterWeights, MasterWeightsOption, is_norm, masters_for
-from lightning_mp.master.in_backward import StepInBackward, check_options, check_setup, check_strategy
+from lightning_mp.master.in_backward import StepInBackward, check_options, check_setup, check_strategy, install
+from lightning_mp.master.model_sync import follow_writes, start_following
 from lightning_mp.policy import CastPolicy
 from lightning_mp.scaler import DynamicLossScaler
 from lightning_mp.schedulers import guard_step_schedulers
@@ -220,38 +221,22 @@ class MixedPrecisionPlugin(FabricHooks, Precision):  # FabricHooks: the hooks as
         if self.scaler is not None:
             self.scaler.gather_names = self._sync.gather_names  # culprits at min_scale, from every rank
         self._unscaled.clear()
-        self._install_in_backward(inner, optimizers)
+        self._in_backward = install(self._in_backward, self.optimizer_in_backward, self.masters, inner, optimizers,
+                                    self._checking, self._param_names)  # fmt: skip
         self._start_following(model)  # setup is over: every later write into the model reaches the masters
         warn_at_connect(self._effective_policy, inner, self._device_type, self.dtype)  # rules matching nothing, fp16
         guard_step_schedulers(lr_schedulers)  # they do not advance on a skipped step
         return model, optimizers, lr_schedulers
 
-    def _install_in_backward(self, model: Module, optimizers: list[Optimizer]) -> None:
-        # the hooks that update each parameter inside backward (clip by value per parameter, inside the update)
-        if self._in_backward is not None:
-            self._in_backward.remove()
-            self._in_backward = None
-        if self.optimizer_in_backward and optimizers:  # none under validate/test/predict
-            trainer = getattr(model, "_trainer", None)
-            clamp = getattr(trainer, "gradient_clip_val", None) or None  # check_setup refused clipping by norm
-            optimizer = getattr(optimizers[0], "_optimizer", optimizers[0])
-            self._in_backward = StepInBackward(self.masters, optimizer, clamp, self._checking, self._param_names)
-
     def _start_following(self, model: Optional[Module] = None) -> None:
-        sync = getattr(self.masters, "model_sync", None)
-        if sync is not None:
-            # DDP hooks each parameter's gradient accumulator, which torch drops when `p.data = t` changes the dtype
-            sync.keep_dtypes = isinstance(model, torch.nn.parallel.DistributedDataParallel)
-            sync.start()
+        start_following(self.masters, model)
 
     def follow_model_writes(self) -> None:
         """Make the master weights follow every write into the model since the plugin's last step (a load into
         any submodule, ``nn.init``, ``copy_`` under ``no_grad``, ``p.data = t``, a replaced parameter), or raise
         :class:`~lightning_mp.master.model_sync.ModelWriteError` naming a parameter they cannot follow. Runs before
         each optimizer step, each save and at teardown (see docs/master-weights.md, "Writes after setup")."""
-        sync = getattr(self.masters, "model_sync", None)
-        if sync is not None:
-            sync.follow()
+        follow_writes(self.masters)
 
     # ------------------------------------------------------------------ forward and backward
     def autocast_context_manager(self) -> torch.autocast:
@@ -373,9 +358,7 @@ class MixedPrecisionPlugin(FabricHooks, Precision):  # FabricHooks: the hooks as
     @override
     def teardown(self) -> None:
         # after fit/validate/test/predict the model holds its fp32 values again (the masters, after training)
-        if self._in_backward is not None:
-            self._in_backward.remove()
-            self._in_backward = None
+        self._in_backward = install(self._in_backward, False)  # its hooks removed
         if self.masters is not None:
             self.masters.restore()
         self._module_rules.remove()

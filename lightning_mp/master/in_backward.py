@@ -229,3 +229,25 @@ class StepInBackward:
             hook.remove()
         self._hooks = []
         self.armed = False
+
+
+def install(
+    current: Optional[StepInBackward],
+    enabled: bool,
+    store: Any = None,
+    model: Any = None,
+    optimizers: Optional[list[Optimizer]] = None,
+    check: bool = True,
+    names: Optional[dict[int, str]] = None,
+) -> Optional[StepInBackward]:
+    """The plugin's :class:`StepInBackward` after a connect (or, ``enabled=False``, a teardown): ``current``'s hooks
+    removed, new ones on the one optimizer's parameters when ``enabled`` and there is an optimizer (none under
+    validate/test/predict). Clipping by value is applied per parameter inside the update (:func:`check_setup` refused
+    clipping by norm)."""
+    if current is not None:
+        current.remove()
+    if not enabled or not optimizers:
+        return None
+    clamp = getattr(getattr(model, "_trainer", None), "gradient_clip_val", None) or None
+    optimizer = getattr(optimizers[0], "_optimizer", optimizers[0])
+    return StepInBackward(store, optimizer, clamp, check, names)

@@ -272,3 +272,20 @@ def _is_wide(value: Any) -> bool:
 def materialise(value: Any, shape: Any, device: torch.device) -> Tensor:
     """``value`` (a tensor or any tensor-like torch can copy from) as a new fp32 tensor of ``shape`` on ``device``."""
     return torch.empty(tuple(shape), dtype=torch.float32, device=device).copy_(value)
+
+
+def start_following(masters: Any, model: Any = None) -> None:
+    """Setup is over: from now on every write into ``model`` reaches ``masters`` (a no-op for masters without a
+    :class:`ModelSync`). Under DDP a ``p.data = t`` of another dtype is refused: torch then drops the gradient
+    accumulator that holds DDP's hook."""
+    sync = getattr(masters, "model_sync", None)
+    if sync is not None:
+        sync.keep_dtypes = isinstance(model, torch.nn.parallel.DistributedDataParallel)
+        sync.start()
+
+
+def follow_writes(masters: Any) -> None:
+    """Make ``masters`` follow every write into the model since their last record (see :meth:`ModelSync.follow`)."""
+    sync = getattr(masters, "model_sync", None)
+    if sync is not None:
+        sync.follow()
