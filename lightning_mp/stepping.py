@@ -114,6 +114,9 @@ def step_in_backward(plugin: Any, optimizer: Any, model: Any, closure: Callable[
             f"optimizer_in_backward: non-finite gradients in {len(names)} parameter(s) ({', '.join(names[:5])}"
             f"{', ...' if len(names) > 5 else ''}): their updates were skipped, the other parameters were updated."
         )
+    if skipped or names:  # PrecisionMonitor records the step (and replays it: the replay's backward updates nothing)
+        for observer in plugin.skip_observers:
+            observer(plugin=plugin, optimizer=unwrap_optimizer(optimizer), model=model)
     if plugin._checking:
         plugin.scaler.update(skipped or bool(names))  # max_consecutive_skips counts both
     return closure_result

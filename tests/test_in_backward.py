@@ -374,3 +374,22 @@ def test_a_training_step_that_returns_none_updates_nothing():
     make_trainer(plugin, limit_train_batches=3).fit(model, _loader())
     assert model.changed == [True, False, True]  # the batch without a loss updated nothing
     assert plugin.scaler.skipped_steps == 0
+
+
+def test_precision_monitor_records_skips_inside_backward_and_names_the_skipped_parameters(tmp_path):
+    # the gradients are freed inside backward, so the step's own report is what names the skipped parameters; the
+    # replay that localises a non-finite loss runs autograd.grad, which fires no post-accumulate-grad hook
+    from lightning_mp import PrecisionMonitor
+
+    monitor = PrecisionMonitor(report=False, sample_every=1000)
+    with pytest.warns(UserWarning, match="net.3.weight"), pytest.warns(UserWarning, match="freed inside backward"):
+        _, ours = _fit(True, tmp_path, "ours", bad_loss_at=3, bad_grad_at=1, max_steps=4, callbacks=[monitor])
+    assert monitor.history.skipped == [1, 3]
+    partial, whole = monitor.history.overflows
+    assert partial.step == 1 and partial.nonfinite_params == ["net.3.weight"]
+    assert "only these parameters' updates were skipped" in partial.note
+    assert whole.step == 3 and whole.nonfinite_params == [] and whole.phase == "forward"  # the NaN loss, found
+    # and the replays changed nothing: the same bits as the run without a monitor
+    with pytest.warns(UserWarning, match="net.3.weight"):
+        _, plain = _fit(True, tmp_path, "plain", bad_loss_at=3, bad_grad_at=1, max_steps=4)
+    _assert_same_bits(ours, plain)

@@ -109,6 +109,12 @@ class PrecisionMonitor(L.Callback):
         self.history.fp8_recipe = getattr(getattr(plugin, "fp8", None), "recipe", "")
         self._overflow_counts, self._sampled_bucket, self._sampling, self._last_logged = {}, -1, False, {}
         self._localiser.forget()
+        if self.sample_every and getattr(plugin, "optimizer_in_backward", False):
+            rank_zero_warn(
+                "PrecisionMonitor: with optimizer_in_backward=True each parameter's gradient is freed inside backward, "
+                "so the per-layer gradient statistics (sample_every) find none; activation_grads=True still samples "
+                "the activation gradients. Skipped updates are recorded and localised as usual."
+            )
         observers = getattr(plugin, "skip_observers", None)
         if self.localise_overflows and isinstance(observers, list) and self._on_skip not in observers:
             observers.append(self._on_skip)
@@ -236,6 +242,12 @@ class PrecisionMonitor(L.Callback):
                 cause="failed",
                 note=repr(error),
                 nonfinite_params=nonfinite_params(optimizer, self._names),
+            )
+        in_backward = getattr(plugin, "_in_backward", None)
+        if in_backward is not None and in_backward.skipped_params:  # gradients freed in backward: named there
+            record.nonfinite_params = list(in_backward.skipped_params)
+            record.note = (record.note + "; " if record.note else "") + (
+                "optimizer_in_backward: only these parameters' updates were skipped, every other one was applied"
             )
         record = _merged_across_ranks(record)
         self.history.overflows.append(record)

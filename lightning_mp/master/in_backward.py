@@ -150,6 +150,9 @@ class StepInBackward:
         self._chunks: dict[int, list[Any]] = {}
         self._ones: dict[torch.device, Tensor] = {}
         self._hooks = []
+        #: names of the parameters whose non-finite gradient (under a finite loss) skipped their update in the last
+        #: step: what PrecisionMonitor records, the gradients being gone by then
+        self.skipped_params: list[str] = []
         for group in optimizer.param_groups:
             for param in group["params"]:
                 # one dict per parameter for its whole life: the CUDA kernel caches its address tables by id(group)
@@ -211,6 +214,7 @@ class StepInBackward:
         """After backward: disarm the hooks; ``(whether the loss was non-finite, names of the parameters whose
         non-finite gradient skipped their update)``. One host read of the step's flags (none without a check)."""
         self.armed = False
+        self.skipped_params = []
         self.optimizer._opt_called = True  # type: ignore[attr-defined]  # as torch's step() records for schedulers
         if not self.check:
             return False, []
@@ -219,9 +223,11 @@ class StepInBackward:
         values = torch.stack([loss.to(flags[0].device), *flags]).tolist() if flags else [loss.item()]
         params = [param for param, _ in self._flags]
         self._flags = []
-        if values[0] > 0:
+        named = [self.names.get(id(p), f"parameter {tuple(p.shape)}") for p, v in zip(params, values[1:]) if v]
+        if values[0] > 0:  # the loss: every update skipped, the loss's own origin is what a replay finds
             return True, []
-        return False, [self.names.get(id(p), f"parameter {tuple(p.shape)}") for p, v in zip(params, values[1:]) if v]
+        self.skipped_params = named
+        return False, named
 
     def remove(self) -> None:
         """Remove the hooks (at teardown)."""
