@@ -165,21 +165,24 @@ class GenericChunkedStep:
         """Before the first :meth:`step_params` of an optimizer step (the step inside backward: at ``begin``)."""
         self._options = None
 
-    def step_params(self, params: list[Tensor], found_inf: Optional[Tensor], grad_ops: list[tuple[str, Any]]) -> None:
+    def step_params(
+        self, params: list[Tensor], found_inf: Optional[Tensor], grad_ops: list[tuple[str, Any]], on_host: Optional[bool] = None
+    ) -> None:
         """The optimizer's step on ``params``' slices only: one part of an optimizer step whose other parts are other
         calls since :meth:`begin_params` (the step inside backward: one call per parameter, from its hook).
 
         The group options are put back before every call but the first of the step, as the chunk loop puts them back
         before every chunk but the first, so a per-group counter advances once per step; they stay advanced when any
         call of the step stepped (a masked skip masks them with "no call stepped so far"). ``found_inf`` nonzero
-        skips these parameters only: read on the host on a CPU (free), masked on another device where
-        :attr:`masks_on_device`, else read on the host (one synchronisation per call)."""
+        skips these parameters only: read on the host where ``on_host`` (default ``None``: on a CPU, where reading it
+        is free), else masked where :attr:`masks_on_device`, else read on the host (one synchronisation per call)."""
         chunks = []
         for param in params:
             index, slices = self._by_param[id(param)]
             chunks += [(index, chunk) for chunk in self._chunks(slices)]
         fp32 = [p for p in params if self.store.offset_of(p) is None]
-        on_host = found_inf is not None and found_inf.device.type == "cpu"
+        if on_host is None:
+            on_host = found_inf is not None and found_inf.device.type == "cpu"
         self._run(chunks, fp32, found_inf, grad_ops, on_host)
 
     def _run(
