@@ -14,7 +14,10 @@ parameter costs 2 (weight) + 2 (remainder) + the optimizer state, 12 bytes with 
 Non-finite values, without a host synchronisation inside backward: :meth:`StepInBackward.begin` turns the loss into
 a 0-dim device flag before backward (a non-finite loss skips every update of the step); each hook adds its own
 gradient's check to it (a non-finite gradient skips that parameter's update only). :meth:`StepInBackward.finish`
-reads the flags once, after backward, so the step can be reported and LR schedulers held on a skipped step.
+reads the flags once, after backward, so the step can be reported and LR schedulers held on a skipped step. Any
+other optimizer (the generic path) reads its parameter's flag on the host on a CPU (free); on a GPU it skips on the
+device by a masked write-back where :mod:`~lightning_mp.master.generic` can, else reads it: a synchronisation per
+parameter.
 
 A parameter's bf16 value is rewritten while backward still runs. Autograd has used it by then in every node that
 produces its gradient; a node that saved the parameter without producing its gradient (a ``detach()`` of it in the
