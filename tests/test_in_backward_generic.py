@@ -14,9 +14,9 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 import lightning as L
-from lightning.fabric.plugins.io import TorchCheckpointIO
 import pytest
 import torch
+from lightning.fabric.plugins.io import TorchCheckpointIO
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 

@@ -13,6 +13,8 @@ these proxies in their group's ``params`` (the other groups empty) and call the 
 the staging values back into weights and remainders. The group's options (``lr``, and any counter the optimizer
 keeps in the group) are put back as they were before each chunk but the first, so a per-group counter advances
 once per step. Parameters kept in fp32 are sliced the same way, their proxies pointing at the parameter itself.
+:meth:`GenericChunkedStep.step_params` runs one part of a step (the step inside backward: one parameter per call),
+with the same rule across calls: the options are put back before every call but the first of the step.
 
 Exactness: for an optimizer that treats elements independently (Adam family, SGD, Lion, torch-optimi, torchao's
 block-quantised states, whose blocks the 256-aligned slices keep where they are in the whole parameter), the result
@@ -166,7 +168,7 @@ class GenericChunkedStep:
         self._options = None
 
     def step_params(
-        self, params: list[Tensor], found_inf: Optional[Tensor], grad_ops: list[tuple[str, Any]], on_host: Optional[bool] = None
+        self, params: list[Tensor], found_inf: Optional[Tensor], grad_ops: list[Any], on_host: Any = None
     ) -> None:
         """The optimizer's step on ``params``' slices only: one part of an optimizer step whose other parts are other
         calls since :meth:`begin_params` (the step inside backward: one call per parameter, from its hook).
@@ -186,12 +188,7 @@ class GenericChunkedStep:
         self._run(chunks, fp32, found_inf, grad_ops, on_host)
 
     def _run(
-        self,
-        chunks: list[tuple[int, list[_Slice]]],
-        fp32: list[Tensor],
-        found_inf: Optional[Tensor],
-        grad_ops: list[tuple[str, Any]],
-        on_host: bool,
+        self, chunks: list[Any], fp32: list[Tensor], found_inf: Optional[Tensor], grad_ops: list[Any], on_host: bool
     ) -> None:
         skip: Optional[Tensor] = None
         had_state = False
