@@ -75,7 +75,7 @@ class MixedPrecisionPlugin(FabricHooks, Precision):  # FabricHooks: the hooks as
         optimizer_in_backward: ``True`` (with ``"bf16-mixed"`` and ``master_weights="remainder"``): each parameter is
             updated inside backward as soon as its gradient is final, and the gradient freed (12 bytes/param at rest
             with AdamW; :mod:`lightning_mp.master.in_backward`). Trainer, automatic optimization, one device, one
-            ``torch.optim.AdamW``/``Adam``/``SGD``; accumulation and clipping by norm are refused at setup. Default
+            optimizer whose ``step()`` takes no closure; accumulation and clipping by norm are refused at setup. Default
             ``False``.
 
     The autocast device is the device the model lives on, found when Lightning connects the plugin; ``fp16``

@@ -253,9 +253,9 @@ class Manual(Net):
         self.automatic_optimization = False
 
 
-class RMSprop(Net):
+class LBFGS(Net):
     def configure_optimizers(self) -> Any:
-        return torch.optim.RMSprop(self.parameters())
+        return torch.optim.LBFGS(self.parameters())
 
 
 @pytest.mark.parametrize(
@@ -265,11 +265,7 @@ class RMSprop(Net):
         (Net, dict(gradient_clip_val=1.0), r"cannot clip by the global norm.*gradient_clip_algorithm='value'"),
         (Net, dict(gradient_clip_val=1.0, gradient_clip_algorithm="norm"), r"cannot clip by the global norm"),
         (Manual, {}, r"needs automatic optimization"),
-        (
-            RMSprop,
-            {},
-            r"updates torch.optim.AdamW, torch.optim.Adam, torch.optim.SGD only.*torch.optim.rmsprop.RMSprop",
-        ),
+        (LBFGS, {}, r"cannot step torch.optim.lbfgs.LBFGS: its step\(\) needs a closure.*optimizer_in_backward=False"),
     ],
 )
 def test_trainer_setups_that_cannot_step_in_backward_are_refused_before_any_step(module, trainer, message):

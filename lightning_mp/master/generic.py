@@ -13,6 +13,8 @@ these proxies in their group's ``params`` (the other groups empty) and call the 
 the staging values back into weights and remainders. The group's options (``lr``, and any counter the optimizer
 keeps in the group) are put back as they were before each chunk but the first, so a per-group counter advances
 once per step. Parameters kept in fp32 are sliced the same way, their proxies pointing at the parameter itself.
+:meth:`GenericChunkedStep.step_params` runs one part of a step (the step inside backward: one parameter per call),
+with the same rule across calls: the options are put back before every call but the first of the step.
 
 Exactness: for an optimizer that treats elements independently (Adam family, SGD, Lion, torch-optimi, torchao's
 block-quantised states, whose blocks the 256-aligned slices keep where they are in the whole parameter), the result
@@ -129,6 +131,12 @@ class GenericChunkedStep:
         self._model_params: list[list[Tensor]] = [list(g["params"]) for g in optimizer.param_groups]
         self.masks_on_device: Optional[bool] = None  # learnt on the first step with a flag (see the module doc)
         self._plain: dict[tuple[int, str], Any] = {}
+        self._by_param: dict[int, tuple[int, list[_Slice]]] = {}  # id(parameter) -> (its group, its slices)
+        for index, slices in enumerate(self.slices):
+            for s in slices:
+                self._by_param.setdefault(id(s.param), (index, []))[1].append(s)
+        self._options: Optional[list[dict[str, Any]]] = None  # the group options at the start of the step
+        self._none_stepped: Any = True  # no call of this step stepped: True, False or a device flag (step_params)
         self._hooks = [
             optimizer.register_state_dict_pre_hook(lambda opt: self._swap_in_proxies()),
             optimizer.register_state_dict_post_hook(lambda opt, state: self._swap_out_proxies()),
@@ -151,22 +159,54 @@ class GenericChunkedStep:
         """One step of the optimizer over every chunk; where ``found_inf`` is nonzero, none: skipped on the device
         by a masked write-back, or decided on the host where masking cannot be exact (see the module doc)."""
         chunks = [(index, chunk) for index, slices in enumerate(self.slices) for chunk in self._chunks(slices)]
+        fp32 = [p for params in self._model_params for p in params if self.store.offset_of(p) is None]
+        self._options = None  # a whole step: the options are snapshot at its start
+        self._run(chunks, fp32, found_inf, grad_ops, on_host=False)
+
+    def begin_params(self) -> None:
+        """Before the first :meth:`step_params` of an optimizer step (the step inside backward: at ``begin``)."""
+        self._options = None
+
+    def step_params(
+        self, params: list[Tensor], found_inf: Optional[Tensor], grad_ops: list[Any], on_host: Any = None
+    ) -> None:
+        """The optimizer's step on ``params``' slices only: one part of an optimizer step whose other parts are other
+        calls since :meth:`begin_params` (the step inside backward: one call per parameter, from its hook).
+
+        The group options are put back before every call but the first of the step, as the chunk loop puts them back
+        before every chunk but the first, so a per-group counter advances once per step; they stay advanced when any
+        call of the step stepped (a masked skip masks them with "no call stepped so far"). ``found_inf`` nonzero
+        skips these parameters only: read on the host where ``on_host`` (default ``None``: on a CPU, where reading it
+        is free), else masked where :attr:`masks_on_device`, else read on the host (one synchronisation per call)."""
+        chunks = []
+        for param in params:
+            index, slices = self._by_param[id(param)]
+            chunks += [(index, chunk) for chunk in self._chunks(slices)]
+        fp32 = [p for p in params if self.store.offset_of(p) is None]
+        if on_host is None:
+            on_host = found_inf is not None and found_inf.device.type == "cpu"
+        self._run(chunks, fp32, found_inf, grad_ops, on_host)
+
+    def _run(
+        self, chunks: list[Any], fp32: list[Tensor], found_inf: Optional[Tensor], grad_ops: list[Any], on_host: bool
+    ) -> None:
         skip: Optional[Tensor] = None
         had_state = False
         if found_inf is not None:
             had_state = all(self.optimizer.state.get(s.proxy) for _, chunk in chunks for s in chunk)
-            if self.masks_on_device and had_state:
+            if self.masks_on_device and had_state and not on_host:
                 skip = found_inf.reshape(()) > 0  # stays on the device
             elif bool(found_inf.item()):  # a host synchronisation
                 return
         groups = self.optimizer.param_groups
-        apply_grad_ops_in_place(
-            [p for params in self._model_params for p in params if self.store.offset_of(p) is None], grad_ops
-        )
-        options = [snapshot(group) for group in groups]
+        apply_grad_ops_in_place(fp32, grad_ops)
+        first = self._options is None
+        if first:  # the step's first call: the options as they are before it, put back before every later chunk
+            self._options, self._none_stepped = [snapshot(group) for group in groups], True
+        options = self._options
         try:
             for number, (index, chunk) in enumerate(chunks):
-                if number:
+                if number or not first:
                     for group, saved in zip(groups, options):
                         put_back(group, saved)
                 staged = self._stage(chunk)
@@ -186,14 +226,17 @@ class GenericChunkedStep:
                         break  # the chunks not stepped yet stay as they are
                     skip = None  # read on the host: the step stands, the other chunks step unmasked
                 self._unstage(chunk, skip)
-            if skip is not None:
+            # the options as stepped unless no call of this step stepped: on the device, "every call skipped so far"
+            none = self._none_stepped
+            self._none_stepped = False if skip is None or none is False else skip if none is True else none & skip
+            if isinstance(self._none_stepped, Tensor):
                 for group, saved in zip(groups, options):
-                    mask_options(skip, group, saved)
+                    mask_options(self._none_stepped, group, saved)
             elif found_inf is not None and self.masks_on_device is None and had_state:
                 self.masks_on_device = self._maskable(found_inf.device, options)
         finally:
-            for slices in self.slices:
-                for s in slices:
+            for _, chunk in chunks:
+                for s in chunk:
                     s.rest()
             self._swap_out_proxies()
 

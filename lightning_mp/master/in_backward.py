@@ -2,16 +2,22 @@
 
 ``MixedPrecisionPlugin("bf16-mixed", master_weights="remainder", optimizer_in_backward=True)``. At setup,
 :class:`StepInBackward` registers ``Tensor.register_post_accumulate_grad_hook`` on every parameter of the one
-optimizer (``torch.optim.AdamW``, ``Adam`` or ``SGD``). During backward, once autograd has accumulated a parameter's
-gradient, its hook runs the lean update of that one parameter (:func:`lightning_mp.master.onepass.update` on a
-one-parameter group: the same kernel, the same bits as the normal step, which updates each tensor independently) and
-sets ``param.grad = None``. No gradient outlives its update: at rest a bf16 parameter costs 2 (weight) + 2
-(remainder) + the optimizer state, 12 bytes with AdamW.
+optimizer. During backward, once autograd has accumulated a parameter's gradient, its hook runs the lean update of
+that one parameter and sets ``param.grad = None``: for ``torch.optim.AdamW``, ``Adam`` and ``SGD``
+:func:`lightning_mp.master.onepass.update` on a one-parameter group (the same kernel, the same bits as the normal
+step, which updates each tensor independently); for any other optimizer (torchao's ``AdamW8bit``, ...) its own
+``step()`` on that parameter's fp32 slices (:meth:`GenericChunkedStep.step_params
+<lightning_mp.master.generic.GenericChunkedStep.step_params>`, per-group counters advanced once per step). An
+optimizer whose ``step()`` needs a closure (``LBFGS``) is refused. No gradient outlives its update: at rest a bf16
+parameter costs 2 (weight) + 2 (remainder) + the optimizer state, 12 bytes with AdamW, about 6 with ``AdamW8bit``.
 
 Non-finite values, without a host synchronisation inside backward: :meth:`StepInBackward.begin` turns the loss into
 a 0-dim device flag before backward (a non-finite loss skips every update of the step); each hook adds its own
 gradient's check to it (a non-finite gradient skips that parameter's update only). :meth:`StepInBackward.finish`
-reads the flags once, after backward, so the step can be reported and LR schedulers held on a skipped step.
+reads the flags once, after backward, so the step can be reported and LR schedulers held on a skipped step. Any
+other optimizer (the generic path) reads its parameter's flag on the host on a CPU (free); on a GPU it skips on the
+device by a masked write-back where :mod:`~lightning_mp.master.generic` can, else reads it: a synchronisation per
+parameter.
 
 A parameter's bf16 value is rewritten while backward still runs. Autograd has used it by then in every node that
 produces its gradient; a node that saved the parameter without producing its gradient (a ``detach()`` of it in the
@@ -20,6 +26,7 @@ forward) would see the new value.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Mapping
 from typing import Any, Optional
 
@@ -28,7 +35,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_mp.master import native, onepass
-from lightning_mp.master.step import FUSED_TYPES, apply_grad_ops_in_place, fused_update, plan_chunks, uses_fused_kernel
+from lightning_mp.master.step import apply_grad_ops_in_place, fused_update, plan_chunks
 from lightning_mp.scaler_device import non_finite_check_and_unscale_
 
 OPTION = "optimizer_in_backward=True"
@@ -62,7 +69,7 @@ def check_options(optimizer_in_backward: Any, precision: str, master_weights: An
 
 def check_setup(trainer: Any, model: Any, optimizers: list[Optimizer]) -> None:
     """Raise a :func:`refusal` for a Trainer setup whose updates cannot run inside backward (called at connect,
-    before any step): manual optimization, several optimizers, an optimizer the one-pass update does not take,
+    before any step): manual optimization, several optimizers, an optimizer whose step needs a closure,
     gradient accumulation, clipping by norm. The strategy and Fabric are refused at ``convert_module``."""
     if not getattr(model, "automatic_optimization", True):
         raise refusal(
@@ -78,12 +85,13 @@ def check_setup(trainer: Any, model: Any, optimizers: list[Optimizer]) -> None:
             "Return one optimizer (param groups are fine), or use optimizer_in_backward=False.",
         )
     optimizer = getattr(optimizers[0], "_optimizer", optimizers[0])
-    if not uses_fused_kernel(optimizer):
-        names = ", ".join(f"torch.optim.{t.__name__}" for t in FUSED_TYPES)
+    if needs_closure(optimizer):
         raise refusal(
-            f"updates {names} only (without differentiable=True or capturable=True), not "
-            f"{type(optimizer).__module__}.{type(optimizer).__qualname__}",
-            "Use one of those optimizers, or optimizer_in_backward=False for any other.",
+            f"cannot step {type(optimizer).__module__}.{type(optimizer).__qualname__}: its step() needs a closure "
+            "(it evaluates the loss again, e.g. LBFGS's line search), and inside backward each parameter is updated "
+            "once, from its hook, without one",
+            "Use an optimizer whose step() takes no closure (AdamW, torchao's AdamW8bit, any other), or "
+            "optimizer_in_backward=False for this one.",
         )
     accumulate = getattr(trainer, "accumulate_grad_batches", 1)
     if accumulate != 1:
@@ -101,6 +109,12 @@ def check_setup(trainer: Any, model: Any, optimizers: list[Optimizer]) -> None:
             "Clip by value (gradient_clip_algorithm='value': applied per parameter inside backward), or use "
             "optimizer_in_backward=False.",
         )
+
+
+def needs_closure(optimizer: Optimizer) -> bool:
+    """Whether ``optimizer.step`` has a ``closure`` argument without a default (torch's ``LBFGS``)."""
+    closure = inspect.signature(type(optimizer).step).parameters.get("closure")
+    return closure is not None and closure.default is inspect.Parameter.empty
 
 
 def check_strategy(strategy: Any, fabric: bool) -> None:
@@ -123,7 +137,7 @@ class StepInBackward:
 
     Args:
         store: the :class:`~lightning_mp.master.RemainderMasters` holding the parameters.
-        optimizer: a ``torch.optim.AdamW``, ``Adam`` or ``SGD`` over (some of) the store's parameters.
+        optimizer: any optimizer over (some of) the store's parameters whose ``step()`` takes no closure.
         clamp: clip each gradient to ``[-clamp, clamp]`` (in fp32, inside the update) before it is used; ``None``
             (default): no clipping.
         check: check the loss and each gradient for inf/NaN and skip what is non-finite (default ``True``).
@@ -153,6 +167,7 @@ class StepInBackward:
         #: names of the parameters whose non-finite gradient (under a finite loss) skipped their update in the last
         #: step: what PrecisionMonitor records, the gradients being gone by then
         self.skipped_params: list[str] = []
+        self._generic = getattr(store, "_generic", {}).get(id(optimizer))  # not AdamW/Adam/SGD: the generic path
         for group in optimizer.param_groups:
             for param in group["params"]:
                 # one dict per parameter for its whole life: the CUDA kernel caches its address tables by id(group)
@@ -164,6 +179,8 @@ class StepInBackward:
         flag, nonzero when it is non-finite (then every update of this backward is skipped)."""
         self.armed = True
         self._flags = []
+        if self._generic is not None:
+            self._generic.begin_params()  # the group options advance once in this backward's updates
         if self.check and loss is not None:
             self._loss_found = torch.logical_not(torch.isfinite(loss.detach()).all()).to(torch.float32).reshape(())
         else:
@@ -197,6 +214,9 @@ class StepInBackward:
         return found
 
     def _step(self, one: dict[str, Any], param: Tensor, found: Optional[Tensor]) -> None:
+        if self._generic is not None:  # any other optimizer: its own step() on this parameter's fp32 slices
+            self._generic.step_params([param], found, self.grad_ops)
+            return
         # the body of RemainderMasters.fused_step for one parameter: fp32 ones clipped in place, then one pass
         if self.store.offset_of(param) is None:
             apply_grad_ops_in_place([param], self.grad_ops)
