@@ -23,7 +23,7 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_mp import stepping
+from lightning_mp import backward_step, stepping
 from lightning_mp.distributed import GradientSync, mixed_precision_policy, sync_for
 from lightning_mp.distributed.shard import fsdp2_shard
 from lightning_mp.distributed.sync import reduce_dtype_of
@@ -74,9 +74,9 @@ class MixedPrecisionPlugin(FabricHooks, Precision):  # FabricHooks: the hooks as
             the ``fp8`` extra; see :mod:`lightning_mp.fp8`). Under FSDP2 shard with :meth:`fsdp2_shard` (it converts).
         optimizer_in_backward: ``True`` (with ``"bf16-mixed"`` and ``master_weights="remainder"``): each parameter is
             updated inside backward as soon as its gradient is final, and the gradient freed (12 bytes/param at rest
-            with AdamW; :mod:`lightning_mp.master.in_backward`). Trainer, automatic optimization, one device, one
-            ``torch.optim.AdamW``/``Adam``/``SGD``; accumulation and clipping by norm are refused at setup. Default
-            ``False``.
+            with AdamW; :mod:`lightning_mp.master.in_backward`). Trainer (automatic or manual) and Fabric, one device,
+            one ``torch.optim.AdamW``/``Adam``/``SGD``; the step keeps the books (:mod:`lightning_mp.backward_step`).
+            Accumulation and clipping by norm are refused. Default ``False``.
 
     The autocast device is the device the model lives on, found when Lightning connects the plugin; ``fp16``
     is honoured on CPU too (Lightning's built-in switches to bf16 there), with a one-time warning that it is
@@ -270,9 +270,8 @@ class MixedPrecisionPlugin(FabricHooks, Precision):  # FabricHooks: the hooks as
             self._unscaled.new_backward(self.scaler)
             tensor = self.scaler.scale_loss(tensor)
         tensor = super().pre_backward(tensor, module)
-        if self._in_backward is not None:  # the updates run in this backward: writes so far reach the masters first
-            self.follow_model_writes()
-            self._in_backward.begin(tensor)  # the loss checked on the device: a non-finite one skips every update
+        if self._in_backward is not None:  # the updates run in this backward (one per step): writes reach the masters
+            backward_step.begin(self, tensor)  # first; the loss checked on the device: non-finite skips every update
         return tensor
 
     @override
@@ -314,6 +313,7 @@ class MixedPrecisionPlugin(FabricHooks, Precision):  # FabricHooks: the hooks as
         clip_val: Union[int, float] = 0.0,
         gradient_clip_algorithm: GradClipAlgorithmType = GradClipAlgorithmType.NORM,
     ) -> None:
+        backward_step.refuse_clipping(self, clip_val, gradient_clip_algorithm, "self.clip_gradients")  # grads freed
         stepping.unscale_before_clipping(self, optimizer, clip_val)  # manual optimization: clipping sees true grads
         super().clip_gradients(optimizer, clip_val=clip_val, gradient_clip_algorithm=gradient_clip_algorithm)
 
