@@ -23,7 +23,7 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_mp import backward_step, stepping
+from lightning_mp import stepping
 from lightning_mp.distributed import GradientSync, mixed_precision_policy, sync_for
 from lightning_mp.distributed.shard import fsdp2_shard
 from lightning_mp.distributed.sync import reduce_dtype_of
@@ -31,7 +31,7 @@ from lightning_mp.fabric.hooks import FabricHooks
 from lightning_mp.forward import ModuleRules, module_policy, override_context, override_targets, warn_at_connect
 from lightning_mp.forward import module_device as _module_device
 from lightning_mp.fp8.convert import Fp8Training
-from lightning_mp.master import MasterWeights, MasterWeightsOption, is_norm, masters_for
+from lightning_mp.master import MasterWeights, MasterWeightsOption, in_backward_loop, is_norm, masters_for
 from lightning_mp.master.in_backward import StepInBackward, check_options, check_setup, check_strategy, install
 from lightning_mp.master.model_sync import follow_writes, start_following
 from lightning_mp.policy import CastPolicy
@@ -75,8 +75,8 @@ class MixedPrecisionPlugin(FabricHooks, Precision):  # FabricHooks: the hooks as
         optimizer_in_backward: ``True`` (with ``"bf16-mixed"`` and ``master_weights="remainder"``): each parameter is
             updated inside backward as soon as its gradient is final, and the gradient freed (12 bytes/param at rest
             with AdamW; :mod:`lightning_mp.master.in_backward`). Trainer (automatic or manual) and Fabric, one device,
-            one ``torch.optim.AdamW``/``Adam``/``SGD``; the step keeps the books (:mod:`lightning_mp.backward_step`).
-            Accumulation and clipping by norm are refused. Default ``False``.
+            one ``torch.optim.AdamW``/``Adam``/``SGD``; the step keeps the books (:mod:`~lightning_mp.master.
+            in_backward_loop`). Accumulation and clipping by norm are refused. Default ``False``.
 
     The autocast device is the device the model lives on, found when Lightning connects the plugin; ``fp16``
     is honoured on CPU too (Lightning's built-in switches to bf16 there), with a one-time warning that it is
@@ -271,7 +271,7 @@ class MixedPrecisionPlugin(FabricHooks, Precision):  # FabricHooks: the hooks as
             tensor = self.scaler.scale_loss(tensor)
         tensor = super().pre_backward(tensor, module)
         if self._in_backward is not None:  # the updates run in this backward (one per step): writes reach the masters
-            backward_step.begin(self, tensor)  # first; the loss checked on the device: non-finite skips every update
+            in_backward_loop.begin(self, tensor)  # first; the loss checked on the device (non-finite: no update)
         return tensor
 
     @override
@@ -313,7 +313,7 @@ class MixedPrecisionPlugin(FabricHooks, Precision):  # FabricHooks: the hooks as
         clip_val: Union[int, float] = 0.0,
         gradient_clip_algorithm: GradClipAlgorithmType = GradClipAlgorithmType.NORM,
     ) -> None:
-        backward_step.refuse_clipping(self, clip_val, gradient_clip_algorithm, "self.clip_gradients")  # grads freed
+        in_backward_loop.refuse_clipping(self, clip_val, gradient_clip_algorithm, "self.clip_gradients")  # grads gone
         stepping.unscale_before_clipping(self, optimizer, clip_val)  # manual optimization: clipping sees true grads
         super().clip_gradients(optimizer, clip_val=clip_val, gradient_clip_algorithm=gradient_clip_algorithm)
 

@@ -46,7 +46,7 @@ from lightning.fabric.utilities.exceptions import MisconfigurationException
 from torch import Tensor
 from torch.optim import LBFGS
 
-from lightning_mp import backward_step
+from lightning_mp.master import in_backward_loop
 from lightning_mp.scaler import DynamicLossScaler
 from lightning_mp.scaler_device import GradientGroups
 from lightning_mp.schedulers import has_step_scheduler, record_step
@@ -100,12 +100,12 @@ def optimizer_step(
 def step_in_backward(plugin: Any, optimizer: Any, model: Any, closure: Callable[[], Any]) -> Any:
     """The step with ``optimizer_in_backward=True``: the closure's backward updated each parameter as its gradient
     became final (:class:`~lightning_mp.master.in_backward.StepInBackward`, armed in ``pre_backward``), so no update
-    is left; what is left is the bookkeeping of a step (:func:`lightning_mp.backward_step.finish_step`) after
+    is left; what is left is the bookkeeping of a step (:func:`lightning_mp.master.in_backward_loop.finish_step`) after
     Lightning's hooks (gradients are ``None`` by then). In manual optimization the closure does nothing: the user's
     ``manual_backward`` already ran."""
     closure_result = closure()
     plugin._after_closure(model, optimizer)
-    backward_step.finish_step(plugin, optimizer)  # nothing when no backward ran (training_step returned None)
+    in_backward_loop.finish_step(plugin, optimizer)  # nothing when no backward ran (training_step returned None)
     return closure_result
 
 

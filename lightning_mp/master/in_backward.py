@@ -64,7 +64,7 @@ def check_setup(trainer: Any, model: Any, optimizers: list[Optimizer]) -> None:
     """Raise a :func:`refusal` for a Trainer setup whose updates cannot run inside backward (called at connect,
     before any step; Fabric's ``fabric.setup`` too): several optimizers, an optimizer the one-pass update does not take,
     gradient accumulation, clipping by norm. The strategy is refused at ``convert_module``. What shows only at run
-    time (a second backward before a step, clipping after backward) is :mod:`lightning_mp.backward_step`'s."""
+    time (a second backward before a step, clipping after backward) is :mod:`lightning_mp.master.in_backward_loop`'s."""
     if not optimizers:  # validate/test/predict (or no optimizer at all): nothing is updated, nothing to refuse
         return
     if len(optimizers) != 1:
