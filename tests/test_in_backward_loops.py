@@ -326,3 +326,29 @@ def test_manual_several_optimizers_are_refused_before_any_step():
     with pytest.raises(ValueError, match=r"optimizer_in_backward=True\) takes exactly one optimizer, got 2"):
         make_trainer(plugin_for(True), max_steps=1).fit(Two("adamw", run), DataLoader(TensorDataset(*data()[0])))
     assert run.freed_after_backward == []
+
+
+def test_automatic_a_custom_configure_gradient_clipping_by_norm_is_refused_but_the_trainers_value_clip_runs(tmp_path):
+    class Automatic(L.LightningModule):
+        def __init__(self, custom: bool) -> None:
+            super().__init__()
+            self.net, self.custom = build(), custom
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            return nn.functional.mse_loss(self.net(batch[0]).float(), batch[1])
+
+        def configure_gradient_clipping(self, optimizer: Any, gradient_clip_val: Any, gradient_clip_algorithm: Any):
+            if self.custom:
+                self.clip_gradients(optimizer, gradient_clip_val=1.0, gradient_clip_algorithm="norm")
+            else:
+                super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.SGD(self.parameters(), lr=1e-2)
+
+    loader = DataLoader(TensorDataset(*data()[0]), batch_size=8)
+    with pytest.raises(RuntimeError, match=r"cannot clip by norm after backward \(self.clip_gradients\)"):
+        make_trainer(plugin_for(True), max_steps=1).fit(Automatic(True), loader)
+    trainer = make_trainer(plugin_for(True), max_steps=1, gradient_clip_val=0.5, gradient_clip_algorithm="value")
+    trainer.fit(Automatic(False), loader)  # the Trainer's value clip: applied inside backward, nothing raised
+    assert trainer.global_step == 1
