@@ -31,7 +31,7 @@ from lightning_mp.fabric.hooks import FabricHooks
 from lightning_mp.forward import ModuleRules, module_policy, override_context, override_targets, warn_at_connect
 from lightning_mp.forward import module_device as _module_device
 from lightning_mp.fp8.convert import Fp8Training
-from lightning_mp.master import MasterWeights, MasterWeightsOption, is_norm, masters_for
+from lightning_mp.master import MasterWeights, MasterWeightsOption, in_backward_loop, is_norm, masters_for
 from lightning_mp.master.in_backward import StepInBackward, check_options, check_setup, check_strategy, install
 from lightning_mp.master.model_sync import follow_writes, start_following
 from lightning_mp.policy import CastPolicy
@@ -74,9 +74,9 @@ class MixedPrecisionPlugin(FabricHooks, Precision):  # FabricHooks: the hooks as
             the ``fp8`` extra; see :mod:`lightning_mp.fp8`). Under FSDP2 shard with :meth:`fsdp2_shard` (it converts).
         optimizer_in_backward: ``True`` (with ``"bf16-mixed"`` and ``master_weights="remainder"``): each parameter is
             updated inside backward as soon as its gradient is final, and the gradient freed (12 bytes/param at rest
-            with AdamW; :mod:`lightning_mp.master.in_backward`). Trainer, automatic optimization, one device, one
-            optimizer whose ``step()`` takes no closure; accumulation and clipping by norm are refused at setup. Default
-            ``False``.
+            with AdamW; :mod:`lightning_mp.master.in_backward`). Trainer (automatic or manual) and Fabric, one device,
+            one optimizer whose ``step()`` takes no closure; the step keeps the books (:mod:`~lightning_mp.master.
+            in_backward_loop`). Accumulation and clipping by norm are refused. Default ``False``.
 
     The autocast device is the device the model lives on, found when Lightning connects the plugin; ``fp16``
     is honoured on CPU too (Lightning's built-in switches to bf16 there), with a one-time warning that it is
@@ -270,9 +270,8 @@ class MixedPrecisionPlugin(FabricHooks, Precision):  # FabricHooks: the hooks as
             self._unscaled.new_backward(self.scaler)
             tensor = self.scaler.scale_loss(tensor)
         tensor = super().pre_backward(tensor, module)
-        if self._in_backward is not None:  # the updates run in this backward: writes so far reach the masters first
-            self.follow_model_writes()
-            self._in_backward.begin(tensor)  # the loss checked on the device: a non-finite one skips every update
+        if self._in_backward is not None:  # the updates run in this backward (one per step): writes reach the masters
+            in_backward_loop.begin(self, tensor)  # first; the loss checked on the device (non-finite: no update)
         return tensor
 
     @override
@@ -314,6 +313,7 @@ class MixedPrecisionPlugin(FabricHooks, Precision):  # FabricHooks: the hooks as
         clip_val: Union[int, float] = 0.0,
         gradient_clip_algorithm: GradClipAlgorithmType = GradClipAlgorithmType.NORM,
     ) -> None:
+        in_backward_loop.refuse_clipping(self, clip_val, gradient_clip_algorithm, "self.clip_gradients")  # grads gone
         stepping.unscale_before_clipping(self, optimizer, clip_val)  # manual optimization: clipping sees true grads
         super().clip_gradients(optimizer, clip_val=clip_val, gradient_clip_algorithm=gradient_clip_algorithm)
 

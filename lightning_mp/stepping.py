@@ -43,10 +43,10 @@ from typing import Any, Callable, Optional
 
 import torch
 from lightning.fabric.utilities.exceptions import MisconfigurationException
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 from torch.optim import LBFGS
 
+from lightning_mp.master import in_backward_loop
 from lightning_mp.scaler import DynamicLossScaler
 from lightning_mp.scaler_device import GradientGroups
 from lightning_mp.schedulers import has_step_scheduler, record_step
@@ -100,25 +100,12 @@ def optimizer_step(
 def step_in_backward(plugin: Any, optimizer: Any, model: Any, closure: Callable[[], Any]) -> Any:
     """The step with ``optimizer_in_backward=True``: the closure's backward updated each parameter as its gradient
     became final (:class:`~lightning_mp.master.in_backward.StepInBackward`, armed in ``pre_backward``), so no update
-    is left; what is left is the bookkeeping of a step: Lightning's hooks (gradients are ``None`` by then), the
-    report of non-finite values (one host read), LR schedulers held on a skipped step, the scaler's count."""
-    in_backward = plugin._in_backward
+    is left; what is left is the bookkeeping of a step (:func:`lightning_mp.master.in_backward_loop.finish_step`) after
+    Lightning's hooks (gradients are ``None`` by then). In manual optimization the closure does nothing: the user's
+    ``manual_backward`` already ran."""
     closure_result = closure()
     plugin._after_closure(model, optimizer)
-    if not in_backward.armed:  # training_step returned None: no backward ran, so no step either
-        return closure_result
-    skipped, names = in_backward.finish()
-    record_step(unwrap_optimizer(optimizer), skipped)  # a non-finite loss skipped every update: schedulers hold
-    if names:
-        rank_zero_warn(
-            f"optimizer_in_backward: non-finite gradients in {len(names)} parameter(s) ({', '.join(names[:5])}"
-            f"{', ...' if len(names) > 5 else ''}): their updates were skipped, the other parameters were updated."
-        )
-    if skipped or names:  # PrecisionMonitor records the step (and replays it: the replay's backward updates nothing)
-        for observer in plugin.skip_observers:
-            observer(plugin=plugin, optimizer=unwrap_optimizer(optimizer), model=model)
-    if plugin._checking:
-        plugin.scaler.update(skipped or bool(names))  # max_consecutive_skips counts both
+    in_backward_loop.finish_step(plugin, optimizer, model)  # nothing when no backward ran (training_step returned None)
     return closure_result
 
 

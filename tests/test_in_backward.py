@@ -247,12 +247,6 @@ def test_constructor_refuses_what_cannot_step_in_backward(arguments, message):
         _plugin(**{"optimizer_in_backward": True, **arguments})
 
 
-class Manual(Net):
-    def __init__(self) -> None:
-        super().__init__()
-        self.automatic_optimization = False
-
-
 class LBFGS(Net):
     def configure_optimizers(self) -> Any:
         return torch.optim.LBFGS(self.parameters())
@@ -264,7 +258,6 @@ class LBFGS(Net):
         (Net, dict(accumulate_grad_batches=2), r"cannot accumulate gradients \(accumulate_grad_batches=2\)"),
         (Net, dict(gradient_clip_val=1.0), r"cannot clip by the global norm.*gradient_clip_algorithm='value'"),
         (Net, dict(gradient_clip_val=1.0, gradient_clip_algorithm="norm"), r"cannot clip by the global norm"),
-        (Manual, {}, r"needs automatic optimization"),
         (LBFGS, {}, r"cannot step torch.optim.lbfgs.LBFGS: its step\(\) needs a closure.*optimizer_in_backward=False"),
     ],
 )
@@ -276,24 +269,19 @@ def test_trainer_setups_that_cannot_step_in_backward_are_refused_before_any_step
     assert Counting.steps == 0
 
 
-def test_several_optimizers_fabric_and_multi_device_strategies_are_refused():
+def test_several_optimizers_and_multi_device_strategies_are_refused():
     from lightning.pytorch.strategies import DDPStrategy
 
     from lightning_mp.master.in_backward import check_setup, check_strategy
 
-    # Lightning refuses several optimizers in automatic optimization itself; the plugin's own check, directly
+    # Lightning refuses several optimizers in automatic optimization itself; the plugin's own check, directly (manual
+    # optimization and Fabric: tests/test_in_backward_loops.py)
     net = nn.Linear(4, 4)
     two = [torch.optim.AdamW([net.weight]), torch.optim.AdamW([net.bias])]
-    with pytest.raises(ValueError, match=r"takes exactly one optimizer, configure_optimizers returned 2"):
+    with pytest.raises(ValueError, match=r"takes exactly one optimizer, got 2 \(from configure_optimizers or fabric"):
         check_setup(None, net, two)
-
-    with pytest.raises(ValueError, match=r"optimizer_in_backward=True\) is not available under Lightning Fabric"):
-        check_strategy(None, fabric=True)
     with pytest.raises(ValueError, match=r"runs on one device only for now, not under DDPStrategy"):
         check_strategy(DDPStrategy(), fabric=False)
-    fabric = L.Fabric(accelerator="cpu", devices=1, plugins=[_plugin(optimizer_in_backward=True)])
-    with pytest.raises(ValueError, match=r"not available under Lightning Fabric"):
-        fabric.setup(nn.Linear(4, 4))
 
 
 def test_validation_during_and_after_fit_runs_without_updates(tmp_path):

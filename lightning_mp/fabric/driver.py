@@ -11,6 +11,7 @@ from torch.nn import Module
 from torch.optim import LBFGS, Optimizer
 
 from lightning_mp import stepping
+from lightning_mp.master import in_backward_loop
 from lightning_mp.schedulers import guard_scheduler
 
 #: The strategy methods a Fabric-driven plugin wraps (on the strategy object, never on its class).
@@ -105,6 +106,8 @@ class FabricDriver:
         if plugin.fp8 is not None:
             inner = getattr(self.module, "module", self.module)
             plugin.fp8.connect(inner, [optimizer])
+        if plugin.optimizer_in_backward:  # the hooks move to every optimizer set up (several are refused)
+            in_backward_loop.add_optimizer(plugin, getattr(self.module, "module", self.module), self.optimizers)
         plugin._start_following(self.module)
 
     # ------------------------------------------------------------------ the step
@@ -113,6 +116,10 @@ class FabricDriver:
         scale, as the Trainer's step after its closure (:func:`lightning_mp.stepping.step_after_backward`)."""
         plugin = self.plugin
         self.ensure_connected()
+        if plugin._in_backward is not None:  # fabric.backward performed the updates: bookkeeping only
+            plugin.follow_model_writes()  # a write since the backward reaches the masters, as before a normal step
+            in_backward_loop.finish_step(plugin, optimizer)
+            return None
         masters = plugin.masters
         if isinstance(optimizer, LBFGS) and (plugin._checking or masters is not None):
             raise TypeError(
@@ -134,6 +141,7 @@ class FabricDriver:
         """Clip by the total norm of the unscaled gradients (the fp32 master gradients where there are masters).
         With an inf/NaN check, a non-finite norm does not raise: that step is skipped by ``optimizer.step()``."""
         plugin = self.plugin
+        in_backward_loop.refuse_clipping(plugin, max_norm, "norm", f"fabric.clip_gradients(max_norm={max_norm})")
         plugin.unscale_gradients(optimizer)
         check = error_if_nonfinite and not plugin._checking
         lean = getattr(plugin.masters, "clip_grad_norm_", None)
@@ -151,6 +159,7 @@ class FabricDriver:
     def clip_gradients_value(self, module: Module, optimizer: Optimizer, clip_val: float) -> None:
         """Clamp the unscaled gradients to ``[-clip_val, clip_val]`` (lean masters: in fp32, inside the step)."""
         plugin = self.plugin
+        in_backward_loop.refuse_clipping(plugin, clip_val, "value", f"fabric.clip_gradients(clip_val={clip_val})")
         plugin.unscale_gradients(optimizer)
         if not any(p.grad is not None for g in optimizer.param_groups for p in g["params"]):
             return

@@ -69,19 +69,15 @@ def check_options(optimizer_in_backward: Any, precision: str, master_weights: An
 
 def check_setup(trainer: Any, model: Any, optimizers: list[Optimizer]) -> None:
     """Raise a :func:`refusal` for a Trainer setup whose updates cannot run inside backward (called at connect,
-    before any step): manual optimization, several optimizers, an optimizer whose step needs a closure,
-    gradient accumulation, clipping by norm. The strategy and Fabric are refused at ``convert_module``."""
-    if not getattr(model, "automatic_optimization", True):
-        raise refusal(
-            "needs automatic optimization: with manual optimization your training_step calls backward and "
-            "optimizer.step() itself",
-            "Use automatic optimization, or optimizer_in_backward=False.",
-        )
+    before any step; Fabric's ``fabric.setup`` too): several optimizers, an optimizer whose step needs a closure,
+    gradient accumulation, clipping by norm. The strategy is refused at ``convert_module``. What shows only at run
+    time (a second backward before a step, clipping after backward) is :mod:`lightning_mp.master.in_backward_loop`'s."""
     if not optimizers:  # validate/test/predict (or no optimizer at all): nothing is updated, nothing to refuse
         return
     if len(optimizers) != 1:
         raise refusal(
-            f"takes exactly one optimizer, configure_optimizers returned {len(optimizers)}",
+            f"takes exactly one optimizer, got {len(optimizers)} (from configure_optimizers or fabric.setup): each "
+            "parameter's hook steps one optimizer, and several would update a parameter with another's gradients",
             "Return one optimizer (param groups are fine), or use optimizer_in_backward=False.",
         )
     optimizer = getattr(optimizers[0], "_optimizer", optimizers[0])
@@ -118,12 +114,7 @@ def needs_closure(optimizer: Optimizer) -> bool:
 
 
 def check_strategy(strategy: Any, fabric: bool) -> None:
-    """Raise a :func:`refusal` under Fabric or a strategy other than Lightning's single-device ones."""
-    if fabric:
-        raise refusal(
-            "is not available under Lightning Fabric yet: the Trainer (automatic optimization) only",
-            "Use the Trainer, or optimizer_in_backward=False with Fabric.",
-        )
+    """Raise a :func:`refusal` under a strategy other than Lightning's (or Fabric's) single-device ones."""
     if strategy is not None and type(strategy).__name__ not in ("SingleDeviceStrategy", "SingleDeviceXLAStrategy"):
         raise refusal(
             f"runs on one device only for now, not under {type(strategy).__name__} (DDP, FSDP2 and other "
@@ -160,7 +151,7 @@ class StepInBackward:
         self.armed = False  # hooks update only between begin() and finish(): a backward of the plugin's step
         self._loss_found: Optional[Tensor] = None
         self._flags: list[tuple[Tensor, Tensor]] = []  # (parameter, its 0-dim flag) updated in this backward
-        self._one_groups: dict[int, tuple[dict[str, Any], dict[str, Any]]] = {}
+        self._one_groups: dict[int, tuple[int, dict[str, Any]]] = {}  # id(param) -> (its group's index, its group)
         self._chunks: dict[int, list[Any]] = {}
         self._ones: dict[torch.device, Tensor] = {}
         self._hooks = []
@@ -168,10 +159,11 @@ class StepInBackward:
         #: step: what PrecisionMonitor records, the gradients being gone by then
         self.skipped_params: list[str] = []
         self._generic = getattr(store, "_generic", {}).get(id(optimizer))  # not AdamW/Adam/SGD: the generic path
-        for group in optimizer.param_groups:
+        for index, group in enumerate(optimizer.param_groups):
             for param in group["params"]:
-                # one dict per parameter for its whole life: the CUDA kernel caches its address tables by id(group)
-                self._one_groups[id(param)] = (group, {**group, "params": [param]})
+                # one dict per parameter for its whole life: the CUDA kernel caches its address tables by id(group).
+                # The group by its index: optimizer.load_state_dict (a resume) replaces the group dicts
+                self._one_groups[id(param)] = (index, {**group, "params": [param]})
                 self._hooks.append(param.register_post_accumulate_grad_hook(self._update))
 
     def begin(self, loss: Optional[Tensor]) -> None:
@@ -189,8 +181,8 @@ class StepInBackward:
     def _update(self, param: Tensor) -> None:
         if not self.armed or param.grad is None:
             return
-        group, one = self._one_groups[id(param)]
-        one.update(group)  # hyperparameters as they are now (a scheduler may have changed them)
+        index, one = self._one_groups[id(param)]
+        one.update(self.optimizer.param_groups[index])  # hyperparameters as they are now (a scheduler may change them)
         one["params"] = [param]
         found = self._flag_for(param)
         with torch.no_grad(), native.single_threaded():  # see native.single_threaded: faster inside backward
