@@ -280,8 +280,8 @@ def test_trainer_setups_that_cannot_step_in_backward_are_refused_before_any_step
     assert Counting.steps == 0
 
 
-def test_several_optimizers_fabric_and_multi_device_strategies_are_refused():
-    from lightning.pytorch.strategies import DDPStrategy
+def test_several_optimizers_fabric_and_sharded_strategies_are_refused():
+    from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy, ModelParallelStrategy
 
     from lightning_mp.master.in_backward import check_setup, check_strategy
 
@@ -293,8 +293,11 @@ def test_several_optimizers_fabric_and_multi_device_strategies_are_refused():
 
     with pytest.raises(ValueError, match=r"optimizer_in_backward=True\) is not available under Lightning Fabric"):
         check_strategy(None, fabric=True)
-    with pytest.raises(ValueError, match=r"runs on one device only for now, not under DDPStrategy"):
-        check_strategy(DDPStrategy(), fabric=False)
+    check_strategy(DDPStrategy(), fabric=False)  # DDP steps in backward: tests/test_in_backward_ddp.py
+    with pytest.raises(ValueError, match=r"not available under ModelParallelStrategy \(FSDP2\) yet: FSDP2 reduce-sc"):
+        check_strategy(ModelParallelStrategy(), fabric=False)
+    with pytest.raises(ValueError, match=r"runs on one device or under DDP only, not under FSDPStrategy"):
+        check_strategy(FSDPStrategy(), fabric=False)
     fabric = L.Fabric(accelerator="cpu", devices=1, plugins=[_plugin(optimizer_in_backward=True)])
     with pytest.raises(ValueError, match=r"not available under Lightning Fabric"):
         fabric.setup(nn.Linear(4, 4))

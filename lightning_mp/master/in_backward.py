@@ -104,17 +104,34 @@ def check_setup(trainer: Any, model: Any, optimizers: list[Optimizer]) -> None:
 
 
 def check_strategy(strategy: Any, fabric: bool) -> None:
-    """Raise a :func:`refusal` under Fabric or a strategy other than Lightning's single-device ones."""
+    """Raise a :func:`refusal` under Fabric or a strategy other than Lightning's single-device ones and DDP (whose
+    updates run once each bucket's all-reduce completed: :mod:`lightning_mp.distributed.ddp_in_backward`)."""
     if fabric:
         raise refusal(
             "is not available under Lightning Fabric yet: the Trainer (automatic optimization) only",
             "Use the Trainer, or optimizer_in_backward=False with Fabric.",
         )
-    if strategy is not None and type(strategy).__name__ not in ("SingleDeviceStrategy", "SingleDeviceXLAStrategy"):
+    name = type(strategy).__name__
+    if strategy is None or name in ("SingleDeviceStrategy", "SingleDeviceXLAStrategy"):
+        return
+    names = {type_.__name__ for type_ in type(strategy).__mro__}
+    if "DeepSpeedStrategy" in names:
         raise refusal(
-            f"runs on one device only for now, not under {type(strategy).__name__} (DDP, FSDP2 and other "
-            "multi-device strategies would need the reduced gradient of each parameter inside its hook)",
-            "Train on one device (devices=1), or use optimizer_in_backward=False with this strategy.",
+            f"cannot run under {name}: DeepSpeed's engine owns the masters, the gradient reduction and the step",
+            "Use strategy='ddp' (the updates run as each bucket's all-reduce completes), or DeepSpeed's own options.",
+        )
+    if "ModelParallelStrategy" in names:
+        raise refusal(
+            f"is not available under {name} (FSDP2) yet: FSDP2 reduce-scatters a whole module group in its "
+            "post-backward and the lean masters' shards are split there (lightning_mp.distributed.fsdp2_lean), so "
+            "no update of a shard is wired after its reduce-scatter",
+            "Use strategy='ddp', or optimizer_in_backward=False with FSDP2.",
+        )
+    if "DDPStrategy" not in names or "FSDPStrategy" in names:
+        raise refusal(
+            f"runs on one device or under DDP only, not under {name} (the update of each parameter needs its "
+            "reduced gradient as soon as it is final)",
+            "Use strategy='ddp' or devices=1, or optimizer_in_backward=False with this strategy.",
         )
 
 
@@ -149,12 +166,12 @@ class StepInBackward:
         self._one_groups: dict[int, tuple[dict[str, Any], dict[str, Any]]] = {}
         self._chunks: dict[int, list[Any]] = {}
         self._ones: dict[torch.device, Tensor] = {}
-        self._hooks = []
+        self._hooks: dict[int, Any] = {}  # id(parameter) -> its post-accumulate-grad hook
         for group in optimizer.param_groups:
             for param in group["params"]:
                 # one dict per parameter for its whole life: the CUDA kernel caches its address tables by id(group)
                 self._one_groups[id(param)] = (group, {**group, "params": [param]})
-                self._hooks.append(param.register_post_accumulate_grad_hook(self._update))
+                self._hooks[id(param)] = param.register_post_accumulate_grad_hook(self._update)
 
     def begin(self, loss: Optional[Tensor]) -> None:
         """Before backward: arm the hooks; ``loss`` (the tensor backward starts from) becomes the step's device
@@ -165,6 +182,26 @@ class StepInBackward:
             self._loss_found = torch.logical_not(torch.isfinite(loss.detach()).all()).to(torch.float32).reshape(())
         else:
             self._loss_found = None
+
+    def hand_over(self, params: list[Tensor]) -> None:
+        """Remove the hooks of ``params``: their gradient is final later than autograd says (under DDP, once their
+        bucket's all-reduce completed), and whoever knows when calls :meth:`update_with` then."""
+        for param in params:
+            hook = self._hooks.pop(id(param), None)
+            if hook is not None:
+                hook.remove()
+
+    def update_with(self, param: Tensor, grad: Tensor) -> None:
+        """The hook's work with ``grad`` (``param``'s final gradient) as ``param.grad``: check, update, free."""
+        if self.armed and id(param) in self._one_groups:
+            param.grad = grad
+            self._update(param)
+
+    def agree_on_loss(self, agree: Any) -> None:
+        """Replace this backward's loss flag by ``agree(flag)`` before any update reads it (under DDP: summed over the
+        ranks, so that a non-finite loss on one rank skips the same updates on all)."""
+        if self._loss_found is not None:
+            self._loss_found = agree(self._loss_found)
 
     def _update(self, param: Tensor) -> None:
         if not self.armed or param.grad is None:
@@ -225,9 +262,9 @@ class StepInBackward:
 
     def remove(self) -> None:
         """Remove the hooks (at teardown)."""
-        for hook in self._hooks:
+        for hook in self._hooks.values():
             hook.remove()
-        self._hooks = []
+        self._hooks = {}
         self.armed = False
 
 
