@@ -6,7 +6,8 @@ optimizer (``torch.optim.AdamW``, ``Adam`` or ``SGD``). During backward, once au
 gradient, its hook runs the lean update of that one parameter (:func:`lightning_mp.master.onepass.update` on a
 one-parameter group: the same kernel, the same bits as the normal step, which updates each tensor independently) and
 sets ``param.grad = None``. No gradient outlives its update: at rest a bf16 parameter costs 2 (weight) + 2
-(remainder) + the optimizer state, 12 bytes with AdamW.
+(remainder) + the optimizer state, 12 bytes with AdamW. Under DDP the gradient is final only after its bucket's
+all-reduce: the hooks are handed over to DDP's communication hook (:mod:`lightning_mp.distributed.ddp_in_backward`).
 
 Non-finite values, without a host synchronisation inside backward: :meth:`StepInBackward.begin` turns the loss into
 a 0-dim device flag before backward (a non-finite loss skips every update of the step); each hook adds its own
