@@ -95,7 +95,7 @@ class DDPSync(ProcessGroupSync):
         state = _HookState(self.group, masters.dtype if masters is not None else None, self.reduce_dtype, self._lean)
         in_backward = getattr(plugin, "_in_backward", None)  # optimizer_in_backward=True: updates after each bucket
         if in_backward is not None:
-            ddp_in_backward.register(model, state, in_backward, self.device)
+            ddp_in_backward.register(model, _reduce_hook, state, in_backward, self.device)
         else:
             model.register_comm_hook(state, _reduce_hook)
         if masters is None:

@@ -33,12 +33,14 @@ class BucketUpdates:
     """The communication hook's state: the reduction's own state, the updates to run, and where the flag lives.
 
     Args:
-        reduce_state: what :func:`~lightning_mp.distributed.ddp._reduce_hook` needs (group, ``reduce_dtype``).
+        reduce_hook: the plugin's reduction of a bucket (:func:`~lightning_mp.distributed.ddp._reduce_hook`).
+        reduce_state: what ``reduce_hook`` needs (group, ``reduce_dtype``).
         in_backward: the plugin's :class:`~lightning_mp.master.in_backward.StepInBackward`.
         device: where the loss flag is summed (the strategy's root device).
     """
 
-    def __init__(self, reduce_state: Any, in_backward: Any, device: torch.device) -> None:
+    def __init__(self, reduce_hook: Any, reduce_state: Any, in_backward: Any, device: torch.device) -> None:
+        self.reduce_hook = reduce_hook
         self.reduce_state = reduce_state
         self.in_backward = in_backward
         self.device = device
@@ -47,13 +49,16 @@ class BucketUpdates:
         self.lock = threading.Lock()
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"reduce_state": self.reduce_state, "in_backward": None, "device": self.device}  # tensors of a run
+        return {**self.__dict__, "in_backward": None, "lock": None}  # the tensors of a run, a lock: not pickled
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state, lock=threading.Lock())
+        self.__dict__.update(state)
+        self.lock = threading.Lock()
 
 
-def register(ddp: DistributedDataParallel, reduce_state: Any, in_backward: Any, device: torch.device) -> None:
+def register(
+    ddp: DistributedDataParallel, reduce_hook: Any, reduce_state: Any, in_backward: Any, device: torch.device
+) -> None:
     """Drive ``in_backward``'s updates of DDP's parameters from DDP's communication hook (called at connect, before
     any step). Raises ``ValueError`` for a DDP setup whose buckets cannot say when every gradient is final."""
     if ddp.find_unused_parameters:
@@ -70,7 +75,7 @@ def register(ddp: DistributedDataParallel, reduce_state: Any, in_backward: Any, 
         )
     managed = getattr(ddp, "_module_parameters", None) or [p for p in ddp.module.parameters() if p.requires_grad]
     in_backward.hand_over(managed)  # the others (parameters DDP ignores) keep their per-parameter hooks
-    ddp.register_comm_hook(BucketUpdates(reduce_state, in_backward, device), _reduce_then_update)
+    ddp.register_comm_hook(BucketUpdates(reduce_hook, reduce_state, in_backward, device), _reduce_then_update)
     reducer._set_optimizer_in_backward()  # DDP leaves the gradients to us after backward
 
 
@@ -78,13 +83,11 @@ def _reduce_then_update(
     state: BucketUpdates, bucket: torch.distributed.GradBucket
 ) -> torch.futures.Future[torch.Tensor]:
     """The plugin's reduction of ``bucket``, then the update of each of its parameters with its reduced gradient."""
-    from lightning_mp.distributed.ddp import _reduce_hook  # ddp imports this module
-
     in_backward = state.in_backward
     if bucket.index() == 0 and in_backward is not None and in_backward.armed:
         # DDP starts buckets in index order on every rank: this all-reduce is the backward's first collective
         in_backward.agree_on_loss(lambda flag: agree_found_inf(flag, state.device, state.reduce_state.group))
-    future = _reduce_hook(state.reduce_state, bucket)
+    future = state.reduce_hook(state.reduce_state, bucket)
 
     def update(fut: torch.futures.Future[torch.Tensor]) -> torch.Tensor:
         buffer = fut.value()
