@@ -70,3 +70,10 @@ def test_a_nan_loss_on_one_rank_skips_the_same_updates_on_both_and_they_stay_equ
     assert not torch.equal(
         ranks[0]["ours_nan"]["state_dict"]["net.0.weight"], ranks[0]["ours_adamw"]["state_dict"]["net.0.weight"]
     )
+
+
+def test_find_unused_parameters_is_refused_at_setup_on_every_rank(ranks):
+    for rank in ranks:
+        assert "optimizer_in_backward=True) cannot run under DDP with find_unused_parameters=True" in rank.get(
+            "find_unused_refusal", ""
+        )

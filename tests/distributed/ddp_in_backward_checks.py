@@ -112,6 +112,10 @@ def main() -> None:
     results["ours_adamw_bucket_views"] = run(True, "adamw", strategy=DDPStrategy(gradient_as_bucket_view=True))
     results["ours_nan"] = run(True, "adamw", nan_on_rank1=True)
     results["reference_nan"] = run(False, "adamw", nan_on_rank1=True)
+    try:  # refused at connect, before any step, on every rank
+        run(True, "adamw", strategy=DDPStrategy(find_unused_parameters=True))
+    except ValueError as error:
+        results["find_unused_refusal"] = str(error)
     save(results, out, torch.distributed.get_rank())
     finish()
 
