@@ -74,9 +74,9 @@ class MixedPrecisionPlugin(FabricHooks, Precision):  # FabricHooks: the hooks as
             the ``fp8`` extra; see :mod:`lightning_mp.fp8`). Under FSDP2 shard with :meth:`fsdp2_shard` (it converts).
         optimizer_in_backward: ``True`` (with ``"bf16-mixed"`` and ``master_weights="remainder"``): each parameter is
             updated inside backward as soon as its gradient is final, and the gradient freed (12 bytes/param at rest
-            with AdamW; :mod:`lightning_mp.master.in_backward`). Trainer (automatic or manual) and Fabric, one device,
-            one optimizer whose ``step()`` takes no closure; the step keeps the books (:mod:`~lightning_mp.master.
-            in_backward_loop`). Accumulation and clipping by norm are refused. Default ``False``.
+            with AdamW; :mod:`lightning_mp.master.in_backward`). Trainer (automatic or manual, one device or DDP) and
+            Fabric (one device), one optimizer whose ``step()`` takes no closure; the step keeps the books
+            (:mod:`~lightning_mp.master.in_backward_loop`). Accumulation and clipping by norm are refused. Default ``False``.
 
     The autocast device is the device the model lives on, found when Lightning connects the plugin; ``fp16``
     is honoured on CPU too (Lightning's built-in switches to bf16 there), with a one-time warning that it is
@@ -217,12 +217,12 @@ class MixedPrecisionPlugin(FabricHooks, Precision):  # FabricHooks: the hooks as
                 self._param_names[id(master)] = self._param_names.get(id(param), "")
         if self.fp8 is not None:
             self.fp8.connect(inner, optimizers)  # FSDP2 fp8 all-gather: weight scales precomputed after each step
-        self._sync.connect(model, self)  # DDP: comm hooks, masters broadcast from rank 0; FSDP2: policy checks
+        self._in_backward = install(self._in_backward, self.optimizer_in_backward, self.masters, inner, optimizers,
+                                    self._checking, self._param_names)  # fmt: skip
+        self._sync.connect(model, self)  # DDP: comm hooks (updates after each bucket), masters from rank 0; FSDP2
         if self.scaler is not None:
             self.scaler.gather_names = self._sync.gather_names  # culprits at min_scale, from every rank
         self._unscaled.clear()
-        self._in_backward = install(self._in_backward, self.optimizer_in_backward, self.masters, inner, optimizers,
-                                    self._checking, self._param_names)  # fmt: skip
         self._start_following(model)  # setup is over: every later write into the model reaches the masters
         warn_at_connect(self._effective_policy, inner, self._device_type, self.dtype)  # rules matching nothing, fp16
         guard_step_schedulers(lr_schedulers)  # they do not advance on a skipped step

@@ -269,8 +269,9 @@ def test_trainer_setups_that_cannot_step_in_backward_are_refused_before_any_step
     assert Counting.steps == 0
 
 
-def test_several_optimizers_and_multi_device_strategies_are_refused():
-    from lightning.pytorch.strategies import DDPStrategy
+def test_several_optimizers_and_sharded_strategies_are_refused():
+    from lightning.fabric.strategies import DDPStrategy as FabricDDP
+    from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy, ModelParallelStrategy
 
     from lightning_mp.master.in_backward import check_setup, check_strategy
 
@@ -280,8 +281,14 @@ def test_several_optimizers_and_multi_device_strategies_are_refused():
     two = [torch.optim.AdamW([net.weight]), torch.optim.AdamW([net.bias])]
     with pytest.raises(ValueError, match=r"takes exactly one optimizer, got 2 \(from configure_optimizers or fabric"):
         check_setup(None, net, two)
-    with pytest.raises(ValueError, match=r"runs on one device only for now, not under DDPStrategy"):
-        check_strategy(DDPStrategy(), fabric=False)
+
+    check_strategy(DDPStrategy(), fabric=False)  # DDP steps in backward: tests/test_in_backward_ddp.py
+    with pytest.raises(ValueError, match=r"runs on one device only under Lightning Fabric for now, not under DDPStra"):
+        check_strategy(FabricDDP(), fabric=True)
+    with pytest.raises(ValueError, match=r"not available under ModelParallelStrategy \(FSDP2\) yet: FSDP2 reduce-sc"):
+        check_strategy(ModelParallelStrategy(), fabric=False)
+    with pytest.raises(ValueError, match=r"runs on one device or under DDP only, not under FSDPStrategy"):
+        check_strategy(FSDPStrategy(), fabric=False)
 
 
 def test_validation_during_and_after_fit_runs_without_updates(tmp_path):

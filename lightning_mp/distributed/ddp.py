@@ -46,6 +46,7 @@ from torch import Tensor
 from torch.nn import Module
 from torch.nn.parallel import DistributedDataParallel
 
+from lightning_mp.distributed import ddp_in_backward
 from lightning_mp.distributed.sync import ProcessGroupSync, world_size
 
 
@@ -92,7 +93,11 @@ class DDPSync(ProcessGroupSync):
                 "master_weights=False with reduce_dtype=torch.float32."
             )
         state = _HookState(self.group, masters.dtype if masters is not None else None, self.reduce_dtype, self._lean)
-        model.register_comm_hook(state, _reduce_hook)
+        in_backward = getattr(plugin, "_in_backward", None)  # optimizer_in_backward=True: updates after each bucket
+        if in_backward is not None:
+            ddp_in_backward.register(model, _reduce_hook, state, in_backward, self.device)
+        else:
+            model.register_comm_hook(state, _reduce_hook)
         if masters is None:
             return
         self._masters = masters

@@ -10,6 +10,8 @@ step, which updates each tensor independently); for any other optimizer (torchao
 <lightning_mp.master.generic.GenericChunkedStep.step_params>`, per-group counters advanced once per step). An
 optimizer whose ``step()`` needs a closure (``LBFGS``) is refused. No gradient outlives its update: at rest a bf16
 parameter costs 2 (weight) + 2 (remainder) + the optimizer state, 12 bytes with AdamW, about 6 with ``AdamW8bit``.
+Under DDP the gradient is final only after its bucket's all-reduce: the hooks are handed over to DDP's communication
+hook (:mod:`lightning_mp.distributed.ddp_in_backward`).
 
 Non-finite values, without a host synchronisation inside backward: :meth:`StepInBackward.begin` turns the loss into
 a 0-dim device flag before backward (a non-finite loss skips every update of the step); each hook adds its own
@@ -114,12 +116,36 @@ def needs_closure(optimizer: Optimizer) -> bool:
 
 
 def check_strategy(strategy: Any, fabric: bool) -> None:
-    """Raise a :func:`refusal` under a strategy other than Lightning's (or Fabric's) single-device ones."""
-    if strategy is not None and type(strategy).__name__ not in ("SingleDeviceStrategy", "SingleDeviceXLAStrategy"):
+    """Raise a :func:`refusal` under a strategy other than Lightning's single-device ones and DDP (whose updates run
+    once each bucket's all-reduce completed: :mod:`lightning_mp.distributed.ddp_in_backward`); under Fabric, DDP too
+    (not wired there yet)."""
+    name = type(strategy).__name__
+    if strategy is None or name in ("SingleDeviceStrategy", "SingleDeviceXLAStrategy"):
+        return
+    names = {type_.__name__ for type_ in type(strategy).__mro__}
+    if fabric:
         raise refusal(
-            f"runs on one device only for now, not under {type(strategy).__name__} (DDP, FSDP2 and other "
-            "multi-device strategies would need the reduced gradient of each parameter inside its hook)",
-            "Train on one device (devices=1), or use optimizer_in_backward=False with this strategy.",
+            f"runs on one device only under Lightning Fabric for now, not under {name} (DDP is wired for the "
+            "Trainer only)",
+            "Use Fabric(devices=1), the Trainer with strategy='ddp', or optimizer_in_backward=False with this strategy.",
+        )
+    if "DeepSpeedStrategy" in names:
+        raise refusal(
+            f"cannot run under {name}: DeepSpeed's engine owns the masters, the gradient reduction and the step",
+            "Use strategy='ddp' (the updates run as each bucket's all-reduce completes), or DeepSpeed's own options.",
+        )
+    if "ModelParallelStrategy" in names:
+        raise refusal(
+            f"is not available under {name} (FSDP2) yet: FSDP2 reduce-scatters a whole module group in its "
+            "post-backward and the lean masters' shards are split there (lightning_mp.distributed.fsdp2_lean), so "
+            "no update of a shard is wired after its reduce-scatter",
+            "Use strategy='ddp', or optimizer_in_backward=False with FSDP2.",
+        )
+    if "DDPStrategy" not in names or "FSDPStrategy" in names:
+        raise refusal(
+            f"runs on one device or under DDP only, not under {name} (the update of each parameter needs its "
+            "reduced gradient as soon as it is final)",
+            "Use strategy='ddp' or devices=1, or optimizer_in_backward=False with this strategy.",
         )
 
 
@@ -154,7 +180,7 @@ class StepInBackward:
         self._one_groups: dict[int, tuple[int, dict[str, Any]]] = {}  # id(param) -> (its group's index, its group)
         self._chunks: dict[int, list[Any]] = {}
         self._ones: dict[torch.device, Tensor] = {}
-        self._hooks = []
+        self._hooks: dict[int, Any] = {}  # id(parameter) -> its post-accumulate-grad hook
         #: names of the parameters whose non-finite gradient (under a finite loss) skipped their update in the last
         #: step: what PrecisionMonitor records, the gradients being gone by then
         self.skipped_params: list[str] = []
@@ -164,7 +190,7 @@ class StepInBackward:
                 # one dict per parameter for its whole life: the CUDA kernel caches its address tables by id(group).
                 # The group by its index: optimizer.load_state_dict (a resume) replaces the group dicts
                 self._one_groups[id(param)] = (index, {**group, "params": [param]})
-                self._hooks.append(param.register_post_accumulate_grad_hook(self._update))
+                self._hooks[id(param)] = param.register_post_accumulate_grad_hook(self._update)
 
     def begin(self, loss: Optional[Tensor]) -> None:
         """Before backward: arm the hooks; ``loss`` (the tensor backward starts from) becomes the step's device
@@ -177,6 +203,26 @@ class StepInBackward:
             self._loss_found = torch.logical_not(torch.isfinite(loss.detach()).all()).to(torch.float32).reshape(())
         else:
             self._loss_found = None
+
+    def hand_over(self, params: list[Tensor]) -> None:
+        """Remove the hooks of ``params``: their gradient is final later than autograd says (under DDP, once their
+        bucket's all-reduce completed), and whoever knows when calls :meth:`update_with` then."""
+        for param in params:
+            hook = self._hooks.pop(id(param), None)
+            if hook is not None:
+                hook.remove()
+
+    def update_with(self, param: Tensor, grad: Tensor) -> None:
+        """The hook's work with ``grad`` (``param``'s final gradient) as ``param.grad``: check, update, free."""
+        if self.armed and id(param) in self._one_groups:
+            param.grad = grad
+            self._update(param)
+
+    def agree_on_loss(self, agree: Any) -> None:
+        """Replace this backward's loss flag by ``agree(flag)`` before any update reads it (under DDP: summed over the
+        ranks, so that a non-finite loss on one rank skips the same updates on all)."""
+        if self._loss_found is not None:
+            self._loss_found = agree(self._loss_found)
 
     def _update(self, param: Tensor) -> None:
         if not self.armed or param.grad is None:
@@ -243,9 +289,9 @@ class StepInBackward:
 
     def remove(self) -> None:
         """Remove the hooks (at teardown)."""
-        for hook in self._hooks:
+        for hook in self._hooks.values():
             hook.remove()
-        self._hooks = []
+        self._hooks = {}
         self.armed = False
 
 

@@ -1,0 +1,100 @@
+"""The step inside backward under DDP: each bucket's parameters are updated once the bucket's all-reduce completed.
+
+Under DDP a parameter's gradient is final only after the all-reduce of its bucket, which runs asynchronously during
+backward; autograd's post-accumulate-grad hook fires before it, on the local gradient. So, as torch's own
+``_hook_then_optimizer`` does, the per-parameter hooks of :class:`~lightning_mp.master.in_backward.StepInBackward`
+are handed over to DDP's communication hook: the reduction is the plugin's usual one
+(:func:`~lightning_mp.distributed.ddp._reduce_hook`: mean over the ranks, in ``reduce_dtype``, back into the bf16 or
+fp32 bucket), and a ``fut.then(...)`` on it updates each of the bucket's parameters with its reduced gradient (a view
+of the bucket) and frees the parameter's own gradient. The normal lean DDP step reads the same bucket values after
+backward, hence the same bits. DDP is told that the optimizer runs in backward (``reducer._set_optimizer_in_backward``,
+as torch's ``_apply_optim_in_backward_hook`` does), so that it does not write the gradients back after backward.
+
+Gradients live until their bucket's all-reduce completed: beyond DDP's own bucket buffers (allocated once, 2 bytes
+per bf16 parameter), at most the local gradients of the buckets in flight, bounded by ``bucket_cap_mb``.
+
+Skips agree on every rank. Each gradient's inf/NaN check reads the reduced gradient, the same bits on every rank.
+The loss flag is rank-local (a NaN loss on one rank only), so it is summed over the ranks once per backward, in the
+hook of the first bucket, before any reduction of the backward is started and any update reads it: every rank then
+skips every update of that step, as the normal step (whose reduced gradients are all non-finite then) skips it.
+"""
+
+# no `from __future__ import annotations`: DDP checks the hook's annotations against the real classes
+import threading
+from typing import Any
+
+import torch
+from torch.nn.parallel import DistributedDataParallel
+
+from lightning_mp.distributed.sync import agree_found_inf
+
+
+class BucketUpdates:
+    """The communication hook's state: the reduction's own state, the updates to run, and where the flag lives.
+
+    Args:
+        reduce_hook: the plugin's reduction of a bucket (:func:`~lightning_mp.distributed.ddp._reduce_hook`).
+        reduce_state: what ``reduce_hook`` needs (group, ``reduce_dtype``).
+        in_backward: the plugin's :class:`~lightning_mp.master.in_backward.StepInBackward`.
+        device: where the loss flag is summed (the strategy's root device).
+    """
+
+    def __init__(self, reduce_hook: Any, reduce_state: Any, in_backward: Any, device: torch.device) -> None:
+        self.reduce_hook = reduce_hook
+        self.reduce_state = reduce_state
+        self.in_backward = in_backward
+        self.device = device
+        # gloo completes a reduction on one of its worker threads, where fut.then() runs: two buckets' updates
+        # could run at once, and the one-pass update's staging buffers are shared
+        self.lock = threading.Lock()
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "in_backward": None, "lock": None}  # the tensors of a run, a lock: not pickled
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self.lock = threading.Lock()
+
+
+def register(
+    ddp: DistributedDataParallel, reduce_hook: Any, reduce_state: Any, in_backward: Any, device: torch.device
+) -> None:
+    """Drive ``in_backward``'s updates of DDP's parameters from DDP's communication hook (called at connect, before
+    any step). Raises ``ValueError`` for a DDP setup whose buckets cannot say when every gradient is final."""
+    if ddp.find_unused_parameters:
+        raise ValueError(
+            "MixedPrecisionPlugin(optimizer_in_backward=True) cannot run under DDP with find_unused_parameters=True: "
+            "a parameter unused on every rank has no gradient and must not be updated, but its bucket cannot tell "
+            "it apart. Use strategy='ddp' (find_unused_parameters=False), or optimizer_in_backward=False."
+        )
+    reducer = getattr(ddp, "reducer", None)
+    if not hasattr(reducer, "_set_optimizer_in_backward"):
+        raise ValueError(
+            f"MixedPrecisionPlugin(optimizer_in_backward=True) needs DDP's optimizer-in-backward mode, which torch "
+            f"{torch.__version__} lacks (reducer._set_optimizer_in_backward). Use optimizer_in_backward=False."
+        )
+    managed = getattr(ddp, "_module_parameters", None) or [p for p in ddp.module.parameters() if p.requires_grad]
+    in_backward.hand_over(managed)  # the others (parameters DDP ignores) keep their per-parameter hooks
+    ddp.register_comm_hook(BucketUpdates(reduce_hook, reduce_state, in_backward, device), _reduce_then_update)
+    reducer._set_optimizer_in_backward()  # DDP leaves the gradients to us after backward
+
+
+def _reduce_then_update(
+    state: BucketUpdates, bucket: torch.distributed.GradBucket
+) -> torch.futures.Future[torch.Tensor]:
+    """The plugin's reduction of ``bucket``, then the update of each of its parameters with its reduced gradient."""
+    in_backward = state.in_backward
+    if bucket.index() == 0 and in_backward is not None and in_backward.armed:
+        # DDP starts buckets in index order on every rank: this all-reduce is the backward's first collective
+        in_backward.agree_on_loss(lambda flag: agree_found_inf(flag, state.device, state.reduce_state.group))
+    future = state.reduce_hook(state.reduce_state, bucket)
+
+    def update(fut: torch.futures.Future[torch.Tensor]) -> torch.Tensor:
+        buffer = fut.value()
+        if in_backward is not None:
+            with state.lock:
+                for param, grad in zip(bucket.parameters(), bucket.gradients()):
+                    in_backward.update_with(param, grad)
+        return buffer
+
+    return future.then(update)

@@ -1,0 +1,124 @@
+"""2-rank DDP checks of ``optimizer_in_backward=True`` (run by tests/test_in_backward_ddp.py).
+
+    python tests/distributed/ddp_in_backward_checks.py OUT
+
+Lean masters under ``strategy="ddp"``, the updates in backward (``ours``) and the normal lean DDP step
+(``reference``), AdamW and SGD, 4 steps; AdamW with one bucket per parameter and with ``gradient_as_bucket_view``;
+then AdamW with a NaN loss on rank 1 only at step ``NAN_AT``, both ways.
+Each rank saves, per run, the checkpoint dictionary it would write (fp32 weights, optimizer state), the gradients
+left after each step, DDP's communication hook and the scaler's skipped steps to OUT/rank<r>.pt.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+from lightning.pytorch.strategies import DDPStrategy
+from torch import nn
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+from lightning_mp import MixedPrecisionPlugin
+from tests.distributed.common import finish, save
+
+NAN_AT = 2  # the step whose loss is NaN on rank 1 only
+SMALL_BUCKETS_MB = 1e-4  # 100 bytes: one parameter per bucket
+
+
+class Net(L.LightningModule):
+    """Linear (bf16 + remainder: bf16 gradients) -> LayerNorm (kept fp32: fp32 gradients) -> GELU -> Linear."""
+
+    def __init__(self, optimizer: str, nan_on_rank1: bool = False) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(16, 32), nn.LayerNorm(32), nn.GELU(), nn.Linear(32, 1))
+        self.optimizer_name, self.nan_on_rank1 = optimizer, nan_on_rank1
+        self.grads_after_step: list[list[Any]] = []
+        self.updated_in_backward: list[bool] = []
+        self.comm_hooks: list[str] = []
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = nn.functional.mse_loss(self.net(x).float(), y)
+        if self.nan_on_rank1 and self.global_rank == 1 and self.trainer.global_step == NAN_AT:
+            return loss * float("nan")
+        return loss
+
+    def on_train_start(self) -> None:
+        hooks = getattr(self.trainer.strategy.model, "_comm_hooks", [])
+        self.comm_hooks = [getattr(hook, "__name__", repr(hook)) for hook, _ in hooks]
+
+    def on_before_backward(self, loss: torch.Tensor) -> None:
+        self.before = self.net[3].weight.detach().clone()
+
+    def on_after_backward(self) -> None:  # whether backward itself changed the weights (the updates ran in it)
+        self.updated_in_backward.append(not torch.equal(self.before, self.net[3].weight))
+
+    def on_train_batch_end(self, *args: Any) -> None:
+        self.grads_after_step.append([p.grad for p in self.parameters()])
+
+    def train_dataloader(self) -> DataLoader:
+        generator = torch.Generator().manual_seed(0)
+        x = torch.randn(64, 16, generator=generator)
+        dataset = TensorDataset(x, x.sum(1, keepdim=True))
+        sampler = DistributedSampler(dataset, self.trainer.world_size, self.global_rank, shuffle=False)
+        return DataLoader(dataset, batch_size=8, sampler=sampler)
+
+    def configure_optimizers(self) -> Any:
+        if self.optimizer_name == "adamw":
+            return torch.optim.AdamW(self.parameters(), lr=1e-2, weight_decay=0.1)
+        return torch.optim.SGD(self.parameters(), lr=1e-2, momentum=0.9, nesterov=True, weight_decay=0.01)
+
+
+def run(in_backward: bool, optimizer: str, nan_on_rank1: bool = False, strategy: Any = "ddp") -> dict[str, Any]:
+    torch.manual_seed(0)
+    model = Net(optimizer, nan_on_rank1)
+    plugin = MixedPrecisionPlugin("bf16-mixed", master_weights="remainder", optimizer_in_backward=in_backward)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=strategy,
+        plugins=[plugin],
+        max_steps=4,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        use_distributed_sampler=False,
+    )
+    trainer.fit(model)
+    checkpoint = trainer._checkpoint_connector.dump_checkpoint()  # what this rank would save
+    return {
+        "state_dict": checkpoint["state_dict"],
+        "optimizer_state": checkpoint["optimizer_states"][0]["state"],
+        "global_step": checkpoint["global_step"],
+        "grads_after_step": [[g is None for g in step] for step in model.grads_after_step],
+        "comm_hooks": model.comm_hooks,
+        "updated_in_backward": model.updated_in_backward,
+        "skipped_steps": plugin.scaler.skipped_steps,
+    }
+
+
+def main() -> None:
+    out = Path(sys.argv[1])
+    results = {}
+    for optimizer in ("adamw", "sgd"):
+        results[f"ours_{optimizer}"] = run(True, optimizer)
+        results[f"reference_{optimizer}"] = run(False, optimizer)
+    # one bucket per parameter (DDP keeps the cap when it rebuilds its buckets), and gradients as bucket views
+    results["ours_adamw_small_buckets"] = run(True, "adamw", strategy=DDPStrategy(bucket_cap_mb=SMALL_BUCKETS_MB))
+    results["ours_adamw_bucket_views"] = run(True, "adamw", strategy=DDPStrategy(gradient_as_bucket_view=True))
+    results["ours_nan"] = run(True, "adamw", nan_on_rank1=True)
+    results["reference_nan"] = run(False, "adamw", nan_on_rank1=True)
+    try:  # refused at connect, before any step, on every rank
+        run(True, "adamw", strategy=DDPStrategy(find_unused_parameters=True))
+    except ValueError as error:
+        results["find_unused_refusal"] = str(error)
+    save(results, out, torch.distributed.get_rank())
+    finish()
+
+
+if __name__ == "__main__":
+    main()

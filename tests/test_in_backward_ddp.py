@@ -1,0 +1,79 @@
+"""``optimizer_in_backward=True`` under DDP on 2 real CPU processes (gloo): each bucket's parameters are updated once
+its all-reduce completed, bitwise the normal lean DDP step, and a NaN loss on one rank skips the same updates on both.
+The 2-rank runs are tests/distributed/ddp_in_backward_checks.py (one launch for the module)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tests.distributed.common import load_ranks
+from tests.distributed.launch import launch
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory) -> list[dict]:
+    out: Path = tmp_path_factory.mktemp("ddp-in-backward")
+    launch("ddp_in_backward_checks.py", str(out), timeout=300)
+    return load_ranks(out)
+
+
+def _assert_same_bits(ours: dict[str, Any], reference: dict[str, Any]) -> None:
+    assert ours["state_dict"].keys() == reference["state_dict"].keys()
+    for key, value in reference["state_dict"].items():
+        assert value.dtype == torch.float32 and torch.equal(ours["state_dict"][key], value), key
+    assert ours["optimizer_state"].keys() == reference["optimizer_state"].keys() and ours["optimizer_state"]
+    for index, state in reference["optimizer_state"].items():
+        assert ours["optimizer_state"][index].keys() == state.keys()
+        for key, value in state.items():
+            assert torch.equal(ours["optimizer_state"][index][key], value), (index, key)
+    assert ours["global_step"] == reference["global_step"] == 4
+
+
+@pytest.mark.parametrize(
+    ("run", "reference"),
+    [
+        ("ours_adamw", "reference_adamw"),
+        ("ours_sgd", "reference_sgd"),
+        ("ours_adamw_small_buckets", "reference_adamw"),
+        ("ours_adamw_bucket_views", "reference_adamw"),
+    ],
+)
+def test_updates_after_each_buckets_all_reduce_equal_the_normal_lean_ddp_step_bitwise_on_both_ranks(
+    ranks, run, reference
+):
+    for rank in ranks:
+        ours = rank[run]
+        _assert_same_bits(ours, rank[reference])
+        _assert_same_bits(ours, ranks[0][run])  # and the ranks hold the same bits
+        assert ours["comm_hooks"] == ["_reduce_then_update"]
+        assert all(ours["updated_in_backward"]) and not any(rank[reference]["updated_in_backward"])
+        assert all(all(freed) for freed in ours["grads_after_step"])  # no gradient outlives its update
+    # the LayerNorm (fp32 gradients) and the Linear layers (bf16) were both trained
+    first, norm = ranks[0][reference]["optimizer_state"][0], ranks[0][reference]["optimizer_state"][2]
+    assert first and norm
+
+
+def test_a_nan_loss_on_one_rank_skips_the_same_updates_on_both_and_they_stay_equal(ranks):
+    for rank in ranks:
+        ours = rank["ours_nan"]
+        assert ours["skipped_steps"] == rank["reference_nan"]["skipped_steps"] == 1
+        _assert_same_bits(ours, rank["reference_nan"])
+        _assert_same_bits(ours, ranks[0]["ours_nan"])
+        # the NaN step changed nothing: rank 0 (finite loss) did not update while rank 1 skipped
+        assert not ours["updated_in_backward"][2] and all(
+            ours["updated_in_backward"][:2] + ours["updated_in_backward"][3:]
+        )
+    assert not torch.equal(
+        ranks[0]["ours_nan"]["state_dict"]["net.0.weight"], ranks[0]["ours_adamw"]["state_dict"]["net.0.weight"]
+    )
+
+
+def test_find_unused_parameters_is_refused_at_setup_on_every_rank(ranks):
+    for rank in ranks:
+        assert "optimizer_in_backward=True) cannot run under DDP with find_unused_parameters=True" in rank.get(
+            "find_unused_refusal", ""
+        )
