@@ -16,6 +16,7 @@ Modes, each a fresh process per round, the rounds alternating the modes (so mach
 - ``ours+remainder+8bit``: lean masters with torchao ``AdamW8bit``;
 - ``ours+remainder+inbackward``: lean masters, AdamW, ``optimizer_in_backward=True`` (each parameter updated inside
   backward, its gradient freed);
+- ``ours+remainder+8bit+inbackward``: lean masters, torchao ``AdamW8bit``, ``optimizer_in_backward=True``;
 - ``builtin+8bit``: Lightning ``bf16-mixed`` with torchao ``AdamW8bit``.
 
 Measured: *at rest*, the bytes of every live tensor storage after a step (walking ``gc.get_objects()``,
@@ -81,6 +82,7 @@ MODES = [
     "ours+remainder+8bit",
     "builtin+8bit",
     "ours+remainder+inbackward",
+    "ours+remainder+8bit+inbackward",
 ]
 
 
@@ -147,7 +149,7 @@ def _worker(args: argparse.Namespace) -> dict:
 
     from lightning_mp import MixedPrecisionPlugin
 
-    if args.worker.endswith("8bit"):
+    if "8bit" in args.worker:
         import torchao.optim  # noqa: F401  (imported before the count starts, like the others)
     cuda = args.device == "cuda"
     gc.collect()
@@ -158,7 +160,7 @@ def _worker(args: argparse.Namespace) -> dict:
         return torch.cuda.max_memory_allocated() - cuda_start
 
     mode = args.worker
-    eight_bit = mode.endswith("8bit")
+    eight_bit = "8bit" in mode
 
     class Module(L.LightningModule):
         def __init__(self) -> None:

@@ -38,6 +38,8 @@ def _assert_same_bits(ours: dict[str, Any], reference: dict[str, Any]) -> None:
     [
         ("ours_adamw", "reference_adamw"),
         ("ours_sgd", "reference_sgd"),
+        ("ours_rmsprop", "reference_rmsprop"),
+        ("ours_adamw_manual", "reference_adamw"),
         ("ours_adamw_small_buckets", "reference_adamw"),
         ("ours_adamw_bucket_views", "reference_adamw"),
     ],

@@ -3,7 +3,8 @@
     python tests/distributed/ddp_in_backward_checks.py OUT
 
 Lean masters under ``strategy="ddp"``, the updates in backward (``ours``) and the normal lean DDP step
-(``reference``), AdamW and SGD, 4 steps; AdamW with one bucket per parameter and with ``gradient_as_bucket_view``;
+(``reference``), AdamW, SGD and RMSprop (the generic path), 4 steps; AdamW with one bucket per parameter, with
+``gradient_as_bucket_view`` and in manual optimization;
 then AdamW with a NaN loss on rank 1 only at step ``NAN_AT``, both ways.
 Each rank saves, per run, the checkpoint dictionary it would write (fp32 weights, optimizer state), the gradients
 left after each step, DDP's communication hook and the scaler's skipped steps to OUT/rank<r>.pt.
@@ -31,8 +32,9 @@ SMALL_BUCKETS_MB = 1e-4  # 100 bytes: one parameter per bucket
 class Net(L.LightningModule):
     """Linear (bf16 + remainder: bf16 gradients) -> LayerNorm (kept fp32: fp32 gradients) -> GELU -> Linear."""
 
-    def __init__(self, optimizer: str, nan_on_rank1: bool = False) -> None:
+    def __init__(self, optimizer: str, nan_on_rank1: bool = False, manual: bool = False) -> None:
         super().__init__()
+        self.automatic_optimization = not manual
         self.net = nn.Sequential(nn.Linear(16, 32), nn.LayerNorm(32), nn.GELU(), nn.Linear(32, 1))
         self.optimizer_name, self.nan_on_rank1 = optimizer, nan_on_rank1
         self.grads_after_step: list[list[Any]] = []
@@ -43,7 +45,12 @@ class Net(L.LightningModule):
         x, y = batch
         loss = nn.functional.mse_loss(self.net(x).float(), y)
         if self.nan_on_rank1 and self.global_rank == 1 and self.trainer.global_step == NAN_AT:
-            return loss * float("nan")
+            loss = loss * float("nan")
+        if not self.automatic_optimization:  # the same step, as a manual loop writes it
+            optimizer = self.optimizers()
+            self.manual_backward(loss)  # the updates run here (on_after_backward sees them)
+            optimizer.step()
+            optimizer.zero_grad()
         return loss
 
     def on_train_start(self) -> None:
@@ -69,12 +76,16 @@ class Net(L.LightningModule):
     def configure_optimizers(self) -> Any:
         if self.optimizer_name == "adamw":
             return torch.optim.AdamW(self.parameters(), lr=1e-2, weight_decay=0.1)
+        if self.optimizer_name == "rmsprop":  # not AdamW/Adam/SGD: the generic path, on gloo's threads
+            return torch.optim.RMSprop(self.parameters(), lr=1e-3, momentum=0.9, centered=True)
         return torch.optim.SGD(self.parameters(), lr=1e-2, momentum=0.9, nesterov=True, weight_decay=0.01)
 
 
-def run(in_backward: bool, optimizer: str, nan_on_rank1: bool = False, strategy: Any = "ddp") -> dict[str, Any]:
+def run(
+    in_backward: bool, optimizer: str, nan_on_rank1: bool = False, strategy: Any = "ddp", manual: bool = False
+) -> dict[str, Any]:
     torch.manual_seed(0)
-    model = Net(optimizer, nan_on_rank1)
+    model = Net(optimizer, nan_on_rank1, manual)
     plugin = MixedPrecisionPlugin("bf16-mixed", master_weights="remainder", optimizer_in_backward=in_backward)
     trainer = L.Trainer(
         accelerator="cpu",
@@ -104,12 +115,13 @@ def run(in_backward: bool, optimizer: str, nan_on_rank1: bool = False, strategy:
 def main() -> None:
     out = Path(sys.argv[1])
     results = {}
-    for optimizer in ("adamw", "sgd"):
+    for optimizer in ("adamw", "sgd", "rmsprop"):
         results[f"ours_{optimizer}"] = run(True, optimizer)
         results[f"reference_{optimizer}"] = run(False, optimizer)
     # one bucket per parameter (DDP keeps the cap when it rebuilds its buckets), and gradients as bucket views
     results["ours_adamw_small_buckets"] = run(True, "adamw", strategy=DDPStrategy(bucket_cap_mb=SMALL_BUCKETS_MB))
     results["ours_adamw_bucket_views"] = run(True, "adamw", strategy=DDPStrategy(gradient_as_bucket_view=True))
+    results["ours_adamw_manual"] = run(True, "adamw", manual=True)
     results["ours_nan"] = run(True, "adamw", nan_on_rank1=True)
     results["reference_nan"] = run(False, "adamw", nan_on_rank1=True)
     try:  # refused at connect, before any step, on every rank
