@@ -2,12 +2,15 @@
 
     python examples/litgpt_recipes.py --master-weights remainder finetune_full CHECKPOINT_DIR \\
         --data JSON --data.json_path data.json --train.max_steps 100
+    python examples/litgpt_recipes.py --optimizer-in-backward finetune_full CHECKPOINT_DIR ...   # 12 bytes/param
 
 Every argument after the recipe's name is LitGPT's own (``litgpt finetune_full --help``). LitGPT's CLI builds its own
 ``L.Fabric(precision=...)`` and has no plugin flag; in this process the runner makes every ``lightning.Fabric`` that
 LitGPT builds carry ``MixedPrecisionPlugin`` instead of LitGPT's precision: ``--master-weights remainder`` (bf16
 weights + 16-bit remainders, the default), ``true`` (fp32 master copies) or ``false`` (autocast and the inf/NaN check
-only). LitGPT's ``--precision`` picks the autocast dtype: ``bf16-*`` (or none) gives ``bf16-mixed``, ``16-*`` gives
+only); ``--optimizer-in-backward`` adds ``optimizer_in_backward=True`` (with ``remainder``: each parameter updated
+inside ``fabric.backward`` and its gradient freed; one backward per step, so ``--train.global_batch_size`` equal to
+``--train.micro_batch_size``). LitGPT's ``--precision`` picks the autocast dtype: ``bf16-*`` (or none) gives ``bf16-mixed``, ``16-*`` gives
 ``16-mixed`` (with ``--master-weights true`` or ``false``). LitGPT loads its checkpoint after ``fabric.setup``
 (``model.load_state_dict(lazy_load(path))``): the masters take the loaded fp32 values exactly (docs/master-weights.md,
 "Writes after setup").
@@ -35,6 +38,7 @@ class PluginFabric(_FABRIC):  # type: ignore[misc, valid-type]
     """``lightning.Fabric`` with ``MixedPrecisionPlugin`` in place of the ``precision`` it is given."""
 
     master_weights: Any = "remainder"
+    optimizer_in_backward: bool = False
     last_plugin: Optional[MixedPrecisionPlugin] = None
 
     def __init__(self, *args: Any, precision: Any = None, plugins: Any = None, **kwargs: Any) -> None:
@@ -44,22 +48,29 @@ class PluginFabric(_FABRIC):  # type: ignore[misc, valid-type]
         if not name.startswith(("bf16", "16")):
             raise SystemExit(f"litgpt_recipes.py: --precision {name} has no mixed-precision plugin: use bf16-mixed.")
         plugin = MixedPrecisionPlugin(
-            "16-mixed" if name.startswith("16") else "bf16-mixed", master_weights=type(self).master_weights
+            "16-mixed" if name.startswith("16") else "bf16-mixed",
+            master_weights=type(self).master_weights,
+            optimizer_in_backward=type(self).optimizer_in_backward,
         )
         PluginFabric.last_plugin = plugin
         super().__init__(*args, plugins=[plugin], **kwargs)
 
 
 def main(argv: Optional[list[str]] = None) -> None:
-    """``argv`` (default ``sys.argv[1:]``): ``[--master-weights remainder|true|false] RECIPE [LitGPT's arguments]``."""
+    """``argv`` (default ``sys.argv[1:]``): ``[--master-weights remainder|true|false] [--optimizer-in-backward] RECIPE
+    [LitGPT's arguments]``."""
     args = list(sys.argv[1:] if argv is None else argv)
-    master_weights = "remainder"
-    if args and args[0].startswith("--master-weights"):
+    master_weights, in_backward = "remainder", False
+    while args and args[0].startswith(("--master-weights", "--optimizer-in-backward")):
         option = args.pop(0)
-        master_weights = option.split("=", 1)[1] if "=" in option else args.pop(0)
+        if option == "--optimizer-in-backward":
+            in_backward = True
+        else:
+            master_weights = option.split("=", 1)[1] if "=" in option else args.pop(0)
     if master_weights.lower() not in MASTER_WEIGHTS:
         raise SystemExit(f"--master-weights {master_weights!r}: use one of {sorted(MASTER_WEIGHTS)}.")
     PluginFabric.master_weights = MASTER_WEIGHTS[master_weights.lower()]
+    PluginFabric.optimizer_in_backward = in_backward
     from litgpt.__main__ import main as litgpt_main
 
     saved_argv = sys.argv

@@ -384,3 +384,36 @@ def test_precision_monitor_records_skips_inside_backward_and_names_the_skipped_p
     with pytest.warns(UserWarning, match="net.3.weight"):
         _, plain = _fit(True, tmp_path, "plain", bad_loss_at=3, bad_grad_at=1, max_steps=4)
     _assert_same_bits(ours, plain)
+
+
+class FrozenFirst(Net):
+    """``net.0.weight`` is in the optimizer but frozen (LoRA's base weights are, in LitGPT's recipes), unfrozen at
+    step 2: no hook can be registered on it while frozen, and from step 2 it must be updated as the normal step does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net[0].weight.requires_grad_(False)
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        if self.trainer.global_step == 2:
+            self.net[0].weight.requires_grad_(True)
+
+
+def test_a_frozen_parameter_in_the_optimizer_is_left_alone_and_updated_once_unfrozen(tmp_path):
+    def fit(in_backward: bool, steps: int) -> dict[str, Any]:
+        with seeded():
+            model = FrozenFirst()
+        plugin = MixedPrecisionPlugin("bf16-mixed", master_weights="remainder", optimizer_in_backward=in_backward)
+        trainer = make_trainer(plugin, max_steps=steps)
+        trainer.fit(model, _loader())
+        trainer.save_checkpoint(tmp_path / "last.ckpt")
+        return torch.load(tmp_path / "last.ckpt", weights_only=True)
+
+    with seeded():
+        initial = FrozenFirst().net[0].weight.detach().clone()
+    two = fit(True, 2)
+    assert torch.equal(two["state_dict"]["net.0.weight"], initial)  # frozen: not updated
+    _assert_same_bits(two, fit(False, 2))
+    four = fit(True, 4)
+    assert not torch.equal(four["state_dict"]["net.0.weight"], initial)  # unfrozen at step 2: updated since
+    _assert_same_bits(four, fit(False, 4))

@@ -106,16 +106,20 @@ class Losses(Logger):
         pass
 
 
-def run(recipe: str, mode: Any, ckpt: Path, out: Path, resume: Any = False, steps: int = 4, **train: Any) -> dict:
+def run(
+    recipe: str, mode: Any, ckpt: Path, out: Path, resume: Any = False, steps: int = 4, in_backward: bool = False,
+    **train: Any,
+) -> dict:
     """One recipe run through its ``main(fabric, ...)``: the losses and the final weights (``mode``: a master mode,
-    or ``"builtin"`` for Lightning's own ``bf16-mixed``)."""
+    or ``"builtin"`` for Lightning's own ``bf16-mixed``; ``in_backward``: ``optimizer_in_backward=True``)."""
     from litgpt.args import EvalArgs, TrainArgs
     from litgpt.data import JSON
     from litgpt.finetune import adapter, full, lora
 
     logger = Losses()
     precision = {"precision": "bf16-mixed"} if mode == "builtin" else {}
-    plugins = [] if mode == "builtin" else [MixedPrecisionPlugin("bf16-mixed", master_weights=mode)]
+    plugin = None if mode == "builtin" else MixedPrecisionPlugin("bf16-mixed", master_weights=mode, optimizer_in_backward=in_backward)
+    plugins = [plugin] if plugin is not None else []
     fabric = L.Fabric(accelerator="cpu", devices=1, loggers=[logger], plugins=plugins, **precision)
     module = {"full": full, "lora": lora, "adapter": adapter}[recipe]
     # LoRA as LitGPT's setup() configures it by default (its merge at the end rebuilds the model from those)
@@ -141,7 +145,10 @@ def run(recipe: str, mode: Any, ckpt: Path, out: Path, resume: Any = False, step
         out / "final" / {"lora": "lit_model.pth.lora", "adapter": "lit_model.pth.adapter"}.get(recipe, "lit_model.pth")
     )
     weights = torch.load(final, weights_only=True)
-    return {"losses": logger.losses, "weights": weights.get("model", weights), "config": config, "out": out}
+    return {
+        "losses": logger.losses, "weights": weights.get("model", weights), "config": config, "out": out,
+        "steps_inside_backward": plugin is not None and plugin._in_backward is not None,
+    }  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -207,6 +214,29 @@ def test_full_recipe_resumes_as_the_uninterrupted_run(runs, checkpoint):
         assert torch.equal(resumed["weights"][key], value), key
 
 
+@pytest.mark.parametrize("recipe", ["full", "lora", "adapter"])
+def test_recipe_stepping_inside_backward_equals_the_normal_lean_step_bit_for_bit(runs, checkpoint, recipe):
+    # LitGPT's own loop (fabric.backward, optimizer.step, zero_grad, scheduler.step) with optimizer_in_backward=True:
+    # the backward updates, the step keeps the books; the same losses and saved weights as the normal lean step
+    reference = runs[(recipe, "remainder", "lazy")]
+    ours = run(recipe, "remainder", checkpoint, checkpoint.parent / f"{recipe}-inbackward", in_backward=True)
+    assert ours["steps_inside_backward"]
+    assert ours["losses"] == reference["losses"] and len(ours["losses"]) == 4
+    assert ours["weights"].keys() == reference["weights"].keys()
+    for key, value in reference["weights"].items():
+        assert torch.equal(ours["weights"][key], value), key
+
+
+def test_full_recipe_resumes_inside_backward_from_a_normal_steps_checkpoint(runs, checkpoint):
+    uninterrupted = runs[("full", "remainder", "lazy")]
+    step2 = uninterrupted["out"] / "step-000002" / "lit_model.pth"
+    out = checkpoint.parent / "full-resumed-inbackward"
+    resumed = run("full", "remainder", checkpoint, out, resume=step2, in_backward=True)
+    assert resumed["losses"] == uninterrupted["losses"][2:]
+    for key, value in uninterrupted["weights"].items():
+        assert torch.equal(resumed["weights"][key], value), key
+
+
 def test_the_runner_runs_litgpt_cli_with_the_plugin(checkpoint):
     out = checkpoint.parent / "cli"
     argv = ["--master-weights", "remainder", "finetune_full", str(checkpoint), "--out_dir", str(out)]
@@ -221,3 +251,11 @@ def test_the_runner_runs_litgpt_cli_with_the_plugin(checkpoint):
     assert getattr(runner.PluginFabric.last_plugin.masters, "kind", None) == "remainder"
     weights = torch.load(out / "final" / "lit_model.pth", weights_only=True)["model"]
     assert weights and all(value.dtype == torch.float32 for value in weights.values())
+    # the same run stepping inside backward: the same saved weights, bit for bit
+    argv = ["--optimizer-in-backward", *argv[2:4], "--out_dir", str(out.with_name("cli-inbackward")), *argv[6:]]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        runner.main(argv)
+    assert runner.PluginFabric.last_plugin.optimizer_in_backward and runner.PluginFabric.optimizer_in_backward
+    inside = torch.load(out.with_name("cli-inbackward") / "final" / "lit_model.pth", weights_only=True)["model"]
+    assert inside.keys() == weights.keys() and all(torch.equal(inside[k], v) for k, v in weights.items())

@@ -185,11 +185,21 @@ class StepInBackward:
         #: step: what PrecisionMonitor records, the gradients being gone by then
         self.skipped_params: list[str] = []
         self._generic = getattr(store, "_generic", {}).get(id(optimizer))  # not AdamW/Adam/SGD: the generic path
+        self._params: list[Tensor] = []  # every parameter of the optimizer; hooked while it requires grad
+        self._handed_over: set[int] = set()  # ids of parameters whose updates someone else drives (DDP)
         for index, group in enumerate(optimizer.param_groups):
             for param in group["params"]:
                 # one dict per parameter for its whole life: the CUDA kernel caches its address tables by id(group).
                 # The group by its index: optimizer.load_state_dict (a resume) replaces the group dicts
                 self._one_groups[id(param)] = (index, {**group, "params": [param]})
+                self._params.append(param)
+        self._hook_trainable()
+
+    def _hook_trainable(self) -> None:
+        """Hook every parameter that requires grad now and has no hook yet (a frozen one, as LoRA's base weights in
+        an optimizer over all parameters, cannot take a hook; one unfrozen later is hooked at the next backward)."""
+        for param in self._params:
+            if param.requires_grad and id(param) not in self._hooks and id(param) not in self._handed_over:
                 self._hooks[id(param)] = param.register_post_accumulate_grad_hook(self._update)
 
     def begin(self, loss: Optional[Tensor]) -> None:
@@ -197,6 +207,8 @@ class StepInBackward:
         flag, nonzero when it is non-finite (then every update of this backward is skipped)."""
         self.armed = True
         self._flags = []
+        if len(self._hooks) + len(self._handed_over) < len(self._params):
+            self._hook_trainable()
         if self._generic is not None:
             self._generic.begin_params()  # the group options advance once in this backward's updates
         if self.check and loss is not None:
@@ -208,6 +220,7 @@ class StepInBackward:
         """Remove the hooks of ``params``: their gradient is final later than autograd says (under DDP, once their
         bucket's all-reduce completed), and whoever knows when calls :meth:`update_with` then."""
         for param in params:
+            self._handed_over.add(id(param))
             hook = self._hooks.pop(id(param), None)
             if hook is not None:
                 hook.remove()
@@ -291,7 +304,7 @@ class StepInBackward:
         """Remove the hooks (at teardown)."""
         for hook in self._hooks.values():
             hook.remove()
-        self._hooks = {}
+        self._hooks, self._params = {}, []
         self.armed = False
 
 
