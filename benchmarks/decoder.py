@@ -24,7 +24,10 @@ storages counted once; parameters, gradients, masters, remainders, optimizer sta
 parameter; *peak heap*, glibc ``mallinfo2()`` bytes in use (``uordblks + hblkhd``, not RSS) polled every 0.5 ms from
 after the imports, before the model is built, to the end of fit, minus the value then, per parameter (and until
 the first training batch starts: *setup*, the model built and converted, the optimizers made); *step*, the median
-time of the steps after the first two (``on_train_batch_start`` to ``on_train_batch_end``), median over rounds. On
+time of the steps after the first two (``on_train_batch_start`` to ``on_train_batch_end``), median over rounds; on
+the CPU the steps are timed in a second fit of a fresh model in the same process, without the heap poller (its
+``mallinfo2`` calls take glibc's arena locks while autograd allocates and frees: measured 2026-11-26 on a 2-core
+AVX512-BF16 CPU, the poller made LitGPT's small model's lean step 1.3x slower, and the step inside backward 1.6x). On
 CUDA the
 peak is ``torch.cuda.max_memory_allocated`` over the one before the model is built, and at rest counts CUDA storages.
 """
@@ -199,24 +202,32 @@ def _worker(args: argparse.Namespace) -> dict:
             fused = True if mode == "builtin-bf16-fused" else None  # what a careful user of the built-in picks
             return torch.optim.AdamW(self.parameters(), lr=1e-4, weight_decay=0.01, fused=fused)
 
-    kwargs: dict = dict(accelerator=args.device, devices=1, max_steps=args.steps, **QUIET_TRAINER)
-    if mode.startswith("builtin"):
-        kwargs["precision"] = "bf16-true" if mode == "builtin-bf16-true" else "bf16-mixed"
-    else:
-        masters = {"ours+masters": True, "ours+remainder+compile": {"kind": "remainder", "compile": True}}.get(
-            mode, "remainder"
-        )
-        in_backward = mode.endswith("inbackward")
-        kwargs["plugins"] = [
-            MixedPrecisionPlugin("bf16-mixed", master_weights=masters, optimizer_in_backward=in_backward)
-        ]
+    def trainer() -> L.Trainer:  # a fresh plugin each time
+        kwargs: dict = dict(accelerator=args.device, devices=1, max_steps=args.steps, **QUIET_TRAINER)
+        if mode.startswith("builtin"):
+            kwargs["precision"] = "bf16-true" if mode == "builtin-bf16-true" else "bf16-mixed"
+        else:
+            masters = {"ours+masters": True, "ours+remainder+compile": {"kind": "remainder", "compile": True}}.get(
+                mode, "remainder"
+            )
+            in_backward = mode.endswith("inbackward")
+            kwargs["plugins"] = [
+                MixedPrecisionPlugin("bf16-mixed", master_weights=masters, optimizer_in_backward=in_backward)
+            ]
+        return L.Trainer(**kwargs)
+
     torch.manual_seed(0)
     ids = torch.randint(0, SIZES[args.size]["vocab_size"], (args.batch * args.steps, args.seq))
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(ids), batch_size=args.batch)
     module = Module()
     params = sum(p.numel() for p in module.parameters())
-    L.Trainer(**kwargs).fit(module, loader)
+    trainer().fit(module, loader)
     peak = heap.stop() if heap is not None else peak_cuda()
+    times = module.times
+    if heap is not None:  # the steps timed again without the poller thread (see the module docstring)
+        timed = Module()
+        trainer().fit(timed, loader)
+        times = timed.times
     return {
         "mode": mode,
         "params": params,
@@ -224,7 +235,8 @@ def _worker(args: argparse.Namespace) -> dict:
         "peak": peak,
         "train_peak": module.train_peak,
         "setup_peak": module.setup_peak,
-        "step_s": statistics.median(module.times[2:] or module.times),
+        "step_s": statistics.median(times[2:] or times),
+        "step_s_polled": statistics.median(module.times[2:] or module.times),
     }
 
 

@@ -1,5 +1,5 @@
-"""LitGPT's own model fine-tuned in a Fabric loop: lean masters + torchao's AdamW8bit against bf16-true and
-bf16-mixed.
+"""LitGPT's own model fine-tuned in a Fabric loop: lean masters (+ torchao's AdamW8bit, + the step inside backward)
+against fp32, bf16-true and bf16-mixed.
 
     pip install psutil && pip install --no-deps litgpt==0.5.13      # litgpt's deps would downgrade huggingface_hub
     python examples/litgpt_finetune.py                               # a few minutes on 2 CPU cores
@@ -10,12 +10,15 @@ A small ``litgpt.model.GPT`` (Llama-shaped: RMSNorm, SwiGLU, rotary) with random
 fp32 on one synthetic "language" (a seeded bigram chain over its vocabulary), then fine-tuned from those same weights
 on a shifted one at lr 2e-5 (a fine-tuning rate), in each mode, with the same batches:
 
+- ``32-true``: ``L.Fabric(precision="32-true")``: fp32, the reference;
 - ``bf16-true``: ``L.Fabric(precision="bf16-true")``, LitGPT's default for fine-tuning: bf16 weights and AdamW
   state; updates below half a bf16 spacing are lost;
 - ``bf16-mixed``: ``L.Fabric(precision="bf16-mixed")``: fp32 weights + autocast (16 bytes/parameter with AdamW);
 - ``ours+remainder``: ``L.Fabric(plugins=[MixedPrecisionPlugin("bf16-mixed", master_weights="remainder")])``,
   AdamW: bf16 weights + 16-bit remainders, exact fp32 updates;
-- ``ours+remainder+8bit``: the same with ``torchao.optim.AdamW8bit`` (about 8 bytes/parameter at rest).
+- ``ours+remainder+8bit``: the same with ``torchao.optim.AdamW8bit`` (about 8 bytes/parameter at rest);
+- ``ours+remainder+inbackward``, ``ours+remainder+8bit+inbackward``: the same two with ``optimizer_in_backward=True``
+  (``fabric.backward`` updates each parameter and frees its gradient: 12 and about 6 bytes/parameter at rest).
 
 It prints each mode's held-out loss after fine-tuning (evaluated in fp32 from the trained values) and the bytes per
 parameter the run holds after its last step (live tensor storages, gradients still held). benchmarks/fabric_litgpt.py runs
@@ -34,7 +37,15 @@ import torch
 
 from lightning_mp import MixedPrecisionPlugin
 
-MODES = ("bf16-true", "bf16-mixed", "ours+remainder", "ours+remainder+8bit")
+MODES = (
+    "32-true",
+    "bf16-true",
+    "bf16-mixed",
+    "ours+remainder",
+    "ours+remainder+8bit",
+    "ours+remainder+inbackward",
+    "ours+remainder+8bit+inbackward",
+)
 SIZES = {  # litgpt.Config fields; "small" (8.7M parameters) makes the lean step's fixed 2 MiB staging negligible
     "small": dict(n_layer=4, n_head=6, n_embd=384, intermediate_size=1024, vocab_size=2048),
     "tiny": dict(n_layer=2, n_head=4, n_embd=128, intermediate_size=256, vocab_size=512),
@@ -101,7 +112,8 @@ def pretrained(size: str, steps: int) -> dict[str, torch.Tensor]:
 
 def fabric_for(mode: str) -> L.Fabric:
     if mode.startswith("ours"):
-        plugin = MixedPrecisionPlugin("bf16-mixed", master_weights="remainder")
+        in_backward = mode.endswith("inbackward")
+        plugin = MixedPrecisionPlugin("bf16-mixed", master_weights="remainder", optimizer_in_backward=in_backward)
         return L.Fabric(accelerator="cpu", devices=1, plugins=[plugin])
     return L.Fabric(accelerator="cpu", devices=1, precision=mode)
 
@@ -117,7 +129,7 @@ def finetune(mode: str, weights: dict[str, torch.Tensor], size: str, steps: int,
     before = live_tensor_bytes()
     model = GPT(config(size))
     model.load_state_dict(weights)
-    if mode.endswith("8bit"):
+    if "8bit" in mode:
         from torchao.optim import AdamW8bit
 
         optimizer: Any = AdamW8bit(model.parameters(), lr=lr)
