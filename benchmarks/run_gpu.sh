@@ -13,7 +13,8 @@
 #  3. lean      lean_step.py (the optimizer alone, 128M parameters) and step_alone.py (a Trainer step that is the
 #               optimizer's: built-in AdamW(fused) against lean masters, one pass and chunked);
 #  4. decoder   decoder.py --size gpu: HF Llama at hidden 2048, lean masters against the built-in bf16-mixed with
-#               AdamW(fused=True) and default AdamW, bf16-true, and lean masters with AdamW8bit (torchao);
+#               AdamW(fused=True) and default AdamW, bf16-true, lean masters with the step inside backward, and
+#               lean masters with AdamW8bit (torchao);
 #  5. fp8       compare.py decoder-4096: fp8="tensorwise" against bf16, eager and compiled (torchao);
 #  6. bert      compare.py bert-base (the seed's shape, batch 64 x seq 256): fp32 against 16-mixed and the plugin;
 #  7. convergence  convergence.py --quick on the GPU: every mode's losses on the GPT sample;
@@ -54,7 +55,8 @@ fi
 stage lean bash -c "'$python' benchmarks/lean_step.py --device cuda --params 128 --no-compiled --rounds 5 \
     --chunks 1048576 --record && '$python' benchmarks/step_alone.py --device cuda --rounds 3 --steps 20 --record"
 stage decoder run benchmarks/decoder.py --device cuda --size gpu --batch 8 --seq 512 --steps 12 --rounds 1 \
-    --modes builtin-bf16-fused builtin-bf16 ours+remainder builtin-bf16-true ours+remainder+8bit --record
+    --modes builtin-bf16-fused builtin-bf16 ours+remainder ours+remainder+inbackward builtin-bf16-true \
+    ours+remainder+8bit --record
 stage fp8 run benchmarks/compare.py --device cuda --workloads decoder-4096 --steps 30 --record --out /tmp/gpu-fp8 \
     --modes builtin-bf16 fp8 builtin-bf16+compile fp8+compile
 stage bert run benchmarks/compare.py --device cuda --workloads bert-base --steps 30 --record --out /tmp/gpu-bert \

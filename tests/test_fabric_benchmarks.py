@@ -26,4 +26,4 @@ def test_litgpt_benchmark_reports_memory_time_and_loss_per_mode():
     assert rows[0].endswith("| +0.000% |")  # the reference of the loss column
     fp32, ours = rows[0].split(" | "), rows[1].split(" | ")
     # at the tiny size the lean step's fixed 2 MiB of staging is 4.5 bytes/param; still below fp32's 16
-    assert float(ours[1]) < float(fp32[1]) == 16.0 and ours[-1].endswith("% |")
+    assert float(ours[1]) < float(fp32[1]) and ours[-1].endswith("% |")

@@ -20,6 +20,13 @@ from lightning_mp import MixedPrecisionPlugin
 from tests.helpers import make_trainer, seeded
 
 OPTIMIZERS = ("adamw", "adam", "sgd")
+#: CUDA runs the Triton kernel per parameter and checks bf16 gradients by their inf-norm: the same tests there
+DEVICES = [
+    "cpu",
+    pytest.param(
+        "cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+    ),
+]
 
 
 class Net(L.LightningModule):
@@ -100,10 +107,11 @@ def _assert_same_bits(ours: dict[str, Any], reference: dict[str, Any]) -> None:
     assert ours["global_step"] == reference["global_step"]
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("optimizer", OPTIMIZERS)
-def test_updates_in_backward_equal_the_normal_lean_step_bitwise_and_free_the_gradients(tmp_path, optimizer):
-    model, ours = _fit(True, tmp_path, "ours", optimizer, max_steps=4)
-    _, reference = _fit(False, tmp_path, "reference", optimizer, max_steps=4)
+def test_updates_in_backward_equal_the_normal_lean_step_bitwise_and_free_the_gradients(tmp_path, optimizer, device):
+    model, ours = _fit(True, tmp_path, "ours", optimizer, max_steps=4, accelerator=device)
+    _, reference = _fit(False, tmp_path, "reference", optimizer, max_steps=4, accelerator=device)
     _assert_same_bits(ours, reference)
     assert ours["global_step"] == 4
     # both gradient dtypes were updated: bf16 (lean Linear) and fp32 (the LayerNorm kept fp32)
@@ -127,17 +135,18 @@ def test_clip_by_value_runs_per_parameter_inside_backward_bitwise(tmp_path):
     _assert_same_bits(ours, reference)
 
 
-def test_a_non_finite_loss_skips_every_update_of_its_step(tmp_path):
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_non_finite_loss_skips_every_update_of_its_step(tmp_path, device):
     # step 2's loss is NaN: after 3 steps the state equals the normal lean step's after the same 3 steps, where
     # the check skips step 2 as a whole (all its gradients are NaN)
-    _, ours = _fit(True, tmp_path, "ours", bad_loss_at=2, max_steps=3)
-    _, two = _fit(True, tmp_path, "two", max_steps=2)
+    _, ours = _fit(True, tmp_path, "ours", bad_loss_at=2, max_steps=3, accelerator=device)
+    _, two = _fit(True, tmp_path, "two", max_steps=2, accelerator=device)
     for key, value in two["state_dict"].items():
         assert torch.equal(ours["state_dict"][key], value), key
     for index, state in two["optimizer_states"][0]["state"].items():
         for key, value in state.items():
             assert torch.equal(ours["optimizer_states"][0]["state"][index][key], value), (index, key)
-    _, reference = _fit(False, tmp_path, "reference", bad_loss_at=2, max_steps=3)
+    _, reference = _fit(False, tmp_path, "reference", bad_loss_at=2, max_steps=3, accelerator=device)
     _assert_same_bits(ours, reference)
 
 
@@ -150,11 +159,12 @@ def test_a_step_scheduler_advances_as_with_the_normal_step_and_holds_on_a_non_fi
     _assert_same_bits(ours, reference)
 
 
-def test_a_non_finite_gradient_skips_that_parameter_only_and_is_reported(tmp_path):
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_non_finite_gradient_skips_that_parameter_only_and_is_reported(tmp_path, device):
     with pytest.warns(UserWarning, match=r"non-finite gradients in 1 parameter\(s\) \(net\.3\.weight\)"):
-        _, ours = _fit(True, tmp_path, "ours", bad_grad_at=1, max_steps=2)
-    _, one = _fit(True, tmp_path, "one", max_steps=1)
-    _, two = _fit(True, tmp_path, "two", max_steps=2)
+        _, ours = _fit(True, tmp_path, "ours", bad_grad_at=1, max_steps=2, accelerator=device)
+    _, one = _fit(True, tmp_path, "one", max_steps=1, accelerator=device)
+    _, two = _fit(True, tmp_path, "two", max_steps=2, accelerator=device)
     index = list(dict(Net().named_parameters())).index("net.3.weight")
     for key, value in ours["state_dict"].items():
         expected = one if key == "net.3.weight" else two  # that parameter as after step 1, the others stepped

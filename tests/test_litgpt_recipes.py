@@ -107,7 +107,13 @@ class Losses(Logger):
 
 
 def run(
-    recipe: str, mode: Any, ckpt: Path, out: Path, resume: Any = False, steps: int = 4, in_backward: bool = False,
+    recipe: str,
+    mode: Any,
+    ckpt: Path,
+    out: Path,
+    resume: Any = False,
+    steps: int = 4,
+    in_backward: bool = False,
     **train: Any,
 ) -> dict:
     """One recipe run through its ``main(fabric, ...)``: the losses and the final weights (``mode``: a master mode,
@@ -118,7 +124,11 @@ def run(
 
     logger = Losses()
     precision = {"precision": "bf16-mixed"} if mode == "builtin" else {}
-    plugin = None if mode == "builtin" else MixedPrecisionPlugin("bf16-mixed", master_weights=mode, optimizer_in_backward=in_backward)
+    plugin = (
+        None
+        if mode == "builtin"
+        else MixedPrecisionPlugin("bf16-mixed", master_weights=mode, optimizer_in_backward=in_backward)
+    )
     plugins = [plugin] if plugin is not None else []
     fabric = L.Fabric(accelerator="cpu", devices=1, loggers=[logger], plugins=plugins, **precision)
     module = {"full": full, "lora": lora, "adapter": adapter}[recipe]
