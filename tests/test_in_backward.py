@@ -292,13 +292,12 @@ def test_several_optimizers_and_sharded_strategies_are_refused():
     with pytest.raises(ValueError, match=r"takes exactly one optimizer, got 2 \(from configure_optimizers or fabric"):
         check_setup(None, net, two)
 
-    check_strategy(DDPStrategy(), fabric=False)  # DDP steps in backward: tests/test_in_backward_ddp.py
-    with pytest.raises(ValueError, match=r"runs on one device only under Lightning Fabric for now, not under DDPStra"):
-        check_strategy(FabricDDP(), fabric=True)
+    check_strategy(DDPStrategy())  # DDP steps in backward: tests/test_in_backward_ddp.py
+    check_strategy(FabricDDP())  # Fabric's too: tests/test_in_backward_fabric_ddp.py
     with pytest.raises(ValueError, match=r"not available under ModelParallelStrategy \(FSDP2\) yet: FSDP2 reduce-sc"):
-        check_strategy(ModelParallelStrategy(), fabric=False)
+        check_strategy(ModelParallelStrategy())
     with pytest.raises(ValueError, match=r"runs on one device or under DDP only, not under FSDPStrategy"):
-        check_strategy(FSDPStrategy(), fabric=False)
+        check_strategy(FSDPStrategy())
 
 
 def test_validation_during_and_after_fit_runs_without_updates(tmp_path):

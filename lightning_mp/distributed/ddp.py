@@ -66,6 +66,7 @@ class DDPSync(ProcessGroupSync):
         self._hook_state: Optional[_HookState] = None
         self._ddp: Optional[DistributedDataParallel] = None
         self._lean: Optional[_LeanSums] = None
+        self._updates: Optional[ddp_in_backward.BucketUpdates] = None  # optimizer_in_backward: the comm hook's state
 
     def connect(self, model: Module, plugin: Any) -> None:
         if not isinstance(model, DistributedDataParallel):
@@ -93,9 +94,9 @@ class DDPSync(ProcessGroupSync):
                 "master_weights=False with reduce_dtype=torch.float32."
             )
         state = _HookState(self.group, masters.dtype if masters is not None else None, self.reduce_dtype, self._lean)
-        in_backward = getattr(plugin, "_in_backward", None)  # optimizer_in_backward=True: updates after each bucket
-        if in_backward is not None:
-            ddp_in_backward.register(model, _reduce_hook, state, in_backward, self.device)
+        if getattr(plugin, "optimizer_in_backward", False):  # updates after each bucket (its StepInBackward: now or
+            # when Fabric sets up the optimizer after the module connected, hand_over)
+            self._updates = ddp_in_backward.register(model, _reduce_hook, state, plugin._in_backward, self.device)
         else:
             model.register_comm_hook(state, _reduce_hook)
         if masters is None:
@@ -107,6 +108,10 @@ class DDPSync(ProcessGroupSync):
         src = torch.distributed.get_global_rank(self.group, 0) if self.group is not None else 0
         for flat, _ in masters.flat_buffers:
             torch.distributed.broadcast(flat, src=src, group=self.group)
+
+    def hand_over(self, in_backward: Any) -> None:
+        if self._updates is not None:  # Fabric: an optimizer set up after its DDP module connected
+            ddp_in_backward.hand_over(self._updates, in_backward)
 
     def before_backward(self) -> None:
         lean = self._lean
@@ -144,7 +149,7 @@ class DDPSync(ProcessGroupSync):
             all_reduce_mean(flat_grad, self.reduce_dtype, self.group)
 
     def __getstate__(self) -> dict[str, Any]:
-        return {**super().__getstate__(), "_ddp": None, "_lean": None}
+        return {**super().__getstate__(), "_ddp": None, "_lean": None, "_updates": None}
 
     def __repr__(self) -> str:
         mode = "master gradients reduced by the plugin" if self._hook_state is not None else "DDP reduces"

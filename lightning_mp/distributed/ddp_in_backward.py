@@ -39,17 +39,20 @@ class BucketUpdates:
         device: where the loss flag is summed (the strategy's root device).
     """
 
-    def __init__(self, reduce_hook: Any, reduce_state: Any, in_backward: Any, device: torch.device) -> None:
+    def __init__(
+        self, reduce_hook: Any, reduce_state: Any, in_backward: Any, device: torch.device, ddp: Any = None
+    ) -> None:
         self.reduce_hook = reduce_hook
         self.reduce_state = reduce_state
         self.in_backward = in_backward
         self.device = device
+        self.ddp = ddp  # the DDP module whose hook this is (hand_over)
         # gloo completes a reduction on one of its worker threads, where fut.then() runs: two buckets' updates
         # could run at once, and the one-pass update's staging buffers are shared
         self.lock = threading.Lock()
 
     def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "in_backward": None, "lock": None}  # the tensors of a run, a lock: not pickled
+        return {**self.__dict__, "in_backward": None, "lock": None, "ddp": None}  # a run's objects: not pickled
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
@@ -58,25 +61,37 @@ class BucketUpdates:
 
 def register(
     ddp: DistributedDataParallel, reduce_hook: Any, reduce_state: Any, in_backward: Any, device: torch.device
-) -> None:
+) -> BucketUpdates:
     """Drive ``in_backward``'s updates of DDP's parameters from DDP's communication hook (called at connect, before
-    any step). Raises ``ValueError`` for a DDP setup whose buckets cannot say when every gradient is final."""
+    any step; ``in_backward`` ``None`` when no optimizer is set up yet: Fabric's ``setup_module``, then a forward,
+    then :func:`hand_over` at ``setup_optimizers``). Raises ``ValueError`` for a DDP setup whose buckets cannot say
+    when every gradient is final."""
     if ddp.find_unused_parameters:
         raise ValueError(
             "MixedPrecisionPlugin(optimizer_in_backward=True) cannot run under DDP with find_unused_parameters=True: "
             "a parameter unused on every rank has no gradient and must not be updated, but its bucket cannot tell "
             "it apart. Use strategy='ddp' (find_unused_parameters=False), or optimizer_in_backward=False."
         )
-    reducer = getattr(ddp, "reducer", None)
-    if not hasattr(reducer, "_set_optimizer_in_backward"):
+    if not hasattr(getattr(ddp, "reducer", None), "_set_optimizer_in_backward"):
         raise ValueError(
             f"MixedPrecisionPlugin(optimizer_in_backward=True) needs DDP's optimizer-in-backward mode, which torch "
             f"{torch.__version__} lacks (reducer._set_optimizer_in_backward). Use optimizer_in_backward=False."
         )
+    state = BucketUpdates(reduce_hook, reduce_state, None, device, ddp)
+    ddp.register_comm_hook(state, _reduce_then_update)  # DDP takes one hook, once: it stays, the updates move
+    if in_backward is not None:
+        hand_over(state, in_backward)
+    return state
+
+
+def hand_over(state: BucketUpdates, in_backward: Any) -> None:
+    """Make ``in_backward`` the one whose updates DDP's communication hook drives (at connect, or for an optimizer
+    set up after the module connected: Fabric's ``setup_module``, a forward, then ``setup_optimizers``)."""
+    ddp = state.ddp
     managed = getattr(ddp, "_module_parameters", None) or [p for p in ddp.module.parameters() if p.requires_grad]
     in_backward.hand_over(managed)  # the others (parameters DDP ignores) keep their per-parameter hooks
-    ddp.register_comm_hook(BucketUpdates(reduce_hook, reduce_state, in_backward, device), _reduce_then_update)
-    reducer._set_optimizer_in_backward()  # DDP leaves the gradients to us after backward
+    state.in_backward = in_backward
+    ddp.reducer._set_optimizer_in_backward()  # DDP leaves the gradients to us after backward
 
 
 def _reduce_then_update(

@@ -45,6 +45,10 @@ class GradientSync:
     def after_backward(self) -> None:
         """Called after every backward, once the half gradients are in the masters (when there are masters)."""
 
+    def hand_over(self, in_backward: Any) -> None:
+        """Drive ``in_backward`` (a :class:`~lightning_mp.master.in_backward.StepInBackward` made after
+        :meth:`connect`: Fabric's optimizer set up after its module) where its hooks cannot (here: they can)."""
+
     def agree(self, found_inf: Tensor) -> Tensor:
         """The found-inf flag every rank agrees on (here: the local one)."""
         return found_inf

@@ -115,20 +115,13 @@ def needs_closure(optimizer: Optimizer) -> bool:
     return closure is not None and closure.default is inspect.Parameter.empty
 
 
-def check_strategy(strategy: Any, fabric: bool) -> None:
-    """Raise a :func:`refusal` under a strategy other than Lightning's single-device ones and DDP (whose updates run
-    once each bucket's all-reduce completed: :mod:`lightning_mp.distributed.ddp_in_backward`); under Fabric, DDP too
-    (not wired there yet)."""
+def check_strategy(strategy: Any) -> None:
+    """Raise a :func:`refusal` under a strategy other than Lightning's single-device ones and DDP (the Trainer's or
+    Fabric's: the updates run once each bucket's all-reduce completed, :mod:`lightning_mp.distributed.ddp_in_backward`)."""
     name = type(strategy).__name__
     if strategy is None or name in ("SingleDeviceStrategy", "SingleDeviceXLAStrategy"):
         return
     names = {type_.__name__ for type_ in type(strategy).__mro__}
-    if fabric:
-        raise refusal(
-            f"runs on one device only under Lightning Fabric for now, not under {name} (DDP is wired for the "
-            "Trainer only)",
-            "Use Fabric(devices=1), the Trainer with strategy='ddp', or optimizer_in_backward=False with this strategy.",
-        )
     if "DeepSpeedStrategy" in names:
         raise refusal(
             f"cannot run under {name}: DeepSpeed's engine owns the masters, the gradient reduction and the step",

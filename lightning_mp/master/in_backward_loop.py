@@ -94,9 +94,12 @@ def refuse_clipping(plugin: Any, clip_val: Optional[float], algorithm: Any, call
 
 
 def add_optimizer(plugin: Any, module: Any, optimizers: list[Any]) -> None:
-    """An optimizer set up after the module connected (Fabric's ``setup_module``, then ``setup_optimizers``): the
-    hooks move to ``optimizers`` (refused as at setup if there are several)."""
+    """An optimizer set up after the module connected (Fabric's ``setup_module``, a forward, then
+    ``setup_optimizers``): the hooks move to ``optimizers`` (refused as at setup if there are several); under DDP
+    its communication hook, registered at connect, drives the new ones."""
     check_setup(None, module, optimizers)
     plugin._in_backward = install(
         plugin._in_backward, True, plugin.masters, module, optimizers, plugin._checking, plugin._param_names
     )
+    if plugin._in_backward is not None:
+        plugin._sync.hand_over(plugin._in_backward)
