@@ -75,7 +75,7 @@ class MixedPrecisionPlugin(FabricHooks, Precision):  # FabricHooks: the hooks as
         optimizer_in_backward: ``True`` (with ``"bf16-mixed"`` and ``master_weights="remainder"``): each parameter is
             updated inside backward as soon as its gradient is final, and the gradient freed (12 bytes/param at rest
             with AdamW; :mod:`lightning_mp.master.in_backward`). Trainer (automatic or manual, one device or DDP) and
-            Fabric (one device), one optimizer whose ``step()`` takes no closure; the step keeps the books
+            Fabric (one device or DDP), one optimizer whose ``step()`` takes no closure; the step keeps the books
             (:mod:`~lightning_mp.master.in_backward_loop`). Accumulation and clipping by norm are refused. Default ``False``.
 
     The autocast device is the device the model lives on, found when Lightning connects the plugin; ``fp16``
