@@ -295,9 +295,10 @@ def test_several_optimizers_and_sharded_strategies_are_refused():
     check_strategy(DDPStrategy(), fabric=False)  # DDP steps in backward: tests/test_in_backward_ddp.py
     with pytest.raises(ValueError, match=r"runs on one device only under Lightning Fabric for now, not under DDPStra"):
         check_strategy(FabricDDP(), fabric=True)
-    with pytest.raises(ValueError, match=r"not available under ModelParallelStrategy \(FSDP2\) yet: FSDP2 reduce-sc"):
-        check_strategy(ModelParallelStrategy(), fabric=False)
-    with pytest.raises(ValueError, match=r"runs on one device or under DDP only, not under FSDPStrategy"):
+    check_strategy(ModelParallelStrategy(), fabric=False)  # FSDP2 steps in backward: tests/test_in_backward_fsdp2.py
+    with pytest.raises(ValueError, match=r"runs on one device only under Lightning Fabric for now, not under ModelPar"):
+        check_strategy(ModelParallelStrategy(), fabric=True)
+    with pytest.raises(ValueError, match=r"runs on one device, under DDP or FSDP2 only, not under FSDPStrategy"):
         check_strategy(FSDPStrategy(), fabric=False)
 
 
