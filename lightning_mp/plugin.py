@@ -190,7 +190,7 @@ class MixedPrecisionPlugin(FabricHooks, Precision):  # FabricHooks: the hooks as
         self._resolve_policy(module)
         strategy = self._strategy_for(module)  # the Trainer's, or a Fabric's (then driven: lightning_mp.fabric)
         if self.optimizer_in_backward:
-            check_strategy(strategy)
+            check_strategy(strategy, fabric=self._fabric is not None)
         self._sync = sync_for(strategy, self)
         self.masters = self._sync.adopt(self.masters)  # FSDP2: lean masters on the local shards
         if self.fp8 is not None:  # before the masters: Float8Linear keeps the parameters, the masters see them

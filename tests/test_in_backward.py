@@ -293,10 +293,11 @@ def test_several_optimizers_and_sharded_strategies_are_refused():
         check_setup(None, net, two)
 
     check_strategy(DDPStrategy())  # DDP steps in backward: tests/test_in_backward_ddp.py
-    check_strategy(FabricDDP())  # Fabric's too: tests/test_in_backward_fabric_ddp.py
-    with pytest.raises(ValueError, match=r"not available under ModelParallelStrategy \(FSDP2\) yet: FSDP2 reduce-sc"):
-        check_strategy(ModelParallelStrategy())
-    with pytest.raises(ValueError, match=r"runs on one device or under DDP only, not under FSDPStrategy"):
+    check_strategy(FabricDDP(), fabric=True)  # Fabric's too: tests/test_in_backward_fabric_ddp.py
+    check_strategy(ModelParallelStrategy())  # FSDP2 steps in backward: tests/test_in_backward_fsdp2.py
+    with pytest.raises(ValueError, match=r"not available under Lightning Fabric's ModelParallelStrategy \(FSDP2\)"):
+        check_strategy(ModelParallelStrategy(), fabric=True)
+    with pytest.raises(ValueError, match=r"runs on one device, under DDP or FSDP2 only, not under FSDPStrategy"):
         check_strategy(FSDPStrategy())
 
 
@@ -426,3 +427,26 @@ def test_a_frozen_parameter_in_the_optimizer_is_left_alone_and_updated_once_unfr
     four = fit(True, 4)
     assert not torch.equal(four["state_dict"]["net.0.weight"], initial)  # unfrozen at step 2: updated since
     _assert_same_bits(four, fit(False, 4))
+
+
+def test_an_agreed_loss_flag_is_zero_or_one_whatever_the_sum_over_ranks():
+    # under DDP the loss flag is summed over the ranks: 2 when both losses are NaN. torch's fused kernels, which update
+    # the fp32 parameters, skip only on a flag of exactly 1: a parameter whose gradient is finite under a NaN loss (a
+    # NaN from another branch of the loss) would be updated. The flag every update reads is 0 or 1
+    from lightning_mp.master import masters_for
+    from lightning_mp.master.in_backward import StepInBackward
+
+    net = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4))
+    store = masters_for(torch.bfloat16, "remainder", lambda name, module: isinstance(module, nn.LayerNorm))
+    store.convert(net)
+    optimizer = torch.optim.AdamW(net.parameters())
+    store.attach([optimizer])
+    steps = StepInBackward(store, optimizer)
+    steps.begin(torch.tensor(float("nan")))
+    steps.agree_on_loss(lambda flag: flag * 2)  # both ranks' NaN losses
+    assert steps._loss_found.item() == 1.0
+    norm_weight = net[1].weight.detach().clone()
+    net[1].weight.grad = torch.ones(4)  # finite, from a branch the NaN does not reach
+    steps._update(net[1].weight)
+    assert torch.equal(net[1].weight.detach(), norm_weight)  # skipped, as the whole step must be
+    steps.remove()

@@ -23,6 +23,7 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.nn import Module
 
+from lightning_mp.distributed import fsdp2_in_backward
 from lightning_mp.distributed.fsdp2_lean import ShardedRemainderMasters
 from lightning_mp.distributed.shard import fsdp_param_groups
 from lightning_mp.distributed.sync import ProcessGroupSync
@@ -88,6 +89,8 @@ class FSDP2Sync(ProcessGroupSync):
     def connect(self, model: Module, plugin: Any) -> None:
         if not plugin.master_weights:
             return
+        if getattr(plugin, "_in_backward", None) is not None:  # the step inside backward: skips agreed per shard
+            fsdp2_in_backward.register(plugin._in_backward, self.device, self.group)
         dtypes = compute_dtypes(model)
         if not dtypes:
             raise ValueError(

@@ -11,7 +11,8 @@ step, which updates each tensor independently); for any other optimizer (torchao
 optimizer whose ``step()`` needs a closure (``LBFGS``) is refused. No gradient outlives its update: at rest a bf16
 parameter costs 2 (weight) + 2 (remainder) + the optimizer state, 12 bytes with AdamW, about 6 with ``AdamW8bit``.
 Under DDP the gradient is final only after its bucket's all-reduce: the hooks are handed over to DDP's communication
-hook (:mod:`lightning_mp.distributed.ddp_in_backward`).
+hook (:mod:`lightning_mp.distributed.ddp_in_backward`). Under FSDP2 the hooks sit on the sharded parameters, whose
+hooks FSDP2 runs after each reduce-scatter (:mod:`lightning_mp.distributed.fsdp2_in_backward`).
 
 Non-finite values, without a host synchronisation inside backward: :meth:`StepInBackward.begin` turns the loss into
 a 0-dim device flag before backward (a non-finite loss skips every update of the step); each hook adds its own
@@ -29,7 +30,7 @@ forward) would see the new value.
 from __future__ import annotations
 
 import inspect
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, Optional
 
 import torch
@@ -37,7 +38,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_mp.master import native, onepass
-from lightning_mp.master.step import apply_grad_ops_in_place, fused_update, plan_chunks
+from lightning_mp.master.step import apply_grad_ops_in_place, fused_update, local_of, plan_chunks
 from lightning_mp.scaler_device import non_finite_check_and_unscale_
 
 OPTION = "optimizer_in_backward=True"
@@ -115,30 +116,34 @@ def needs_closure(optimizer: Optimizer) -> bool:
     return closure is not None and closure.default is inspect.Parameter.empty
 
 
-def check_strategy(strategy: Any) -> None:
-    """Raise a :func:`refusal` under a strategy other than Lightning's single-device ones and DDP (the Trainer's or
-    Fabric's: the updates run once each bucket's all-reduce completed, :mod:`lightning_mp.distributed.ddp_in_backward`)."""
+def check_strategy(strategy: Any, fabric: bool = False) -> None:
+    """Raise a :func:`refusal` under a strategy other than Lightning's single-device ones, DDP (the Trainer's or
+    Fabric's: the updates run once each bucket's all-reduce completed, :mod:`lightning_mp.distributed.ddp_in_backward`)
+    and FSDP2 under the Trainer (each shard's update runs right after its reduce-scatter:
+    :mod:`lightning_mp.distributed.fsdp2_in_backward`)."""
     name = type(strategy).__name__
     if strategy is None or name in ("SingleDeviceStrategy", "SingleDeviceXLAStrategy"):
         return
     names = {type_.__name__ for type_ in type(strategy).__mro__}
+    if fabric and "ModelParallelStrategy" in names:
+        raise refusal(
+            f"is not available under Lightning Fabric's {name} (FSDP2) yet: it is wired for the Trainer's",
+            "Use the Trainer with ModelParallelStrategy, Fabric with strategy='ddp' or devices=1, or "
+            "optimizer_in_backward=False with this strategy.",
+        )
     if "DeepSpeedStrategy" in names:
         raise refusal(
             f"cannot run under {name}: DeepSpeed's engine owns the masters, the gradient reduction and the step",
             "Use strategy='ddp' (the updates run as each bucket's all-reduce completes), or DeepSpeed's own options.",
         )
-    if "ModelParallelStrategy" in names:
-        raise refusal(
-            f"is not available under {name} (FSDP2) yet: FSDP2 reduce-scatters a whole module group in its "
-            "post-backward and the lean masters' shards are split there (lightning_mp.distributed.fsdp2_lean), so "
-            "no update of a shard is wired after its reduce-scatter",
-            "Use strategy='ddp', or optimizer_in_backward=False with FSDP2.",
-        )
+    if "ModelParallelStrategy" in names:  # FSDP2: the shards' hooks, agreed skips (fsdp2_in_backward)
+        return
     if "DDPStrategy" not in names or "FSDPStrategy" in names:
         raise refusal(
-            f"runs on one device or under DDP only, not under {name} (the update of each parameter needs its "
+            f"runs on one device, under DDP or FSDP2 only, not under {name} (the update of each parameter needs its "
             "reduced gradient as soon as it is final)",
-            "Use strategy='ddp' or devices=1, or optimizer_in_backward=False with this strategy.",
+            "Use strategy='ddp', ModelParallelStrategy or devices=1, or optimizer_in_backward=False with this "
+            "strategy.",
         )
 
 
@@ -180,6 +185,9 @@ class StepInBackward:
         self._generic = getattr(store, "_generic", {}).get(id(optimizer))  # not AdamW/Adam/SGD: the generic path
         self._params: list[Tensor] = []  # every parameter of the optimizer; hooked while it requires grad
         self._handed_over: set[int] = set()  # ids of parameters whose updates someone else drives (DDP)
+        #: under FSDP2: the loss flag (once, before backward) and each shard's flag (in its hook) summed over the ranks
+        #: before any update reads it (:mod:`lightning_mp.distributed.fsdp2_in_backward`); ``None``: rank-local
+        self.agree_each: Optional[Callable[[Tensor], Tensor]] = None
         for index, group in enumerate(optimizer.param_groups):
             for param in group["params"]:
                 # one dict per parameter for its whole life: the CUDA kernel caches its address tables by id(group).
@@ -206,6 +214,8 @@ class StepInBackward:
             self._generic.begin_params()  # the group options advance once in this backward's updates
         if self.check and loss is not None:
             self._loss_found = torch.logical_not(torch.isfinite(loss.detach()).all()).to(torch.float32).reshape(())
+            if self.agree_each is not None:
+                self._loss_found = self.agree_each(self._loss_found)
         else:
             self._loss_found = None
 
@@ -226,9 +236,10 @@ class StepInBackward:
 
     def agree_on_loss(self, agree: Any) -> None:
         """Replace this backward's loss flag by ``agree(flag)`` before any update reads it (under DDP: summed over the
-        ranks, so that a non-finite loss on one rank skips the same updates on all)."""
+        ranks, so that a non-finite loss on one rank skips the same updates on all), as 0 or 1: torch's fused kernels
+        (the fp32 parameters') skip only on a flag of exactly 1, and a sum over ranks can be 2."""
         if self._loss_found is not None:
-            self._loss_found = agree(self._loss_found)
+            self._loss_found = (agree(self._loss_found) > 0).to(torch.float32)
 
     def _update(self, param: Tensor) -> None:
         if not self.armed or param.grad is None:
@@ -244,7 +255,7 @@ class StepInBackward:
     def _flag_for(self, param: Tensor) -> Optional[Tensor]:
         if not self.check:
             return None
-        grad = param.grad
+        grad = local_of(param.grad)  # FSDP2: the local shard (no DTensor dispatch, no hidden collective)
         found = self._loss_found.clone() if self._loss_found is not None else grad.new_zeros((), dtype=torch.float32)
         found = found.to(grad.device)
         one = self._ones.get(grad.device)
@@ -254,6 +265,8 @@ class StepInBackward:
         # size of the gradient on the CPU; by its inf-norm for bf16 on CUDA)
         with native.single_threaded():
             non_finite_check_and_unscale_([grad.detach()], found, one, check_only=True)
+        if self.agree_each is not None:
+            found = self.agree_each(found)
         self._flags.append((param, found))
         return found
 
