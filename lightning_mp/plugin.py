@@ -74,9 +74,10 @@ class MixedPrecisionPlugin(FabricHooks, Precision):  # FabricHooks: the hooks as
             the ``fp8`` extra; see :mod:`lightning_mp.fp8`). Under FSDP2 shard with :meth:`fsdp2_shard` (it converts).
         optimizer_in_backward: ``True`` (with ``"bf16-mixed"`` and ``master_weights="remainder"``): each parameter is
             updated inside backward as soon as its gradient is final, and the gradient freed (12 bytes/param at rest
-            with AdamW; :mod:`lightning_mp.master.in_backward`). Trainer (automatic or manual; one device, DDP, FSDP2) and
-            Fabric (one device or DDP), one optimizer whose ``step()`` takes no closure; the step keeps the books
-            (:mod:`~lightning_mp.master.in_backward_loop`). Accumulation and clipping by norm are refused. Default ``False``.
+            with AdamW; :mod:`lightning_mp.master.in_backward`). Trainer (automatic or manual; one device, DDP,
+            FSDP2) and Fabric (one device or DDP), one optimizer whose ``step()`` takes no closure; the step keeps
+            the books (:mod:`~lightning_mp.master.in_backward_loop`). Accumulation and clipping by norm are refused.
+            Default ``False``.
 
     The autocast device is the device the model lives on, found when Lightning connects the plugin; ``fp16``
     is honoured on CPU too (Lightning's built-in switches to bf16 there), with a one-time warning that it is
