@@ -450,3 +450,21 @@ def test_an_agreed_loss_flag_is_zero_or_one_whatever_the_sum_over_ranks():
     steps._update(net[1].weight)
     assert torch.equal(net[1].weight.detach(), norm_weight)  # skipped, as the whole step must be
     steps.remove()
+
+
+class Unhooked(Net):
+    """A parameter whose hook does not run (as under a strategy that does not call it): its gradient is left."""
+
+    def on_train_start(self) -> None:
+        in_backward = self.trainer.precision_plugin._in_backward
+        in_backward._hooks.pop(id(self.net[3].weight)).remove()
+        in_backward._handed_over.add(id(self.net[3].weight))  # and it is not hooked again
+
+
+def test_a_gradient_left_after_backward_fails_loudly_instead_of_leaving_its_parameter_behind(tmp_path):
+    with seeded():
+        model = Unhooked()
+    plugin = MixedPrecisionPlugin("bf16-mixed", master_weights="remainder", optimizer_in_backward=True)
+    with pytest.raises(RuntimeError, match=r"1 parameter\(s\) still hold a gradient after backward \(net\.3\.weight\)"):
+        make_trainer(plugin, max_steps=2).fit(model, _loader())
+    assert model.trainer.global_step == 0

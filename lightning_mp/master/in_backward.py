@@ -293,6 +293,16 @@ class StepInBackward:
         self.armed = False
         self.skipped_params = []
         self.optimizer._opt_called = True  # type: ignore[attr-defined]  # as torch's step() records for schedulers
+        left = [p for p in self._params if p.grad is not None]
+        if left:  # every update ran inside backward and freed its gradient: one left means an update did not run
+            names = ", ".join(self.names.get(id(p), f"parameter {tuple(p.shape)}") for p in left[:5])
+            raise RuntimeError(
+                f"MixedPrecisionPlugin({OPTION}): {len(left)} parameter(s) still hold a gradient after backward "
+                f"({names}{', ...' if len(left) > 5 else ''}), so their updates did not run inside backward and the "
+                "step would leave them behind. A gradient written outside backward (p.grad = ...), or a strategy "
+                "that did not run the parameter's post-accumulate-grad hook (FSDP2 needs torch >= 2.13's), causes "
+                "this. Use optimizer_in_backward=False."
+            )
         if not self.check:
             return False, []
         flags = [flag for _, flag in self._flags]
