@@ -382,10 +382,14 @@ def test_precision_monitor_records_skips_inside_backward_and_names_the_skipped_p
     # replay that localises a non-finite loss runs autograd.grad, which fires no post-accumulate-grad hook
     from lightning_mp import PrecisionMonitor
 
-    monitor = PrecisionMonitor(report=False, sample_every=1000)
+    monitor = PrecisionMonitor(sample_every=1)  # every step sampled: no parameter gradient is left to sample
     with pytest.warns(UserWarning, match="net.3.weight"), pytest.warns(UserWarning, match="freed inside backward"):
-        _, ours = _fit(True, tmp_path, "ours", bad_loss_at=3, bad_grad_at=1, max_steps=4, callbacks=[monitor])
-    assert monitor.history.skipped == [1, 3]
+        _, ours = _fit(
+            True, tmp_path, "ours", bad_loss_at=3, bad_grad_at=1, max_steps=4, callbacks=[monitor],
+            default_root_dir=tmp_path,
+        )  # fmt: skip
+    assert monitor.history.skipped == [1, 3] and monitor.history.samples_of("param_grads") == []
+    assert (tmp_path / "precision_report.md").is_file()  # the report is written without gradient samples
     partial, whole = monitor.history.overflows
     assert partial.step == 1 and partial.nonfinite_params == ["net.3.weight"]
     assert "only these parameters' updates were skipped" in partial.note

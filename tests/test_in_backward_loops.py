@@ -352,3 +352,38 @@ def test_automatic_a_custom_configure_gradient_clipping_by_norm_is_refused_but_t
     trainer = make_trainer(plugin_for(True), max_steps=1, gradient_clip_val=0.5, gradient_clip_algorithm="value")
     trainer.fit(Automatic(False), loader)  # the Trainer's value clip: applied inside backward, nothing raised
     assert trainer.global_step == 1
+
+
+def test_fabric_precision_monitor_records_skips_inside_backward_and_names_the_skipped_parameter(tmp_path):
+    # fabric.backward performs the updates; optimizer.step() hands a step with a skipped update to the monitor, whose
+    # record names the parameter (its gradient is gone by then) and whose replay of a NaN loss finds it in the forward
+    from lightning_mp.diagnostics import FabricPrecisionMonitor
+
+    net = nn.Sequential(nn.Linear(4, 8), nn.LayerNorm(8), nn.GELU(), nn.Linear(8, 1))
+    state = {"step": 0}
+    net[3].weight.register_hook(lambda g: g.clone().fill_(float("inf")) if state["step"] == 1 else g)
+
+    def loss_fn(model: nn.Module, batch: Any) -> torch.Tensor:
+        x, y = batch
+        loss = nn.functional.mse_loss(model(x).float(), y)
+        return loss * float("nan") if state["step"] == 2 else loss
+
+    monitor = FabricPrecisionMonitor(loss_fn, log_dir=tmp_path, sample_every=1000)
+    plugin = MixedPrecisionPlugin("bf16-mixed", master_weights="remainder", optimizer_in_backward=True)
+    fabric = L.Fabric(accelerator="cpu", devices=1, plugins=[plugin], callbacks=[monitor])
+    model, optimizer = fabric.setup(net, torch.optim.AdamW(net.parameters(), lr=1e-3))
+    x = torch.randn(32, 4, generator=torch.Generator().manual_seed(0))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for index in range(4):
+            state["step"] = index
+            batch = (x[8 * index : 8 * index + 8], x[8 * index : 8 * index + 8].sum(1, keepdim=True))
+            fabric.call("on_train_batch_start", batch=batch, batch_idx=index)
+            fabric.backward(loss_fn(model, batch))
+            optimizer.step()
+            optimizer.zero_grad()
+        fabric.call("on_train_end")
+    assert monitor.history.skipped == [1, 2] and monitor.history.steps == 4
+    partial, whole = monitor.history.overflows
+    assert partial.nonfinite_params == ["3.weight"] and "only these parameters' updates" in partial.note
+    assert whole.nonfinite_params == [] and whole.phase == "forward"

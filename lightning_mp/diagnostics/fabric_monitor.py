@@ -31,7 +31,12 @@ import torch
 from torch import nn
 
 from lightning_mp.diagnostics.history import LayerSample, OverflowRecord, RunHistory
-from lightning_mp.diagnostics.monitor import REPORT_SCALER_KEYS, PrecisionMonitor, _merged_across_ranks
+from lightning_mp.diagnostics.monitor import (
+    REPORT_SCALER_KEYS,
+    PrecisionMonitor,
+    _merged_across_ranks,
+    with_skips_in_backward,
+)
 from lightning_mp.diagnostics.overflow import nonfinite_params
 from lightning_mp.diagnostics.underflow import (
     grouped_stats,
@@ -149,6 +154,8 @@ class FabricPrecisionMonitor:
         scaler = getattr(self._plugin, "scaler", None)
         names = self.monitor._names
         layers, rows = grouped_stats(param_groups_grads(optimizer, names), scale_tensor(scaler))
+        if not layers:  # no gradient to sample (optimizer_in_backward=True frees them inside backward)
+            return
         (param_rows,) = read_rows(reduce_rows(rows))  # one sync
         scale = float(scaler.scale) if scaler is not None and not scaler.check_only else 1.0
         self.history.samples.append(LayerSample(self.step, scale, "param_grads", layers, param_rows))
@@ -168,4 +175,4 @@ class FabricPrecisionMonitor:
                 note=repr(error),
                 nonfinite_params=nonfinite_params(optimizer, names),
             )
-        self.history.overflows.append(_merged_across_ranks(record))
+        self.history.overflows.append(_merged_across_ranks(with_skips_in_backward(record, plugin)))

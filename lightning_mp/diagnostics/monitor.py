@@ -202,11 +202,13 @@ class PrecisionMonitor(L.Callback):
         scaler = _our_scaler(trainer)
         scale = float(scaler.scale) if scaler is not None and not scaler.check_only else 1.0
         step = trainer.global_step
-        samples = [LayerSample(step, scale, "param_grads", layers, param_rows)]
+        # no parameter gradient to sample (optimizer_in_backward=True frees them inside backward): no such sample
+        samples = [LayerSample(step, scale, "param_grads", layers, param_rows)] if layers else []
         if act_layers:
             samples.append(LayerSample(step, 1.0, "activation_grads", act_layers, activation_rows))
         self.history.samples.extend(samples)
-        self._log_sample(trainer, samples[0])
+        if layers:
+            self._log_sample(trainer, samples[0])
 
     def _log_sample(self, trainer: L.Trainer, sample: LayerSample) -> None:
         if not (trainer.is_global_zero and trainer.loggers and sample.layers):
@@ -243,13 +245,7 @@ class PrecisionMonitor(L.Callback):
                 note=repr(error),
                 nonfinite_params=nonfinite_params(optimizer, self._names),
             )
-        in_backward = getattr(plugin, "_in_backward", None)
-        if in_backward is not None and in_backward.skipped_params:  # gradients freed in backward: named there
-            record.nonfinite_params = list(in_backward.skipped_params)
-            record.note = (record.note + "; " if record.note else "") + (
-                "optimizer_in_backward: only these parameters' updates were skipped, every other one was applied"
-            )
-        record = _merged_across_ranks(record)
+        record = _merged_across_ranks(with_skips_in_backward(record, plugin))
         self.history.overflows.append(record)
         if record.located:
             self._overflow_counts[record.module] = self._overflow_counts.get(record.module, 0) + 1
@@ -302,6 +298,18 @@ def _precision_of(trainer: L.Trainer) -> str:
     if dtype == torch.bfloat16 or str(trainer.precision).startswith("bf16"):
         return "bf16"
     return "fp32"
+
+
+def with_skips_in_backward(record: OverflowRecord, plugin: Any) -> OverflowRecord:
+    """``record`` naming the parameters whose update was skipped inside backward (``optimizer_in_backward=True``:
+    their gradients are freed by then, so only the step's own report names them)."""
+    in_backward = getattr(plugin, "_in_backward", None)
+    if in_backward is not None and in_backward.skipped_params:
+        record.nonfinite_params = list(in_backward.skipped_params)
+        record.note = (record.note + "; " if record.note else "") + (
+            "optimizer_in_backward: only these parameters' updates were skipped, every other one was applied"
+        )
+    return record
 
 
 def _merged_across_ranks(record: OverflowRecord) -> OverflowRecord:

@@ -48,7 +48,7 @@ def _matplotlib() -> Any:
 def plot_history(history: RunHistory, path: Path) -> Path:
     """Draw ``history`` into the PNG ``path``; returns ``path``."""
     plt = _matplotlib()
-    samples = history.samples_of("param_grads")
+    samples = [s for s in history.samples_of("param_grads") if s.layers]  # a sample of no gradient: nothing to draw
     fp16 = history.precision == "fp16"
     fp8 = history.fp8_samples  # --- fp8 casts (lightning_mp.fp8.stats): one more heatmap
     panels = 1 + (2 if samples and fp16 else 1 if samples else 0) + (1 if fp8 else 0)

@@ -118,7 +118,7 @@ class FabricDriver:
         self.ensure_connected()
         if plugin._in_backward is not None:  # fabric.backward performed the updates: bookkeeping only
             plugin.follow_model_writes()  # a write since the backward reaches the masters, as before a normal step
-            in_backward_loop.finish_step(plugin, optimizer)
+            in_backward_loop.finish_step(plugin, optimizer, self.module)  # a skip goes to the skip observers too
             return None
         masters = plugin.masters
         if isinstance(optimizer, LBFGS) and (plugin._checking or masters is not None):

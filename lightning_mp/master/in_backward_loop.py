@@ -51,7 +51,7 @@ def finish_step(plugin: Any, optimizer: Any, model: Any = None) -> bool:
     """The optimizer step after a backward that performed the updates: the report of non-finite values (one host
     read), LR schedulers held on a skipped step, the scaler's count of skipped steps. ``False`` (and nothing done)
     when no backward ran since the last step (a ``training_step`` that returned ``None``, a step without backward).
-    With ``model`` (the Trainer's), a step with a skipped update is also given to the plugin's ``skip_observers``
+    With ``model`` (the Trainer's module, or Fabric's), a step with a skipped update also goes to ``skip_observers``
     (PrecisionMonitor records and replays it; the replay's ``autograd.grad`` updates nothing)."""
     in_backward = plugin._in_backward
     if not in_backward.armed:
