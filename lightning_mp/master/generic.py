@@ -61,7 +61,7 @@ import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from lightning_mp.master.skip_mask import leaves_of, mask, mask_options, put_back, same_option, snapshot
+from lightning_mp.master.skip_mask import StepOptions, leaves_of, mask, same_option
 from lightning_mp.master.step import apply_grad_ops, apply_grad_ops_in_place, local_of
 
 
@@ -135,8 +135,7 @@ class GenericChunkedStep:
         for index, slices in enumerate(self.slices):
             for s in slices:
                 self._by_param.setdefault(id(s.param), (index, []))[1].append(s)
-        self._options: Optional[list[dict[str, Any]]] = None  # the group options at the start of the step
-        self._none_stepped: Any = True  # no call of this step stepped: True, False or a device flag (step_params)
+        self._options = StepOptions()  # the group options across the chunks (and step_params calls) of a step
         self._hooks = [
             optimizer.register_state_dict_pre_hook(lambda opt: self._swap_in_proxies()),
             optimizer.register_state_dict_post_hook(lambda opt, state: self._swap_out_proxies()),
@@ -160,12 +159,12 @@ class GenericChunkedStep:
         by a masked write-back, or decided on the host where masking cannot be exact (see the module doc)."""
         chunks = [(index, chunk) for index, slices in enumerate(self.slices) for chunk in self._chunks(slices)]
         fp32 = [p for params in self._model_params for p in params if self.store.offset_of(p) is None]
-        self._options = None  # a whole step: the options are snapshot at its start
+        self._options.begin()  # a whole step: the options are saved at its start
         self._run(chunks, fp32, found_inf, grad_ops, on_host=False)
 
     def begin_params(self) -> None:
         """Before the first :meth:`step_params` of an optimizer step (the step inside backward: at ``begin``)."""
-        self._options = None
+        self._options.begin()
 
     def step_params(
         self, params: list[Tensor], found_inf: Optional[Tensor], grad_ops: list[Any], on_host: Any = None
@@ -200,15 +199,11 @@ class GenericChunkedStep:
                 return
         groups = self.optimizer.param_groups
         apply_grad_ops_in_place(fp32, grad_ops)
-        first = self._options is None
-        if first:  # the step's first call: the options as they are before it, put back before every later chunk
-            self._options, self._none_stepped = [snapshot(group) for group in groups], True
-        options = self._options
+        first = self._options.start_part(groups)
         try:
             for number, (index, chunk) in enumerate(chunks):
                 if number or not first:
-                    for group, saved in zip(groups, options):
-                        put_back(group, saved)
+                    self._options.put_back(groups)
                 staged = self._stage(chunk)
                 if staged is not None:
                     apply_grad_ops(staged, grad_ops)
@@ -226,14 +221,9 @@ class GenericChunkedStep:
                         break  # the chunks not stepped yet stay as they are
                     skip = None  # read on the host: the step stands, the other chunks step unmasked
                 self._unstage(chunk, skip)
-            # the options as stepped unless no call of this step stepped: on the device, "every call skipped so far"
-            none = self._none_stepped
-            self._none_stepped = False if skip is None or none is False else skip if none is True else none & skip
-            if isinstance(self._none_stepped, Tensor):
-                for group, saved in zip(groups, options):
-                    mask_options(self._none_stepped, group, saved)
-            elif found_inf is not None and self.masks_on_device is None and had_state:
-                self.masks_on_device = self._maskable(found_inf.device, options)
+            masked = self._options.part_done(groups, skip)  # as stepped unless no part of the step stepped
+            if not masked and found_inf is not None and self.masks_on_device is None and had_state:
+                self.masks_on_device = self._maskable(found_inf.device, self._options.saved)
         finally:
             for _, chunk in chunks:
                 for s in chunk:

@@ -4,12 +4,13 @@
 state (the plain inner tensors of tensor subclasses: :func:`leaves`) before the optimizer's ``step()`` and writing
 ``where(skip, old, new)`` back after it (:func:`mask`); group options that are tensors are masked the same way once
 per step (:func:`mask_options`), the others saved and put back between chunks (:func:`snapshot`, :func:`put_back`).
+:class:`StepOptions` keeps those options for one optimizer step across its chunks and calls.
 """
 
 from __future__ import annotations
 
 import copy
-from typing import Any
+from typing import Any, Optional, Union
 
 import torch
 from torch import Tensor
@@ -61,3 +62,43 @@ def put_back(group: dict[str, Any], saved: dict[str, Any]) -> None:
             current.copy_(value)
         else:
             group[key] = copy.copy(value)
+
+
+class StepOptions:
+    """The param groups' options of one optimizer step that runs in several parts (chunks, and calls: the step inside
+    backward steps one parameter per call). Saved at the step's first part and put back before every later one, so a
+    per-group counter (or a tensor ``lr``) advances once per step; where parts are skipped on the device, the options
+    are masked back to the saved ones while no part of the step has stepped."""
+
+    def __init__(self) -> None:
+        self.saved: Optional[list[dict[str, Any]]] = None  # the options before the step's first part
+        self._none_stepped: Union[bool, Tensor] = True  # no part stepped: True, False, or a device flag
+
+    def begin(self) -> None:
+        """A new optimizer step: the next part's options are its start."""
+        self.saved = None
+
+    def start_part(self, groups: list[dict[str, Any]]) -> bool:
+        """Before a part: whether it is the step's first (then its options are saved, else nothing happens)."""
+        if self.saved is not None:
+            return False
+        self.saved, self._none_stepped = [snapshot(group) for group in groups], True
+        return True
+
+    def put_back(self, groups: list[dict[str, Any]]) -> None:
+        """The options as they were before the step's first part (before every chunk or call but the first)."""
+        assert self.saved is not None
+        for group, saved in zip(groups, self.saved):
+            put_back(group, saved)
+
+    def part_done(self, groups: list[dict[str, Any]], skip: Optional[Tensor]) -> bool:
+        """After a part; ``skip``: its device flag (``None``: it stepped, or was decided on the host). The options stay
+        as stepped unless no part of the step stepped: then they are masked back on the device. ``True`` when masked."""
+        none = self._none_stepped
+        self._none_stepped = False if skip is None or none is False else skip if none is True else none & skip
+        if not isinstance(self._none_stepped, Tensor):
+            return False
+        assert self.saved is not None
+        for group, saved in zip(groups, self.saved):
+            mask_options(self._none_stepped, group, saved)
+        return True
