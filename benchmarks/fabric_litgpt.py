@@ -30,16 +30,9 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "examples"))
 from _report import report, run_worker  # noqa: E402
+from litgpt_finetune import MODES as example_modes  # noqa: E402
 
-MODES = [
-    "32-true",
-    "bf16-true",
-    "bf16-mixed",
-    "ours+remainder",
-    "ours+remainder+8bit",
-    "ours+remainder+inbackward",
-    "ours+remainder+8bit+inbackward",
-]
+MODES = list(example_modes)  # examples/litgpt_finetune.py's, in its order
 
 
 def _worker(args: argparse.Namespace) -> dict:

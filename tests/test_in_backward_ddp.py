@@ -5,12 +5,11 @@ The 2-rank runs are tests/distributed/ddp_in_backward_checks.py (one launch for 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
 
-from tests.distributed.common import load_ranks
+from tests.distributed.common import assert_same_bits, load_ranks
 from tests.distributed.launch import launch
 
 
@@ -19,18 +18,6 @@ def ranks(tmp_path_factory) -> list[dict]:
     out: Path = tmp_path_factory.mktemp("ddp-in-backward")
     launch("ddp_in_backward_checks.py", str(out), timeout=300)
     return load_ranks(out)
-
-
-def _assert_same_bits(ours: dict[str, Any], reference: dict[str, Any]) -> None:
-    assert ours["state_dict"].keys() == reference["state_dict"].keys()
-    for key, value in reference["state_dict"].items():
-        assert value.dtype == torch.float32 and torch.equal(ours["state_dict"][key], value), key
-    assert ours["optimizer_state"].keys() == reference["optimizer_state"].keys() and ours["optimizer_state"]
-    for index, state in reference["optimizer_state"].items():
-        assert ours["optimizer_state"][index].keys() == state.keys()
-        for key, value in state.items():
-            assert torch.equal(ours["optimizer_state"][index][key], value), (index, key)
-    assert ours["global_step"] == reference["global_step"] == 4
 
 
 @pytest.mark.parametrize(
@@ -49,8 +36,8 @@ def test_updates_after_each_buckets_all_reduce_equal_the_normal_lean_ddp_step_bi
 ):
     for rank in ranks:
         ours = rank[run]
-        _assert_same_bits(ours, rank[reference])
-        _assert_same_bits(ours, ranks[0][run])  # and the ranks hold the same bits
+        assert_same_bits(ours, rank[reference])
+        assert_same_bits(ours, ranks[0][run])  # and the ranks hold the same bits
         assert ours["comm_hooks"] == ["_reduce_then_update"]
         assert all(ours["updated_in_backward"]) and not any(rank[reference]["updated_in_backward"])
         assert all(all(freed) for freed in ours["grads_after_step"])  # no gradient outlives its update
@@ -63,8 +50,8 @@ def test_a_nan_loss_on_one_rank_skips_the_same_updates_on_both_and_they_stay_equ
     for rank in ranks:
         ours = rank["ours_nan"]
         assert ours["skipped_steps"] == rank["reference_nan"]["skipped_steps"] == 1
-        _assert_same_bits(ours, rank["reference_nan"])
-        _assert_same_bits(ours, ranks[0]["ours_nan"])
+        assert_same_bits(ours, rank["reference_nan"])
+        assert_same_bits(ours, ranks[0]["ours_nan"])
         # the NaN step changed nothing: rank 0 (finite loss) did not update while rank 1 skipped
         assert not ours["updated_in_backward"][2] and all(
             ours["updated_in_backward"][:2] + ours["updated_in_backward"][3:]

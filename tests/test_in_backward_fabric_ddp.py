@@ -6,12 +6,11 @@ tests/distributed/fabric_in_backward_checks.py (one launch for the module)."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
 
-from tests.distributed.common import load_ranks
+from tests.distributed.common import assert_same_bits, load_ranks
 from tests.distributed.launch import launch
 
 
@@ -22,26 +21,14 @@ def ranks(tmp_path_factory) -> list[dict]:
     return load_ranks(out)
 
 
-def _assert_same_bits(ours: dict[str, Any], reference: dict[str, Any]) -> None:
-    assert ours["state_dict"].keys() == reference["state_dict"].keys() and reference["state_dict"]
-    for key, value in reference["state_dict"].items():
-        assert value.dtype == torch.float32 and torch.equal(ours["state_dict"][key], value), key
-    assert ours["optimizer_state"].keys() == reference["optimizer_state"].keys() and ours["optimizer_state"]
-    for index, state in reference["optimizer_state"].items():
-        assert ours["optimizer_state"][index].keys() == state.keys()
-        for key, value in state.items():
-            assert torch.equal(ours["optimizer_state"][index][key], value), (index, key)
-    assert ours["steps"] == reference["steps"] == 4
-
-
 @pytest.mark.parametrize("run", ["ours", "ours_module_then_optimizer", "ours_forward_before_optimizer"])
 def test_fabric_backward_updates_after_each_buckets_all_reduce_bitwise_the_normal_lean_fabric_ddp_step(ranks, run):
     """``fabric.setup(model, optimizer)``; ``setup_module`` then ``setup_optimizers``; and a forward in between (the
     module connects without an optimizer, DDP's communication hook then drives the optimizer's updates)."""
     for rank in ranks:
         ours = rank[run]
-        _assert_same_bits(ours, rank["reference"])
-        _assert_same_bits(ours, ranks[0][run])  # and the ranks hold the same bits
+        assert_same_bits(ours, rank["reference"], steps="steps")
+        assert_same_bits(ours, ranks[0][run], steps="steps")  # and the ranks hold the same bits
         assert ours["comm_hooks"] == ["_reduce_then_update"]
         assert all(ours["updated_in_backward"]) and not any(rank["reference"]["updated_in_backward"])
         assert all(all(freed) for freed in ours["grads_after_step"])  # no gradient outlives its update
@@ -51,7 +38,7 @@ def test_fabric_a_nan_loss_on_one_rank_skips_the_same_step_on_both_and_they_stay
     for rank in ranks:
         ours = rank["ours_nan"]
         assert ours["skipped_steps"] == rank["reference_nan"]["skipped_steps"] == 1
-        _assert_same_bits(ours, rank["reference_nan"])
-        _assert_same_bits(ours, ranks[0]["ours_nan"])
+        assert_same_bits(ours, rank["reference_nan"], steps="steps")
+        assert_same_bits(ours, ranks[0]["ours_nan"], steps="steps")
         assert ours["updated_in_backward"] == [True, True, False, True]  # rank 0's finite loss did not update either
     assert not torch.equal(ranks[0]["ours_nan"]["state_dict"]["3.weight"], ranks[0]["ours"]["state_dict"]["3.weight"])

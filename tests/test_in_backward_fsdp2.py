@@ -6,12 +6,11 @@ tests/distributed/fsdp2_in_backward_checks.py (one launch for the module)."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
 
-from tests.distributed.common import load_ranks
+from tests.distributed.common import assert_same_bits, load_ranks
 from tests.distributed.fsdp2_in_backward_checks import BAD_AT
 from tests.distributed.launch import launch
 
@@ -23,23 +22,11 @@ def ranks(tmp_path_factory) -> list[dict]:
     return load_ranks(out)
 
 
-def _assert_same_bits(ours: dict[str, Any], reference: dict[str, Any]) -> None:
-    assert ours["weights"].keys() == reference["weights"].keys() and ours["weights"]
-    for name, value in reference["weights"].items():
-        assert value.dtype == torch.float32 and torch.equal(ours["weights"][name], value), name
-    assert ours["optimizer_state"].keys() == reference["optimizer_state"].keys()
-    for name, state in reference["optimizer_state"].items():
-        assert state and ours["optimizer_state"][name].keys() == state.keys(), name
-        for key, value in state.items():
-            assert torch.equal(ours["optimizer_state"][name][key], value), (name, key)
-    assert ours["global_step"] == reference["global_step"] == 4
-
-
 @pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
 def test_fsdp2_updates_each_shard_in_backward_bitwise_the_normal_lean_step(ranks, optimizer):
     for rank in ranks:
         ours, reference = rank[f"ours_{optimizer}"], rank[f"reference_{optimizer}"]
-        _assert_same_bits(ours, reference)  # full fp32 weights and this rank's optimizer-state shards
+        assert_same_bits(ours, reference, weights="weights")  # full fp32 weights and this rank's optimizer-state shards
         assert ours["changed_in_backward"] == [True] * 4  # the shard changed inside backward
         assert reference["changed_in_backward"] == [False] * 4
         assert all(all(step) for step in ours["grads_after_step"])  # every gradient freed by its hook
@@ -48,7 +35,7 @@ def test_fsdp2_updates_each_shard_in_backward_bitwise_the_normal_lean_step(ranks
 def test_a_nan_loss_on_rank_1_only_skips_every_update_on_both_ranks(ranks):
     for rank in ranks:
         ours, reference = rank["ours_nan_loss"], rank["reference_nan_loss"]
-        _assert_same_bits(ours, reference)
+        assert_same_bits(ours, reference, weights="weights")
         assert ours["skipped_steps"] == reference["skipped_steps"] == 1
         assert ours["changed_in_backward"] == [step != BAD_AT for step in range(4)]
 

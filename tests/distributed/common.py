@@ -34,6 +34,30 @@ def loader(batch_size: int, rank: int = 0, world_size: int = 1) -> DataLoader:
     return DataLoader(dataset, batch_size=batch_size, sampler=sampler)
 
 
+def sum_loader(world_size: int, rank: int) -> DataLoader:
+    """The step-inside-backward scripts' data: 64 samples of 16 features, target their sum, batch 8 per rank; rank
+    ``r`` reads samples ``r, r + world_size, ...`` (no shuffle)."""
+    x = torch.randn(64, 16, generator=torch.Generator().manual_seed(0))
+    dataset = TensorDataset(x, x.sum(1, keepdim=True))
+    return DataLoader(dataset, batch_size=8, sampler=DistributedSampler(dataset, world_size, rank, shuffle=False))
+
+
+def assert_same_bits(
+    ours: dict[str, Any], reference: dict[str, Any], weights: str = "state_dict", steps: str = "global_step"
+) -> None:
+    """Two 2-rank runs of the step inside backward saved the same fp32 weights (``ours[weights]``) and optimizer state
+    (``ours["optimizer_state"]``), bit for bit, after 4 steps (``ours[steps]``)."""
+    assert ours[weights].keys() == reference[weights].keys() and reference[weights]
+    for name, value in reference[weights].items():
+        assert value.dtype == torch.float32 and torch.equal(ours[weights][name], value), name
+    assert ours["optimizer_state"].keys() == reference["optimizer_state"].keys() and reference["optimizer_state"]
+    for index, state in reference["optimizer_state"].items():
+        assert state and ours["optimizer_state"][index].keys() == state.keys(), index
+        for key, value in state.items():
+            assert torch.equal(ours["optimizer_state"][index][key], value), (index, key)
+    assert ours[steps] == reference[steps] == 4
+
+
 def _full(tensor: torch.Tensor) -> torch.Tensor:
     """A DTensor's whole value (a collective), a plain tensor as it is."""
     full = getattr(tensor, "full_tensor", None)

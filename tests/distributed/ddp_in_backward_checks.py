@@ -20,10 +20,10 @@ import lightning as L
 import torch
 from lightning.pytorch.strategies import DDPStrategy
 from torch import nn
-from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+from torch.utils.data import DataLoader
 
 from lightning_mp import MixedPrecisionPlugin
-from tests.distributed.common import finish, save
+from tests.distributed.common import finish, save, sum_loader
 
 NAN_AT = 2  # the step whose loss is NaN on rank 1 only
 SMALL_BUCKETS_MB = 1e-4  # 100 bytes: one parameter per bucket
@@ -67,11 +67,7 @@ class Net(L.LightningModule):
         self.grads_after_step.append([p.grad for p in self.parameters()])
 
     def train_dataloader(self) -> DataLoader:
-        generator = torch.Generator().manual_seed(0)
-        x = torch.randn(64, 16, generator=generator)
-        dataset = TensorDataset(x, x.sum(1, keepdim=True))
-        sampler = DistributedSampler(dataset, self.trainer.world_size, self.global_rank, shuffle=False)
-        return DataLoader(dataset, batch_size=8, sampler=sampler)
+        return sum_loader(self.trainer.world_size, self.global_rank)
 
     def configure_optimizers(self) -> Any:
         if self.optimizer_name == "adamw":

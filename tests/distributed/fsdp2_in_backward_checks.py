@@ -20,11 +20,11 @@ import lightning as L
 import torch
 from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import nn
-from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+from torch.utils.data import DataLoader
 
 from lightning_mp import MixedPrecisionPlugin
 from lightning_mp.master.step import local_of
-from tests.distributed.common import _full, finish, save
+from tests.distributed.common import _full, finish, save, sum_loader
 
 BAD_AT = 2  # the step with a NaN loss on rank 1, or an inf in rank 0's gradient shard
 
@@ -78,11 +78,7 @@ class Net(L.LightningModule):
         self.skipped_names.append(list(in_backward.skipped_params) if in_backward is not None else [])
 
     def train_dataloader(self) -> DataLoader:
-        generator = torch.Generator().manual_seed(0)
-        x = torch.randn(64, 16, generator=generator)
-        dataset = TensorDataset(x, x.sum(1, keepdim=True))
-        sampler = DistributedSampler(dataset, self.trainer.world_size, self.global_rank, shuffle=False)
-        return DataLoader(dataset, batch_size=8, sampler=sampler)
+        return sum_loader(self.trainer.world_size, self.global_rank)
 
     def configure_optimizers(self) -> Any:
         if self.optimizer_name == "adamw":
