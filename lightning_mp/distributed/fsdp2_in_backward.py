@@ -47,10 +47,5 @@ def register(in_backward: Any, device: torch.device, group: Optional[Any] = None
             "inside backward)",
             "Use torch.optim.AdamW/Adam/SGD, strategy='ddp' for this optimizer, or optimizer_in_backward=False.",
         )
-    in_backward.agree_each = partial(_agree, device=device, group=group)
-
-
-def _agree(flag: torch.Tensor, device: torch.device, group: Optional[Any]) -> torch.Tensor:
-    """The flag summed over the ranks, as 0 or 1: torch's fused kernels (fp32 shards of the norms) skip only on a
-    found-inf of exactly 1, and a sum over ranks can be 2."""
-    return (agree_found_inf(flag, device, group) > 0).to(torch.float32)
+    # summed over the ranks; StepInBackward makes each agreed flag 0 or 1
+    in_backward.agree_each = partial(agree_found_inf, device=device, group=group)

@@ -215,7 +215,7 @@ class StepInBackward:
         if self.check and loss is not None:
             self._loss_found = torch.logical_not(torch.isfinite(loss.detach()).all()).to(torch.float32).reshape(())
             if self.agree_each is not None:
-                self._loss_found = self.agree_each(self._loss_found)
+                self._loss_found = _agreed(self.agree_each, self._loss_found)
         else:
             self._loss_found = None
 
@@ -235,11 +235,10 @@ class StepInBackward:
             self._update(param)
 
     def agree_on_loss(self, agree: Any) -> None:
-        """Replace this backward's loss flag by ``agree(flag)`` before any update reads it (under DDP: summed over the
-        ranks, so that a non-finite loss on one rank skips the same updates on all), as 0 or 1: torch's fused kernels
-        (the fp32 parameters') skip only on a flag of exactly 1, and a sum over ranks can be 2."""
+        """Replace this backward's loss flag by ``agree(flag)`` (:func:`_agreed`) before any update reads it (under
+        DDP: summed over the ranks, so that a non-finite loss on one rank skips the same updates on all)."""
         if self._loss_found is not None:
-            self._loss_found = (agree(self._loss_found) > 0).to(torch.float32)
+            self._loss_found = _agreed(agree, self._loss_found)
 
     def _update(self, param: Tensor) -> None:
         if not self.armed or param.grad is None:
@@ -266,7 +265,7 @@ class StepInBackward:
         with native.single_threaded():
             non_finite_check_and_unscale_([grad.detach()], found, one, check_only=True)
         if self.agree_each is not None:
-            found = self.agree_each(found)
+            found = _agreed(self.agree_each, found)
         self._flags.append((param, found))
         return found
 
@@ -295,7 +294,7 @@ class StepInBackward:
         self.optimizer._opt_called = True  # type: ignore[attr-defined]  # as torch's step() records for schedulers
         left = [p for p in self._params if p.grad is not None]
         if left:  # every update ran inside backward and freed its gradient: one left means an update did not run
-            names = ", ".join(self.names.get(id(p), f"parameter {tuple(p.shape)}") for p in left[:5])
+            names = ", ".join(self._name(p) for p in left[:5])
             raise RuntimeError(
                 f"MixedPrecisionPlugin({OPTION}): {len(left)} parameter(s) still hold a gradient after backward "
                 f"({names}{', ...' if len(left) > 5 else ''}), so their updates did not run inside backward and the "
@@ -310,11 +309,14 @@ class StepInBackward:
         values = torch.stack([loss.to(flags[0].device), *flags]).tolist() if flags else [loss.item()]
         params = [param for param, _ in self._flags]
         self._flags = []
-        named = [self.names.get(id(p), f"parameter {tuple(p.shape)}") for p, v in zip(params, values[1:]) if v]
+        named = [self._name(p) for p, v in zip(params, values[1:]) if v]
         if values[0] > 0:  # the loss: every update skipped, the loss's own origin is what a replay finds
             return True, []
         self.skipped_params = named
         return False, named
+
+    def _name(self, param: Tensor) -> str:
+        return self.names.get(id(param), f"parameter {tuple(param.shape)}")
 
     def remove(self) -> None:
         """Remove the hooks (at teardown)."""
@@ -322,6 +324,12 @@ class StepInBackward:
             hook.remove()
         self._hooks, self._params = {}, []
         self.armed = False
+
+
+def _agreed(agree: Callable[[Tensor], Tensor], flag: Tensor) -> Tensor:
+    """``agree(flag)`` (the flag summed over the ranks) as 0 or 1: torch's fused kernels, which update the fp32
+    parameters, skip only on a flag of exactly 1, and a sum over ranks can be 2."""
+    return (agree(flag) > 0).to(torch.float32)
 
 
 def install(
