@@ -57,11 +57,19 @@ def report(title: str, table: str, device: str, record: bool) -> None:
             results.write("\n" + text)
 
 
-def run_worker(script: str, mode: str, args: object, options: tuple[str, ...]) -> dict:
+def run_worker(script: str, mode: str, args: object, options: tuple[str, ...], timed_apart: bool = False) -> dict:
     """Run ``script --worker MODE`` in a fresh process (its memory is its own), passing ``--OPTION value`` for each
     of ``options`` read from ``args``; return the dict the worker printed on its ``RESULT {json}`` line. Exits with
-    the worker's stderr when it fails."""
-    command = [sys.executable, script, "--worker", mode]
+    the worker's stderr when it fails. ``timed_apart``: its ``step_s`` comes from a second fresh process run with
+    ``--time_only 1`` (a worker option: no heap poller there, whose ``mallinfo2`` calls slow the steps)."""
+    result = _run_once(script, mode, args, options, ["--time_only", "0"] if timed_apart else [])
+    if timed_apart:
+        result["step_s"] = _run_once(script, mode, args, options, ["--time_only", "1"])["step_s"]
+    return result
+
+
+def _run_once(script: str, mode: str, args: object, options: tuple[str, ...], extra: list[str]) -> dict:
+    command = [sys.executable, script, "--worker", mode, *extra]
     for option in options:
         command += [f"--{option}", str(getattr(args, option))]
     done = subprocess.run(command, capture_output=True, text=True, env={**os.environ, "PYTHONWARNINGS": "ignore"})

@@ -255,13 +255,9 @@ def main() -> None:
     runs: dict[str, list[dict]] = {mode: [] for mode in args.modes}
     for _ in range(args.rounds):
         for mode in args.modes:
-            options = ("device", "size", "batch", "seq", "steps", "time_only")
-            result = run_worker(__file__, mode, args, options)
-            if args.device == "cpu":  # the steps timed in a second process, without the heap poller
-                args.time_only = 1
-                result["step_s"] = run_worker(__file__, mode, args, options)["step_s"]
-                args.time_only = 0
-            runs[mode].append(result)
+            options = ("device", "size", "batch", "seq", "steps")
+            # on the CPU the steps are timed in a second process, without the heap poller
+            runs[mode].append(run_worker(__file__, mode, args, options, timed_apart=args.device == "cpu"))
             print(f"round result: {runs[mode][-1]}", flush=True)  # a run cut short keeps what it measured
     reference = next((m for m in ("builtin-bf16-fused", "builtin-bf16") if m in runs), args.modes[0])
     base = statistics.median(r["step_s"] for r in runs[reference])

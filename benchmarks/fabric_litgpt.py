@@ -97,12 +97,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as folder:
         args.weights = str(Path(folder) / "pretrained.pt")
         torch.save(weights, args.weights)
-        rows, options = [], ("weights", "size", "steps", "lr", "time_only")
-        for mode in args.modes:
-            rows.append(run_worker(__file__, mode, args, options))
-            args.time_only = 1  # the steps timed in a second process, without the heap poller
-            rows[-1]["step_s"] = run_worker(__file__, mode, args, options)["step_s"]
-            args.time_only = 0
+        options = ("weights", "size", "steps", "lr")
+        rows = [run_worker(__file__, mode, args, options, timed_apart=True) for mode in args.modes]
     title = f"LitGPT GPT ({args.size}) in a Fabric loop: {args.pretrain_steps} fp32 steps, then {args.steps} at lr {args.lr}"
     report(title, _table(rows, before), "cpu", args.record)
 
