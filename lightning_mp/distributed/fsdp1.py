@@ -22,7 +22,7 @@ FSDP1_REFUSAL = (
     "plugins=[MixedPrecisionPlugin(...)])\n"
     "  and in LightningModule.configure_model(): policy = self.trainer.precision_plugin.fsdp2_policy(); "
     "fully_shard(block, mesh=self.device_mesh['data_parallel'], mp_policy=policy) for each block, then the same "
-    "for the root module (see docs/many-devices.md, section FSDP2).\n"
+    "for the root module (the documentation's Many devices page, section FSDP2, shows it whole).\n"
     "Or use strategy='ddp' with the plugin, or keep strategy='fsdp' with Lightning's own precision='16-mixed' "
     "(FSDPPrecision, torch's ShardedGradScaler) and without this plugin."
 )

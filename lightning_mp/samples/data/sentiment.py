@@ -22,7 +22,13 @@ from torch import Tensor
 from torch.utils.data import Dataset
 
 from lightning_mp.samples.data._split import SplitDataModule, check_int, check_split_args, split_indices
-from lightning_mp.samples.resources import SourceUnavailableError, hub_hint, resolve_model, rotten_tomatoes_file
+from lightning_mp.samples.resources import (
+    SourceUnavailableError,
+    hub_hint,
+    import_sample_dependency,
+    resolve_model,
+    rotten_tomatoes_file,
+)
 
 SOURCES = ("rotten_tomatoes", "imdb", "csv", "jsonl")
 #: Label spellings accepted in CSV / JSONL files (compared lower-cased, stripped).
@@ -335,12 +341,12 @@ def load_tokenizer(name: str) -> Any:
 
     Raises:
         SourceUnavailableError: a short name whose package is missing, or a hub name that cannot be loaded.
+        MissingExtraError: transformers is not installed (the ``samples`` extra).
     """
-    from transformers import AutoTokenizer
-
+    transformers = import_sample_dependency("transformers", "transformers", f"The tokenizer {name!r}")
     resolved = resolve_model(name)
     try:
-        return AutoTokenizer.from_pretrained(resolved)
+        return transformers.AutoTokenizer.from_pretrained(resolved)
     except (OSError, ValueError) as err:  # huggingface_hub's HFValidationError is a ValueError
         if os.path.isdir(resolved):
             raise  # a local folder: its own error is the informative one

@@ -13,7 +13,13 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torchmetrics.classification import BinaryF1Score, MulticlassAccuracy, MulticlassF1Score
 
-from lightning_mp.samples.resources import MODEL_ARCHITECTURES, SourceUnavailableError, hub_hint, resolve_model
+from lightning_mp.samples.resources import (
+    MODEL_ARCHITECTURES,
+    SourceUnavailableError,
+    hub_hint,
+    import_sample_dependency,
+    resolve_model,
+)
 
 #: Top-level modules of a sequence-classification head that a pretrained encoder checkpoint does not hold.
 _HEAD_MODULES = ("classifier", "score")
@@ -125,12 +131,9 @@ def load_sequence_classifier(
     A pretrained encoder gets a new classification head: that is said once, in our words, instead of transformers'
     load report; anything else missing, unexpected or mis-shaped in the weights is warned about by name.
     """
-    try:
-        from transformers import AutoConfig, AutoModelForSequenceClassification, BertConfig
-    except ImportError as err:
-        raise SourceUnavailableError(
-            'BertClassifier needs the transformers package: `pip install -e ".[samples]"`.'
-        ) from err
+    transformers = import_sample_dependency("transformers", "transformers", "BertClassifier")
+    AutoConfig, BertConfig = transformers.AutoConfig, transformers.BertConfig
+    AutoModelForSequenceClassification = transformers.AutoModelForSequenceClassification
     if not pretrained and name_or_path in MODEL_ARCHITECTURES:
         config = BertConfig(**{**MODEL_ARCHITECTURES[name_or_path], **config_overrides, "num_labels": num_labels})
         return AutoModelForSequenceClassification.from_config(config)
