@@ -243,3 +243,27 @@ def test_exact_api_without_master_weights_gives_the_parameters():
                zip(exact_parameters(model), model.parameters()))  # fmt: skip
     with exact_weights(model) as inner:
         assert inner is model and next(inner.parameters()) is model.weight
+
+
+@pytest.mark.parametrize("master_weights", [True, "remainder"])
+def test_exact_api_under_fabric(master_weights):
+    # a Fabric-wrapped module finds its plugin through the strategy: the reads are the masters (the fp32 values
+    # fabric.save writes), the writes land in them
+    torch.manual_seed(0)
+    plugin = MixedPrecisionPlugin("bf16-mixed", master_weights=master_weights)
+    fabric = L.Fabric(accelerator="cpu", devices=1, plugins=[plugin])
+    net = fabric.setup_module(nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2)))
+    optimizer = fabric.setup_optimizers(torch.optim.AdamW(net.parameters(), lr=0.02))
+    for x in torch.randn(3, 8, 4):
+        fabric.backward(net(x).float().square().mean())
+        optimizer.step()
+        optimizer.zero_grad()
+    saved = net.state_dict()  # the exact fp32 masters (the state-dict hook)
+    read = dict(exact_parameters(net))
+    assert read.keys() == saved.keys()
+    assert all(torch.equal(read[name], saved[name]) for name in saved)
+    assert any(not torch.equal(read[name], p.detach().float()) for name, p in net.module.named_parameters())
+    with exact_weights(net) as inner:
+        for param in inner.parameters():
+            param.data.copy_(torch.full_like(param, 0.123456789))
+    assert all(torch.equal(value, torch.full_like(value, 0.123456789)) for value in net.state_dict().values())
