@@ -19,7 +19,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_mp import MixedPrecisionPlugin
-from lightning_mp.master import exact_parameters, exact_weights
+from lightning_mp.master import averaging, exact_parameters, exact_weights
 from lightning_mp.master.bits import join_fp32
 
 # (master_weights, optimizer_in_backward)
@@ -179,6 +179,27 @@ def test_the_plugin_says_it_adapted_and_puts_the_hooks_back(mode, tmp_path, capl
         fit(mode, ema, tmp_path, batches=2, max_epochs=1)
     assert "EMAWeightAveraging averages the exact fp32 master weights" in caplog.text
     assert "on_train_batch_end" not in vars(ema)  # Lightning's own hook again after teardown
+    assert "update_parameters" not in vars(ema._average_model)
+
+
+def test_sparse_ema_updates_read_the_exact_weights_only_when_they_run(tmp_path, monkeypatch):
+    # EMAWeightAveraging(update_every_n_steps=2): the averaged model reads the model on steps 0, 2, 4 only; the exact
+    # weights are made for those reads (with "remainder" each joins the whole model) and for the write-back at the end
+    entries = []
+    real = averaging.exact_weights
+
+    def counting(module, store=None, write=True):
+        entries.append(write)
+        return real(module, store=store, write=write)
+
+    monkeypatch.setattr(averaging, "exact_weights", counting)
+    ema = EMAWeightAveraging(decay=0.5, update_every_n_steps=2)
+    model, record, saved = fit(("remainder", False), ema, tmp_path, batches=6, max_epochs=1)
+    assert entries == [False, False, False, True]  # three updates, then on_train_end's write-back
+    reference = dict(record.steps[0])
+    for step in (record.steps[2], record.steps[4]):
+        reference = {name: 0.5 * reference[name] + 0.5 * step[name] for name in reference}
+    assert_holds(model, saved, reference)
 
 
 class EmaTeacher(L.Callback):

@@ -9,8 +9,10 @@ it (4 bytes per parameter, as with the built-in plugin).
 
 :func:`adapt_averaging_callbacks` runs each of their hooks that reads or writes the model inside
 :func:`~lightning_mp.master.exact.exact_weights`: the callback sees fp32 parameters holding the exact values, and what
-it writes into them becomes the masters exactly. The callback objects are otherwise untouched; the hooks are put back
-at teardown.
+it writes into them becomes the masters exactly. ``WeightAveraging``'s own per-step and per-epoch hooks read the model
+only in ``AveragedModel.update_parameters``, when ``should_update`` says so: that call is wrapped instead (read only),
+so a step without an update makes no exact weights. The callback objects are otherwise untouched; the wrappers are
+removed at teardown.
 """
 
 from __future__ import annotations
@@ -55,10 +57,11 @@ def adapt_averaging_callbacks(module: Any, store: Any) -> list[Any]:
                 continue
             wrapped = []
             for hook, writes in _HOOKS[name].items():
-                own = getattr(cls, hook)
+                own = getattr(type(callback), hook) is getattr(cls, hook)
+                if not writes and own and _wrap_update(callback, store):
+                    continue  # Lightning's own per-step hook: only its updates read the model (see _wrap_update)
                 # a subclass's own version of a read-only hook may write: it gets the write-back too
-                write = writes or getattr(type(callback), hook) is not own
-                setattr(callback, hook, _over_exact_weights(getattr(callback, hook), store, write))
+                setattr(callback, hook, _over_exact_weights(getattr(callback, hook), store, writes or not own))
                 wrapped.append(hook)
             setattr(callback, _MARK, wrapped)
             adapted.append(callback)
@@ -69,11 +72,35 @@ def adapt_averaging_callbacks(module: Any, store: Any) -> list[Any]:
     return adapted
 
 
+def _wrap_update(callback: Any, store: Any) -> bool:
+    """``WeightAveraging``'s per-step and per-epoch hooks read the model only in ``AveragedModel.update_parameters``
+    when ``should_update`` says so: that call runs over the exact weights, not every step (with ``"remainder"`` each
+    entry joins the whole model). Whether the averaged model (made in the callback's ``setup``) could be wrapped."""
+    average = getattr(callback, "_average_model", None)
+    update = getattr(average, "update_parameters", None)
+    if update is None:
+        return False
+    if getattr(update, _MARK, False):
+        return True  # the other hook wrapped it already
+
+    @functools.wraps(update)
+    def run(model: Any) -> Any:
+        with exact_weights(model, store=store, write=False):
+            return update(model)
+
+    setattr(run, _MARK, True)
+    object.__setattr__(average, "update_parameters", run)
+    return True
+
+
 def restore_averaging_callbacks(callbacks: list[Any]) -> None:
     """Put back the hooks :func:`adapt_averaging_callbacks` wrapped (at teardown)."""
     for callback in callbacks:
         for hook in callback.__dict__.pop(_MARK, ()):
             callback.__dict__.pop(hook, None)
+        average = getattr(callback, "_average_model", None)
+        if average is not None:
+            average.__dict__.pop("update_parameters", None)
 
 
 def _over_exact_weights(hook: Callable[..., Any], store: Any, write: bool) -> Callable[..., Any]:
