@@ -24,6 +24,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_mp import stepping
+from lightning_mp.callbacks.averaging import adapt_averaging_callbacks, restore_averaging_callbacks
 from lightning_mp.distributed import GradientSync, mixed_precision_policy, sync_for
 from lightning_mp.distributed.shard import fsdp2_shard
 from lightning_mp.distributed.sync import reduce_dtype_of
@@ -32,7 +33,6 @@ from lightning_mp.forward import ModuleRules, module_policy, override_context, o
 from lightning_mp.forward import module_device as _module_device
 from lightning_mp.fp8.convert import Fp8Training
 from lightning_mp.master import MasterWeights, MasterWeightsOption, exact, in_backward_loop, is_norm, masters_for
-from lightning_mp.master.averaging import adapt_averaging_callbacks, restore_averaging_callbacks
 from lightning_mp.master.in_backward import StepInBackward, check_options, check_setup, check_strategy, install
 from lightning_mp.master.model_sync import follow_writes, start_following
 from lightning_mp.policy import CastPolicy

@@ -7,7 +7,7 @@
   (:mod:`~lightning_mp.master.step` for AdamW/Adam/SGD, :mod:`~lightning_mp.master.generic` for any optimizer);
   the weights and remainders live in blocks built and released one at a time (:mod:`~lightning_mp.master.blocks`).
 - :mod:`lightning_mp.master.exact`: the exact fp32 weights for code that reads or writes the model between steps
-  (EMA teachers, weight averaging; :mod:`~lightning_mp.master.averaging` adapts Lightning's callbacks).
+  (EMA teachers, weight averaging; :mod:`lightning_mp.callbacks.averaging` adapts Lightning's callbacks).
 """
 
 from __future__ import annotations
