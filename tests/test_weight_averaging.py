@@ -289,3 +289,38 @@ def test_exact_api_under_fabric(master_weights):
         for param in inner.parameters():
             param.data.copy_(torch.full_like(param, 0.123456789))
     assert all(torch.equal(value, torch.full_like(value, 0.123456789)) for value in net.state_dict().values())
+
+
+class DiffusersEma(L.Callback):
+    """diffusers' own ``EMAModel`` as a diffusion training script drives it: ``step(model.parameters())`` after each
+    optimizer step, ``copy_to(model.parameters())`` at the end; here through ``exact_weights``."""
+
+    def __init__(self, model: nn.Module) -> None:
+        from diffusers.training_utils import EMAModel
+
+        self.ema = EMAModel(model.parameters(), decay=0.9, foreach=True)
+        self.decays: list[float] = []
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        with exact_weights(pl_module, write=False) as module:
+            self.ema.step(module.parameters())  # keeps the parameters that require grad: the fp32 stand-ins do
+        self.decays.append(self.ema.cur_decay_value)
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        with exact_weights(pl_module) as module:
+            self.ema.copy_to(module.parameters())  # param.data copies: they land in the masters
+
+
+@pytest.mark.parametrize("mode", MODES, ids=IDS)
+def test_diffusers_ema_model_through_exact_weights(mode, tmp_path):
+    pytest.importorskip("diffusers")
+    torch.manual_seed(0)
+    initial = {name: p.detach().double().clone() for name, p in Net().named_parameters()}
+    torch.manual_seed(0)
+    callback = DiffusersEma(Net())  # built, as diffusers' scripts do, from the fp32 model before training
+    model, record, saved = fit(mode, callback, tmp_path, batches=5, max_epochs=1)
+    reference = initial
+    for decay, step in zip(callback.decays, record.steps):
+        reference = {name: decay * reference[name] + (1 - decay) * step[name] for name in reference}
+    assert callback.decays[0] == 0.0 and callback.decays[-1] > 0.3  # diffusers' warm-up: the average moves
+    assert_holds(model, saved, reference)
