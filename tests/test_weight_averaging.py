@@ -324,3 +324,30 @@ def test_diffusers_ema_model_through_exact_weights(mode, tmp_path):
         reference = {name: decay * reference[name] + (1 - decay) * step[name] for name in reference}
     assert callback.decays[0] == 0.0 and callback.decays[-1] > 0.3  # diffusers' warm-up: the average moves
     assert_holds(model, saved, reference)
+
+
+def test_exact_api_refuses_lean_masters_sharded_by_fsdp2():
+    # the store FSDP2 gives lean masters (as tests/test_lean_masters_fsdp2.py builds it): the remainders of local
+    # shards only, so no whole exact parameter exists on a rank
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    from lightning_mp.distributed import sync_for
+    from lightning_mp.master.model_sync import ModelSync
+
+    plugin = MixedPrecisionPlugin("bf16-mixed", master_weights="remainder")
+    strategy = ModelParallelStrategy(save_distributed_checkpoint=False)
+    strategy.parallel_devices = [torch.device("cpu")]
+    sharded = sync_for(strategy, plugin).adopt(plugin.masters)
+    module = nn.Linear(2, 2)
+    sharded.model_sync = ModelSync(sharded, module, {})
+    with pytest.raises(ValueError, match="lean masters are sharded by FSDP2.*master_weights=True under FSDP2"):
+        list(exact_parameters(module, store=sharded))
+    with pytest.raises(ValueError, match="lean masters are sharded by FSDP2"), exact_weights(module, store=sharded):
+        pass
+    ema = EMAWeightAveraging()
+    net = Net()
+    net._trainer = L.Trainer(accelerator="cpu", callbacks=[ema], logger=False, enable_checkpointing=False)
+    assert averaging.adapt_averaging_callbacks(net, sharded) == []  # not adapted under FSDP2
+    assert averaging.adapt_averaging_callbacks(net, plugin.masters) == [ema]  # (an unsharded store is)
+    averaging.restore_averaging_callbacks([ema])
+    assert not {"on_train_end", "on_train_batch_end"} & set(vars(ema))

@@ -49,8 +49,8 @@ def adapt_averaging_callbacks(module: Any, store: Any) -> list[Any]:
     ``module`` over the exact weights of ``store`` (see module doc). Returns the callbacks adapted (each says so once,
     on rank 0); none without master weights (``store`` ``None``) or a Trainer (Fabric has no such callbacks)."""
     adapted: list[Any] = []
-    if store is None:
-        return adapted
+    if store is None or hasattr(store, "single_device"):  # FSDP2's sharded lean masters: Lightning's callbacks
+        return adapted  # do not support sharded models (SWA refuses FSDP1, WeightAveraging warns)
     for callback in getattr(getattr(module, "_trainer", None), "callbacks", None) or ():
         for name, cls in _averaging_classes().items():
             if not isinstance(callback, cls) or getattr(callback, _MARK, None):

@@ -50,9 +50,22 @@ def unwrap(module: nn.Module) -> nn.Module:
     return module.module if isinstance(module, nn.parallel.DistributedDataParallel) else module
 
 
+#: Raised for lean masters under FSDP2, whose remainders are sharded like the parameters.
+SHARDED = (
+    "lightning_mp.master.exact_parameters / exact_weights read whole parameters, but these lean masters are sharded "
+    "by FSDP2 (each rank holds the remainders of its local shards). Read the weights after fit (the model holds its "
+    "fp32 values again), or from a checkpoint (its state_dict holds the exact fp32 values), or use "
+    "master_weights=True under FSDP2 (the sharded fp32 parameters are the masters: read them as they are)."
+)
+
+
 def _usable(store: Any, module: nn.Module) -> Any:
     store = store if store is not None else store_of(module)
-    return store if getattr(store, "model_sync", None) is not None else None
+    if getattr(store, "model_sync", None) is None:
+        return None
+    if hasattr(store, "single_device"):  # lightning_mp.distributed.fsdp2_lean.ShardedRemainderMasters
+        raise ValueError(SHARDED)
+    return store
 
 
 def _converted(store: Any, param: Tensor) -> bool:
