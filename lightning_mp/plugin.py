@@ -9,7 +9,7 @@ if finite, update the scale).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Generator, Mapping
+from collections.abc import Generator, Iterator, Mapping
 from typing import Any, Callable, Literal, Optional, Union
 
 import torch
@@ -24,6 +24,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_mp import stepping
+from lightning_mp.callbacks.averaging import adapt_averaging_callbacks, restore_averaging_callbacks
 from lightning_mp.distributed import GradientSync, mixed_precision_policy, sync_for
 from lightning_mp.distributed.shard import fsdp2_shard
 from lightning_mp.distributed.sync import reduce_dtype_of
@@ -31,7 +32,7 @@ from lightning_mp.fabric.hooks import FabricHooks
 from lightning_mp.forward import ModuleRules, module_policy, override_context, override_targets, warn_at_connect
 from lightning_mp.forward import module_device as _module_device
 from lightning_mp.fp8.convert import Fp8Training
-from lightning_mp.master import MasterWeights, MasterWeightsOption, in_backward_loop, is_norm, masters_for
+from lightning_mp.master import MasterWeights, MasterWeightsOption, exact, in_backward_loop, is_norm, masters_for
 from lightning_mp.master.in_backward import StepInBackward, check_options, check_setup, check_strategy, install
 from lightning_mp.master.model_sync import follow_writes, start_following
 from lightning_mp.policy import CastPolicy
@@ -104,6 +105,7 @@ class MixedPrecisionPlugin(FabricHooks, Precision):  # FabricHooks: the hooks as
         check_options(optimizer_in_backward, precision, master_weights)
         self.optimizer_in_backward = optimizer_in_backward
         self._in_backward: Optional[StepInBackward] = None  # its hooks, from connect to teardown
+        self._averaging: list[Any] = []  # Lightning's averaging callbacks run over the exact weights, until teardown
         self.precision = precision
         self.dtype = _DTYPES[precision]
         self.scaler: Optional[DynamicLossScaler] = DynamicLossScaler.for_precision(precision, scaler)
@@ -225,6 +227,8 @@ class MixedPrecisionPlugin(FabricHooks, Precision):  # FabricHooks: the hooks as
             self.scaler.gather_names = self._sync.gather_names  # culprits at min_scale, from every rank
         self._unscaled.clear()
         self._start_following(model)  # setup is over: every later write into the model reaches the masters
+        if not self._sync.owns_masters:  # Lightning's SWA and EMA callbacks average the exact weights
+            self._averaging = adapt_averaging_callbacks(inner, self.masters)
         warn_at_connect(self._effective_policy, inner, self._device_type, self.dtype)  # rules matching nothing, fp16
         guard_step_schedulers(lr_schedulers)  # they do not advance on a skipped step
         return model, optimizers, lr_schedulers
@@ -238,6 +242,18 @@ class MixedPrecisionPlugin(FabricHooks, Precision):  # FabricHooks: the hooks as
         :class:`~lightning_mp.master.model_sync.ModelWriteError` naming a parameter they cannot follow. Runs before
         each optimizer step, each save and at teardown (see docs/master-weights.md, "Writes after setup")."""
         follow_writes(self.masters)
+
+    def exact_weights(self, module: Module, write: bool = True) -> contextlib.AbstractContextManager[Module]:
+        """A context inside which ``module.parameters()`` are fp32 parameters holding the exact master values, and
+        what is written into them becomes the masters on leaving (``write=False``: read only). See
+        :func:`lightning_mp.master.exact_weights` and docs/master-weights.md, "Weight averaging and EMA teachers"."""
+        return exact.exact_weights(module, store=self.masters, write=write)
+
+    def exact_parameters(self, module: Module) -> Iterator[tuple[str, Tensor]]:
+        """``(name, exact fp32 value)`` per parameter of ``module``, one at a time (the master itself with
+        ``master_weights=True``, a joined fp32 tensor with ``"remainder"``): :func:`lightning_mp.master.
+        exact_parameters`."""
+        return exact.exact_parameters(module, store=self.masters)
 
     # ------------------------------------------------------------------ forward and backward
     def autocast_context_manager(self) -> torch.autocast:
@@ -360,6 +376,8 @@ class MixedPrecisionPlugin(FabricHooks, Precision):  # FabricHooks: the hooks as
     def teardown(self) -> None:
         # after fit/validate/test/predict the model holds its fp32 values again (the masters, after training)
         self._in_backward = install(self._in_backward, False)  # its hooks removed
+        restore_averaging_callbacks(self._averaging)
+        self._averaging = []
         if self.masters is not None:
             self.masters.restore()
         self._module_rules.remove()

@@ -6,6 +6,8 @@
   element, exact fp32 masters without an fp32 copy (``master_weights="remainder"``); its update runs chunk by chunk
   (:mod:`~lightning_mp.master.step` for AdamW/Adam/SGD, :mod:`~lightning_mp.master.generic` for any optimizer);
   the weights and remainders live in blocks built and released one at a time (:mod:`~lightning_mp.master.blocks`).
+- :mod:`lightning_mp.master.exact`: the exact fp32 weights for code that reads or writes the model between steps
+  (EMA teachers, weight averaging; :mod:`lightning_mp.callbacks.averaging` adapts Lightning's callbacks).
 """
 
 from __future__ import annotations
@@ -16,10 +18,19 @@ from typing import Any, Callable, Optional, Union
 import torch
 from torch import nn
 
+from lightning_mp.master.exact import exact_parameters, exact_weights
 from lightning_mp.master.flat import NORM_TYPES, MasterWeights, is_norm
 from lightning_mp.master.remainder import RemainderMasters
 
-__all__ = ["MasterWeights", "NORM_TYPES", "RemainderMasters", "is_norm", "masters_for"]
+__all__ = [
+    "MasterWeights",
+    "NORM_TYPES",
+    "RemainderMasters",
+    "exact_parameters",
+    "exact_weights",
+    "is_norm",
+    "masters_for",
+]
 
 #: What ``MixedPrecisionPlugin(master_weights=...)`` takes (a store built yourself is accepted too).
 MasterWeightsOption = Union[bool, str, dict[str, Any], None]

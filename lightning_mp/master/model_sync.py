@@ -27,7 +27,9 @@ one write the masters cannot follow (write ``with torch.no_grad(): p.copy_(t)`` 
 
 from __future__ import annotations
 
+import contextlib
 import operator
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -72,6 +74,7 @@ class ModelSync:
         self.store = store
         self.watch_objects = watch_objects
         self.started = False
+        self._paused = False  # inside exact_weights: the modules hold fp32 stand-ins, not a write
         #: refuse ``p.data = t`` of another dtype (under DDP: torch then drops the gradient accumulator DDP hooks)
         self.keep_dtypes = False
         self._params: list[nn.Parameter] = list(params.values())
@@ -153,7 +156,7 @@ class ModelSync:
     def follow(self) -> None:
         """Make the masters follow every write since the last record; raise :class:`ModelWriteError` for one that
         cannot be followed. Called before each update, before each save, at teardown."""
-        if not self.started or self.unchanged():
+        if not self.started or self._paused or self.unchanged():
             return
         replaced = self._put_back_replaced() if self.watch_objects else {}
         pointers = self._pointer_list()
@@ -210,6 +213,20 @@ class ModelSync:
             f"after setup, and the master weights cannot follow it: {problem}. {HOW_TO_WRITE} To change the model's "
             "structure, do it before the plugin sets the model up (before fabric.setup / in configure_model)."
         )
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """No following while inside: :func:`~lightning_mp.master.exact.exact_weights` has put fp32 stand-ins into
+        the modules and takes what was written into them itself on leaving."""
+        self._paused = True
+        try:
+            yield
+        finally:
+            self._paused = False
+
+    def tracks(self, param: Tensor) -> bool:
+        """Whether ``param`` is one of the converted parameters the masters belong to."""
+        return id(param) in self._index
 
     def name_of(self, param: Tensor) -> str:
         """The parameter's qualified name in the model (its first, for tied ones)."""
