@@ -20,6 +20,7 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
+from lightning_mp.diagnostics.half_failure import HalfPrecisionError
 from lightning_mp.diagnostics.history import LayerSample, OverflowRecord, RunHistory
 from lightning_mp.diagnostics.overflow import OverflowLocaliser, nonfinite_params
 from lightning_mp.diagnostics.underflow import (
@@ -270,6 +271,7 @@ class PrecisionMonitor(L.Callback):
     @override
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
         self.history.error = f"{type(exception).__name__}: {exception}"
+        self.history.half_failure = half_failure_of(exception)
         self._finish(trainer)
 
     def _finish(self, trainer: L.Trainer) -> None:
@@ -282,6 +284,17 @@ class PrecisionMonitor(L.Callback):
 
         self.history.save(self.log_dir)
         self.report_files = write_report(self.history, self.log_dir)
+
+
+def half_failure_of(exception: BaseException) -> dict[str, Any]:
+    """What a :class:`~lightning_mp.diagnostics.half_failure.HalfPrecisionError` in ``exception``'s chain found
+    (Lightning may wrap it), as a dict; empty when there is none."""
+    seen: Optional[BaseException] = exception
+    while seen is not None:
+        if isinstance(seen, HalfPrecisionError):
+            return seen.failure.to_dict()
+        seen = seen.__cause__ or seen.__context__
+    return {}
 
 
 def _our_scaler(trainer: L.Trainer) -> Any:
