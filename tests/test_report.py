@@ -159,5 +159,56 @@ def test_a_bf16_run_report_speaks_of_bf16_not_of_fp16_or_a_loss_scale(tmp_path):
     )
     text = render_markdown(monitor.history, png_error="(not drawn)")
     assert text.startswith("# Mixed-precision report\n\nbf16 run: 2 optimizer steps, 0 skipped")
-    assert "At the last sample (step 1, bf16), the 10 layers with the largest share of zero gradient values" in text
+    layers = monitor.history.samples[-1].layers
+    assert (
+        f"At the last sample (step 1, bf16), the {len(layers)} layers with the largest share of zero gradient" in text
+    )
+    assert _table_rows(text, "## Gradient underflow") == len(layers)  # the header counts the rows below it
     assert "fp16" not in text.split("## Causes")[0] and "2^0" not in text  # the legend lists every cause
+
+
+def _table_rows(text: str, section: str) -> int:
+    """The rows of the first table in ``section`` (header and separator not counted)."""
+    lines = text.split(section, 1)[1].split("\n## ", 1)[0].splitlines()
+    table = [line for line in lines if line.startswith("|")]
+    return len(table) - 2
+
+
+@pytest.mark.parametrize("count", [1, 9, 10, 11])
+def test_the_layers_header_counts_the_rows_it_heads(count):
+    from lightning_mp.diagnostics.run_report import render_markdown
+
+    layers = [f"layer{i}" for i in range(count)]
+    sample = LayerSample(0, 1024.0, "param_grads", layers, [[100.0, 1.0, 2.0, 3.0, 0.0, 10.0]] * count)
+    text = render_markdown(RunHistory(precision="fp16", steps=1, samples=[sample], sample_every=1), "(not drawn)")
+    rows = _table_rows(text, "## Gradient underflow")
+    assert rows == min(count, 10)
+    expected = {1: "the layer with", 9: "the 9 layers with", 10: "the 10 layers with", 11: "the 10 of 11 layers with"}
+    assert expected[count] in text
+
+
+def test_long_layer_names_leave_every_title_of_the_figure_inside_it(tmp_path):
+    matplotlib = pytest.importorskip("matplotlib")
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from lightning_mp.diagnostics import plots
+
+    history = _history()
+    for sample in history.samples:  # long names narrow the heatmaps, and their titles ran past the right edge
+        sample.layers = ["model.encoder.layer.11.attention.self.query_key_value.weight", "decoder.lstm.weight_hh_l0"]
+    seen = []
+    close = plt.close
+    plots_close = lambda figure: (seen.append(figure), None)[1]  # noqa: E731  keep the figure to measure it
+    plt.close = plots_close
+    try:
+        plots.plot_history(history, tmp_path / "report.png")
+    finally:
+        plt.close = close
+    figure = seen[0]
+    renderer = figure.canvas.get_renderer()
+    for axis in figure.axes:
+        box = axis.title.get_window_extent(renderer)
+        if axis.title.get_text():
+            assert 0 <= box.x0 and box.x1 <= figure.bbox.width, axis.title.get_text()
+    close(figure)

@@ -193,13 +193,13 @@ def _layers_section(history: RunHistory) -> list[str]:
     last = samples[-1]
     if history.precision == "fp16":
         lines += [
-            f"At the last sample (step {last.step}, scale {format_scale(last.scale)}), the {WORST_LAYERS} "
-            "layers with the largest share of values below fp16's normal range after scaling:",
+            f"At the last sample (step {last.step}, scale {format_scale(last.scale)}), {_which(last)} with the "
+            "largest share of values below fp16's normal range after scaling:",
             "",
         ]
     else:  # no loss scale, and a range as wide as fp32's: zeros are what is left to see
         lines += [
-            f"At the last sample (step {last.step}, {history.precision}), the {WORST_LAYERS} layers with the "
+            f"At the last sample (step {last.step}, {history.precision}), {_which(last)} with the "
             "largest share of zero gradient values:",
             "",
         ]
@@ -212,6 +212,13 @@ def _layers_section(history: RunHistory) -> list[str]:
             "",
         ] + _layer_table(activations[-1], history.precision)
     return lines + [""]
+
+
+def _which(sample: LayerSample) -> str:
+    """The header's count, from the rows :func:`_layer_table` writes: ``the 10 of 52 layers``, ``the 9 layers``."""
+    shown, total = min(WORST_LAYERS, len(sample.layers)), len(sample.layers)
+    noun = "layer" if total == 1 else "layers"
+    return f"the {shown} of {total} {noun}" if shown < total else f"the {total} {noun}" if total > 1 else "the layer"
 
 
 def _layer_table(sample: LayerSample, precision: str) -> list[str]:
