@@ -201,8 +201,10 @@ class RunHistory:
             )
         return cls(**data)
 
-    def save(self, directory: Union[str, Path]) -> Path:
-        path = Path(directory) / HISTORY_FILE
+    def save(self, directory: Union[str, Path], suffix: str = "") -> Path:
+        """Write ``precision_diagnostics{suffix}.json`` into ``directory`` (``suffix``: ``"_1"`` for a second run
+        reported into the same directory, see :func:`lightning_mp.diagnostics.run_report.free_suffix`)."""
+        path = Path(directory) / HISTORY_FILE.replace(".json", f"{suffix}.json")
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(self.to_dict(), indent=1))
         return path
