@@ -186,6 +186,6 @@ def test_the_monitor_report_of_the_crashed_run_names_the_module_and_the_fix(tmp_
         fit(MixedPrecisionPlugin(), attention=False, callbacks=[monitor], default_root_dir=tmp_path)
     text = monitor.report_files.markdown.read_text()
     assert "Nothing to change" not in text
-    assert "1. **fp32_modules**: `policy: {fp32_modules: [LSTM]}" in text
+    assert '1. **fp32_modules**: `keep it in fp32 with MixedPrecisionPlugin(policy={"fp32_modules": ["LSTM"]})' in text
     assert "net.encoder.lstm (LSTM)" in text and "torch.lstm" in text
     assert monitor.history.half_failure["rule"] == "LSTM"

@@ -77,10 +77,8 @@ def _half_failure(history: RunHistory) -> Optional[Advice]:
         + (f" ({failure['where']})" if failure["where"] else "")
         + f": {failure['error']!r} in {failure['dtype']} on {failure['device']}."
     )
-    if not failure["rule"]:
-        return Advice("fp32_code", failure["fix"], evidence)
-    rule = failure["rule"]
-    return Advice("fp32_modules", f"policy: {{fp32_modules: [{rule}]}}  ({failure['fix']})", evidence)
+    # the fix as the error printed it: the whole policy line, the run's rules included
+    return Advice("fp32_modules" if failure["rule"] else "fp32_code", failure["fix"], evidence)
 
 
 def _fp32_modules(history: RunHistory) -> Optional[Advice]:
