@@ -3,6 +3,7 @@ kernel on the CPU (``nn.LSTM``), a constant that does not fit fp16 (``masked_fil
 module (qualified name and class), the op and the cast-policy line that fixes it, is raised from the original, and
 following it trains (Trainer and Fabric; masters off and on); errors of another kind pass through untouched."""
 
+import pickle
 from typing import Any, Optional
 
 import lightning as L
@@ -94,6 +95,7 @@ def test_lstm_under_fp16_on_cpu_names_the_module_the_op_and_the_policy_line():
     original = caught.value.__cause__
     assert type(original) is RuntimeError and "primitive descriptor for the LSTM forward" in str(original)
     failure = caught.value.failure
+    assert str(pickle.loads(pickle.dumps(caught.value))) == message  # a spawned rank's error reaches the parent
     assert (failure.kind, failure.module, failure.module_class, failure.rule) == ("no_kernel", "net.encoder.lstm",
                                                                                   "LSTM", "LSTM")  # fmt: skip
 

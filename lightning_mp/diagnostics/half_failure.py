@@ -93,6 +93,9 @@ class HalfPrecisionError(RuntimeError):
         super().__init__(failure.message())
         self.failure = failure
 
+    def __reduce__(self) -> Any:  # pickled whole (a spawned rank's error reaches the parent process)
+        return type(self), (self.failure,)
+
 
 class ExplainingAutocast(torch.autocast):
     """``torch.autocast`` that turns a half-precision failure leaving the forward into :class:`HalfPrecisionError`
