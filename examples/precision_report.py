@@ -13,7 +13,6 @@ again), samples per-layer gradient statistics every 10 steps, and after fit writ
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
 import lightning as L
 import torch
@@ -61,7 +60,7 @@ def main() -> None:
     torch.manual_seed(0)
     scaler = DynamicLossScaler(init_scale=args.init_scale, growth_interval=50)
     plugin = MixedPrecisionPlugin(scaler=scaler, policy={"fp32_modules": args.fp32_modules})
-    monitor = PrecisionMonitor(sample_every=10)  # the default is 100; a short run samples more often
+    monitor = PrecisionMonitor(sample_every=10)  # the default samples every 100 steps, at least 5 times in a short run
     trainer = L.Trainer(
         accelerator="cpu",
         max_steps=args.steps,
@@ -78,7 +77,8 @@ def main() -> None:
     print(f"{history.steps} steps, {len(history.skipped)} skipped; final loss scale {scaler.scale:g}")
     for advice in advise(history):
         print(f"advice [{advice.rule}]: {advice.change}\n  evidence: {advice.evidence}")
-    print(f"report: {Path(monitor.log_dir) / 'precision_report.md'} and precision_report.png")
+    files = monitor.report_files  # precision_report_1.md, ... when the directory holds an earlier run's report
+    print(f"report: {files.markdown} and {files.png.name if files.png else '(no figure)'}")
 
 
 if __name__ == "__main__":

@@ -70,8 +70,11 @@ def warn_fp16_on_cpu() -> None:
         _WARNED_FP16_ON_CPU = True
         rank_zero_warn(
             "MixedPrecisionPlugin(precision='16-mixed') runs real fp16 autocast on CPU. CPUs have no fast fp16 "
-            "matmul kernels: expect it to be many times slower than fp32. On CPUs with native bf16 (AVX512-BF16 "
-            "or AMX), precision='bf16-mixed' is the fast choice; on others, fp32 is (see benchmarks/RESULTS.md)."
+            "matmul kernels: expect it to be many times slower than fp32. Some ops have no fp16 CPU kernel at all "
+            "(nn.LSTM among them) and stop the first forward with an error naming the module and the cast-policy "
+            "line that runs it in fp32 (policy={'fp32_modules': ['LSTM']}). On CPUs with native bf16 (AVX512-BF16 "
+            "or AMX: lscpu lists avx512_bf16 or amx_bf16), precision='bf16-mixed' is the fast choice; on others, "
+            "fp32 is."
         )
 
 

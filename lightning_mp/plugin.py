@@ -25,6 +25,7 @@ from typing_extensions import override
 
 from lightning_mp import stepping
 from lightning_mp.callbacks.averaging import adapt_averaging_callbacks, restore_averaging_callbacks
+from lightning_mp.diagnostics.half_failure import ExplainingAutocast
 from lightning_mp.distributed import GradientSync, mixed_precision_policy, sync_for
 from lightning_mp.distributed.shard import fsdp2_shard
 from lightning_mp.distributed.sync import reduce_dtype_of
@@ -257,8 +258,10 @@ class MixedPrecisionPlugin(FabricHooks, Precision):  # FabricHooks: the hooks as
 
     # ------------------------------------------------------------------ forward and backward
     def autocast_context_manager(self) -> torch.autocast:
-        """The ``torch.autocast`` context used for every forward (train, validation, test, predict)."""
-        return torch.autocast(self.device_type, dtype=self.dtype, cache_enabled=False)
+        """The ``torch.autocast`` context used for every forward (train, validation, test, predict). An op that
+        cannot run in half precision leaves it as a :class:`~lightning_mp.diagnostics.half_failure.
+        HalfPrecisionError` naming the module, the op and the policy line that fixes it (nothing runs otherwise)."""
+        return ExplainingAutocast(self.device_type, self.dtype, self._effective_policy)
 
     @override
     def forward_context(self) -> Any:  # a context manager

@@ -535,3 +535,23 @@ def test_a_tied_parameter_stays_fp32_under_every_name_when_a_module_holding_it_i
     assert plugin.masters.master_of(model.embed.weight) is None  # an fp32 parameter is trained as it is
     assert plugin.scaler.skipped_steps == 0
     torch.testing.assert_close(model.embed.weight, reference.embed.weight, rtol=0, atol=1e-3)
+
+
+@pytest.mark.parametrize("masters", [True, "remainder"])
+@pytest.mark.parametrize("rule", ["block", "blo*"])  # a name and a glob on the parent
+def test_a_module_inside_an_fp32_module_keeps_fp32_parameters(masters, rule):
+    """The policy runs an fp32 module's whole subtree in fp32 (autocast off, inputs upcast), so the layers inside it
+    keep fp32 parameters too; before, an fp16 Linear inside met fp32 inputs: "expected m1 and m2 to have the same
+    dtype"."""
+    precision = "16-mixed" if masters is True else "bf16-mixed"
+    with seeded(0):
+        model = TinyRegressor()
+        model.block = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4))
+    model.forward = lambda x: model.net(model.block(x))  # type: ignore[method-assign]
+    seen: dict[str, torch.dtype] = {}  # while training (after fit the model holds the masters again)
+    for name in ("block.0", "block.2", "net.0"):
+        layer = model.get_submodule(name)
+        layer.register_forward_pre_hook(lambda mod, args, name=name: seen.setdefault(name, mod.weight.dtype) and None)
+    plugin = MixedPrecisionPlugin(precision, master_weights=masters, policy={"fp32_modules": [rule]})
+    make_trainer(plugin, max_steps=2).fit(model, regression_loader())
+    assert seen == {"block.0": torch.float32, "block.2": torch.float32, "net.0": plugin.dtype}

@@ -32,9 +32,6 @@ EXTRAS = PYPROJECT["project"]["optional-dependencies"]
 APACHE_2_SHA256 = "cfc7749b96f63bd31c3c42b5c471bf756814053e847c10f3eb003417bc523d30"
 #: Paths of the repository that no wheel carries; a message that names one sends a wheel user nowhere.
 REPOSITORY_ONLY = re.compile(r"\b(RESULTS\.md|HISTORY\.md|CHANGELOG|benchmarks/|docs/|examples/|tests/|configs/)")
-#: Messages known to name such a path, and why they are not changed here: the fp16-on-CPU warning of forward.py is
-#: being rewritten (issue 36, item 2) on another branch; remove the entry when that lands.
-KNOWN = {("forward.py", "(see benchmarks/RESULTS.md)")}
 
 
 @functools.cache
@@ -83,7 +80,7 @@ def test_no_message_points_to_a_file_a_wheel_lacks():
         f"{path.relative_to(ROOT)}:{line}: {text[:120]!r}"
         for path in sorted(PACKAGE.rglob("*.py"))
         for line, text in _strings(path, docstrings=False)
-        if REPOSITORY_ONLY.search(text) and not any(path.name == name and part in text for name, part in KNOWN)
+        if REPOSITORY_ONLY.search(text)
     ]
     assert not found, "messages that name a file of the repository, which an installed wheel lacks:\n" + "\n".join(
         found

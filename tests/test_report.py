@@ -3,6 +3,7 @@ the Markdown is still written and says how to get the figure."""
 
 import math
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -159,5 +160,108 @@ def test_a_bf16_run_report_speaks_of_bf16_not_of_fp16_or_a_loss_scale(tmp_path):
     )
     text = render_markdown(monitor.history, png_error="(not drawn)")
     assert text.startswith("# Mixed-precision report\n\nbf16 run: 2 optimizer steps, 0 skipped")
-    assert "At the last sample (step 1, bf16), the 10 layers with the largest share of zero gradient values" in text
+    layers = monitor.history.samples[-1].layers
+    assert (
+        f"At the last sample (step 1, bf16), the {len(layers)} layers with the largest share of zero gradient" in text
+    )
+    assert _table_rows(text, "## Gradient underflow") == len(layers)  # the header counts the rows below it
     assert "fp16" not in text.split("## Causes")[0] and "2^0" not in text  # the legend lists every cause
+
+
+def _table_rows(text: str, section: str) -> int:
+    """The rows of the first table in ``section`` (header and separator not counted)."""
+    lines = text.split(section, 1)[1].split("\n## ", 1)[0].splitlines()
+    table = [line for line in lines if line.startswith("|")]
+    return len(table) - 2
+
+
+@pytest.mark.parametrize("count", [1, 9, 10, 11])
+def test_the_layers_header_counts_the_rows_it_heads(count):
+    from lightning_mp.diagnostics.run_report import render_markdown
+
+    layers = [f"layer{i}" for i in range(count)]
+    sample = LayerSample(0, 1024.0, "param_grads", layers, [[100.0, 1.0, 2.0, 3.0, 0.0, 10.0]] * count)
+    text = render_markdown(RunHistory(precision="fp16", steps=1, samples=[sample], sample_every=1), "(not drawn)")
+    rows = _table_rows(text, "## Gradient underflow")
+    assert rows == min(count, 10)
+    expected = {1: "the layer with", 9: "the 9 layers with", 10: "the 10 layers with", 11: "the 10 of 11 layers with"}
+    assert expected[count] in text
+
+
+def test_long_layer_names_leave_every_title_of_the_figure_inside_it(tmp_path):
+    matplotlib = pytest.importorskip("matplotlib")
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from lightning_mp.diagnostics import plots
+
+    history = _history()
+    for sample in history.samples:  # long names narrow the heatmaps, and their titles ran past the right edge
+        sample.layers = ["model.encoder.layer.11.attention.self.query_key_value.weight", "decoder.lstm.weight_hh_l0"]
+    seen = []
+    close = plt.close
+    plots_close = lambda figure: (seen.append(figure), None)[1]  # noqa: E731  keep the figure to measure it
+    plt.close = plots_close
+    try:
+        plots.plot_history(history, tmp_path / "report.png")
+    finally:
+        plt.close = close
+    figure = seen[0]
+    renderer = figure.canvas.get_renderer()
+    for axis in figure.axes:
+        box = axis.title.get_window_extent(renderer)
+        if axis.title.get_text():
+            assert box.x0 >= 0 and box.x1 <= figure.bbox.width, axis.title.get_text()
+    close(figure)
+
+
+def _fit_tiny(callbacks, steps=2, **kwargs):
+    from lightning_mp import MixedPrecisionPlugin
+    from tests.helpers import TinyRegressor, make_trainer, regression_loader
+
+    trainer = make_trainer(MixedPrecisionPlugin("bf16-mixed"), callbacks=callbacks, max_steps=steps, **kwargs)
+    trainer.fit(TinyRegressor(), regression_loader())
+    return trainer
+
+
+def test_reports_never_land_loose_in_the_working_directory(tmp_path, monkeypatch):
+    from lightning.pytorch.loggers import CSVLogger
+
+    monkeypatch.chdir(tmp_path)
+    _fit_tiny([PrecisionMonitor(sample_every=1)])  # logger=False, no default_root_dir: both are the cwd
+    assert (tmp_path / "precision_reports" / "precision_report.md").is_file()
+    assert not (tmp_path / "precision_report.md").exists()
+    # a logger writing into the working directory (scvi-tools: save_dir=os.getcwd()): the default_root_dir
+    logger = CSVLogger(save_dir=tmp_path, name="", version="")
+    assert Path(logger.log_dir) == tmp_path
+    _fit_tiny([PrecisionMonitor(sample_every=1)], logger=logger, default_root_dir=tmp_path / "root")
+    assert (tmp_path / "root" / "precision_report.md").is_file()
+
+
+def test_a_second_run_into_the_same_directory_keeps_the_first_report(tmp_path):
+    first = PrecisionMonitor(sample_every=1)
+    _fit_tiny([first], default_root_dir=tmp_path)
+    before = first.report_files.markdown.read_text()
+    second = PrecisionMonitor(sample_every=1)
+    _fit_tiny([second], steps=3, default_root_dir=tmp_path)
+    assert first.report_files.markdown.read_text() == before  # not overwritten
+    assert second.report_files.markdown.name == "precision_report_1.md"
+    text = second.report_files.markdown.read_text()
+    assert "bf16 run: 3 optimizer steps" in text and "(precision_report_1.png)" in text
+    assert second.report_files.png.name == "precision_report_1.png" and second.report_files.png.is_file()
+    assert RunHistory.load(tmp_path / "precision_diagnostics_1.json").steps == 3
+    assert RunHistory.load(tmp_path).steps == 2  # the directory's first report, as before
+
+
+def test_a_short_run_gets_at_least_five_gradient_samples_with_the_default_sample_every(tmp_path):
+    from lightning_mp.diagnostics.monitor import sampling_interval
+
+    assert [sampling_interval(100, n) for n in (36, 4, 500, 10_000, math.inf)] == [7, 1, 100, 100, 100]
+    assert sampling_interval(0, 36) == 0
+    monitor = PrecisionMonitor(report=False)  # sample_every=None: 100, or fewer in a short run
+    _fit_tiny([monitor], steps=36, default_root_dir=tmp_path, max_epochs=10)  # 8 batches an epoch: 36 steps
+    assert [s.step for s in monitor.history.samples_of("param_grads")] == [0, 7, 14, 21, 28, 35]
+    assert monitor.history.sample_every == 7
+    explicit = PrecisionMonitor(sample_every=100, report=False)  # a number is taken as given
+    _fit_tiny([explicit], steps=12, default_root_dir=tmp_path)
+    assert [s.step for s in explicit.history.samples_of("param_grads")] == [0]

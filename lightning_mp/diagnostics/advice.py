@@ -2,6 +2,10 @@
 
 Each rule looks for one symptom and, when it finds it, says which setting to change and quotes the data:
 
+- ``fp32_modules`` (a crashed run): the run ended with a :class:`~lightning_mp.diagnostics.half_failure.
+  HalfPrecisionError` (an op with no half kernel, a constant beyond the half range) -> run that module in fp32
+  (``fp32_code`` when the code is in ``training_step`` or the root module, which no module rule reaches).
+
 - ``fp32_modules``: one module was where the inf/NaN was born in most skipped steps, and it overflows half
   precision even without the loss scale -> run it in fp32 with a casting-policy rule.
   When that place is ``training_step``'s own code (or the root module's ``forward``), which no module rule reaches,
@@ -61,6 +65,20 @@ class Advice:
 def advise(history: RunHistory) -> list[Advice]:
     """Every rule that fires on ``history``, in the order of the module docstring."""
     return [advice for rule in RULES if (advice := rule(history)) is not None]
+
+
+def _half_failure(history: RunHistory) -> Optional[Advice]:
+    failure = history.half_failure
+    if not failure:
+        return None
+    place = f"{failure['module']} ({failure['module_class']})" if failure["module"] else failure["module_class"]
+    evidence = (
+        f"the run ended at {place}, op {failure['op']}"
+        + (f" ({failure['where']})" if failure["where"] else "")
+        + f": {failure['error']!r} in {failure['dtype']} on {failure['device']}."
+    )
+    # the fix as the error printed it: the whole policy line, the run's rules included
+    return Advice("fp32_modules" if failure["rule"] else "fp32_code", failure["fix"], evidence)
 
 
 def _fp32_modules(history: RunHistory) -> Optional[Advice]:
@@ -249,6 +267,7 @@ def _steps(steps: list[int], shown: int = 8) -> str:
 
 
 RULES: list[Callable[[RunHistory], Optional[Advice]]] = [
+    _half_failure,
     _fp32_modules,
     _init_scale,
     _hysteresis,

@@ -71,7 +71,8 @@ class FabricPrecisionMonitor:
 
     Args:
         loss_fn: ``loss_fn(model, batch) -> loss``, as the loop computes it: used to replay a skipped step.
-        log_dir: where rank 0 writes the report (default ``"."``).
+        log_dir: where rank 0 writes the report (default ``"."``: the working directory, where the report goes into
+            ``precision_reports/``; a later run's files get ``_1``, ``_2``, ... and never overwrite an earlier one).
         monitor_options: :class:`~lightning_mp.PrecisionMonitor`'s ``localise_overflows``, ``sample_every``,
             ``log_top``, ``report`` (validated there).
     """
@@ -82,6 +83,7 @@ class FabricPrecisionMonitor:
         self.monitor = PrecisionMonitor(**monitor_options)
         self.loss_fn = loss_fn
         self.log_dir = Path(log_dir)
+        self._suffix: Optional[str] = None
         self.step = 0
         self.report_files: Any = None
         self._plugin: Any = None
@@ -103,7 +105,7 @@ class FabricPrecisionMonitor:
         monitor = self.monitor
         dtype = getattr(plugin, "dtype", torch.float32)
         precision = {torch.float16: "fp16", torch.bfloat16: "bf16"}.get(dtype, "fp32")
-        monitor.history = RunHistory(precision=precision, sample_every=monitor.sample_every)
+        monitor.history = RunHistory(precision=precision, sample_every=monitor._every)
         monitor._names = names_of_params(inner, getattr(plugin, "masters", None))
         scaler = getattr(plugin, "scaler", None)
         if scaler is not None:
@@ -122,7 +124,7 @@ class FabricPrecisionMonitor:
             self.history.record_scale(self.step, float(scaler.scale))
         if self._plugin is not None and self.monitor.localise_overflows:
             self.monitor._localiser.remember(batch, batch_idx, self._device)
-        every = self.monitor.sample_every
+        every = self.monitor._every  # sample_every=None: 100 (a Fabric loop's length is not known here)
         self._sampling = bool(every) and self.step // every != self._bucket
 
     def on_after_optimizer_step(self, strategy: Any, optimizer: Any) -> None:
@@ -130,7 +132,7 @@ class FabricPrecisionMonitor:
         self.history.steps += 1
         self.monitor._localiser.step_decided()
         if self._sampling:
-            self._bucket = self.step // self.monitor.sample_every
+            self._bucket = self.step // self.monitor._every
             self._sample(optimizer)
             self._sampling = False
         scaler = getattr(self._plugin, "scaler", None)
@@ -144,10 +146,12 @@ class FabricPrecisionMonitor:
         if self._on_skip in observers:
             observers.remove(self._on_skip)
         if self.monitor.write_report and self._rank_zero:
-            from lightning_mp.diagnostics.run_report import write_report
+            from lightning_mp.diagnostics.run_report import free_suffix, report_directory, write_run
 
-            self.history.save(self.log_dir)
-            self.report_files = write_report(self.history, self.log_dir)
+            directory = report_directory(self.log_dir)  # never loose in the working directory
+            if self._suffix is None:  # once per run: a second call replaces this run's files only
+                self._suffix = free_suffix(directory)
+            self.report_files = write_run(self.history, directory, self._suffix)
 
     # ------------------------------------------------------------------ what they do
     def _sample(self, optimizer: Any) -> None:

@@ -146,7 +146,9 @@ class RunHistory:
     ``precision`` is ``"fp16"``, ``"bf16"`` or ``"fp32"``; ``scaler`` holds the scaler's settings (empty without
     one); ``scale_changes`` lists ``(step, scale)`` for the first step and every change; ``skipped`` the optimizer
     steps that were skipped; ``steps`` the number of optimizer steps seen; ``error`` the message of an error that
-    ended the run (e.g. the scaler's ``FloatingPointError`` at ``min_scale``).
+    ended the run (e.g. the scaler's ``FloatingPointError`` at ``min_scale``); ``half_failure`` what a
+    :class:`~lightning_mp.diagnostics.half_failure.HalfPrecisionError` that ended it found (its
+    :class:`~lightning_mp.diagnostics.half_failure.HalfFailure` as a dict; empty otherwise).
     """
 
     precision: str = "fp32"
@@ -158,6 +160,7 @@ class RunHistory:
     samples: list[LayerSample] = field(default_factory=list)
     sample_every: int = 0
     error: str = ""
+    half_failure: dict[str, Any] = field(default_factory=dict)
     # --- fp8 (lightning_mp.fp8.stats): the recipe and the sampled statistics of the fp8 casts, as plain dicts
     fp8_recipe: str = ""
     fp8_samples: list[dict[str, Any]] = field(default_factory=list)
@@ -198,8 +201,10 @@ class RunHistory:
             )
         return cls(**data)
 
-    def save(self, directory: Union[str, Path]) -> Path:
-        path = Path(directory) / HISTORY_FILE
+    def save(self, directory: Union[str, Path], suffix: str = "") -> Path:
+        """Write ``precision_diagnostics{suffix}.json`` into ``directory`` (``suffix``: ``"_1"`` for a second run
+        reported into the same directory, see :func:`lightning_mp.diagnostics.run_report.free_suffix`)."""
+        path = Path(directory) / HISTORY_FILE.replace(".json", f"{suffix}.json")
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(self.to_dict(), indent=1))
         return path

@@ -12,16 +12,19 @@ without a sync, so the statistics are taken at scale 1, and skipped steps are ne
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import lightning as L
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from typing_extensions import override
 
+from lightning_mp.diagnostics.half_failure import HalfPrecisionError
 from lightning_mp.diagnostics.history import LayerSample, OverflowRecord, RunHistory
 from lightning_mp.diagnostics.overflow import OverflowLocaliser, nonfinite_params
+from lightning_mp.diagnostics.run_report import free_suffix, report_directory, write_run
 from lightning_mp.diagnostics.underflow import (
     ActivationGradStats,
     grouped_stats,
@@ -34,6 +37,9 @@ from lightning_mp.diagnostics.underflow import (
 from lightning_mp.fp8.stats import Fp8Sampler, sample_record
 from lightning_mp.settings import SETTING_NAMES
 
+#: ``sample_every=None``: sample every this many optimizer steps, lowered so a run of known length gets MIN_SAMPLES
+DEFAULT_SAMPLE_EVERY = 100
+MIN_SAMPLES = 5
 #: the scaler state the report shows: the scale and the settings (the counters come from the run itself)
 REPORT_SCALER_KEYS = ("scale", *(name for name in SETTING_NAMES if name != "enabled"))
 
@@ -51,20 +57,24 @@ class PrecisionMonitor(L.Callback):
             ``True``; costs nothing on other steps).
         sample_every: every this many optimizer steps, per-layer gradient statistics: zeros, values that are fp16
             subnormals or flush to zero after scaling, the largest magnitude and the headroom before fp16's 65504
-            (default ``100``; ``0`` turns sampling off). One host sync per sampled step.
+            (``0`` turns sampling off). One host sync per sampled step. Default ``None``: every 100 steps, or every
+            ``steps // 5`` in a run shorter than 500 optimizer steps (``trainer.estimated_stepping_batches``), so
+            that a short run gets at least five samples. A number is taken as given.
         activation_grads: on sampled steps, the same statistics for the gradients of every leaf module's output
             (default ``False``: it hooks every leaf module during the sampled step's backward).
         log_top: how many of the worst layers / most overflowing modules are logged as scalars (default ``5``).
         report: after ``fit`` (or when it fails), rank 0 writes ``precision_diagnostics.json``, ``precision_report.md``
-            and ``precision_report.png`` into the run's log directory (default ``True``). See
-            :func:`lightning_mp.diagnostics.report`.
+            and ``precision_report.png`` into the run's log directory (default ``True``): ``trainer.log_dir``, or
+            ``default_root_dir`` when that is the working directory, or ``./precision_reports`` when both are. A
+            directory that holds an earlier run's report gets ``precision_report_1.md`` (``_2``, ...): nothing is
+            overwritten. See :func:`lightning_mp.diagnostics.report`.
     """
 
     def __init__(
         self,
         prog_bar: bool = True,
         localise_overflows: bool = True,
-        sample_every: int = 100,
+        sample_every: Optional[int] = None,
         activation_grads: bool = False,
         log_top: int = 5,
         report: bool = True,
@@ -77,7 +87,7 @@ class PrecisionMonitor(L.Callback):
         ):
             if not isinstance(value, bool):
                 raise ValueError(f"PrecisionMonitor({name}={value!r}): must be True or False.")
-        for name, value in (("sample_every", sample_every), ("log_top", log_top)):
+        for name, value in (("sample_every", 0 if sample_every is None else sample_every), ("log_top", log_top)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"PrecisionMonitor({name}={value!r}): must be an integer >= 0 (0 turns it off).")
         self.prog_bar = prog_bar
@@ -98,6 +108,8 @@ class PrecisionMonitor(L.Callback):
         self._sampled_bucket = -1
         self._overflow_counts: dict[str, int] = {}
         self._last_logged: dict[str, float] = {}
+        self._suffix: Optional[str] = None  # the report's file suffix in log_dir, chosen at the first write of a fit
+        self._every = DEFAULT_SAMPLE_EVERY if sample_every is None else sample_every  # None: set at on_train_start
 
     # ------------------------------------------------------------------ setup and teardown
     @override
@@ -105,11 +117,13 @@ class PrecisionMonitor(L.Callback):
         if stage != "fit":
             return
         plugin = trainer.precision_plugin
-        self.history = RunHistory(precision=_precision_of(trainer), sample_every=self.sample_every)
+        self._every = DEFAULT_SAMPLE_EVERY if self.sample_every is None else self.sample_every
+        self.history = RunHistory(precision=_precision_of(trainer), sample_every=self._every)
         self.history.fp8_recipe = getattr(getattr(plugin, "fp8", None), "recipe", "")
         self._overflow_counts, self._sampled_bucket, self._sampling, self._last_logged = {}, -1, False, {}
+        self._suffix = None
         self._localiser.forget()
-        if self.sample_every and getattr(plugin, "optimizer_in_backward", False):
+        if self._every and getattr(plugin, "optimizer_in_backward", False):
             rank_zero_warn(
                 "PrecisionMonitor: with optimizer_in_backward=True each parameter's gradient is freed inside backward, "
                 "so the per-layer gradient statistics (sample_every) find none; activation_grads=True still samples "
@@ -124,11 +138,18 @@ class PrecisionMonitor(L.Callback):
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         # after the plugin connected (masters exist); log_dir broadcasts, so every rank asks here, together
         self._names = names_of_params(pl_module, getattr(trainer.precision_plugin, "masters", None))
-        self.log_dir = Path(trainer.log_dir or trainer.default_root_dir)
+        self.log_dir = report_directory(trainer.log_dir, trainer.default_root_dir)
         scaler = _our_scaler(trainer)
         if scaler is not None:
             state = scaler.state_dict()
             self.history.scaler = {key: state[key] for key in REPORT_SCALER_KEYS}
+
+    @override
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        # sample_every=None: a run of fewer than MIN_SAMPLES * 100 optimizer steps samples every total // MIN_SAMPLES
+        if self.sample_every is None:
+            self._every = sampling_interval(DEFAULT_SAMPLE_EVERY, trainer.estimated_stepping_batches)
+            self.history.sample_every = self._every
 
     @override
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
@@ -149,8 +170,8 @@ class PrecisionMonitor(L.Callback):
             self.history.record_scale(trainer.global_step, float(scaler.scale))
         if self._plugin is not None and pl_module.automatic_optimization:  # manual: nothing is replayed
             self._localiser.remember(batch, batch_idx, pl_module.device)
-        if self.sample_every:
-            self._sampling = trainer.global_step // self.sample_every != self._sampled_bucket
+        if self._every:
+            self._sampling = trainer.global_step // self._every != self._sampled_bucket
             if self._sampling and self.activation_grads:
                 self._activations.arm(pl_module)
             if self._sampling:
@@ -161,7 +182,7 @@ class PrecisionMonitor(L.Callback):
         self.history.steps += 1
         self._localiser.step_decided()
         if self._sampling:
-            self._sampled_bucket = trainer.global_step // self.sample_every
+            self._sampled_bucket = trainer.global_step // self._every
             self._sample(trainer, optimizer)
 
     @override
@@ -270,6 +291,7 @@ class PrecisionMonitor(L.Callback):
     @override
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
         self.history.error = f"{type(exception).__name__}: {exception}"
+        self.history.half_failure = half_failure_of(exception)
         self._finish(trainer)
 
     def _finish(self, trainer: L.Trainer) -> None:
@@ -278,10 +300,28 @@ class PrecisionMonitor(L.Callback):
             self._fill_scale_after(float(scaler.scale))
         if not (self.write_report and trainer.is_global_zero and self.log_dir is not None):
             return
-        from lightning_mp.diagnostics.run_report import write_report
+        if self._suffix is None:  # chosen once per fit: a second write of this run replaces its own files only
+            self._suffix = free_suffix(self.log_dir)
+        self.report_files = write_run(self.history, self.log_dir, self._suffix)
 
-        self.history.save(self.log_dir)
-        self.report_files = write_report(self.history, self.log_dir)
+
+def sampling_interval(sample_every: int, total_steps: Union[int, float]) -> int:
+    """``sample_every``, or less for a run too short to sample :data:`MIN_SAMPLES` times with it: then every
+    ``total_steps // MIN_SAMPLES`` steps (at least 1). ``0`` stays off; an unknown length (inf) keeps it."""
+    if not sample_every or not math.isfinite(total_steps) or total_steps >= MIN_SAMPLES * sample_every:
+        return sample_every
+    return max(1, int(total_steps) // MIN_SAMPLES)
+
+
+def half_failure_of(exception: BaseException) -> dict[str, Any]:
+    """What a :class:`~lightning_mp.diagnostics.half_failure.HalfPrecisionError` in ``exception``'s chain found
+    (Lightning may wrap it), as a dict; empty when there is none."""
+    seen: Optional[BaseException] = exception
+    while seen is not None:
+        if isinstance(seen, HalfPrecisionError):
+            return seen.failure.to_dict()
+        seen = seen.__cause__ or seen.__context__
+    return {}
 
 
 def _our_scaler(trainer: L.Trainer) -> Any:

@@ -8,6 +8,7 @@ that instruction when it is missing, and the report writes its Markdown without 
 from __future__ import annotations
 
 import math
+import textwrap
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,8 @@ from lightning_mp.fp8.stats import shares as fp8_shares
 
 #: at most this many layers are drawn in a heatmap (the ones with the largest values, kept in model order)
 MAX_LAYERS = 40
+#: layer names longer than this are shown by their tail on the heatmaps' axes
+LABEL_CHARS = 40
 #: where an overflowed layer (infinite amax) is drawn on the headroom scale
 OVERFLOW_BITS = -1.0
 
@@ -112,9 +115,35 @@ def plot_history(history: RunHistory, path: Path) -> Path:
             low=0.0,
         )
     figure.tight_layout()
+    _fit_titles(figure, axes)
     figure.savefig(path, dpi=100)
     plt.close(figure)
     return path
+
+
+def _fit_titles(figure: Any, axes: list[Any]) -> None:
+    """Wrap each title that runs past the figure's edges (a long title above an axis narrowed by long layer names)
+    onto as many lines as it needs, then lay the figure out again for the taller titles."""
+    renderer = figure.canvas.get_renderer()
+    wrapped = False
+    for axis in axes:
+        title = axis.title
+        text = title.get_text()
+        box = title.get_window_extent(renderer)
+        axis_box = axis.get_window_extent(renderer)  # the title is centred over its axis
+        room = min(figure.bbox.width, axis_box.width + 2 * min(axis_box.x0, figure.bbox.width - axis_box.x1))
+        if box.width <= room or not text:
+            continue
+        chars = max(20, int(len(text) * room / box.width) - 2)
+        title.set_text(textwrap.fill(text, chars))
+        wrapped = True
+    if wrapped:
+        figure.tight_layout()
+
+
+def _label(name: str, chars: int = LABEL_CHARS) -> str:
+    """A layer's name for an axis, its tail kept when it is long (the end tells layers apart)."""
+    return name if len(name) <= chars else "..." + name[-(chars - 3) :]
 
 
 def _finite_or(value: Any, default: float) -> float:
@@ -188,7 +217,9 @@ def _heatmap(
     ticks = list(range(0, len(steps), max(1, math.ceil(len(steps) / 12))))
     axis.set_xticks(ticks, [str(steps[t]) for t in ticks], fontsize=7)
     axis.set_yticks(
-        range(len(chosen)), [layers[i] or "(root)" for i in chosen], fontsize=max(4, min(8, 400 // max(len(chosen), 1)))
+        range(len(chosen)),
+        [_label(layers[i]) or "(root)" for i in chosen],
+        fontsize=max(4, min(8, 400 // max(len(chosen), 1))),
     )
     axis.set_xlabel("sampled optimizer step")
     axis.set_title(title, fontsize=10)

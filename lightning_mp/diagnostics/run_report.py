@@ -63,10 +63,45 @@ def _from_trainer(trainer: Any) -> tuple[RunHistory, Path]:
     )
 
 
-def write_report(history: RunHistory, directory: Path) -> ReportFiles:
-    """Write the Markdown (always) and the PNG (when matplotlib is installed) into ``directory``."""
+#: where reports go when the run's log directory is the working directory (they never land loose there)
+REPORTS_DIR = "precision_reports"
+
+
+def report_directory(*candidates: Union[str, Path, None]) -> Path:
+    """The first of ``candidates`` (the run's log directory, then its root directory) that is not the working
+    directory; when each is (``logger=False`` without ``default_root_dir``, or a logger writing to ``os.getcwd()``
+    as scvi-tools' does), ``./precision_reports``."""
+    cwd = Path.cwd().resolve()
+    for candidate in candidates:
+        if candidate and Path(candidate).resolve() != cwd:
+            return Path(candidate)
+    return cwd / REPORTS_DIR
+
+
+def free_suffix(directory: Path) -> str:
+    """``""`` when ``directory`` holds no earlier report, else ``"_1"``, ``"_2"``, ...: the first suffix for which
+    none of ``precision_diagnostics{suffix}.json``, ``precision_report{suffix}.md`` and ``.png`` exists, so a run
+    never overwrites an earlier run's report."""
+    index = 0
+    while True:
+        suffix = f"_{index}" if index else ""
+        names = (HISTORY_FILE, MARKDOWN_FILE, PNG_FILE)
+        if not any((directory / name.replace(".", f"{suffix}.", 1)).exists() for name in names):
+            return suffix
+        index += 1
+
+
+def write_run(history: RunHistory, directory: Path, suffix: str) -> ReportFiles:
+    """Save ``history`` and write its report into ``directory``, every file name ending in ``suffix``."""
+    history.save(directory, suffix)
+    return write_report(history, directory, suffix)
+
+
+def write_report(history: RunHistory, directory: Path, suffix: str = "") -> ReportFiles:
+    """Write the Markdown (always) and the PNG (when matplotlib is installed) into ``directory``, as
+    ``precision_report{suffix}.md`` and ``.png``."""
     directory.mkdir(parents=True, exist_ok=True)
-    png: Optional[Path] = directory / PNG_FILE
+    png: Optional[Path] = directory / PNG_FILE.replace(".", f"{suffix}.", 1)
     png_error = ""
     try:
         from lightning_mp.diagnostics.plots import plot_history
@@ -74,24 +109,26 @@ def write_report(history: RunHistory, directory: Path) -> ReportFiles:
         plot_history(history, png)
     except ImportError as error:
         png, png_error = None, str(error)
-    markdown = directory / MARKDOWN_FILE
-    markdown.write_text(render_markdown(history, png_error))
+    markdown = directory / MARKDOWN_FILE.replace(".", f"{suffix}.", 1)
+    markdown.write_text(render_markdown(history, png_error, png_name=PNG_FILE.replace(".", f"{suffix}.", 1)))
     return ReportFiles(markdown, png, png_error)
 
 
-def render_markdown(history: RunHistory, png_error: str = "") -> str:
+def render_markdown(history: RunHistory, png_error: str = "", png_name: str = PNG_FILE) -> str:
     lines = ["# Mixed-precision report", "", _summary(history), ""]
     if history.error:
         lines += [f"**The run ended with an error:** `{history.error.splitlines()[0][:300]}`", ""]
     lines += [
-        f"![loss scale and per-layer gradient statistics]({PNG_FILE})"
+        f"![loss scale and per-layer gradient statistics]({png_name})"
         if not png_error
         else f"(No figure: {png_error})",
         "",
     ]
     lines += ["## Advice", ""]
     advice = advise(history)
-    if not advice:
+    if not advice and history.error:
+        lines += ["No rule covers the error that ended this run (above): fix it first, then read a new report.", ""]
+    elif not advice:
         lines += [
             "Nothing to change: no rule found its symptom in this run (see "
             "`lightning_mp/diagnostics/advice.py` for the rules and thresholds).",
@@ -193,13 +230,13 @@ def _layers_section(history: RunHistory) -> list[str]:
     last = samples[-1]
     if history.precision == "fp16":
         lines += [
-            f"At the last sample (step {last.step}, scale {format_scale(last.scale)}), the {WORST_LAYERS} "
-            "layers with the largest share of values below fp16's normal range after scaling:",
+            f"At the last sample (step {last.step}, scale {format_scale(last.scale)}), {_which(last)} with the "
+            "largest share of values below fp16's normal range after scaling:",
             "",
         ]
     else:  # no loss scale, and a range as wide as fp32's: zeros are what is left to see
         lines += [
-            f"At the last sample (step {last.step}, {history.precision}), the {WORST_LAYERS} layers with the "
+            f"At the last sample (step {last.step}, {history.precision}), {_which(last)} with the "
             "largest share of zero gradient values:",
             "",
         ]
@@ -212,6 +249,13 @@ def _layers_section(history: RunHistory) -> list[str]:
             "",
         ] + _layer_table(activations[-1], history.precision)
     return lines + [""]
+
+
+def _which(sample: LayerSample) -> str:
+    """The header's count, from the rows :func:`_layer_table` writes: ``the 10 of 52 layers``, ``the 9 layers``."""
+    shown, total = min(WORST_LAYERS, len(sample.layers)), len(sample.layers)
+    noun = "layer" if total == 1 else "layers"
+    return f"the {shown} of {total} {noun}" if shown < total else f"the {total} {noun}" if total > 1 else "the layer"
 
 
 def _layer_table(sample: LayerSample, precision: str) -> list[str]:

@@ -44,7 +44,8 @@ class MasterWeights:
     Args:
         dtype: ``torch.float16`` or ``torch.bfloat16``, the dtype the model runs in.
         keep_fp32: ``keep_fp32(qualified_name, module)`` is true for modules whose own parameters and
-            buffers stay fp32 (default: :func:`is_norm`). Their parameters are trained as they are.
+            buffers stay fp32 (default: :func:`is_norm`), and with them those of every module inside them (the
+            policy runs such a module's whole subtree in fp32). Their parameters are trained as they are.
 
     After :meth:`convert`, :attr:`model_sync` (a :class:`~lightning_mp.master.model_sync.ModelSync`) keeps the masters
     equal to whatever writes the model: loads into any submodule at once, other writes once started
@@ -73,6 +74,17 @@ class MasterWeights:
         self._optimizers: list[Optimizer] = []
 
     # ------------------------------------------------------------------ setup
+    def _kept_modules(self, module: nn.Module) -> dict[str, nn.Module]:
+        # a module kept in fp32 runs its whole subtree in fp32 (lightning_mp.forward.ModuleRules: autocast off,
+        # inputs upcast), so the modules inside it keep fp32 parameters too: an fp16 Linear inside an fp32 attention
+        # block would meet fp32 inputs with autocast off
+        kept: dict[str, nn.Module] = {}
+        for module_name, owner in module.named_modules():
+            inside = any(module_name.startswith(f"{name}.") or not name for name in kept)
+            if inside or self.keep_fp32(module_name, owner):
+                kept[module_name] = owner
+        return kept
+
     def convert(self, module: nn.Module) -> nn.Module:
         """Cast ``module``'s floating parameters and buffers to ``dtype`` in place, except ``keep_fp32`` ones.
 
@@ -85,14 +97,10 @@ class MasterWeights:
         if self._module is not None:
             self.restore()
         self._module = module
-        kept = {
-            id(param)
-            for module_name, owner in module.named_modules()
-            if self.keep_fp32(module_name, owner)
-            for param in owner.parameters(recurse=False)
-        }
+        kept_modules = self._kept_modules(module)
+        kept = {id(param) for owner in kept_modules.values() for param in owner.parameters(recurse=False)}
         for module_name, owner in module.named_modules():
-            if self.keep_fp32(module_name, owner):
+            if module_name in kept_modules:
                 continue
             prefix = f"{module_name}." if module_name else ""
             for _name, param in owner.named_parameters(recurse=False):
