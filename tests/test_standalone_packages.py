@@ -13,8 +13,6 @@ and the clipping modes are checked to clip at all (their run differs from the sa
 from __future__ import annotations
 
 import math
-import subprocess
-import sys
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -214,14 +212,27 @@ def test_precision_monitor_under_pytorch_lightning_records_the_skips_and_writes_
 def test_lightnings_own_plugin_is_refused_by_pytorch_lightning_with_the_message_the_docs_name():
     with pytest.raises(pl.utilities.exceptions.MisconfigurationException, match="Found invalid type for plugin"):
         pl.Trainer(plugins=[lightning_mp.MixedPrecisionPlugin("bf16-mixed")], logger=False)
+    with pytest.raises(TypeError, match="Found invalid type for plugin"):
+        lightning_fabric.Fabric(plugins=[lightning_mp.MixedPrecisionPlugin("bf16-mixed")])
     with pytest.raises(MisconfigurationException, match="Found invalid type for plugin"):  # and the other way round
         L.Trainer(plugins=[lightning_fabric.plugins.precision.Precision()], logger=False)
 
 
-def test_import_lightning_mp_does_not_import_the_standalone_packages():
-    code = "import sys, lightning_mp; print(sorted(m for m in ('pytorch_lightning', 'lightning_fabric') if m in sys.modules))"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "[]"
+def test_ddp_on_two_processes_under_pytorch_lightning_trains_bitwise_as_under_lightning(tmp_path):
+    from tests.distributed.common import load_ranks
+    from tests.distributed.launch import launch
+    from tests.distributed.standalone_checks import DDP_MODES
+
+    launch("standalone_checks.py", str(tmp_path), timeout=240)
+    for rank, results in enumerate(load_ranks(tmp_path)):
+        for name in DDP_MODES:
+            ours, reference = results[name, "pytorch_lightning"], results[name, "lightning"]
+            assert ours["world_size"] == reference["world_size"] == 2, (rank, name)
+            assert ours["sync"] == reference["sync"] == "DDPSync", (rank, name)  # the plugin knew the strategy
+            assert ours["lrs"] == reference["lrs"] and ours["skipped"] == reference["skipped"] == 2, (rank, name)
+            assert reference["weights"]
+            for key, value in reference["weights"].items():
+                assert torch.equal(ours["weights"][key], value), (rank, name, key)
 
 
 # ---------------------------------------------------------------------------------------------------- Fabric
