@@ -236,32 +236,38 @@ def test_ddp_on_two_processes_under_pytorch_lightning_trains_bitwise_as_under_li
 
 
 # ---------------------------------------------------------------------------------------------------- Fabric
-def fabric_run(fabric_class: Any, plugin: Any, tmp_path: Any, in_backward: bool = False) -> dict[str, torch.Tensor]:
+def _loss(model: nn.Module, batch: Any) -> torch.Tensor:
+    x, y = batch
+    return nn.functional.mse_loss(model(x).float(), y)
+
+
+def fabric_run(
+    fabric_class: Any, plugin: Any, tmp_path: Any, in_backward: bool = False, monitor: Any = None
+) -> dict[str, torch.Tensor]:
     """4 Fabric steps (one with an inf batch), clipping by value through ``fabric.clip_gradients`` unless the step
     runs in backward, a save after step 2 and a load into a fresh model: the loaded model's final weights."""
-    fabric = fabric_class(accelerator="cpu", devices=1, plugins=[plugin])
+    callbacks = [monitor] if monitor is not None else []
+    fabric = fabric_class(accelerator="cpu", devices=1, plugins=[plugin], callbacks=callbacks)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.05)
     model, optimizer = fabric.setup(model, optimizer)
-    for index, (x, y) in enumerate(loader()):
-        loss = nn.functional.mse_loss(model(x).float(), y)
-        fabric.backward(loss)
+    for index, batch in enumerate(loader()):
+        fabric.call("on_train_batch_start", batch=batch, batch_idx=index)
+        fabric.backward(_loss(model, batch))
         if not in_backward:
             fabric.clip_gradients(model, optimizer, clip_val=0.05)
         optimizer.step()
         optimizer.zero_grad()
         if index == 1:
             fabric.save(tmp_path / "state.ckpt", {"model": model, "optimizer": optimizer})
+    fabric.call("on_train_end")
     skipped = plugin.scaler.skipped_steps
     assert skipped >= 1 if plugin.precision == "16-mixed" else skipped == 1  # fp16: the scale's first backoffs too
     state = {"model": model, "optimizer": optimizer}
     fabric.load(tmp_path / "state.ckpt", state)  # the masters and the scaler come back as they were after step 2
-    return {
-        **weights(model),
-        "scale": plugin.scaler.state_dict()["scale"] * torch.ones(()),
-        "skipped": torch.tensor(skipped),
-    }
+    scale = plugin.scaler.state_dict()["scale"] * torch.ones(())
+    return {**weights(model), "scale": scale, "skipped": torch.tensor(skipped)}
 
 
 @pytest.mark.parametrize(
@@ -283,3 +289,33 @@ def test_lightning_fabric_trains_bitwise_as_lightnings_fabric(options, plugin_cl
     assert ours.keys() == reference.keys()
     for name, value in reference.items():
         assert torch.equal(ours[name], value), name
+
+
+def test_fabric_precision_monitor_under_lightning_fabric_records_as_under_lightnings_fabric(tmp_path):
+    options = {"precision": "bf16-mixed", "master_weights": "remainder"}
+    steps = {}
+    for name, fabric_class, plugin_class in (
+        ("lightning", L.Fabric, lightning_mp.MixedPrecisionPlugin),
+        ("lightning_fabric", lightning_fabric.Fabric, mp_fabric.MixedPrecisionPlugin),
+    ):
+        (tmp_path / name).mkdir()
+        monitor = mp_fabric.FabricPrecisionMonitor(loss_fn=_loss, log_dir=tmp_path / name, sample_every=1)
+        fabric_run(fabric_class, plugin_class(**options), tmp_path / name, monitor=monitor)
+        steps[name] = [record.step for record in monitor.monitor.history.overflows]
+        assert (tmp_path / name / "precision_report.md").exists(), name
+    assert steps["lightning_fabric"] == steps["lightning"] == [INF_BATCH]
+
+
+def test_audit_of_a_pytorch_lightning_module_runs_its_training_step_as_lightnings():
+    batch = next(iter(loader(inf_batch=-1)))
+    censuses = {}
+    for package in PACKAGES:
+        model = PACKAGES[package][1]()
+        plugin = PACKAGES[package][2]("bf16-mixed")
+        censuses[package] = mp_pl.audit(model, batch, context=plugin.autocast_context_manager())
+    rows = {
+        package: [(row.op, row.phase, row.module, row.dtype) for row in census.rows]
+        for package, census in censuses.items()
+    }
+    assert rows["pytorch_lightning"] == rows["lightning"] and any(row[1] == "backward" for row in rows["lightning"])
+    assert censuses["pytorch_lightning"].half_flops_fraction() == censuses["lightning"].half_flops_fraction() > 0
