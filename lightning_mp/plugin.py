@@ -16,6 +16,7 @@ import torch
 from lightning.fabric.utilities.types import Optimizable
 from lightning.pytorch import LightningModule
 from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.trainer import call
 from lightning.pytorch.utilities import GradClipAlgorithmType
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
@@ -40,6 +41,7 @@ from lightning_mp.policy import CastPolicy
 from lightning_mp.scaler import DynamicLossScaler
 from lightning_mp.schedulers import guard_step_schedulers
 from lightning_mp.settings import foreign_scaler_state
+from lightning_mp.standalone import lightning_isinstance
 from lightning_mp.stepping import UnscaledGradients
 
 PrecisionName = Literal["16-mixed", "bf16-mixed"]
@@ -325,6 +327,16 @@ class MixedPrecisionPlugin(FabricHooks, Precision):  # FabricHooks: the hooks as
         # writes into the model since the last step reach the masters here, before the step updates them
         super()._after_closure(model, optimizer)
         self.follow_model_writes()
+
+    @override
+    def _clip_gradients(
+        self, model: Any, optimizer: Any, clip_val: Any = None, gradient_clip_algorithm: Any = None
+    ) -> None:
+        # Lightning's asks isinstance(model, lightning.pytorch.LightningModule): under the standalone pytorch_lightning
+        # Trainer (lightning_mp.pytorch_lightning) it would skip the Trainer's gradient_clip_val without a word
+        if lightning_isinstance(model, LightningModule) and model.automatic_optimization:
+            hook = dict(gradient_clip_val=clip_val, gradient_clip_algorithm=gradient_clip_algorithm)
+            call._call_lightning_module_hook(model.trainer, "configure_gradient_clipping", optimizer, **hook)
 
     @override
     def clip_gradients(

@@ -175,6 +175,8 @@ def test_import_lightning_mp_loads_neither_cli_nor_samples_nor_their_dependencie
     baseline = _modules_after("import lightning.pytorch, torchmetrics")
     added = loaded - baseline
     assert not {m for m in added if m.split(".")[0] in ("transformers", "sklearn", "matplotlib", "torchao")}, added
+    # the standalone Lightning packages only through lightning_mp.pytorch_lightning / lightning_mp.lightning_fabric
+    assert not {m for m in loaded if m.split(".")[0] in ("pytorch_lightning", "lightning_fabric")}
 
 
 def test_public_api_is_unchanged():

@@ -18,6 +18,7 @@ The pieces: :mod:`~lightning_mp.diagnostics.census` (what is returned), :mod:`~l
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections.abc import Callable, Iterator
 from functools import partial
 from typing import Any
@@ -30,6 +31,7 @@ from torch.utils._pytree import tree_leaves
 
 from lightning_mp.diagnostics.aten_ops import IGNORED_OPS, compute_dtype, matmul_flops, risk
 from lightning_mp.diagnostics.census import Census, Finding, Row
+from lightning_mp.standalone import lightning_isinstance
 
 
 class _Recorder(TorchDispatchMode):
@@ -115,7 +117,7 @@ def _module_hooks(root: torch.nn.Module, recorder: _Recorder) -> list[Any]:
 def _silenced_log(module: torch.nn.Module) -> Iterator[None]:
     """Without a Trainer (or Fabric) ``LightningModule.log`` only warns; make it a no-op meanwhile, then restore."""
     attached = getattr(module, "_trainer", None) is not None or getattr(module, "_fabric", None) is not None
-    if not isinstance(module, pl.LightningModule) or attached:
+    if not lightning_isinstance(module, pl.LightningModule) or attached:
         yield
         return
     had_own, previous = "log" in module.__dict__, module.__dict__.get("log")
@@ -139,7 +141,7 @@ def _entered(context: Any) -> contextlib.AbstractContextManager:
 
 
 def _forward(module: torch.nn.Module, batch: Any) -> Any:
-    if isinstance(module, pl.LightningModule):
+    if lightning_isinstance(module, pl.LightningModule):
         return module.training_step(batch, 0)
     if isinstance(batch, (tuple, list)):
         return module(*batch)
@@ -229,17 +231,25 @@ def _fabric_unwrapped(module: torch.nn.Module) -> tuple[torch.nn.Module, torch.n
     (Fabric's forward context and output conversion) and the user's module inside; otherwise ``module`` twice."""
     from lightning.fabric.wrappers import _FabricModule
 
-    return (module, module._forward_module) if isinstance(module, _FabricModule) else (module, module)
+    if lightning_isinstance(module, _FabricModule):  # lightning's or lightning_fabric's
+        return module, module._forward_module
+    return module, module
 
 
 @contextlib.contextmanager
 def _fabric_backward() -> Iterator[None]:
     """Fabric refuses ``loss.backward()`` on a wrapped module's output outside ``fabric.backward``; the audit's own
-    backward (which steps nothing and leaves the gradients as they were) is let through."""
-    import lightning.fabric.wrappers as wrappers
-
-    before, wrappers._in_fabric_backward = wrappers._in_fabric_backward, True
+    backward (which steps nothing and leaves the gradients as they were) is let through, by each loaded copy of
+    Fabric's wrappers (``lightning.fabric``'s, the standalone ``lightning_fabric``'s)."""
+    loaded = [sys.modules[name] for name in _FABRIC_WRAPPERS if name in sys.modules]
+    before = [wrappers._in_fabric_backward for wrappers in loaded]
+    for wrappers in loaded:
+        wrappers._in_fabric_backward = True
     try:
         yield
     finally:
-        wrappers._in_fabric_backward = before
+        for wrappers, value in zip(loaded, before):
+            wrappers._in_fabric_backward = value
+
+
+_FABRIC_WRAPPERS = ("lightning.fabric.wrappers", "lightning_fabric.wrappers")

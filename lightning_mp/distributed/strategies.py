@@ -34,10 +34,12 @@ from lightning_mp.distributed.deepspeed import refuse_deepspeed
 from lightning_mp.distributed.fsdp1 import refuse_fsdp1
 from lightning_mp.distributed.fsdp2 import FSDP2Sync
 from lightning_mp.distributed.sync import GradientSync, ProcessGroupSync
+from lightning_mp.standalone import lightning_isinstance
 
 #: Strategies under which ``master_weights=True`` is supported.
 MASTER_WEIGHTS_STRATEGIES = (SingleDeviceStrategy, DDPStrategy, ModelParallelStrategy)
-# Fabric's strategies of the same names are other classes (lightning.fabric.strategies): each pair is one case
+# Fabric's strategies of the same names are other classes (lightning.fabric.strategies): each pair is one case; the
+# standalone packages' copies (pytorch_lightning, lightning_fabric) count as the same (lightning_isinstance)
 _SINGLE = (SingleDeviceStrategy, fabric.SingleDeviceStrategy)
 _DDP = (DDPStrategy, fabric.DDPStrategy)
 _FSDP2 = (ModelParallelStrategy, fabric.ModelParallelStrategy)
@@ -53,22 +55,22 @@ def sync_for(strategy: Any, plugin: Any) -> GradientSync:
     """
     if strategy is None:
         return GradientSync()
-    if isinstance(strategy, (DeepSpeedStrategy, fabric.DeepSpeedStrategy)):
+    if lightning_isinstance(strategy, (DeepSpeedStrategy, fabric.DeepSpeedStrategy)):
         refuse_deepspeed(strategy)
-    if isinstance(strategy, (FSDPStrategy, fabric.FSDPStrategy)):
+    if lightning_isinstance(strategy, (FSDPStrategy, fabric.FSDPStrategy)):
         refuse_fsdp1(strategy)
-    known = isinstance(strategy, _KNOWN) and type(strategy).__name__ not in _NOT_DDP
+    known = lightning_isinstance(strategy, _KNOWN) and type(strategy).__name__ not in _NOT_DDP
     if plugin.master_weights and not known:
         supported = ", ".join(cls.__name__ for cls in MASTER_WEIGHTS_STRATEGIES)
         raise ValueError(
             f"master_weights=True does not support the {type(strategy).__name__} strategy (supported: {supported}). "
             "Use one of those, or master_weights=False."
         )
-    if isinstance(strategy, _FSDP2):
+    if lightning_isinstance(strategy, _FSDP2):
         return FSDP2Sync(strategy, lean=getattr(plugin.masters, "kind", None) == "remainder")
-    if known and isinstance(strategy, _DDP):
+    if known and lightning_isinstance(strategy, _DDP):
         return DDPSync(strategy, plugin.reduce_dtype)
-    if isinstance(strategy, (ParallelStrategy, fabric.ParallelStrategy)):
+    if lightning_isinstance(strategy, (ParallelStrategy, fabric.ParallelStrategy)):
         return ProcessGroupSync(strategy.root_device)
     return GradientSync()
 

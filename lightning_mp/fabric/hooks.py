@@ -15,11 +15,13 @@ from torch.optim import Optimizer
 
 from lightning_mp import stepping
 from lightning_mp.fabric.driver import FabricDriver
+from lightning_mp.standalone import lightning_isinstance
 
 
 def fabric_calling(plugin: Any, frames: int = 8) -> Any:
-    """The ``lightning.fabric.Fabric`` whose method called into ``plugin`` (searched ``frames`` frames up) and
-    whose precision plugin ``plugin`` is; ``None`` when there is none (a Trainer, or a hook called by hand)."""
+    """The ``lightning.fabric.Fabric`` (or ``lightning_fabric.Fabric``) whose method called into ``plugin`` (searched
+    ``frames`` frames up) and whose precision plugin ``plugin`` is; ``None`` when there is none (a Trainer, or a hook
+    called by hand)."""
     from lightning.fabric import Fabric
 
     frame = sys._getframe(1)
@@ -27,7 +29,7 @@ def fabric_calling(plugin: Any, frames: int = 8) -> Any:
         if frame is None:
             return None
         owner = frame.f_locals.get("self")
-        if isinstance(owner, Fabric) and owner._precision is plugin:
+        if lightning_isinstance(owner, Fabric) and owner._precision is plugin:
             return owner
         frame = frame.f_back
     return None
@@ -133,7 +135,7 @@ def refuse_lean_fsdp2_before_sharding(plugin: Any, strategy: Any, module: Module
     lean = getattr(plugin.masters, "kind", None) == "remainder"
     if (
         lean
-        and isinstance(strategy, ModelParallelStrategy)
+        and lightning_isinstance(strategy, ModelParallelStrategy)
         and not any(isinstance(m, FSDPModule) for m in module.modules())
     ):
         raise ValueError(LEAN_FSDP2_ORDER)
