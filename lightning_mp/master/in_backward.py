@@ -38,6 +38,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_mp.master import native, onepass
+from lightning_mp.master.in_backward_regions import Regions
 from lightning_mp.master.step import apply_grad_ops_in_place, fused_update, local_of, plan_chunks
 from lightning_mp.scaler_device import non_finite_check_and_unscale_
 
@@ -188,6 +189,8 @@ class StepInBackward:
         #: under FSDP2: the loss flag (once, before backward) and each shard's flag (in its hook) summed over the ranks
         #: before any update reads it (:mod:`lightning_mp.distributed.fsdp2_in_backward`); ``None``: rank-local
         self.agree_each: Optional[Callable[[Tensor], Tensor]] = None
+        #: reentrant checkpoint regions of the running backward: updates wait for them (in_backward_regions)
+        self._regions = Regions()
         for index, group in enumerate(optimizer.param_groups):
             for param in group["params"]:
                 # one dict per parameter for its whole life: the CUDA kernel caches its address tables by id(group).
@@ -205,7 +208,18 @@ class StepInBackward:
 
     def begin(self, loss: Optional[Tensor]) -> None:
         """Before backward: arm the hooks; ``loss`` (the tensor backward starts from) becomes the step's device
-        flag, nonzero when it is non-finite (then every update of this backward is skipped)."""
+        flag, nonzero when it is non-finite (then every update of this backward is skipped). Reentrant checkpoint
+        regions below ``loss`` make the updates that land while one runs wait for the end of backward
+        (:mod:`~lightning_mp.master.in_backward_regions`); under DDP or FSDP2 they are refused here, before backward."""
+        if self._regions.arm(loss, self._run_waiting) and (self._handed_over or self.agree_each is not None):
+            self._regions.clear()
+            raise RuntimeError(
+                f"MixedPrecisionPlugin({OPTION}) cannot follow reentrant activation checkpointing "
+                "(torch.utils.checkpoint with use_reentrant=True) under DDP or FSDP2: the parameters' gradients arrive "
+                "in parts, one per nested backward, through the strategy's reduction. This backward was stopped before "
+                "it updated anything. Pass use_reentrant=False to torch.utils.checkpoint (or "
+                "gradient_checkpointing_kwargs={'use_reentrant': False}), or use optimizer_in_backward=False."
+            )
         self.armed = True
         self._flags = []
         if len(self._hooks) + len(self._handed_over) < len(self._params):
@@ -243,6 +257,18 @@ class StepInBackward:
     def _update(self, param: Tensor) -> None:
         if not self.armed or param.grad is None:
             return
+        regions = self._regions
+        if (regions.pending or regions.waiting) and regions.wait(param):
+            return  # reentrant checkpointing: the gradient may not be whole yet, updated at the end of backward
+        self._apply(param)
+
+    def _run_waiting(self) -> None:
+        """At the end of a backward with reentrant regions: the updates that waited, each with its whole gradient."""
+        for param in self._regions.take():
+            if self.armed and param.grad is not None:
+                self._apply(param)
+
+    def _apply(self, param: Tensor) -> None:
         index, one = self._one_groups[id(param)]
         one.update(self.optimizer.param_groups[index])  # hyperparameters as they are now (a scheduler may change them)
         one["params"] = [param]
@@ -290,6 +316,7 @@ class StepInBackward:
         """After backward: disarm the hooks; ``(whether the loss was non-finite, names of the parameters whose
         non-finite gradient skipped their update)``. One host read of the step's flags (none without a check)."""
         self.armed = False
+        self._regions.clear()  # a backward with regions ran their updates at its end (none left to wait)
         self.skipped_params = []
         self.optimizer._opt_called = True  # type: ignore[attr-defined]  # as torch's step() records for schedulers
         left = [p for p in self._params if p.grad is not None]
@@ -323,6 +350,7 @@ class StepInBackward:
         for hook in self._hooks.values():
             hook.remove()
         self._hooks, self._params = {}, []
+        self._regions.clear()
         self.armed = False
 
 
