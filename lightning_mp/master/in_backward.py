@@ -39,7 +39,7 @@ from torch.optim import Optimizer
 
 from lightning_mp.master import native, onepass
 from lightning_mp.master.flat import group_sizes
-from lightning_mp.master.in_backward_groups import UNDER_REDUCTION, one_groups
+from lightning_mp.master.in_backward_changes import UNDER_REDUCTION, one_groups, refuse_later_hook
 from lightning_mp.master.in_backward_regions import Regions
 from lightning_mp.master.step import apply_grad_ops_in_place, fused_update, local_of, plan_chunks
 from lightning_mp.scaler_device import non_finite_check_and_unscale_
@@ -236,7 +236,7 @@ class StepInBackward:
             self._loss_found = None
 
     def _follow_groups(self) -> None:
-        """Param groups changed since setup (:mod:`~lightning_mp.master.in_backward_groups`): every parameter of
+        """Param groups changed since setup (:mod:`~lightning_mp.master.in_backward_changes`): every parameter of
         the current groups gets its one-parameter group and its hook, those no longer in the optimizer lose theirs."""
         if self._handed_over or self.agree_each is not None:
             raise RuntimeError(f"MixedPrecisionPlugin({OPTION}) {UNDER_REDUCTION}")
@@ -272,6 +272,8 @@ class StepInBackward:
     def _update(self, param: Tensor) -> None:
         if not self.armed or param.grad is None:
             return
+        if len(param._post_accumulate_grad_hooks or ()) > 1:  # someone else's hook too: it must not run after ours
+            refuse_later_hook(param, self._hooks.get(id(param)), self._name(param), OPTION)
         regions = self._regions
         if (regions.pending or regions.waiting) and regions.wait(param):
             return  # reentrant checkpointing: the gradient may not be whole yet, updated at the end of backward
