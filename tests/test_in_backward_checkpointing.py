@@ -98,10 +98,12 @@ class Module(L.LightningModule):
         return _optimizer(self.parameters())
 
 
-def trainer_run(in_backward: bool, layout: str, reentrant: bool, path: Path) -> tuple[dict, dict, list[bool]]:
+def trainer_run(
+    in_backward: bool, layout: str, reentrant: bool, path: Path, device: str = "cpu"
+) -> tuple[dict, dict, list[bool]]:
     module = Module(layout, reentrant)
     x, y = map(torch.cat, zip(*_data()))
-    trainer = make_trainer(_plugin(in_backward), max_steps=STEPS)
+    trainer = make_trainer(_plugin(in_backward), max_steps=STEPS, accelerator=device)
     trainer.fit(module, DataLoader(TensorDataset(x.detach().requires_grad_(), y), batch_size=8))
     trainer.save_checkpoint(path)
     saved = torch.load(path, weights_only=True)
@@ -153,6 +155,16 @@ def test_checkpointed_regions_update_each_parameter_once_bitwise_the_normal_lean
     _assert_same_bits(ours, reference)
     assert ours[2] == [True] * STEPS  # every update ran inside backward: no gradient left at the step
     assert reference[2] == [False] * STEPS
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("layout", ["inside_then_outside", "shared_block"])
+def test_on_cuda_reentrant_regions_update_each_parameter_once_bitwise_the_normal_lean_step(tmp_path, layout):
+    """On CUDA autograd runs the backward (and the nested ones) on its device thread: the same rule, the same bits."""
+    ours = trainer_run(True, layout, True, tmp_path / "ours.ckpt", "cuda")
+    _assert_same_bits(ours, trainer_run(False, layout, True, tmp_path / "reference.ckpt", "cuda"))
+    assert ours[2] == [True] * STEPS
 
 
 def test_a_parameter_of_a_reentrant_region_waits_for_the_end_of_backward_and_others_do_not():
