@@ -71,7 +71,9 @@ class MasterWeights:
         self._grad_views: dict[int, Tensor] = {}  # id(master) -> its slice of the flat grad buffer
         self._flat: list[tuple[Tensor, Tensor]] = []  # one (flat masters, flat grads) per device
         self._optimizers: list[Optimizer] = []
-        self._group_sizes: list[tuple[int, ...]] = []  # per optimizer, its groups' lengths when last followed
+        # per optimizer, its groups' lengths when last followed; None: not attached by this class (a subclass that
+        # does its own, as the FSDP2 sharded store) and not followed
+        self._group_sizes: Optional[list[tuple[int, ...]]] = None
 
     # ------------------------------------------------------------------ setup
     def convert(self, module: nn.Module) -> nn.Module:
@@ -162,7 +164,7 @@ class MasterWeights:
             ValueError: a new parameter is not the model's, or its master is in the optimizer already.
             RuntimeError: under several processes (each rank's masters would start from its own values).
         """
-        if self._module is None or group_sizes(self._optimizers) == self._group_sizes:
+        if self._module is None or self._group_sizes in (None, group_sizes(self._optimizers)):
             return
         distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
         if distributed and torch.distributed.get_world_size() > 1:

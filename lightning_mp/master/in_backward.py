@@ -211,6 +211,8 @@ class StepInBackward:
         flag, nonzero when it is non-finite (then every update of this backward is skipped). Reentrant checkpoint
         regions below ``loss`` make the updates that land while one runs wait for the end of backward
         (:mod:`~lightning_mp.master.in_backward_regions`); under DDP or FSDP2 they are refused here, before backward."""
+        if group_sizes([self.optimizer]) != self._group_sizes:
+            self._follow_groups()
         if self._regions.arm(loss, self._run_waiting) and (self._handed_over or self.agree_each is not None):
             self._regions.clear()
             raise RuntimeError(  # before armed: the next backward is not taken for a second one
@@ -220,8 +222,6 @@ class StepInBackward:
                 "it updated anything. Pass use_reentrant=False to torch.utils.checkpoint (or "
                 "gradient_checkpointing_kwargs={'use_reentrant': False}), or use optimizer_in_backward=False."
             )
-        if group_sizes([self.optimizer]) != self._group_sizes:
-            self._follow_groups()
         self.armed = True
         self._flags = []
         if len(self._hooks) + len(self._handed_over) < len(self._params):

@@ -161,7 +161,7 @@ class RemainderMasters(MasterWeights):
         a new parameter must be the model's, and any other optimizer than AdamW/Adam/SGD makes the new groups'
         slices (:meth:`GenericChunkedStep.follow_groups`). A cheap check per call (each group's length)."""
         sizes = group_sizes(self._optimizers)
-        if self._module is None or sizes == self._group_sizes:
+        if self._module is None or self._group_sizes in (None, sizes):  # None: attached by a subclass (FSDP2)
             return
         module_params = {id(p) for p in self._module.parameters()}
         for index, optimizer in enumerate(self._optimizers):
