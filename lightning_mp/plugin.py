@@ -218,6 +218,7 @@ class MixedPrecisionPlugin(FabricHooks, Precision):  # FabricHooks: the hooks as
         if self.optimizer_in_backward:
             check_setup(getattr(inner, "_trainer", None), inner, optimizers)
         if self.masters is not None and not self._sync.owns_masters:
+            self.masters.check_callbacks(getattr(getattr(inner, "_trainer", None), "callbacks", None) or [])
             self.masters.attach(optimizers)
             for param, master in self.masters.pairs():
                 self._param_names[id(master)] = self._param_names.get(id(param), "")

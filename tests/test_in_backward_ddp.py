@@ -66,3 +66,21 @@ def test_find_unused_parameters_is_refused_at_setup_on_every_rank(ranks):
         assert "optimizer_in_backward=True) cannot run under DDP with find_unused_parameters=True" in rank.get(
             "find_unused_refusal", ""
         )
+
+
+@pytest.mark.parametrize(
+    ("variant", "message"),
+    [
+        ("reentrant", "cannot follow reentrant activation checkpointing"),
+        ("late_group", "cannot follow param groups added after setup"),
+        (
+            "partial",
+            "needs every parameter DDP reduces in the optimizer, but 2 that require grad are not (net.3.weight",
+        ),
+    ],
+)
+def test_reentrant_checkpointing_a_group_added_during_fit_and_a_partial_optimizer_are_refused_on_every_rank(
+    ranks, variant, message
+):
+    for rank in ranks:
+        assert message in rank.get(f"{variant}_refusal", ""), rank.get(f"{variant}_refusal")

@@ -89,6 +89,17 @@ def hand_over(state: BucketUpdates, in_backward: Any) -> None:
     set up after the module connected: Fabric's ``setup_module``, a forward, then ``setup_optimizers``)."""
     ddp = state.ddp
     managed = getattr(ddp, "_module_parameters", None) or [p for p in ddp.module.parameters() if p.requires_grad]
+    held = {id(p) for group in in_backward.optimizer.param_groups for p in group["params"]}
+    left_out = [p for p in managed if p.requires_grad and id(p) not in held]
+    if left_out:  # a gradient nobody frees would make DDP write its bucket back over the updated ones' (measured)
+        names = ", ".join(in_backward._name(p) for p in left_out[:5])
+        raise ValueError(
+            f"MixedPrecisionPlugin(optimizer_in_backward=True) under DDP needs every parameter DDP reduces in the "
+            f"optimizer, but {len(left_out)} that require grad are not ({names}{', ...' if len(left_out) > 5 else ''})"
+            ": their gradients would outlive the step inside DDP's buckets. Freeze them (requires_grad_(False) "
+            "before the strategy wraps the model, e.g. in __init__ or configure_model), add them to the optimizer, "
+            "or use optimizer_in_backward=False."
+        )
     in_backward.hand_over(managed)  # the others (parameters DDP ignores) keep their per-parameter hooks
     state.in_backward = in_backward
     ddp.reducer._set_optimizer_in_backward()  # DDP leaves the gradients to us after backward

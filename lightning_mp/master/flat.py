@@ -72,6 +72,9 @@ class MasterWeights:
         self._grad_views: dict[int, Tensor] = {}  # id(master) -> its slice of the flat grad buffer
         self._flat: list[tuple[Tensor, Tensor]] = []  # one (flat masters, flat grads) per device
         self._optimizers: list[Optimizer] = []
+        # per optimizer, its groups' lengths when last followed; None: not attached by this class (a subclass that
+        # does its own, as the FSDP2 sharded store) and not followed
+        self._group_sizes: Optional[list[tuple[int, ...]]] = None
 
     # ------------------------------------------------------------------ setup
     def _kept_modules(self, module: nn.Module) -> dict[str, nn.Module]:
@@ -156,6 +159,44 @@ class MasterWeights:
             for param in trained.values():
                 if param in optimizer.state:
                     optimizer.state[self._masters[id(param)]] = optimizer.state.pop(param)
+            _refuse_twice(optimizer)
+        self._group_sizes = group_sizes(self._optimizers)
+
+    def follow_groups(self) -> None:
+        """Follow param groups added since :meth:`attach` (``optimizer.add_param_group`` during fit: Lightning's
+        ``BackboneFinetuning``, a callback): the new half parameters get masters (their exact fp32 values, kept
+        since the cast) and the groups hold those, as :meth:`attach` does at setup. A cheap check per call (each
+        group's length); runs before every backward and before the gradients move to the masters.
+
+        Raises:
+            ValueError: a new parameter is not the model's, or its master is in the optimizer already.
+            RuntimeError: under several processes (each rank's masters would start from its own values).
+        """
+        if self._module is None or self._group_sizes in (None, group_sizes(self._optimizers)):
+            return
+        distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+        if distributed and torch.distributed.get_world_size() > 1:
+            raise RuntimeError(
+                "master_weights=True cannot follow optimizer.add_param_group after setup under several "
+                "processes: the new parameters' masters would start from each rank's own values, outside the "
+                "buffers the plugin reduces. Put every parameter in the optimizer in configure_optimizers "
+                "(frozen ones included: they are left alone while they have no gradient), or use "
+                "master_weights='remainder'."
+            )
+        self.attach(self._optimizers)
+
+    def check_callbacks(self, callbacks: Iterable[Any]) -> None:
+        """Raise for a Trainer callback that reads the optimizer's groups as the model's parameters: Lightning's
+        ``BaseFinetuning`` (``BackboneFinetuning``) names each parameter of each group at every epoch start, and
+        the groups hold fp32 masters here (a ``KeyError`` deep inside the callback otherwise)."""
+        for callback in callbacks:
+            if "BaseFinetuning" in {cls.__name__ for cls in type(callback).__mro__}:
+                raise ValueError(
+                    f"master_weights=True cannot run with {type(callback).__name__}: it maps the optimizer's "
+                    "parameters to the module's names, and master_weights=True puts fp32 masters in the optimizer "
+                    "instead. Use master_weights='remainder' (bf16-mixed: the optimizer keeps the model's parameters "
+                    "and follows the groups the callback adds), or add the param groups in your own callback."
+                )
 
     def _build_masters(self, params: list[nn.Parameter]) -> None:
         by_device: dict[torch.device, list[nn.Parameter]] = defaultdict(list)
@@ -183,10 +224,14 @@ class MasterWeights:
             yield self._params[key], master
 
     def before_backward(self) -> None:
-        """Called before every backward; nothing to do here (the half gradients move to the masters after it)."""
+        """Called before every backward: param groups added since the last step get masters (:meth:`follow_groups`;
+        the half gradients move to the masters after it)."""
+        self.follow_groups()
 
     def grads_to_masters(self) -> None:
-        """Move the half gradients into the masters' fp32 ``.grad`` (adding to what is there) and free them."""
+        """Move the half gradients into the masters' fp32 ``.grad`` (adding to what is there) and free them (groups
+        added since the backward began followed first)."""
+        self.follow_groups()
         for param, master in self.pairs():
             if param.grad is None:
                 continue
@@ -306,3 +351,23 @@ class MasterWeights:
     def __repr__(self) -> str:
         trained = sum(m.numel() for m in self._masters.values())
         return f"{type(self).__name__}(dtype={self.dtype}, masters={len(self._masters)} tensors / {trained} values)"
+
+
+def group_sizes(optimizers: list[Optimizer]) -> list[tuple[int, ...]]:
+    """Per optimizer, the length of each param group: what ``add_param_group`` changes (cheap to compare)."""
+    return [tuple(len(group["params"]) for group in optimizer.param_groups) for optimizer in optimizers]
+
+
+def _refuse_twice(optimizer: Optimizer) -> None:
+    """Raise when a master is in ``optimizer``'s groups twice (a model parameter added again after setup, while its
+    master is in the optimizer already: torch's own check compares the objects, which differ)."""
+    seen: set[int] = set()
+    for g, group in enumerate(optimizer.param_groups):
+        for i, param in enumerate(group["params"]):
+            if id(param) in seen:
+                raise ValueError(
+                    f"{type(optimizer).__name__}.param_groups[{g}]['params'][{i}] (shape {tuple(param.shape)}) is "
+                    "in the optimizer twice: it was added again after setup while master_weights=True had already "
+                    "put its fp32 master in the optimizer. Add only parameters that are not in the optimizer yet."
+                )
+            seen.add(id(param))

@@ -143,6 +143,21 @@ class GenericChunkedStep:
             optimizer.register_load_state_dict_post_hook(lambda opt: self._swap_out_proxies()),
         ]
 
+    def follow_groups(self) -> None:
+        """Slice the groups appended since (``add_param_group``); a group changed in place raises."""
+        groups = self.optimizer.param_groups
+        known = [[id(p) for p in params] for params in self._model_params]
+        if len(groups) < len(known) or any([id(p) for p in g["params"]] != ids for g, ids in zip(groups, known)):
+            raise ValueError(
+                f"{type(self.optimizer).__name__}'s param groups changed in place after setup; master_weights='remainder' "
+                "follows only groups appended by add_param_group with this optimizer. Add parameters with it."
+            )
+        for index, group in enumerate(groups[len(known) :], start=len(known)):
+            self.slices.append([s for p in group["params"] for s in self._slices_for(p)])
+            self._model_params.append(list(group["params"]))
+            for s in self.slices[-1]:
+                self._by_param.setdefault(id(s.param), (index, []))[1].append(s)
+
     def _slices_for(self, param: Tensor) -> list[_Slice]:
         return _slices_of(param, self.chunk_size)
 

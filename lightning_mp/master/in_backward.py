@@ -38,6 +38,9 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_mp.master import native, onepass
+from lightning_mp.master.flat import group_sizes
+from lightning_mp.master.in_backward_changes import UNDER_REDUCTION, one_groups, refuse_later_hook
+from lightning_mp.master.in_backward_regions import Regions
 from lightning_mp.master.step import apply_grad_ops_in_place, fused_update, local_of, plan_chunks
 from lightning_mp.scaler_device import non_finite_check_and_unscale_
 
@@ -188,12 +191,12 @@ class StepInBackward:
         #: under FSDP2: the loss flag (once, before backward) and each shard's flag (in its hook) summed over the ranks
         #: before any update reads it (:mod:`lightning_mp.distributed.fsdp2_in_backward`); ``None``: rank-local
         self.agree_each: Optional[Callable[[Tensor], Tensor]] = None
-        for index, group in enumerate(optimizer.param_groups):
-            for param in group["params"]:
-                # one dict per parameter for its whole life: the CUDA kernel caches its address tables by id(group).
-                # The group by its index: optimizer.load_state_dict (a resume) replaces the group dicts
-                self._one_groups[id(param)] = (index, {**group, "params": [param]})
-                self._params.append(param)
+        #: reentrant checkpoint regions of the running backward: updates wait for them (in_backward_regions)
+        self._regions = Regions()
+        # one dict per parameter for its whole life: the CUDA kernel caches its address tables by id(group). The
+        # group by its index: optimizer.load_state_dict (a resume) replaces the group dicts
+        self._one_groups, self._params = one_groups(optimizer, {})
+        self._group_sizes = group_sizes([optimizer])  # compared before each backward: add_param_group changes it
         self._hook_trainable()
 
     def _hook_trainable(self) -> None:
@@ -205,7 +208,20 @@ class StepInBackward:
 
     def begin(self, loss: Optional[Tensor]) -> None:
         """Before backward: arm the hooks; ``loss`` (the tensor backward starts from) becomes the step's device
-        flag, nonzero when it is non-finite (then every update of this backward is skipped)."""
+        flag, nonzero when it is non-finite (then every update of this backward is skipped). Reentrant checkpoint
+        regions below ``loss`` make the updates that land while one runs wait for the end of backward
+        (:mod:`~lightning_mp.master.in_backward_regions`); under DDP or FSDP2 they are refused here, before backward."""
+        if group_sizes([self.optimizer]) != self._group_sizes:
+            self._follow_groups()
+        if self._regions.arm(loss, self._run_waiting) and (self._handed_over or self.agree_each is not None):
+            self._regions.clear()
+            raise RuntimeError(  # before armed: the next backward is not taken for a second one
+                f"MixedPrecisionPlugin({OPTION}) cannot follow reentrant activation checkpointing "
+                "(torch.utils.checkpoint with use_reentrant=True) under DDP or FSDP2: the parameters' gradients arrive "
+                "in parts, one per nested backward, through the strategy's reduction. This backward was stopped before "
+                "it updated anything. Pass use_reentrant=False to torch.utils.checkpoint (or "
+                "gradient_checkpointing_kwargs={'use_reentrant': False}), or use optimizer_in_backward=False."
+            )
         self.armed = True
         self._flags = []
         if len(self._hooks) + len(self._handed_over) < len(self._params):
@@ -218,6 +234,19 @@ class StepInBackward:
                 self._loss_found = _agreed(self.agree_each, self._loss_found)
         else:
             self._loss_found = None
+
+    def _follow_groups(self) -> None:
+        """Param groups changed since setup (:mod:`~lightning_mp.master.in_backward_changes`): every parameter of
+        the current groups gets its one-parameter group and its hook, those no longer in the optimizer lose theirs."""
+        if self._handed_over or self.agree_each is not None:
+            raise RuntimeError(f"MixedPrecisionPlugin({OPTION}) {UNDER_REDUCTION}")
+        if self._generic is not None:
+            self._generic.follow_groups()  # the new groups' slices (the store's before_backward may have made them)
+        self._one_groups, self._params = one_groups(self.optimizer, self._one_groups)
+        for key in [key for key in self._hooks if key not in self._one_groups]:
+            self._hooks.pop(key).remove()
+        self._group_sizes = group_sizes([self.optimizer])
+        self._hook_trainable()
 
     def hand_over(self, params: list[Tensor]) -> None:
         """Remove the hooks of ``params``: their gradient is final later than autograd says (under DDP, once their
@@ -243,6 +272,20 @@ class StepInBackward:
     def _update(self, param: Tensor) -> None:
         if not self.armed or param.grad is None:
             return
+        if len(param._post_accumulate_grad_hooks or ()) > 1:  # someone else's hook too: it must not run after ours
+            refuse_later_hook(param, self._hooks.get(id(param)), self._name(param), OPTION)
+        regions = self._regions
+        if (regions.pending or regions.waiting) and regions.wait(param):
+            return  # reentrant checkpointing: the gradient may not be whole yet, updated at the end of backward
+        self._apply(param)
+
+    def _run_waiting(self) -> None:
+        """At the end of a backward with reentrant regions: the updates that waited, each with its whole gradient."""
+        for param in self._regions.take():
+            if self.armed and param.grad is not None:
+                self._apply(param)
+
+    def _apply(self, param: Tensor) -> None:
         index, one = self._one_groups[id(param)]
         one.update(self.optimizer.param_groups[index])  # hyperparameters as they are now (a scheduler may change them)
         one["params"] = [param]
@@ -290,15 +333,17 @@ class StepInBackward:
         """After backward: disarm the hooks; ``(whether the loss was non-finite, names of the parameters whose
         non-finite gradient skipped their update)``. One host read of the step's flags (none without a check)."""
         self.armed = False
+        self._regions.clear()  # a backward with regions ran their updates at its end (none left to wait)
         self.skipped_params = []
         self.optimizer._opt_called = True  # type: ignore[attr-defined]  # as torch's step() records for schedulers
-        left = [p for p in self._params if p.grad is not None]
+        left = [p for group in self.optimizer.param_groups for p in group["params"] if p.grad is not None]
         if left:  # every update ran inside backward and freed its gradient: one left means an update did not run
             names = ", ".join(self._name(p) for p in left[:5])
             raise RuntimeError(
                 f"MixedPrecisionPlugin({OPTION}): {len(left)} parameter(s) still hold a gradient after backward "
                 f"({names}{', ...' if len(left) > 5 else ''}), so their updates did not run inside backward and the "
-                "step would leave them behind. A gradient written outside backward (p.grad = ...), or a strategy "
+                "step would leave them behind. A gradient written outside backward (p.grad = ...), a parameter added to the "
+                "optimizer after backward began (add param groups before it, e.g. in on_train_epoch_start), or a strategy "
                 "that did not run the parameter's post-accumulate-grad hook (FSDP2 needs torch >= 2.13's), causes "
                 "this. Use optimizer_in_backward=False."
             )
@@ -323,6 +368,7 @@ class StepInBackward:
         for hook in self._hooks.values():
             hook.remove()
         self._hooks, self._params = {}, []
+        self._regions.clear()
         self.armed = False
 
 

@@ -29,7 +29,7 @@ from torch.optim import Optimizer
 from lightning_mp.master import onepass
 from lightning_mp.master.bits import JoinSplit
 from lightning_mp.master.blocks import Blocks, join_by_chunks, split_by_chunks
-from lightning_mp.master.flat import MasterWeights, is_norm
+from lightning_mp.master.flat import MasterWeights, group_sizes, is_norm
 from lightning_mp.master.generic import GenericChunkedStep
 from lightning_mp.master.model_sync import materialise
 from lightning_mp.master.step import (
@@ -150,6 +150,26 @@ class RemainderMasters(MasterWeights):
                 ]
             elif id(optimizer) not in self._generic:
                 self._generic[id(optimizer)] = GenericChunkedStep(optimizer, self, self._chunk_of(optimizer))
+        self._group_sizes = group_sizes(self._optimizers)
+
+    def check_callbacks(self, callbacks: Iterable[Any]) -> None:
+        """Nothing to refuse: the optimizer keeps the model's parameters (``BaseFinetuning`` names them)."""
+
+    def follow_groups(self) -> None:
+        """Follow param groups added since :meth:`attach` (``optimizer.add_param_group`` during fit). Every
+        converted parameter already has its bf16 weight and remainder and the step reads the groups as they are;
+        a new parameter must be the model's, and any other optimizer than AdamW/Adam/SGD makes the new groups'
+        slices (:meth:`GenericChunkedStep.follow_groups`). A cheap check per call (each group's length)."""
+        sizes = group_sizes(self._optimizers)
+        if self._module is None or self._group_sizes in (None, sizes):  # None: attached by a subclass (FSDP2)
+            return
+        module_params = {id(p) for p in self._module.parameters()}
+        for index, optimizer in enumerate(self._optimizers):
+            check_params_belong(index, optimizer, module_params)
+            generic = self._generic.get(id(optimizer))
+            if generic is not None:
+                generic.follow_groups()
+        self._group_sizes = sizes
 
     def chunk_size_for(self, device: torch.device) -> int:
         """The chunk size on ``device``: the one given, or the device type's default."""
@@ -188,7 +208,8 @@ class RemainderMasters(MasterWeights):
     def before_backward(self) -> None:
         """Before every backward: forget clipping asked for since the last step (a skipped step leaves it behind),
         and make existing gradients fp32 (exact accumulation) unless ``accumulate_grads_in`` is bf16. Autograd then
-        adds each new bf16 gradient into the fp32 one."""
+        adds each new bf16 gradient into the fp32 one. Param groups added since the last step are followed."""
+        self.follow_groups()
         self._grad_ops.clear()  # clipping asked for before a skipped step is stale: new gradients are coming
         if self.accumulate_grads_in != torch.float32:
             return
@@ -243,6 +264,7 @@ class RemainderMasters(MasterWeights):
         AdamW/Adam/SGD, and for other optimizers where :mod:`~lightning_mp.master.generic` can mask the step);
         ``None`` steps unconditionally. Clipping requested since the last step is applied here.
         """
+        self.follow_groups()  # a group added after backward (on_before_optimizer_step)
         grad_ops = self._grad_ops.pop(id(optimizer), [])
         # what torch's optimizer.step() records for LR schedulers, which warn on their first step without it
         optimizer._opt_called = True  # type: ignore[attr-defined]

@@ -5,7 +5,8 @@
 Lean masters under ``strategy="ddp"``, the updates in backward (``ours``) and the normal lean DDP step
 (``reference``), AdamW, SGD and RMSprop (the generic path), 4 steps; AdamW with one bucket per parameter, with
 ``gradient_as_bucket_view`` and in manual optimization;
-then AdamW with a NaN loss on rank 1 only at step ``NAN_AT``, both ways.
+then AdamW with a NaN loss on rank 1 only at step ``NAN_AT``, both ways; the refusals of reentrant checkpointing and
+of a param group added during fit (before backward updates anything).
 Each rank saves, per run, the checkpoint dictionary it would write (fp32 weights, optimizer state), the gradients
 left after each step, DDP's communication hook and the scaler's skipped steps to OUT/rank<r>.pt.
 """
@@ -20,6 +21,7 @@ import lightning as L
 import torch
 from lightning.pytorch.strategies import DDPStrategy
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 from torch.utils.data import DataLoader
 
 from lightning_mp import MixedPrecisionPlugin
@@ -32,10 +34,15 @@ SMALL_BUCKETS_MB = 1e-4  # 100 bytes: one parameter per bucket
 class Net(L.LightningModule):
     """Linear (bf16 + remainder: bf16 gradients) -> LayerNorm (kept fp32: fp32 gradients) -> GELU -> Linear."""
 
-    def __init__(self, optimizer: str, nan_on_rank1: bool = False, manual: bool = False) -> None:
+    def __init__(self, optimizer: str, nan_on_rank1: bool = False, manual: bool = False, variant: str = "") -> None:
         super().__init__()
+        # "reentrant": the net under reentrant checkpointing; "partial": an optimizer over net.0-2 only while net.3
+        # requires grad (DDP reduces it); "late_group": net.3 frozen at first, unfrozen and added at step 2
+        self.variant = variant
         self.automatic_optimization = not manual
         self.net = nn.Sequential(nn.Linear(16, 32), nn.LayerNorm(32), nn.GELU(), nn.Linear(32, 1))
+        if variant == "late_group":  # frozen before DDP wraps the model (as BaseFinetuning freezes at setup)
+            self.net[3].requires_grad_(False)
         self.optimizer_name, self.nan_on_rank1 = optimizer, nan_on_rank1
         self.grads_after_step: list[list[Any]] = []
         self.updated_in_backward: list[bool] = []
@@ -43,7 +50,11 @@ class Net(L.LightningModule):
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         x, y = batch
-        loss = nn.functional.mse_loss(self.net(x).float(), y)
+        if self.variant == "reentrant":
+            out = checkpoint(self.net, x.clone().requires_grad_(), use_reentrant=True)
+        else:
+            out = self.net(x)
+        loss = nn.functional.mse_loss(out.float(), y)
         if self.nan_on_rank1 and self.global_rank == 1 and self.trainer.global_step == NAN_AT:
             loss = loss * float("nan")
         if not self.automatic_optimization:  # the same step, as a manual loop writes it
@@ -52,6 +63,11 @@ class Net(L.LightningModule):
             optimizer.step()
             optimizer.zero_grad()
         return loss
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        if self.variant == "late_group" and self.trainer.global_step == 2:
+            self.net[3].requires_grad_(True)
+            self.trainer.optimizers[0].add_param_group({"params": list(self.net[3].parameters())})
 
     def on_train_start(self) -> None:
         hooks = getattr(self.trainer.strategy.model, "_comm_hooks", [])
@@ -70,6 +86,11 @@ class Net(L.LightningModule):
         return sum_loader(self.trainer.world_size, self.global_rank)
 
     def configure_optimizers(self) -> Any:
+        if self.variant in (
+            "partial",
+            "late_group",
+        ):  # net.3 joins the optimizer at step 2 (in DDP's buckets from the start)
+            return torch.optim.AdamW([p for layer in self.net[:3] for p in layer.parameters()], lr=1e-2)
         if self.optimizer_name == "adamw":
             return torch.optim.AdamW(self.parameters(), lr=1e-2, weight_decay=0.1)
         if self.optimizer_name == "rmsprop":  # not AdamW/Adam/SGD: the generic path, on gloo's threads
@@ -78,10 +99,15 @@ class Net(L.LightningModule):
 
 
 def run(
-    in_backward: bool, optimizer: str, nan_on_rank1: bool = False, strategy: Any = "ddp", manual: bool = False
+    in_backward: bool,
+    optimizer: str,
+    nan_on_rank1: bool = False,
+    strategy: Any = "ddp",
+    manual: bool = False,
+    variant: str = "",
 ) -> dict[str, Any]:
     torch.manual_seed(0)
-    model = Net(optimizer, nan_on_rank1, manual)
+    model = Net(optimizer, nan_on_rank1, manual, variant)
     plugin = MixedPrecisionPlugin("bf16-mixed", master_weights="remainder", optimizer_in_backward=in_backward)
     trainer = L.Trainer(
         accelerator="cpu",
@@ -124,6 +150,11 @@ def main() -> None:
         run(True, "adamw", strategy=DDPStrategy(find_unused_parameters=True))
     except ValueError as error:
         results["find_unused_refusal"] = str(error)
+    for variant in ("reentrant", "late_group", "partial"):  # refused in pre_backward (partial: at connect)
+        try:
+            run(True, "adamw", variant=variant)
+        except (RuntimeError, ValueError) as error:
+            results[f"{variant}_refusal"] = str(error)
     save(results, out, torch.distributed.get_rank())
     finish()
 

@@ -1,0 +1,60 @@
+"""What changes during fit under the step inside backward: param groups (followed), hooks added later (refused).
+
+**Param groups.** ``optimizer.add_param_group`` after setup (Lightning's ``BackboneFinetuning`` and
+``BaseFinetuning.unfreeze_and_add_param_group``, a user's callback) brings parameters the hooks set up at connect do
+not know. :class:`~lightning_mp.master.in_backward.StepInBackward` compares each group's length before every backward
+(:func:`~lightning_mp.master.flat.group_sizes`, a few integers) and, when they changed, gives every parameter of the
+current groups its one-parameter group (:func:`one_groups`) and its hook; the store made their lean state at the
+conversion (every floating parameter of the module is converted, frozen or not) and checks they are the model's
+(:meth:`~lightning_mp.master.RemainderMasters.follow_groups`). The new parameters are then updated inside backward
+exactly as the normal lean step, which reads the groups at each step, updates them. Add groups before the backward
+(``on_train_epoch_start``, ``on_train_batch_start``): a parameter added after its gradient was made is not updated
+and fails the "no update left behind" check at the step.
+
+**Post-accumulate-grad hooks added later.** A user's ``register_post_accumulate_grad_hook`` registered before
+the plugin's (before fit) runs first and sees (or rewrites) the gradient the update then uses, as the normal step
+would. One registered after setup would run after the update, on a gradient that is gone: :func:`refuse_later_hook`
+raises before that parameter's update (a cheap check, only on a parameter with several such hooks).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from torch import Tensor
+from torch.optim import Optimizer
+
+#: The refusal under DDP and FSDP2 (their reduction drives the updates of the parameters known at setup).
+UNDER_REDUCTION = (
+    "cannot follow param groups added after setup (optimizer.add_param_group) under DDP or FSDP2: the strategy's "
+    "reduction drives the updates of the parameters it was set up with. This backward was stopped before it "
+    "updated anything. Put every parameter in the optimizer in configure_optimizers (frozen ones are left alone "
+    "until they are unfrozen, then updated), or use optimizer_in_backward=False."
+)
+
+
+def one_groups(
+    optimizer: Optimizer, known: dict[int, tuple[int, dict[str, Any]]]
+) -> tuple[dict[int, tuple[int, dict[str, Any]]], list[Tensor]]:
+    """``(id(param) -> (its group's index, its one-parameter group), every parameter)`` of ``optimizer``'s current
+    groups. A parameter in ``known`` keeps its one-parameter dict (the CUDA kernel caches its address tables by
+    ``id(group)``); a new one gets a copy of its group's options (read again at each update)."""
+    ones: dict[int, tuple[int, dict[str, Any]]] = {}
+    params: list[Tensor] = []
+    for index, group in enumerate(optimizer.param_groups):
+        for param in group["params"]:
+            before = known.get(id(param))
+            ones[id(param)] = (index, before[1] if before is not None else {**group, "params": [param]})
+            params.append(param)
+    return ones, params
+
+
+def refuse_later_hook(param: Tensor, ours: Optional[Any], name: str, option: str) -> None:
+    """Raise when the last post-accumulate-grad hook of ``param`` is not ``ours`` (the plugin's handle)."""
+    if ours is not None and next(reversed(param._post_accumulate_grad_hooks)) != ours.id:
+        raise RuntimeError(
+            f"MixedPrecisionPlugin({option}): {name} has a post-accumulate-grad hook registered after the plugin's, "
+            "which would run after the update, when the gradient is used and gone (the normal step would let it read "
+            "or rewrite the gradient first). Raised before this parameter's update. Register it before fit (in "
+            "__init__ or configure_model), use a tensor hook (p.register_hook), or optimizer_in_backward=False."
+        )
