@@ -9,7 +9,7 @@ if finite, update the scale).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Generator, Iterator, Mapping
+from collections.abc import Generator, Mapping
 from typing import Any, Callable, Literal, Optional, Union
 
 import torch
@@ -34,9 +34,9 @@ from lightning_mp.fabric.hooks import FabricHooks
 from lightning_mp.forward import ModuleRules, module_policy, override_context, override_targets, warn_at_connect
 from lightning_mp.forward import module_device as _module_device
 from lightning_mp.fp8.convert import Fp8Training
-from lightning_mp.master import MasterWeights, MasterWeightsOption, exact, in_backward_loop, is_norm, masters_for
+from lightning_mp.master import MasterWeights, MasterWeightsOption, in_backward_loop, is_norm, masters_for
+from lightning_mp.master.access import MasterWeightsAccess
 from lightning_mp.master.in_backward import StepInBackward, check_options, check_setup, check_strategy, install
-from lightning_mp.master.model_sync import follow_writes, start_following
 from lightning_mp.policy import CastPolicy
 from lightning_mp.scaler import DynamicLossScaler
 from lightning_mp.schedulers import guard_step_schedulers
@@ -48,7 +48,7 @@ PrecisionName = Literal["16-mixed", "bf16-mixed"]
 _DTYPES: dict[str, torch.dtype] = {"16-mixed": torch.float16, "bf16-mixed": torch.bfloat16}
 
 
-class MixedPrecisionPlugin(FabricHooks, Precision):  # FabricHooks: the hooks as Fabric calls them
+class MixedPrecisionPlugin(FabricHooks, MasterWeightsAccess, Precision):  # FabricHooks: the hooks as Fabric calls them
     """Mixed-precision training with a loss scaler you can tune and inspect.
 
     Args:
@@ -236,28 +236,6 @@ class MixedPrecisionPlugin(FabricHooks, Precision):  # FabricHooks: the hooks as
         warn_at_connect(self._effective_policy, inner, self._device_type, self.dtype)  # rules matching nothing, fp16
         guard_step_schedulers(lr_schedulers)  # they do not advance on a skipped step
         return model, optimizers, lr_schedulers
-
-    def _start_following(self, model: Optional[Module] = None) -> None:
-        start_following(self.masters, model)
-
-    def follow_model_writes(self) -> None:
-        """Make the master weights follow every write into the model since the plugin's last step (a load into
-        any submodule, ``nn.init``, ``copy_`` under ``no_grad``, ``p.data = t``, a replaced parameter), or raise
-        :class:`~lightning_mp.master.model_sync.ModelWriteError` naming a parameter they cannot follow. Runs before
-        each optimizer step, each save and at teardown (see docs/master-weights.md, "Writes after setup")."""
-        follow_writes(self.masters)
-
-    def exact_weights(self, module: Module, write: bool = True) -> contextlib.AbstractContextManager[Module]:
-        """A context inside which ``module.parameters()`` are fp32 parameters holding the exact master values, and
-        what is written into them becomes the masters on leaving (``write=False``: read only). See
-        :func:`lightning_mp.master.exact_weights` and docs/master-weights.md, "Weight averaging and EMA teachers"."""
-        return exact.exact_weights(module, store=self.masters, write=write)
-
-    def exact_parameters(self, module: Module) -> Iterator[tuple[str, Tensor]]:
-        """``(name, exact fp32 value)`` per parameter of ``module``, one at a time (the master itself with
-        ``master_weights=True``, a joined fp32 tensor with ``"remainder"``): :func:`lightning_mp.master.
-        exact_parameters`."""
-        return exact.exact_parameters(module, store=self.masters)
 
     # ------------------------------------------------------------------ forward and backward
     def autocast_context_manager(self) -> torch.autocast:
