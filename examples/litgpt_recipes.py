@@ -15,10 +15,14 @@ inside ``fabric.backward`` and its gradient freed; one backward per step, so ``-
 (``model.load_state_dict(lazy_load(path))``): the masters take the loaded fp32 values exactly (docs/master-weights.md,
 "Writes after setup").
 
+LitGPT's ``pretrain`` runs the same way (its text data modules need ``litdata``: the ``litgpt`` extra), but not with
+``--optimizer-in-backward``: it clips by norm every step and refuses ``--train.max_norm`` unset, and a step inside
+backward has no whole gradient to clip; the runner refuses that pair before anything runs. At start the runner prints
+one line naming the plugin LitGPT's Fabric carries and its options.
+
 In your own code, call a recipe's ``main(fabric, ...)`` with a Fabric you built with the plugin (tests/
-test_litgpt_recipes.py does). Limits: one device (LitGPT picks FSDP1 for several, which the plugin refuses); no
-``--quantize`` (it brings its own precision plugin); LitGPT's ``pretrain`` runs the same way where its data is at hand
-(its text datasets need ``litdata``). See docs/litgpt.md.
+test_litgpt_recipes.py and tests/test_litgpt_pretrain.py do). Limits: one device (LitGPT picks FSDP1 for several,
+which the plugin refuses); no ``--quantize`` (it brings its own precision plugin). See docs/litgpt.md.
 """
 
 from __future__ import annotations
@@ -53,6 +57,7 @@ class PluginFabric(_FABRIC):  # type: ignore[misc, valid-type]
             optimizer_in_backward=type(self).optimizer_in_backward,
         )
         PluginFabric.last_plugin = plugin
+        print(f"lightning_mp: {plugin!r}", flush=True)  # the one line that says which plugin LitGPT's Fabric carries
         super().__init__(*args, plugins=[plugin], **kwargs)
 
 
@@ -69,6 +74,12 @@ def main(argv: Optional[list[str]] = None) -> None:
             master_weights = option.split("=", 1)[1] if "=" in option else args.pop(0)
     if master_weights.lower() not in MASTER_WEIGHTS:
         raise SystemExit(f"--master-weights {master_weights!r}: use one of {sorted(MASTER_WEIGHTS)}.")
+    if in_backward and args[:1] == ["pretrain"]:  # refused here, before LitGPT tokenizes data or builds a model
+        raise SystemExit(
+            "litgpt_recipes.py: --optimizer-in-backward cannot run pretrain: LitGPT's pretrain clips gradients by norm "
+            "every step (--train.max_norm is required) and a step inside backward has no whole gradient to clip; run "
+            "pretrain without --optimizer-in-backward, or use it with finetune_full, finetune_lora or finetune_adapter."
+        )
     PluginFabric.master_weights = MASTER_WEIGHTS[master_weights.lower()]
     PluginFabric.optimizer_in_backward = in_backward
     from litgpt.__main__ import main as litgpt_main

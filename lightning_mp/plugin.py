@@ -381,6 +381,8 @@ class MixedPrecisionPlugin(FabricHooks, MasterWeightsAccess, Precision):  # Fabr
         masters = "'remainder'" if getattr(self.masters, "kind", None) == "remainder" else self.master_weights
         return (
             f"{type(self).__name__}(precision={self.precision!r}, scaler={self.scaler!r}, "
-            f"master_weights={masters}, policy={self.policy!r}"
+            f"master_weights={masters}, "
+            + ("optimizer_in_backward=True, " if self.optimizer_in_backward else "")
+            + f"policy={self.policy!r}"
             + (f", fp8={self.fp8.recipe!r})" if self.fp8 is not None else ")")
         )

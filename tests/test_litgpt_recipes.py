@@ -4,8 +4,8 @@ with a Fabric carrying the plugin (both master modes), on a tiny checkpoint dire
 
 LitGPT loads its checkpoint after ``fabric.setup`` with ``lazy_load`` (``NotYetLoadedTensor`` values): each run must
 equal, bit for bit, the same run loading real tensors; its first loss must be the built-in ``bf16-mixed`` run's; the
-saved weights are fp32 and load with LitGPT; the full recipe resumes as the uninterrupted run. ``pretrain`` is not
-run: its text datasets need ``litdata`` (not installed here).
+saved weights are fp32 and load with LitGPT; the full recipe resumes as the uninterrupted run. ``pretrain``:
+tests/test_litgpt_pretrain.py.
 """
 
 from __future__ import annotations
@@ -247,7 +247,7 @@ def test_full_recipe_resumes_inside_backward_from_a_normal_steps_checkpoint(runs
         assert torch.equal(resumed["weights"][key], value), key
 
 
-def test_the_runner_runs_litgpt_cli_with_the_plugin(checkpoint):
+def test_the_runner_runs_litgpt_cli_with_the_plugin(checkpoint, capsys):
     out = checkpoint.parent / "cli"
     argv = ["--master-weights", "remainder", "finetune_full", str(checkpoint), "--out_dir", str(out)]
     argv += ["--data", "JSON", "--data.json_path", str(checkpoint.parent / "data.json"), "--data.val_split_fraction"]
@@ -267,5 +267,8 @@ def test_the_runner_runs_litgpt_cli_with_the_plugin(checkpoint):
         warnings.simplefilter("ignore")
         runner.main(argv)
     assert runner.PluginFabric.last_plugin.optimizer_in_backward and runner.PluginFabric.optimizer_in_backward
+    named = [line for line in capsys.readouterr().out.splitlines() if line.startswith("lightning_mp: ")]
+    assert len(named) == 2 and "optimizer_in_backward" not in named[0]  # one line a run, naming its options
+    assert "master_weights='remainder', optimizer_in_backward=True, " in named[1]
     inside = torch.load(out.with_name("cli-inbackward") / "final" / "lit_model.pth", weights_only=True)["model"]
     assert inside.keys() == weights.keys() and all(torch.equal(inside[k], v) for k, v in weights.items())
