@@ -52,6 +52,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _report import QUIET_TRAINER, report  # noqa: E402
 
 from lightning_mp import MixedPrecisionPlugin, stepping  # noqa: E402
+from tests.helpers import HOST_SYNCS  # noqa: E402
 
 WIDTH, VOCAB, BATCH, SEQ = 64, 64, 2, 16
 COUNTED_STEPS = range(2, 7)  # steps 3 to 7 (0-based batch indices): the first steps set up state
@@ -204,26 +205,13 @@ class _OpCounter(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-_HOST_SYNCS = {
-    torch.Tensor.item,
-    torch.Tensor.__bool__,
-    torch.Tensor.__float__,
-    torch.Tensor.__int__,
-    torch.Tensor.__index__,
-    torch.Tensor.tolist,
-    torch.Tensor.numpy,
-    torch.Tensor.nonzero,
-    torch.is_nonzero,
-}
-
-
 class _SyncCounter(TorchFunctionMode):
     def __init__(self, ledger: _Ledger) -> None:
         super().__init__()
         self.ledger = ledger
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        if self.ledger.on and func in _HOST_SYNCS:
+        if self.ledger.on and func in HOST_SYNCS:
             self.ledger.syncs[(self.ledger.phase(), _issuer())] += 1
         return func(*args, **(kwargs or {}))
 

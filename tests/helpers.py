@@ -14,7 +14,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.data import DataLoader, TensorDataset
 
 # Tensor methods that make the host wait for the device
-_HOST_SYNCS = {
+HOST_SYNCS = {
     torch.Tensor.item,
     torch.Tensor.__bool__,
     torch.Tensor.__float__,
@@ -35,7 +35,7 @@ class HostSyncCounter(TorchFunctionMode):
         self.calls: list[str] = []
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        if func in _HOST_SYNCS:
+        if func in HOST_SYNCS:
             self.calls.append(getattr(func, "__name__", str(func)))
         return func(*args, **(kwargs or {}))
 
