@@ -24,7 +24,6 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_mp import stepping
 from lightning_mp.callbacks.averaging import adapt_averaging_callbacks, restore_averaging_callbacks
 from lightning_mp.diagnostics.half_failure import ExplainingAutocast
 from lightning_mp.distributed import GradientSync, mixed_precision_policy, sync_for
@@ -34,15 +33,15 @@ from lightning_mp.fabric.hooks import FabricHooks
 from lightning_mp.forward import ModuleRules, module_policy, override_context, override_targets, warn_at_connect
 from lightning_mp.forward import module_device as _module_device
 from lightning_mp.fp8.convert import Fp8Training
-from lightning_mp.master import MasterWeights, MasterWeightsOption, in_backward_loop, is_norm, masters_for
+from lightning_mp.master import MasterWeights, MasterWeightsOption, is_norm, masters_for
 from lightning_mp.master.access import MasterWeightsAccess
-from lightning_mp.master.in_backward import StepInBackward, check_options, check_setup, check_strategy, install
+from lightning_mp.master.in_backward import check_options, check_setup, check_strategy, install
 from lightning_mp.policy import CastPolicy
 from lightning_mp.scaler import DynamicLossScaler
 from lightning_mp.schedulers import guard_step_schedulers
 from lightning_mp.settings import foreign_scaler_state
 from lightning_mp.standalone import lightning_isinstance
-from lightning_mp.stepping import UnscaledGradients
+from lightning_mp.stepping import OptimizerStep
 
 PrecisionName = Literal["16-mixed", "bf16-mixed"]
 _DTYPES: dict[str, torch.dtype] = {"16-mixed": torch.float16, "bf16-mixed": torch.bfloat16}
@@ -107,31 +106,45 @@ class MixedPrecisionPlugin(FabricHooks, MasterWeightsAccess, Precision):  # Fabr
             )
         check_options(optimizer_in_backward, precision, master_weights)
         self.optimizer_in_backward = optimizer_in_backward
-        self._in_backward: Optional[StepInBackward] = None  # its hooks, from connect to teardown
         self._averaging: list[Any] = []  # Lightning's averaging callbacks run over the exact weights, until teardown
         self.precision = precision
         self.dtype = _DTYPES[precision]
-        self.scaler: Optional[DynamicLossScaler] = DynamicLossScaler.for_precision(precision, scaler)
+        scaler_made = DynamicLossScaler.for_precision(precision, scaler)
         if not isinstance(keep_norm_fp32, bool):
             raise ValueError(f"keep_norm_fp32={keep_norm_fp32!r} must be True or False.")
         self.policy = CastPolicy.coerce(policy)
         self.reduce_dtype = reduce_dtype_of(reduce_dtype)
         self.fp8 = Fp8Training.create(fp8, precision)  # None unless fp8 is set: torchao is imported only then
-        # what the strategy needs at each step (lightning_mp.distributed); set up in convert_module
-        self._sync: GradientSync = GradientSync()
         self.keep_norm_fp32 = keep_norm_fp32
-        self.masters: Optional[MasterWeights] = masters_for(self.dtype, master_weights, self._params_stay_fp32)
+        # the one owner of the optimizer step and its state (scaler, masters, the strategy's sync, in-backward hooks)
+        self.steps = OptimizerStep(scaler_made, None, self, self.follow_model_writes, GradientSync())
+        self.masters = masters_for(self.dtype, master_weights, self.params_stay_fp32)
         self._effective_policy = self.policy
         self._overrides: tuple[Optional[CastPolicy], bool] = (None, False)  # (policy, whether it overrides any op)
         self._module_rules = ModuleRules()
         self._device_type: Optional[str] = None
-        self._param_names: dict[int, str] = {}
-        # which optimizers' gradients are unscaled since their backward (the one place that decides it)
-        self._unscaled = UnscaledGradients()
-        # --- extension point for diagnostics: called as observer(plugin=, optimizer=, model=) on every skipped
-        # step, after the inf/NaN check and before the scaler updates (PrecisionMonitor localises the overflow).
-        # While one is registered the skip is decided on the host at every step (lightning_mp.stepping)
-        self.skip_observers: list[Callable[..., None]] = []
+
+    @property
+    def scaler(self) -> Optional[DynamicLossScaler]:  # the step's (lightning_mp.stepping.OptimizerStep)
+        return self.steps.scaler
+
+    @scaler.setter
+    def scaler(self, scaler: Optional[DynamicLossScaler]) -> None:
+        self.steps.scaler = scaler
+
+    @property
+    def masters(self) -> Optional[MasterWeights]:  # the step's
+        return self.steps.masters  # type: ignore[return-value]
+
+    @masters.setter
+    def masters(self, masters: Optional[MasterWeights]) -> None:
+        self.steps.masters = masters
+
+    @property
+    def skip_observers(self) -> list[Callable[..., None]]:
+        """Called as ``observer(plugin=, optimizer=, model=)`` on every skipped step, before the scaler updates
+        (the diagnostics' extension point: :attr:`lightning_mp.stepping.OptimizerStep.skip_observers`)."""
+        return self.steps.skip_observers
 
     @property
     def device_type(self) -> str:
@@ -151,10 +164,14 @@ class MixedPrecisionPlugin(FabricHooks, MasterWeightsAccess, Precision):  # Fabr
         parameters. Default: the policy's ``fp32_modules`` rules. Override this one method to decide per module."""
         return self._effective_policy.module_in_fp32(name, module)
 
-    def _params_stay_fp32(self, name: str, module: Module) -> bool:
+    def params_stay_fp32(self, name: str, module: Module) -> bool:
+        """Whether module ``name``'s own parameters stay fp32 with master weights (norms with ``keep_norm_fp32``,
+        and what :meth:`keeps_fp32` keeps)."""
         return (self.keep_norm_fp32 and is_norm(name, module)) or self.keeps_fp32(name, module)
 
-    def _resolve_policy(self, module: Module) -> None:
+    def resolve_policy(self, module: Module) -> None:
+        """Merge ``module``'s ``configure_precision_policy()`` into the plugin's policy (at setup, and where a
+        strategy converts or shards before connect)."""
         self._effective_policy = self.policy  # until the module's configure_precision_policy() has answered
         self._effective_policy = module_policy(self.policy, module)
 
@@ -163,11 +180,6 @@ class MixedPrecisionPlugin(FabricHooks, MasterWeightsAccess, Precision):  # Fabr
         """The plugin's policy merged with the LightningModule's ``configure_precision_policy()``, once connected;
         printed for the device the run uses."""
         return self._effective_policy.for_device(self.device_type)
-
-    @property
-    def _checking(self) -> bool:
-        """Whether gradients are unscaled and checked for inf/NaN each step (fp16 scaling, or bf16's check)."""
-        return self.scaler is not None and self.scaler.enabled
 
     def fsdp2_policy(self, name: str = "", module: Optional[Module] = None) -> Any:
         """The FSDP2 ``MixedPrecisionPolicy`` matching this plugin, for ``fully_shard(..., mp_policy=...)`` in
@@ -178,7 +190,7 @@ class MixedPrecisionPlugin(FabricHooks, MasterWeightsAccess, Precision):  # Fabr
         """Convert ``module``'s eligible layers to fp8 now: under FSDP2, in ``configure_model`` before fully_shard."""
         if self.fp8 is None:
             raise ValueError("fp8_convert() converts layers to fp8, but this plugin has fp8=None: pass fp8=...")
-        self._resolve_policy(module)  # the module's configure_precision_policy() counts here too
+        self.resolve_policy(module)  # the module's configure_precision_policy() counts here too
         return self.fp8.convert(module, self, getattr(getattr(module, "_trainer", None), "strategy", None))
 
     def fsdp2_shard(self, module: Module, blocks: Any = (), root: Any = None, mesh: Any = None, **kw: Any) -> Module:
@@ -193,15 +205,15 @@ class MixedPrecisionPlugin(FabricHooks, MasterWeightsAccess, Precision):  # Fabr
         # configure_optimizers, so the optimizers are built on the half parameters and connect() swaps in masters.
         # The conversion is in place: DDP discards the returned module. Under FSDP2 its sharded fp32 parameters are
         # the masters (nothing converted) or, lean, the shards are split (lightning_mp.distributed.fsdp2_lean).
-        self._resolve_policy(module)
+        self.resolve_policy(module)
         strategy = self._strategy_for(module)  # the Trainer's, or a Fabric's (then driven: lightning_mp.fabric)
         if self.optimizer_in_backward:
             check_strategy(strategy, fabric=self._fabric is not None)
-        self._sync = sync_for(strategy, self)
-        self.masters = self._sync.adopt(self.masters)  # FSDP2: lean masters on the local shards
+        self.steps.sync = sync_for(strategy, self)
+        self.masters = self.steps.sync.adopt(self.masters)  # FSDP2: lean masters on the local shards
         if self.fp8 is not None:  # before the masters: Float8Linear keeps the parameters, the masters see them
             self.fp8.convert(module, self, strategy)
-        if self.masters is None or self._sync.owns_masters:
+        if self.masters is None or self.steps.sync.owns_masters:
             return module
         return self.masters.convert(module)
 
@@ -212,26 +224,26 @@ class MixedPrecisionPlugin(FabricHooks, MasterWeightsAccess, Precision):  # Fabr
         # Runs after the model is on its device and the optimizers exist, before checkpoint state is restored.
         inner = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
         self._device_type = _module_device(inner).type
-        self._param_names = {id(param): name for name, param in inner.named_parameters()}
-        self._resolve_policy(inner)
+        names = self.steps.names = {id(param): name for name, param in inner.named_parameters()}
+        self.resolve_policy(inner)
         self._module_rules.install(inner, self.keeps_fp32, self._device_type)
         if self.optimizer_in_backward:
             check_setup(getattr(inner, "_trainer", None), inner, optimizers)
-        if self.masters is not None and not self._sync.owns_masters:
+        if self.masters is not None and not self.steps.sync.owns_masters:
             self.masters.check_callbacks(getattr(getattr(inner, "_trainer", None), "callbacks", None) or [])
             self.masters.attach(optimizers)
             for param, master in self.masters.pairs():
-                self._param_names[id(master)] = self._param_names.get(id(param), "")
+                names[id(master)] = names.get(id(param), "")
         if self.fp8 is not None:
             self.fp8.connect(inner, optimizers)  # FSDP2 fp8 all-gather: weight scales precomputed after each step
-        self._in_backward = install(self._in_backward, self.optimizer_in_backward, self.masters, inner, optimizers,
-                                    self._checking, self._param_names)  # fmt: skip
-        self._sync.connect(model, self)  # DDP: comm hooks (updates after each bucket), masters from rank 0; FSDP2
+        self.steps.in_backward = install(self.steps.in_backward, self.optimizer_in_backward, self.masters, inner,
+                                         optimizers, self.steps.checking, names)  # fmt: skip
+        self.steps.sync.connect(model, self)  # DDP: comm hooks (updates after each bucket), masters from rank 0; FSDP2
         if self.scaler is not None:
-            self.scaler.gather_names = self._sync.gather_names  # culprits at min_scale, from every rank
-        self._unscaled.clear()
-        self._start_following(model)  # setup is over: every later write into the model reaches the masters
-        if not self._sync.owns_masters:  # Lightning's SWA and EMA callbacks average the exact weights
+            self.scaler.gather_names = self.steps.sync.gather_names  # culprits at min_scale, from every rank
+        self.steps.unscaled.clear()
+        self.start_following_writes(model)  # setup is over: every later write into the model reaches the masters
+        if not self.steps.sync.owns_masters:  # Lightning's SWA and EMA callbacks average the exact weights
             self._averaging = adapt_averaging_callbacks(inner, self.masters)
         warn_at_connect(self._effective_policy, inner, self._device_type, self.dtype)  # rules matching nothing, fp16
         guard_step_schedulers(lr_schedulers)  # they do not advance on a skipped step
@@ -265,25 +277,27 @@ class MixedPrecisionPlugin(FabricHooks, MasterWeightsAccess, Precision):  # Fabr
         # every "already unscaled" record: gradients still unscaled are scaled back so the sum stays consistent
         if self.masters is not None:
             self.masters.before_backward()  # lean masters: gradients of earlier micro-batches add up in fp32
-        self._sync.before_backward()  # DDP, lean masters: fp32 sums move aside before a synchronising backward
-        if self._checking:
+        self.steps.sync.before_backward()  # DDP, lean masters: fp32 sums move aside before a synchronising backward
+        if self.steps.checking:
             assert self.scaler is not None
-            self._unscaled.new_backward(self.scaler)
+            self.steps.new_backward()
             tensor = self.scaler.scale_loss(tensor)
         tensor = super().pre_backward(tensor, module)
-        if self._in_backward is not None:  # the updates run in this backward (one per step): writes reach the masters
-            in_backward_loop.begin(self, tensor)  # first; the loss checked on the device (non-finite: no update)
+        if (
+            self.steps.in_backward is not None
+        ):  # the updates run in this backward (one per step): writes reach the masters
+            self.steps.begin_backward(tensor)  # first; the loss checked on the device (non-finite: no update)
         return tensor
 
     @override
     def post_backward(self, tensor: Tensor, module: LightningModule) -> Tensor:  # type: ignore[override]
         # on_after_backward hooks still see the half gradients; then they move to the fp32 masters (adding up
         # across accumulated micro-batches in fp32) and the half ones are freed
-        self._sync.backward_finished()  # DDP, lean masters: the reduced fp32 sums become the gradients
+        self.steps.sync.backward_finished()  # DDP, lean masters: the reduced fp32 sums become the gradients
         closure_loss = super().post_backward(tensor, module)
         if self.masters is not None:
             self.masters.grads_to_masters()
-        self._sync.after_backward()  # DDP with masters: reduce the fp32 master gradients once DDP would have
+        self.steps.sync.after_backward()  # DDP with masters: reduce the fp32 master gradients once DDP would have
         return closure_loss
 
     # ------------------------------------------------------------------ the optimizer step
@@ -292,13 +306,11 @@ class MixedPrecisionPlugin(FabricHooks, MasterWeightsAccess, Precision):  # Fabr
         self, optimizer: Optimizable, model: LightningModule, closure: Callable[[], Any], **kwargs: Any
     ) -> Any:
         # the order of a step (closure, unscale and check once, agree across ranks, Lightning's hooks and clipping,
-        # step or skip, masters back into the model, update the scale) is lightning_mp.stepping's
+        # step or skip, masters back into the model, update the scale) is the step owner's (lightning_mp.stepping)
         def plain_step() -> Any:  # Lightning's own, for the step without a check (made, not called, every step)
             return super(MixedPrecisionPlugin, self).optimizer_step(optimizer, model=model, closure=closure, **kwargs)
 
-        if self._in_backward is not None:  # the updates ran inside the closure's backward: bookkeeping only
-            return stepping.step_in_backward(self, optimizer, model, closure)
-        return stepping.optimizer_step(self, optimizer, model, closure, kwargs, plain_step)
+        return self.steps.closure_step(optimizer, model, closure, kwargs, plain_step, self._after_closure)
 
     @override
     def _after_closure(self, model: Any, optimizer: Any) -> None:
@@ -324,17 +336,17 @@ class MixedPrecisionPlugin(FabricHooks, MasterWeightsAccess, Precision):  # Fabr
         clip_val: Union[int, float] = 0.0,
         gradient_clip_algorithm: GradClipAlgorithmType = GradClipAlgorithmType.NORM,
     ) -> None:
-        in_backward_loop.refuse_clipping(self, clip_val, gradient_clip_algorithm, "self.clip_gradients")  # grads gone
-        stepping.unscale_before_clipping(self, optimizer, clip_val)  # manual optimization: clipping sees true grads
+        self.steps.refuse_clipping(clip_val, gradient_clip_algorithm, "self.clip_gradients")  # grads gone
+        self.steps.unscale_before_clipping(optimizer, clip_val)  # manual optimization: clipping sees true grads
         super().clip_gradients(optimizer, clip_val=clip_val, gradient_clip_algorithm=gradient_clip_algorithm)
 
     @override
     def clip_grad_by_value(self, optimizer: Optimizer, clip_val: Union[int, float]) -> None:
-        stepping.clip_grad_by_value(self, optimizer, clip_val, super().clip_grad_by_value)  # lean masters: their own
+        self.steps.clip_by_value(optimizer, clip_val)  # lean masters: in fp32, inside their update
 
     @override
     def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: Union[int, float]) -> None:
-        stepping.clip_grad_by_norm(self, optimizer, clip_val, super().clip_grad_by_norm)
+        self.steps.clip_by_norm(optimizer, clip_val)
 
     # ------------------------------------------------------------------ checkpointing
     @override
@@ -369,7 +381,7 @@ class MixedPrecisionPlugin(FabricHooks, MasterWeightsAccess, Precision):  # Fabr
     @override
     def teardown(self) -> None:
         # after fit/validate/test/predict the model holds its fp32 values again (the masters, after training)
-        self._in_backward = install(self._in_backward, False)  # its hooks removed
+        self.steps.in_backward = install(self.steps.in_backward, False)  # its hooks removed
         restore_averaging_callbacks(self._averaging)
         self._averaging = []
         if self.masters is not None:
@@ -378,7 +390,7 @@ class MixedPrecisionPlugin(FabricHooks, MasterWeightsAccess, Precision):  # Fabr
         super().teardown()
 
     def __repr__(self) -> str:
-        masters = "'remainder'" if getattr(self.masters, "kind", None) == "remainder" else self.master_weights
+        masters = repr(self.steps.weights.option) if isinstance(self.steps.weights.option, str) else self.master_weights
         return (
             f"{type(self).__name__}(precision={self.precision!r}, scaler={self.scaler!r}, "
             f"master_weights={masters}, "

@@ -1,38 +1,33 @@
-"""The order of one optimizer step, in one place; the scaler (:mod:`lightning_mp.scaler`) does the arithmetic.
+"""The order of one optimizer step, in one class that owns the state it uses: :class:`OptimizerStep`.
 
-``MixedPrecisionPlugin.optimizer_step`` hands its arguments to :func:`optimizer_step`, which runs, in this order:
+The plugin (Trainer and Fabric, automatic and manual optimization, the step inside backward) hands every optimizer
+step to its one :class:`OptimizerStep`, which runs, in this order:
 
-1. the closure (forward, backward: ``pre_backward`` scaled the loss);
+1. the closure (forward, backward: ``pre_backward`` scaled the loss); under Fabric the backward already ran;
 2. unscale the gradients once since their backward and check them for inf/NaN (:class:`UnscaledGradients`: early
    unscales, by clipping in manual optimization, are not repeated); the found-inf flag is a device tensor;
 3. agree on the flag across ranks (the strategy's ``GradientSync.agree``: one all-reduce of the device tensor);
 4. Lightning's ``on_before_optimizer_step`` hooks and gradient clipping, on the unscaled gradients;
-5. :func:`step`: step the optimizer or skip the step, then copy fp32 masters back into the model;
+5. step the optimizer or skip the step, through the masters' one interface (:meth:`~lightning_mp.master.plain.
+   PlainWeights.step`: the flat fp32 masters copy back to the model, the lean ones update themselves);
 6. update the scale (``DynamicLossScaler.update``).
 
-A step's found-inf flag is a device tensor, and :func:`step` reads it on the host (one synchronisation, together
-with the scaler's pending state) only where the decision is needed there:
+With ``optimizer_in_backward=True`` the backward performed the updates; the step keeps the books.
 
-  * the optimizer cannot skip on the device (:func:`skips_on_device`: masters with ``fused_step(optimizer,
-    found_inf)``, or torch's ``fused=True`` Adam, AdamW, SGD and Adagrad, which declare
-    ``_step_supports_amp_scaling`` and take the flag as their ``found_inf`` attribute, the protocol of
-    ``torch.amp.GradScaler``). An exact skip of, say, the for-loop AdamW would need a copy of the parameters and
-    the optimizer state before each step and a ``torch.where`` after it, measured at +36% of AdamW's step time for
-    a small MLP and +35% for a large one on CPU, and one more copy of the whole state: more than the one read saves;
-  * a scheduler with ``interval="step"`` is guarded on this optimizer (it must not advance on a skipped step, and
-    it is stepped on the host right after the optimizer);
-  * a skip observer is registered (``PrecisionMonitor(localise_overflows=True)`` replays the skipped step while
-    its batch, gradients and parameters are those of that step);
-  * the flag lives on the CPU (CPU training): there is no device to wait for, reading it is a memory read, and
-    the small tensor ops of the device path cost far more host time than the branch they replace (measured on a
-    2-core AVX2 EPYC, torch 2.13 CPU: reading the flag and applying the rules on the host takes 1 us a step; the
-    rules on the device 175 us for a check-only scaler, 740 us for a dynamic one, 20-60 us per tiny op; see
-    benchmarks/HISTORY.md, 2026-11-25). :data:`DECIDE_CPU_FLAGS_ON_HOST` turns this off (the tests do, to run the
-    accelerators' path on CPU tensors).
+A step's found-inf flag is a device tensor, and the step reads it on the host (one synchronisation, together with
+the scaler's pending state) only where the decision is needed there:
 
-On an accelerator the device path launches about 9 small kernels a step for a check-only or static scaler and about
-30 for a dynamic one (plus the 0/1 flag's two): host launch time, traded for the synchronisation it removes. What does
-not change between steps (each optimizer's parameters grouped by device and dtype, their names) is built once.
+  * the optimizer cannot skip on the device (:func:`skips_on_device`). An exact skip of, say, the for-loop AdamW on
+    the device would need a copy of the parameters and the optimizer state before each step and a ``torch.where``
+    after it: more work and memory than the one read it saves;
+  * a scheduler with ``interval="step"`` is guarded on this optimizer (it must not advance on a skipped step, and it
+    is stepped on the host right after the optimizer);
+  * a skip observer is registered (``PrecisionMonitor(localise_overflows=True)`` replays the skipped step while its
+    batch, gradients and parameters are those of that step);
+  * the flag lives on the CPU (CPU training): there is no device to wait for, reading it is a memory read, and the
+    small tensor ops of the device path cost more host time than the branch they replace (measurements in
+    ``benchmarks/RESULTS.md``). :data:`DECIDE_CPU_FLAGS_ON_HOST` turns this off (the tests and
+    ``benchmarks/host_work.py`` do, to run the accelerators' path on CPU tensors).
 """
 
 from __future__ import annotations
@@ -43,10 +38,13 @@ from typing import Any, Callable, Optional
 
 import torch
 from lightning.fabric.utilities.exceptions import MisconfigurationException
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 from torch.optim import LBFGS
 
 from lightning_mp.master import in_backward_loop
+from lightning_mp.master.in_backward import check_setup, install
+from lightning_mp.master.plain import PLAIN, PlainWeights
 from lightning_mp.scaler import DynamicLossScaler
 from lightning_mp.scaler_device import GradientGroups
 from lightning_mp.schedulers import has_step_scheduler, record_step
@@ -54,113 +52,240 @@ from lightning_mp.schedulers import has_step_scheduler, record_step
 #: Decide on the host when the found-inf flag is a CPU tensor (no device to wait for; see the module docstring).
 DECIDE_CPU_FLAGS_ON_HOST = True
 
+LBFGS_REFUSED = (
+    "MixedPrecisionPlugin with an inf/NaN check or master weights cannot drive LBFGS: it re-evaluates the closure "
+    "inside step(), where gradients cannot be checked and the half model is stale. Use "
+    "MixedPrecisionPlugin('bf16-mixed', scaler={'enabled': False}) without master weights, or fp32."
+)
 
-def optimizer_step(
-    plugin: Any,
-    optimizer: Any,
-    model: Any,
-    closure: Callable[[], Any],
-    kwargs: dict[str, Any],
-    plain_step: Callable[[], Any],
-) -> Any:
-    """``plugin``'s optimizer step, in the order of the module docstring. ``plain_step`` is Lightning's own
-    (closure, hooks and clipping inside ``optimizer.step``): the step without a check and without self-updating
-    masters takes it."""
-    masters, checking = plugin.masters, plugin._checking
-    if isinstance(optimizer, LBFGS) and (checking or masters is not None):
-        raise MisconfigurationException(
-            "MixedPrecisionPlugin with an inf/NaN check or master weights cannot drive LBFGS: it re-evaluates "
-            "the closure inside step(), where gradients cannot be checked and the half model is stale. Use "
-            "MixedPrecisionPlugin('bf16-mixed', scaler={'enabled': False}) without master weights, or fp32."
-        )
-    if not checking:
-        if callable(getattr(masters, "fused_step", None)):  # masters that update themselves
+
+class OptimizerStep:
+    """The one owner of an optimizer step's order and of the state the step uses (module docstring).
+
+    Args:
+        scaler: the loss scaler (``None``: no scaling and no check).
+        masters: the master weights (``None``: the model's own parameters are updated).
+        plugin: what skip observers receive as ``plugin=`` (the precision plugin that owns this step).
+        follow_writes: called before every update: writes into the model since the last step reach the masters.
+        sync: what the strategy needs at each step (:mod:`lightning_mp.distributed`; the plugin replaces it when it
+            learns the strategy): the agreement on the flag across ranks.
+
+    Attributes:
+        unscaled: which optimizers' gradients are unscaled since their backward.
+        names: ``id(parameter) -> name`` (masters too), for messages naming parameters.
+        in_backward: the step inside backward (:class:`~lightning_mp.master.in_backward.StepInBackward`) or ``None``.
+        skip_observers: called as ``observer(plugin=, optimizer=, model=)`` on every skipped step, after the check
+            and before the scaler updates; while one is registered the skip is decided on the host.
+    """
+
+    def __init__(
+        self,
+        scaler: Optional[DynamicLossScaler],
+        masters: Optional[PlainWeights],
+        plugin: Any,
+        follow_writes: Callable[[], None],
+        sync: Any,
+    ) -> None:
+        self.scaler = scaler
+        self.masters = masters
+        self.plugin = plugin
+        self.follow_writes = follow_writes
+        self.sync = sync
+        self.unscaled = UnscaledGradients()
+        self.names: dict[int, str] = {}
+        self.in_backward: Optional[Any] = None  # a StepInBackward (master.in_backward), from connect to teardown
+        self.skip_observers: list[Callable[..., None]] = []
+
+    @property
+    def checking(self) -> bool:
+        """Whether gradients are unscaled and checked for inf/NaN each step (fp16 scaling, or bf16's check)."""
+        return self.scaler is not None and self.scaler.enabled
+
+    @property
+    def weights(self) -> PlainWeights:
+        """The masters, or the model's own parameters behind the same interface (step, clip)."""
+        return self.masters if self.masters is not None else PLAIN
+
+    # ------------------------------------------------------------------------------------------ the step
+    def closure_step(
+        self,
+        optimizer: Any,
+        model: Any,
+        closure: Callable[[], Any],
+        kwargs: dict[str, Any],
+        plain_step: Callable[[], Any],
+        after_closure: Callable[[Any, Any], None],
+    ) -> Any:
+        """The Trainer's step (automatic and manual optimization): ``closure`` runs forward and backward,
+        ``after_closure(model, optimizer)`` Lightning's hooks and clipping; ``plain_step`` is Lightning's own (all
+        of it inside ``optimizer.step``), for the step without a check."""
+        if self.in_backward is not None:  # the updates ran inside the closure's backward: bookkeeping only
+            closure_result = closure()
+            after_closure(model, optimizer)
+            self._finish_in_backward(optimizer, model)  # nothing when no backward ran
+            return closure_result
+        self._refuse_lbfgs(optimizer, MisconfigurationException)
+        torch_optimizer = unwrap_optimizer(optimizer)
+        if not self.checking:
+            if not self.weights.updates_itself:  # Lightning's own step, then the flat masters into the model
+                return self.weights.step(torch_optimizer, None, plain_step)
             closure()
-            plugin._after_closure(model, optimizer)
-            return masters.fused_step(unwrap_optimizer(optimizer), None)
-        step_output = plain_step()
-        if masters is not None:
-            masters.masters_to_model(unwrap_optimizer(optimizer))
-        return step_output
-    closure_result = closure()
-    if closure_result is None and model.automatic_optimization:
-        # training_step returned None: no backward ran, so nothing to unscale or step. Hooks and clipping
-        # still run, as in Lightning; whatever they unscale stays recorded until the next backward ends it
-        plugin._after_closure(model, optimizer)
-        return None
-    # unscale after the closure and before on_before_optimizer_step, so hooks and clipping see true grads
-    torch_optimizer = unwrap_optimizer(optimizer)
-    unscaled = plugin._unscaled.unscale(plugin.scaler, torch_optimizer, plugin._param_names)  # once since backward
-    found_inf = plugin._sync.agree(unscaled)  # every rank takes the same decision, on the device
-    plugin._after_closure(model, optimizer)
-    plugin._unscaled.consumed(torch_optimizer)
-    return step(plugin, optimizer, model, found_inf, kwargs)  # skipped on the device where it can be
+            after_closure(model, optimizer)
+            return self.weights.step(torch_optimizer, None, None)
+        closure_result = closure()
+        if closure_result is None and model.automatic_optimization:
+            # training_step returned None: no backward ran, so nothing to unscale or step. Hooks and clipping
+            # still run, as in Lightning; whatever they unscale stays recorded until the next backward ends it
+            after_closure(model, optimizer)
+            return None
+        # unscale after the closure and before on_before_optimizer_step, so hooks and clipping see true grads
+        found_inf = self.sync.agree(self.unscale_once(torch_optimizer))  # every rank takes the same decision
+        after_closure(model, optimizer)
+        self.unscaled.consumed(torch_optimizer)
+        return self._step_or_skip(optimizer, model, found_inf, kwargs)
 
+    def step_after_backward(self, optimizer: Any, model: Any, kwargs: dict[str, Any]) -> Any:
+        """The step when the backward already ran (Lightning Fabric's ``optimizer.step()``: no closure), in the order
+        of :meth:`closure_step` after its closure."""
+        self.follow_writes()  # writes into the model since the last step reach the masters before the update
+        if self.in_backward is not None:  # fabric.backward performed the updates: bookkeeping only
+            self._finish_in_backward(optimizer, model)  # a skip goes to the skip observers too
+            return None
+        self._refuse_lbfgs(optimizer, TypeError)
+        if not self.checking:
+            return self.weights.step(optimizer, None, lambda: optimizer.step(**kwargs))
+        found_inf = self.sync.agree(self.unscale_once(optimizer))  # every rank takes the same decision
+        self.unscaled.consumed(optimizer)
+        return self._step_or_skip(optimizer, model, found_inf, kwargs)
 
-def step_in_backward(plugin: Any, optimizer: Any, model: Any, closure: Callable[[], Any]) -> Any:
-    """The step with ``optimizer_in_backward=True``: the closure's backward updated each parameter as its gradient
-    became final (:class:`~lightning_mp.master.in_backward.StepInBackward`, armed in ``pre_backward``), so no update
-    is left; what is left is the bookkeeping of a step (:func:`lightning_mp.master.in_backward_loop.finish_step`) after
-    Lightning's hooks (gradients are ``None`` by then). In manual optimization the closure does nothing: the user's
-    ``manual_backward`` already ran."""
-    closure_result = closure()
-    plugin._after_closure(model, optimizer)
-    in_backward_loop.finish_step(plugin, optimizer, model)  # nothing when no backward ran (training_step returned None)
-    return closure_result
+    def _refuse_lbfgs(self, optimizer: Any, error: type[Exception]) -> None:
+        if isinstance(unwrap_optimizer(optimizer), LBFGS) and (self.checking or self.masters is not None):
+            raise error(LBFGS_REFUSED)
 
-
-def step_after_backward(plugin: Any, optimizer: Any, model: Any, kwargs: dict[str, Any]) -> Any:
-    """The step when the backward already ran (Lightning Fabric's ``optimizer.step()``: no closure), in the order of
-    :func:`optimizer_step` after its closure: unscale once and check, agree across ranks, step or skip, update."""
-    plugin.follow_model_writes()  # writes into the model since the last step reach the masters before the update
-    masters = plugin.masters
-    if not plugin._checking:
-        if callable(getattr(masters, "fused_step", None)):  # masters that update themselves
-            return masters.fused_step(optimizer, None)
-        output = optimizer.step(**kwargs)
-        if masters is not None:
-            masters.masters_to_model(optimizer)
+    def _step_or_skip(self, optimizer: Any, model: Any, found_inf: Tensor, kwargs: dict[str, Any]) -> Any:
+        """Once the gradients are unscaled and checked (``found_inf``: the flag every rank agreed on): skipped on
+        the device where the update can and nothing needs the decision on the host (module docstring); otherwise
+        the flag is read here, once, with the scaler's state. Then the scaler updates."""
+        scaler: DynamicLossScaler = self.scaler  # type: ignore[assignment]  # checking: a scaler
+        torch_optimizer = unwrap_optimizer(optimizer)
+        observers = self.skip_observers
+        on_host = observers or (DECIDE_CPU_FLAGS_ON_HOST and found_inf.is_cpu)
+        weights = self.weights
+        if not on_host and skips_on_device(torch_optimizer, weights) and not has_step_scheduler(torch_optimizer):
+            flag = (found_inf.reshape(()) > 0).to(torch.float32)  # 0-dim, exactly 0 or 1, as the fused kernels expect
+            record_step(torch_optimizer, flag)
+            output = weights.step(torch_optimizer, flag, _flagged_step(optimizer, torch_optimizer, flag, kwargs))
+            scaler.update(found_inf)
+            return output
+        skip = scaler.read_found_inf(found_inf)  # the step's one host synchronisation
+        record_step(torch_optimizer, skip)
+        output = None if skip else weights.step(torch_optimizer, None, lambda: optimizer.step(**kwargs))
+        for observer in observers if skip else ():  # the diagnostics extension point
+            observer(plugin=self.plugin, optimizer=torch_optimizer, model=model)
+        scaler.update(skip)
         return output
-    found_inf = plugin._sync.agree(unscale_once(plugin, optimizer))  # every rank takes the same decision
-    plugin._unscaled.consumed(optimizer)
-    return step(plugin, optimizer, model, found_inf, kwargs)
+
+    # ------------------------------------------------------------------------------------------ unscale and clip
+    def unscale_once(self, optimizer: Any) -> Tensor:
+        """Unscale ``optimizer``'s grads unless already done since their backward; the found-inf flag tensor."""
+        assert self.scaler is not None
+        return self.unscaled.unscale(self.scaler, unwrap_optimizer(optimizer), self.names)
+
+    def new_backward(self) -> None:
+        """A backward is about to add scaled gradients: gradients still unscaled are scaled back."""
+        assert self.scaler is not None
+        self.unscaled.new_backward(self.scaler)
+
+    def unscale_before_clipping(self, optimizer: Any, clip_val: float) -> None:
+        """Clipping asked by the user's code (``self.clip_gradients`` in manual optimization, before ``opt.step()``,
+        or ``fabric.clip_gradients``): unscale now so clipping sees true gradients; the step does not unscale
+        twice. Fused optimizers need no special case: their step() is always called on unscaled gradients."""
+        if clip_val and self.checking and has_grads(optimizer):
+            self.unscale_once(optimizer)
+
+    def clip_by_norm(
+        self, optimizer: Any, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False
+    ) -> Tensor:
+        """Clip by the total norm of the (unscaled) gradients the update uses: the fp32 master gradients where there
+        are masters (lean ones clip inside their update); returns the total norm. ``error_if_nonfinite`` raises for
+        a non-finite norm only without an inf/NaN check (with one, that step is skipped instead)."""
+        check = error_if_nonfinite and not self.checking
+        return self.weights.clip_grad_norm_(unwrap_optimizer(optimizer), max_norm, norm_type, error_if_nonfinite=check)
+
+    def clip_by_value(self, optimizer: Any, clip_val: float) -> None:
+        """Clamp the gradients the update uses to ``[-clip_val, clip_val]``; nothing without gradients (a
+        training_step that returned None: torch's value clipping fails there)."""
+        if has_grads(optimizer):
+            self.weights.clip_grad_value_(unwrap_optimizer(optimizer), clip_val)
+
+    # ------------------------------------------------------------------------------------------ inside backward
+    def begin_backward(self, loss: Tensor) -> None:
+        """In ``pre_backward``, before a backward that performs the updates: refuse a second backward before the
+        step (:data:`~lightning_mp.master.in_backward_loop.SEVERAL_BACKWARDS`), make writes into the model so far
+        reach the masters, then arm the hooks with the loss's device check (a non-finite loss skips every update)."""
+        in_backward = self.in_backward
+        if in_backward.armed:  # armed since the last backward, and no step has finished it
+            raise RuntimeError(in_backward_loop.SEVERAL_BACKWARDS)
+        self.follow_writes()
+        in_backward.begin(loss)
+
+    def _finish_in_backward(self, optimizer: Any, model: Any) -> bool:
+        """The step after a backward that performed the updates: the report of non-finite values (one host read),
+        LR schedulers held on a skipped step, the scaler's count of skipped steps. ``False`` (nothing done) when no
+        backward ran since the last step. A step with a skipped update goes to the skip observers (PrecisionMonitor
+        records and replays it; the replay's ``autograd.grad`` updates nothing)."""
+        in_backward = self.in_backward
+        if not in_backward.armed:
+            return False
+        skipped, names = in_backward.finish()
+        torch_optimizer = unwrap_optimizer(optimizer)
+        record_step(torch_optimizer, skipped)  # a non-finite loss skipped every update
+        if names:
+            rank_zero_warn(in_backward_loop.skipped_updates_message(names))
+        if model is not None and (skipped or names):
+            for observer in self.skip_observers:
+                observer(plugin=self.plugin, optimizer=torch_optimizer, model=model)
+        if self.checking:
+            self.scaler.update(skipped or bool(names))  # type: ignore[union-attr]  # max_consecutive_skips counts both
+        return True
+
+    def refuse_clipping(self, clip_val: Optional[float], algorithm: Any, call: str) -> None:
+        """With the step inside backward, clipping asked after backward is refused (:func:`~lightning_mp.master.
+        in_backward_loop.refuse_clipping`); ``call`` says how the user asked."""
+        if self.in_backward is not None:
+            in_backward_loop.refuse_clipping(self.in_backward, clip_val, algorithm, call)
+
+    def add_optimizer(self, module: Any, optimizers: list[Any]) -> None:
+        """An optimizer set up after the module connected (Fabric's ``setup_module``, a forward, then
+        ``setup_optimizers``): the step inside backward moves to ``optimizers`` (refused as at setup if there are
+        several); under DDP its communication hook, registered at connect, drives the new ones."""
+        check_setup(None, module, optimizers)
+        self.in_backward = install(self.in_backward, True, self.masters, module, optimizers, self.checking, self.names)
+        if self.in_backward is not None:
+            self.sync.hand_over(self.in_backward)
 
 
-def unscale_once(plugin: Any, optimizer: Any) -> Tensor:
-    """Unscale ``optimizer``'s grads unless already done since their backward; the found-inf flag tensor."""
-    return plugin._unscaled.unscale(plugin.scaler, unwrap_optimizer(optimizer), plugin._param_names)
+def _flagged_step(optimizer: Any, torch_optimizer: Any, flag: Tensor, kwargs: dict[str, Any]) -> Callable[[], Any]:
+    """``optimizer.step`` under ``torch.amp.GradScaler``'s protocol: gradients already unscaled (``grad_scale``
+    ``None``), skipped where ``found_inf`` is 1."""
+
+    def run() -> Any:
+        torch_optimizer.grad_scale, torch_optimizer.found_inf = None, flag
+        try:
+            return optimizer.step(**kwargs)
+        finally:
+            del torch_optimizer.grad_scale, torch_optimizer.found_inf
+
+    return run
 
 
-# ------------------------------------------------------------------------------------------ clipping
-def unscale_before_clipping(plugin: Any, optimizer: Any, clip_val: float) -> None:
-    """In manual optimization ``self.clip_gradients`` runs inside training_step, before ``opt.step()``: unscale
-    here so clipping sees true gradients; the step then does not unscale twice. Fused optimizers need no special
-    case: their step() is always called on unscaled gradients."""
-    if clip_val > 0 and plugin._checking and has_grads(optimizer):
-        unscale_once(plugin, optimizer)
-
-
-def clip_grad_by_value(plugin: Any, optimizer: Any, clip_val: float, plain: Callable[[Any, float], None]) -> None:
-    """No gradients (a training_step that returned None): nothing to clip, and torch's value clipping fails there.
-    Lean masters clip the fp32 gradients inside their step (bf16 gradients would round the clipped values)."""
-    if has_grads(optimizer):
-        lean = getattr(plugin.masters, "clip_grad_value_", None)
-        lean(unwrap_optimizer(optimizer), clip_val) if lean else plain(optimizer, clip_val)
-
-
-def clip_grad_by_norm(plugin: Any, optimizer: Any, clip_val: float, plain: Callable[[Any, float], None]) -> None:
-    """Lean masters clip by the norm of their fp32 gradients; anything else as Lightning does (``plain``)."""
-    lean = getattr(plugin.masters, "clip_grad_norm_", None)
-    lean(unwrap_optimizer(optimizer), clip_val) if lean else plain(optimizer, clip_val)
-
-
-# ------------------------------------------------------------------------------------------ step or skip
-def skips_on_device(optimizer: Any, masters: Any = None) -> bool:
+def skips_on_device(optimizer: Any, weights: Optional[PlainWeights] = None) -> bool:
     """Whether a step of ``optimizer`` (a torch optimizer) can be skipped on the device by a found-inf flag: the
-    masters' ``fused_step`` takes it, or the optimizer follows ``torch.amp.GradScaler``'s attribute protocol: it
-    declares ``_step_supports_amp_scaling`` (torch's ``fused=True`` optimizers) and its ``step`` has no
-    ``grad_scaler`` argument (the deprecated protocol, where the optimizer would expect a torch ``GradScaler``)."""
-    if callable(getattr(masters, "fused_step", None)):
+    masters update themselves and take the flag (``weights.updates_itself``), or the optimizer follows
+    ``torch.amp.GradScaler``'s attribute protocol: it declares ``_step_supports_amp_scaling`` (torch's
+    ``fused=True`` optimizers) and its ``step`` has no ``grad_scaler`` argument (the deprecated protocol, where the
+    optimizer would expect a torch ``GradScaler``)."""
+    if weights is not None and weights.updates_itself:
         return True
     if not getattr(optimizer, "_step_supports_amp_scaling", False):
         return False
@@ -175,47 +300,6 @@ def skips_on_device(optimizer: Any, masters: Any = None) -> bool:
 
 
 _HONOURS_FOUND_INF: dict[type, bool] = {}
-
-
-def step(plugin: Any, optimizer: Any, model: Any, found_inf: Tensor, kwargs: dict[str, Any]) -> Any:
-    """The plugin's optimizer step once the gradients are unscaled and checked: ``found_inf`` is the flag every rank
-    agreed on. Skipped on the device where the optimizer can and nothing needs the decision on the host (see the
-    module docstring); otherwise the flag is read here, once, with the scaler's state. Then the scaler updates."""
-    scaler: DynamicLossScaler = plugin.scaler
-    torch_optimizer = unwrap_optimizer(optimizer)
-    observers = plugin.skip_observers
-    on_host = observers or (DECIDE_CPU_FLAGS_ON_HOST and found_inf.is_cpu)
-    if not on_host and skips_on_device(torch_optimizer, plugin.masters) and not has_step_scheduler(torch_optimizer):
-        flag = (found_inf.reshape(()) > 0).to(torch.float32)  # 0-dim, exactly 0 or 1, as the fused kernels expect
-        record_step(torch_optimizer, flag)
-        output = _step(plugin.masters, optimizer, torch_optimizer, flag, kwargs)
-        scaler.update(found_inf)
-        return output
-    skip = scaler.read_found_inf(found_inf)  # the step's one host synchronisation
-    record_step(torch_optimizer, skip)
-    output = None if skip else _step(plugin.masters, optimizer, torch_optimizer, None, kwargs)
-    for observer in observers if skip else ():  # the diagnostics extension point (MixedPrecisionPlugin.__init__)
-        observer(plugin=plugin, optimizer=torch_optimizer, model=model)
-    scaler.update(skip)
-    return output
-
-
-def _step(masters: Any, optimizer: Any, torch_optimizer: Any, flag: Optional[Tensor], kwargs: dict[str, Any]) -> Any:
-    """Step ``optimizer``, skipped on the device where ``flag`` (0/1) is 1; ``flag=None``: step."""
-    fused_step = getattr(masters, "fused_step", None)
-    if callable(fused_step):  # masters that update themselves (and the model's weights)
-        return fused_step(torch_optimizer, flag)
-    if flag is None:
-        output = optimizer.step(**kwargs)
-    else:  # torch.amp.GradScaler's protocol: gradients already unscaled (grad_scale None), skip where found_inf is 1
-        torch_optimizer.grad_scale, torch_optimizer.found_inf = None, flag
-        try:
-            output = optimizer.step(**kwargs)
-        finally:
-            del torch_optimizer.grad_scale, torch_optimizer.found_inf
-    if masters is not None:  # flat fp32 masters: a skipped step copies back the unchanged values
-        masters.masters_to_model(torch_optimizer)
-    return output
 
 
 # ------------------------------------------------------------------------------------------ unscale once
@@ -307,7 +391,6 @@ class UnscaledGradients:
         self._groups.clear()
 
 
-# ------------------------------------------------------------------------------------------ helpers
 def has_grads(optimizer: Any) -> bool:
     return any(p.grad is not None for group in optimizer.param_groups for p in group["params"])
 

@@ -250,14 +250,17 @@ def test_min_scale_fires_at_the_step_it_is_due_naming_the_parameter(step_syncs):
 
 
 class LeanMasters(MasterWeights):
-    """A stand-in for masters that update themselves (``fused_step``), as lean masters will: here the fp32 masters
-    stepped by the optimizer's fused kernel with the flag, then copied into the model."""
+    """A stand-in for masters that update themselves (``updates_itself``: the step hands them the flag, as to lean
+    masters): here the fp32 masters stepped by the optimizer's fused kernel with the flag, then copied into the
+    model."""
+
+    updates_itself = True
 
     def __init__(self, dtype):
         super().__init__(dtype)
         self.flags: list = []
 
-    def fused_step(self, optimizer, found_inf):
+    def step(self, optimizer, found_inf, run):
         self.flags.append(found_inf)
         optimizer.grad_scale, optimizer.found_inf = None, found_inf
         try:
@@ -268,7 +271,7 @@ class LeanMasters(MasterWeights):
 
 
 @pytest.mark.parametrize("precision", ["16-mixed", "bf16-mixed"])
-def test_masters_with_fused_step_get_the_device_flag_instead_of_optimizer_step(precision, step_syncs):
+def test_masters_that_update_themselves_get_the_device_flag_instead_of_optimizer_step(precision, step_syncs):
     results = []
     for lean in (False, True):
         with seeded():
@@ -277,7 +280,7 @@ def test_masters_with_fused_step_get_the_device_flag_instead_of_optimizer_step(p
         plugin = MixedPrecisionPlugin(precision, scaler=scaler, master_weights=True)
         if lean:
             plugin.masters = LeanMasters(plugin.dtype)
-            plugin.masters.keep_fp32 = plugin._params_stay_fp32
+            plugin.masters.keep_fp32 = plugin.params_stay_fp32
         make_trainer(plugin, max_steps=4).fit(model, regression_loader())
         results.append(params_of(model))
     assert [float(flag) for flag in plugin.masters.flags] == [0.0, 0.0, 1.0, 0.0]
@@ -287,7 +290,7 @@ def test_masters_with_fused_step_get_the_device_flag_instead_of_optimizer_step(p
         assert torch.equal(results[1][name], value), name
 
 
-def test_masters_with_fused_step_are_called_with_none_when_nothing_is_checked():
+def test_masters_that_update_themselves_are_called_with_none_when_nothing_is_checked():
     with seeded():
         model = TinyRegressor(optimizer="adam", fused=True, record_grad_norms=False)
     plugin = MixedPrecisionPlugin("bf16-mixed", scaler={"enabled": False}, master_weights=True)
@@ -310,4 +313,4 @@ def test_which_optimizers_skip_on_the_device():
             return super().step(closure)
 
     assert not skips_on_device(OldProtocol(params, lr=0.1))
-    assert skips_on_device(torch.optim.AdamW(params), masters=LeanMasters(torch.bfloat16))
+    assert skips_on_device(torch.optim.AdamW(params), LeanMasters(torch.bfloat16))

@@ -460,7 +460,7 @@ class Unhooked(Net):
     """A parameter whose hook does not run (as under a strategy that does not call it): its gradient is left."""
 
     def on_train_start(self) -> None:
-        in_backward = self.trainer.precision_plugin._in_backward
+        in_backward = self.trainer.precision_plugin.steps.in_backward
         in_backward._hooks.pop(id(self.net[3].weight)).remove()
         in_backward._handed_over.add(id(self.net[3].weight))  # and it is not hooked again
 

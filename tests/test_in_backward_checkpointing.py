@@ -199,7 +199,7 @@ def test_reentrant_regions_under_a_reducing_strategy_are_refused_before_backward
     plugin = _plugin(True)
     fabric = L.Fabric(accelerator="cpu", devices=1, plugins=[plugin])
     model, opt = fabric.setup(net, _optimizer(net.parameters()))
-    plugin._in_backward.agree_each = lambda flag: flag
+    plugin.steps.in_backward.agree_each = lambda flag: flag
     before = {name: p.detach().clone() for name, p in model.named_parameters()}
     x, y = _data()[0]
     with pytest.raises(RuntimeError, match="use_reentrant=False"):

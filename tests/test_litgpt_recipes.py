@@ -157,7 +157,7 @@ def run(
     weights = torch.load(final, weights_only=True)
     return {
         "losses": logger.losses, "weights": weights.get("model", weights), "config": config, "out": out,
-        "steps_inside_backward": plugin is not None and plugin._in_backward is not None,
+        "steps_inside_backward": plugin is not None and plugin.steps.in_backward is not None,
     }  # fmt: skip
 
 

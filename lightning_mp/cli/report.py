@@ -82,7 +82,7 @@ def _numerics(plugin: Any, steps: int) -> str:
     if not isinstance(plugin, MixedPrecisionPlugin):
         return "No MixedPrecisionPlugin: no loss scaling, no master weights."
     masters = "on (fp32 masters, half-precision model)" if plugin.master_weights else "off"
-    if getattr(plugin.masters, "kind", None) == "remainder":
+    if plugin.steps.weights.lean:
         masters = "on (bf16 model + 16-bit remainders: exact fp32 masters, no fp32 copy)"
     scaler = plugin.scaler
     if scaler is None or not scaler.enabled:

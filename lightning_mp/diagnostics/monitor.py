@@ -343,7 +343,8 @@ def _precision_of(trainer: L.Trainer) -> str:
 def with_skips_in_backward(record: OverflowRecord, plugin: Any) -> OverflowRecord:
     """``record`` naming the parameters whose update was skipped inside backward (``optimizer_in_backward=True``:
     their gradients are freed by then, so only the step's own report names them)."""
-    in_backward = getattr(plugin, "_in_backward", None)
+    steps = getattr(plugin, "steps", None)  # a MixedPrecisionPlugin's step owner
+    in_backward = steps.in_backward if steps is not None else None
     if in_backward is not None and in_backward.skipped_params:
         record.nonfinite_params = list(in_backward.skipped_params)
         record.note = (record.note + "; " if record.note else "") + (

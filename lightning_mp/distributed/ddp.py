@@ -73,7 +73,7 @@ class DDPSync(ProcessGroupSync):
             return  # validate / test / predict: Lightning does not wrap, there are no gradients to reduce
         self.group = model.process_group
         masters = plugin.masters if plugin.master_weights else None
-        if getattr(masters, "kind", None) == "remainder":
+        if masters is not None and masters.lean:
             # lean masters: DDP broadcast rank 0's bf16 halves when it wrapped the model, the remainders were made
             # from each rank's own values: take rank 0's whole exact values. Then DDP reduces the bf16 gradient
             # buckets itself, overlapped with the backward, in reduce_dtype through the hook below; fp32 sums of
@@ -96,7 +96,7 @@ class DDPSync(ProcessGroupSync):
         state = _HookState(self.group, masters.dtype if masters is not None else None, self.reduce_dtype, self._lean)
         if getattr(plugin, "optimizer_in_backward", False):  # updates after each bucket (its StepInBackward: now or
             # when Fabric sets up the optimizer after the module connected, hand_over)
-            self._updates = ddp_in_backward.register(model, _reduce_hook, state, plugin._in_backward, self.device)
+            self._updates = ddp_in_backward.register(model, _reduce_hook, state, plugin.steps.in_backward, self.device)
         else:
             model.register_comm_hook(state, _reduce_hook)
         if masters is None:

@@ -44,7 +44,7 @@ def mixed_precision_policy(plugin: Any, name: str = "", module: Optional[Module]
 
     param_dtype: Optional[torch.dtype] = None
     if plugin.master_weights:
-        keep = module is not None and plugin._params_stay_fp32(name, module)
+        keep = module is not None and plugin.params_stay_fp32(name, module)
         param_dtype = torch.float32 if keep else plugin.dtype
     return MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=plugin.reduce_dtype, cast_forward_inputs=True)
 
@@ -89,8 +89,8 @@ class FSDP2Sync(ProcessGroupSync):
     def connect(self, model: Module, plugin: Any) -> None:
         if not plugin.master_weights:
             return
-        if getattr(plugin, "_in_backward", None) is not None:  # the step inside backward: skips agreed per shard
-            fsdp2_in_backward.register(plugin._in_backward, self.device, self.group)
+        if plugin.steps.in_backward is not None:  # the step inside backward: skips agreed per shard
+            fsdp2_in_backward.register(plugin.steps.in_backward, self.device, self.group)
         dtypes = compute_dtypes(model)
         if not dtypes:
             raise ValueError(
@@ -102,7 +102,7 @@ class FSDP2Sync(ProcessGroupSync):
             )
         wrong, norms_in_half = [], []
         for module_name, module in model.named_modules():
-            keep = plugin._params_stay_fp32(module_name, module)
+            keep = plugin.params_stay_fp32(module_name, module)
             policy_keeps = plugin.keeps_fp32(module_name, module)
             for param_name, param in module.named_parameters(recurse=False):
                 dtype = dtypes.get(id(param))

@@ -73,7 +73,7 @@ def fsdp2_shard(
     if plugin.fp8 is not None:
         plugin.fp8_convert(module)
     else:
-        plugin._resolve_policy(module)  # the module's configure_precision_policy() decides what stays fp32
+        plugin.resolve_policy(module)  # the module's configure_precision_policy() decides what stays fp32
     kept = _outermost(root, prefix, plugin) if plugin.master_weights else []
     for name, sub in kept:  # fp32 modules get fp32 compute only in a group of their own
         fully_shard(sub, mesh=mesh, mp_policy=plugin.fsdp2_policy(name, sub), **kwargs)
@@ -93,7 +93,7 @@ def _outermost(root: Module, prefix: str, plugin: Any) -> list[tuple[str, Module
     for name, sub in root.named_modules(prefix=prefix.rstrip(".")):
         inside = any(name.startswith(f"{outer}.") for outer, _ in kept)
         has_params = any(True for _ in sub.parameters())
-        if sub is not root and not inside and has_params and plugin._params_stay_fp32(name, sub):
+        if sub is not root and not inside and has_params and plugin.params_stay_fp32(name, sub):
             kept.append((name, sub))
     return kept[::-1]
 

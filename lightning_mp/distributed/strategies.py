@@ -67,7 +67,7 @@ def sync_for(strategy: Any, plugin: Any) -> GradientSync:
             "Use one of those, or master_weights=False."
         )
     if lightning_isinstance(strategy, _FSDP2):
-        return FSDP2Sync(strategy, lean=getattr(plugin.masters, "kind", None) == "remainder")
+        return FSDP2Sync(strategy, lean=plugin.steps.weights.lean)
     if known and lightning_isinstance(strategy, _DDP):
         return DDPSync(strategy, plugin.reduce_dtype)
     if lightning_isinstance(strategy, (ParallelStrategy, fabric.ParallelStrategy)):

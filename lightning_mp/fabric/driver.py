@@ -5,13 +5,10 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-import torch
 from torch import Tensor
 from torch.nn import Module
-from torch.optim import LBFGS, Optimizer
+from torch.optim import Optimizer
 
-from lightning_mp import stepping
-from lightning_mp.master import in_backward_loop
 from lightning_mp.schedulers import guard_scheduler
 
 #: The strategy methods a Fabric-driven plugin wraps (on the strategy object, never on its class).
@@ -74,7 +71,7 @@ class FabricDriver:
     def setup_module(self, module: Module) -> Module:
         self.module = self._originals["setup_module"](module)
         self.connected = False  # a module set up again (or anew) connects again
-        self.plugin._start_following(self.module)  # writes from now on reach the masters (connect: first forward)
+        self.plugin.start_following_writes(self.module)  # writes from now on reach the masters (connect: first forward)
         return self.module
 
     def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
@@ -97,37 +94,25 @@ class FabricDriver:
 
     def _attach(self, optimizer: Optimizer) -> None:
         # an optimizer set up after the module connected (setup_module, then setup_optimizers one by one)
-        plugin = self.plugin
+        plugin, steps = self.plugin, self.plugin.steps
         self.optimizers.append(optimizer)
-        if plugin.masters is not None and not plugin._sync.owns_masters:
+        if plugin.masters is not None and not steps.sync.owns_masters:
             plugin.masters.attach(self.optimizers)
             for param, master in plugin.masters.pairs():
-                plugin._param_names[id(master)] = plugin._param_names.get(id(param), "")
+                steps.names[id(master)] = steps.names.get(id(param), "")
         if plugin.fp8 is not None:
             inner = getattr(self.module, "module", self.module)
             plugin.fp8.connect(inner, [optimizer])
         if plugin.optimizer_in_backward:  # the hooks move to every optimizer set up (several are refused)
-            in_backward_loop.add_optimizer(plugin, getattr(self.module, "module", self.module), self.optimizers)
-        plugin._start_following(self.module)
+            steps.add_optimizer(getattr(self.module, "module", self.module), self.optimizers)
+        plugin.start_following_writes(self.module)
 
     # ------------------------------------------------------------------ the step
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
-        """``optimizer.step()`` through Fabric: unscale once, check, agree over ranks, step or skip, update the
-        scale, as the Trainer's step after its closure (:func:`lightning_mp.stepping.step_after_backward`)."""
-        plugin = self.plugin
+        """``optimizer.step()`` through Fabric: the Trainer's step after its closure (unscale once, check, agree over
+        ranks, step or skip, update the scale: :meth:`lightning_mp.stepping.OptimizerStep.step_after_backward`)."""
         self.ensure_connected()
-        if plugin._in_backward is not None:  # fabric.backward performed the updates: bookkeeping only
-            plugin.follow_model_writes()  # a write since the backward reaches the masters, as before a normal step
-            in_backward_loop.finish_step(plugin, optimizer, self.module)  # a skip goes to the skip observers too
-            return None
-        masters = plugin.masters
-        if isinstance(optimizer, LBFGS) and (plugin._checking or masters is not None):
-            raise TypeError(
-                "MixedPrecisionPlugin with an inf/NaN check or master weights cannot drive LBFGS: it re-evaluates "
-                "the closure inside step(), where gradients cannot be checked and the half model is stale. Use "
-                "MixedPrecisionPlugin('bf16-mixed', scaler={'enabled': False}) without master weights, or fp32."
-            )
-        return stepping.step_after_backward(plugin, optimizer, self.module, kwargs)  # the order lives there
+        return self.plugin.steps.step_after_backward(optimizer, self.module, kwargs)
 
     # ------------------------------------------------------------------ clipping (fabric.clip_gradients)
     def clip_gradients_norm(
@@ -140,34 +125,17 @@ class FabricDriver:
     ) -> Tensor:
         """Clip by the total norm of the unscaled gradients (the fp32 master gradients where there are masters).
         With an inf/NaN check, a non-finite norm does not raise: that step is skipped by ``optimizer.step()``."""
-        plugin = self.plugin
-        in_backward_loop.refuse_clipping(plugin, max_norm, "norm", f"fabric.clip_gradients(max_norm={max_norm})")
-        plugin.unscale_gradients(optimizer)
-        check = error_if_nonfinite and not plugin._checking
-        lean = getattr(plugin.masters, "clip_grad_norm_", None)
-        if lean is None:
-            params = list(plugin.main_params(optimizer))
-            return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite=check)
-        total = lean(optimizer, max_norm, norm_type)  # fp32, applied inside the lean step
-        if check and not torch.isfinite(total):
-            raise RuntimeError(
-                f"The total norm of order {float(norm_type)} for gradients is non-finite, so it cannot be clipped. "
-                "To disable this error, use fabric.clip_gradients(..., error_if_nonfinite=False)."
-            )
-        return total
+        steps = self.plugin.steps
+        steps.refuse_clipping(max_norm, "norm", f"fabric.clip_gradients(max_norm={max_norm})")
+        steps.unscale_before_clipping(optimizer, max_norm)
+        return steps.clip_by_norm(optimizer, max_norm, norm_type, error_if_nonfinite=error_if_nonfinite)
 
     def clip_gradients_value(self, module: Module, optimizer: Optimizer, clip_val: float) -> None:
         """Clamp the unscaled gradients to ``[-clip_val, clip_val]`` (lean masters: in fp32, inside the step)."""
-        plugin = self.plugin
-        in_backward_loop.refuse_clipping(plugin, clip_val, "value", f"fabric.clip_gradients(clip_val={clip_val})")
-        plugin.unscale_gradients(optimizer)
-        if not any(p.grad is not None for g in optimizer.param_groups for p in g["params"]):
-            return
-        lean = getattr(plugin.masters, "clip_grad_value_", None)
-        if lean is not None:
-            lean(optimizer, clip_val)
-        else:
-            torch.nn.utils.clip_grad_value_(list(plugin.main_params(optimizer)), clip_val)
+        steps = self.plugin.steps
+        steps.refuse_clipping(clip_val, "value", f"fabric.clip_gradients(clip_val={clip_val})")
+        steps.unscale_before_clipping(optimizer, clip_val)
+        steps.clip_by_value(optimizer, clip_val)
 
     # ------------------------------------------------------------------ checkpoints (fabric.save / fabric.load)
     def save_checkpoint(self, path: Any, state: dict[str, Any], *args: Any, **kwargs: Any) -> None:

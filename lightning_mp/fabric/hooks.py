@@ -13,9 +13,9 @@ from torch import Tensor
 from torch.nn import Module
 from torch.optim import Optimizer
 
-from lightning_mp import stepping
 from lightning_mp.fabric.driver import FabricDriver
 from lightning_mp.standalone import lightning_isinstance
+from lightning_mp.stepping import OptimizerStep, has_grads
 
 
 def fabric_calling(plugin: Any, frames: int = 8) -> Any:
@@ -94,9 +94,9 @@ class FabricHooks:
 
     def unscale_gradients(self, optimizer: Optimizer) -> None:
         # fabric.clip_gradients calls this first, so clipping sees true gradients; the step does not unscale twice
-        plugin: Any = self
-        if plugin._checking and any(p.grad is not None for g in optimizer.param_groups for p in g["params"]):
-            stepping.unscale_once(plugin, optimizer)
+        steps: OptimizerStep = self.steps  # type: ignore[attr-defined]  # the plugin's
+        if steps.checking and has_grads(optimizer):
+            steps.unscale_once(optimizer)
 
     def __getstate__(self) -> dict[str, Any]:
         # a copy (pickle, deepcopy) is not driven by the Fabric that drives this plugin
@@ -132,7 +132,7 @@ def refuse_lean_fsdp2_before_sharding(plugin: Any, strategy: Any, module: Module
     from lightning.fabric.strategies import ModelParallelStrategy
     from torch.distributed.fsdp import FSDPModule
 
-    lean = getattr(plugin.masters, "kind", None) == "remainder"
+    lean = plugin.steps.weights.lean
     if (
         lean
         and lightning_isinstance(strategy, ModelParallelStrategy)

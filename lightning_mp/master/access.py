@@ -21,7 +21,8 @@ class MasterWeightsAccess:
 
     masters: Optional[Any]
 
-    def _start_following(self, model: Optional[Module] = None) -> None:
+    def start_following_writes(self, model: Optional[Module] = None) -> None:
+        """Setup is over: from now on every write into ``model`` reaches the masters (:meth:`follow_model_writes`)."""
         start_following(self.masters, model)
 
     def follow_model_writes(self) -> None:

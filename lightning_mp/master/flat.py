@@ -22,6 +22,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from lightning_mp.master.model_sync import ModelSync, materialise
+from lightning_mp.master.plain import PlainWeights
 
 #: Module classes whose parameters and buffers stay fp32 by default (and their subclasses).
 NORM_TYPES: tuple[type[nn.Module], ...] = (
@@ -38,7 +39,7 @@ def is_norm(name: str, module: nn.Module) -> bool:
     return isinstance(module, NORM_TYPES)
 
 
-class MasterWeights:
+class MasterWeights(PlainWeights):
     """Casts a module to ``dtype`` and keeps fp32 masters of the parameters its optimizers train.
 
     Args:
@@ -51,6 +52,8 @@ class MasterWeights:
     equal to whatever writes the model: loads into any submodule at once, other writes once started
     (``model_sync.start()``, which the plugin calls at the end of its setup) at each ``model_sync.follow()``.
     """
+
+    option: Any = True
 
     def __init__(self, dtype: torch.dtype, keep_fp32: Callable[[str, nn.Module], bool] = is_norm) -> None:
         if dtype not in (torch.float16, torch.bfloat16):
@@ -263,6 +266,14 @@ class MasterWeights:
                     masters.append(master.detach())
         if model_values:
             torch._foreach_copy_(model_values, masters)
+
+    def step(self, optimizer: Optimizer, found_inf: Optional[Tensor], run: Optional[Callable[[], Any]]) -> Any:
+        """The optimizer's own step on the fp32 masters (``run``), then the masters back into the model (a skipped
+        step copies back the unchanged values)."""
+        assert run is not None
+        output = run()
+        self.masters_to_model(optimizer)
+        return output
 
     def master_of(self, param: Tensor) -> Optional[nn.Parameter]:
         """The fp32 master of a half model parameter (``None`` if it has none)."""

@@ -1,8 +1,8 @@
 """The step inside backward as each loop drives it: the backward performs the updates, the step keeps the books.
 
 With ``optimizer_in_backward=True`` (:mod:`lightning_mp.master.in_backward`) the plugin's ``pre_backward`` arms the
-hooks (:func:`begin`), and whatever the loop calls its optimizer step does only the bookkeeping of a step
-(:func:`finish_step`): under the Trainer's automatic optimization the plugin's ``optimizer_step`` after the closure;
+hooks (:meth:`lightning_mp.stepping.OptimizerStep.begin_backward`), and whatever the loop calls its optimizer step
+does only the bookkeeping of a step (the same class's): under the Trainer's automatic optimization the plugin's ``optimizer_step`` after the closure;
 under manual optimization ``opt.step()`` after ``self.manual_backward(loss)``; under Lightning Fabric
 ``optimizer.step()`` after ``fabric.backward(loss)``.
 
@@ -10,7 +10,8 @@ Manual optimization and Fabric leave two things to the user's loop that setup ca
 they show, before they change anything:
 
 * several backwards per step (gradient accumulation: ``fabric.no_backward_sync``, two ``manual_backward`` before a
-  step): each backward updates the parameters, so the second one is stopped in ``pre_backward`` (:func:`begin`);
+  step): each backward updates the parameters, so the second one is stopped in ``pre_backward``
+  (:data:`SEVERAL_BACKWARDS`);
 * clipping after backward (``self.clip_gradients``, ``fabric.clip_gradients``): the gradients are used and freed
   inside backward (:func:`refuse_clipping`). Clipping by value that is already applied inside backward (automatic
   optimization with ``Trainer(gradient_clip_val=..., gradient_clip_algorithm="value")``) passes.
@@ -20,13 +21,9 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
-from torch import Tensor
+from lightning_mp.master.in_backward import OPTION, StepInBackward
 
-from lightning_mp.master.in_backward import OPTION, check_setup, install
-from lightning_mp.schedulers import record_step
-
-#: Raised by :func:`begin` at a second backward before the optimizer step.
+#: Raised at a second backward before the optimizer step.
 SEVERAL_BACKWARDS = (
     f"MixedPrecisionPlugin({OPTION}) updates the parameters inside each backward, so it takes one backward per "
     "optimizer step, and a second backward ran before optimizer.step() (gradient accumulation: "
@@ -36,46 +33,18 @@ SEVERAL_BACKWARDS = (
 )
 
 
-def begin(plugin: Any, tensor: Tensor) -> None:
-    """In ``pre_backward``, before a backward that performs the updates: refuse a second backward before the step
-    (:data:`SEVERAL_BACKWARDS`), make writes into the model so far reach the masters, then arm the hooks with the
-    loss's device check (a non-finite loss skips every update)."""
-    in_backward = plugin._in_backward
-    if in_backward.armed:  # armed since the last backward, and no step has finished it
-        raise RuntimeError(SEVERAL_BACKWARDS)
-    plugin.follow_model_writes()
-    in_backward.begin(tensor)
+def skipped_updates_message(names: list[str]) -> str:
+    """The warning of a step whose parameters ``names`` had non-finite gradients (their updates were skipped)."""
+    return (
+        f"optimizer_in_backward: non-finite gradients in {len(names)} parameter(s) ({', '.join(names[:5])}"
+        f"{', ...' if len(names) > 5 else ''}): their updates were skipped, the other parameters were updated."
+    )
 
 
-def finish_step(plugin: Any, optimizer: Any, model: Any = None) -> bool:
-    """The optimizer step after a backward that performed the updates: the report of non-finite values (one host
-    read), LR schedulers held on a skipped step, the scaler's count of skipped steps. ``False`` (and nothing done)
-    when no backward ran since the last step (a ``training_step`` that returned ``None``, a step without backward).
-    With ``model`` (the Trainer's module, or Fabric's), a step with a skipped update also goes to ``skip_observers``
-    (PrecisionMonitor records and replays it; the replay's ``autograd.grad`` updates nothing)."""
-    in_backward = plugin._in_backward
-    if not in_backward.armed:
-        return False
-    skipped, names = in_backward.finish()
-    record_step(getattr(optimizer, "_optimizer", optimizer), skipped)  # a non-finite loss skipped every update
-    if names:
-        rank_zero_warn(
-            f"optimizer_in_backward: non-finite gradients in {len(names)} parameter(s) ({', '.join(names[:5])}"
-            f"{', ...' if len(names) > 5 else ''}): their updates were skipped, the other parameters were updated."
-        )
-    if model is not None and (skipped or names):
-        for observer in plugin.skip_observers:
-            observer(plugin=plugin, optimizer=getattr(optimizer, "_optimizer", optimizer), model=model)
-    if plugin._checking:
-        plugin.scaler.update(skipped or bool(names))  # max_consecutive_skips counts both
-    return True
-
-
-def refuse_clipping(plugin: Any, clip_val: Optional[float], algorithm: Any, call: str) -> None:
+def refuse_clipping(in_backward: StepInBackward, clip_val: Optional[float], algorithm: Any, call: str) -> None:
     """Raise for clipping asked after backward (``call``: how the user asked), unless nothing is clipped or it is
     the clipping by value already applied inside backward (automatic optimization's ``gradient_clip_val``)."""
-    in_backward = plugin._in_backward
-    if in_backward is None or not clip_val:
+    if not clip_val:
         return
     algorithm = str(getattr(algorithm, "value", algorithm) or "norm")
     if algorithm == "value" and in_backward.grad_ops == [("clamp", float(clip_val))]:
@@ -91,15 +60,3 @@ def refuse_clipping(plugin: Any, clip_val: Optional[float], algorithm: Any, call
         f"MixedPrecisionPlugin({OPTION}) cannot clip by {algorithm} after backward ({call}): {why}. Remove the "
         "clipping, or use optimizer_in_backward=False to clip in manual optimization or under Fabric."
     )
-
-
-def add_optimizer(plugin: Any, module: Any, optimizers: list[Any]) -> None:
-    """An optimizer set up after the module connected (Fabric's ``setup_module``, a forward, then
-    ``setup_optimizers``): the hooks move to ``optimizers`` (refused as at setup if there are several); under DDP
-    its communication hook, registered at connect, drives the new ones."""
-    check_setup(None, module, optimizers)
-    plugin._in_backward = install(
-        plugin._in_backward, True, plugin.masters, module, optimizers, plugin._checking, plugin._param_names
-    )
-    if plugin._in_backward is not None:
-        plugin._sync.hand_over(plugin._in_backward)

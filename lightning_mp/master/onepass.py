@@ -16,10 +16,10 @@ formula as torch's own fused kernel's on the same device.
   multiply-adds that torch's compiler formed (in the vector body and in the scalar tail of each tensor, the last
   ``numel % 8`` elements, which differ), so the result is bitwise ``torch.optim.AdamW/Adam/SGD(fused=True)`` on the
   joined fp32 values, for every flag (tests/test_onepass.py checks each against torch's kernel).
-- CUDA (the default there since 2026-11-26; ``LIGHTNING_MP_CUDA_ONE_PASS=0`` turns it off): the Triton kernel keeps
-  every intermediate in fp64 and rounds each stored value once, so each value is the float64 evaluation correctly
-  rounded (at most 0.5 ulp from it, measured on an H100), where torch's CUDA kernel is up to 299 ulp away on the
-  same inputs (cancellation in its fp32 variables). Its results are therefore not bitwise torch's; torch's CUDA
+- CUDA (the default there; ``LIGHTNING_MP_CUDA_ONE_PASS=0`` turns it off): the Triton kernel keeps every
+  intermediate in fp64 and rounds each stored value once, so each value is the float64 evaluation correctly rounded,
+  where torch's CUDA kernel can be hundreds of ulp away on the same inputs (cancellation in its fp32 variables;
+  measured in benchmarks/RESULTS.md). Its results are therefore not bitwise torch's; torch's CUDA
   kernel's are not bitwise its own CPU kernel's either. The chunked path (torch's CUDA kernel on joined fp32 chunks)
   stays the fallback where Triton is missing.
 """

@@ -3,8 +3,8 @@
 ``master_weights="remainder"``. The model's parameters become bf16 views into flat blocks (what the forward uses;
 :mod:`lightning_mp.master.blocks`); a parallel int16 buffer holds, per element, the low 16 bits that the bf16
 rounding dropped (see :mod:`lightning_mp.master.bits`: every non-NaN fp32 value is its bf16 half plus this
-remainder, bit for bit). No fp32 copy of the model exists between steps; the optimizer step
-(:meth:`RemainderMasters.fused_step`) rebuilds fp32 values one chunk at a time.
+remainder, bit for bit). No fp32 copy of the model exists between steps; the step (:meth:`~RemainderMasters.step`)
+joins them in one pass (:mod:`~lightning_mp.master.onepass`) or one chunk at a time.
 
 Memory at rest per trained bf16 parameter with AdamW: 2 (bf16 weight) + 2 (remainder) + 2 (bf16 gradient, between
 a backward and the step) + 8 (two fp32 moments) = 14 bytes, against 16 for an fp32 model and 18 for
@@ -32,6 +32,7 @@ from lightning_mp.master.blocks import Blocks, join_by_chunks, split_by_chunks
 from lightning_mp.master.flat import MasterWeights, group_sizes, is_norm
 from lightning_mp.master.generic import GenericChunkedStep
 from lightning_mp.master.model_sync import materialise
+from lightning_mp.master.plain import nonfinite_norm_error
 from lightning_mp.master.step import (
     FUSED_UNIT,
     Staging,
@@ -70,7 +71,8 @@ class RemainderMasters(MasterWeights):
     optimizer runs on fp32 slices of the parameters, chunk by chunk (:mod:`lightning_mp.master.generic`).
     """
 
-    kind = "remainder"
+    kind = option = "remainder"
+    updates_itself = lean = True  # its step (fused_step) updates the weights and takes the found-inf flag
 
     def __init__(
         self,
@@ -226,14 +228,13 @@ class RemainderMasters(MasterWeights):
     def grads_to_masters(self) -> None:
         """Nothing to move: the gradients stay on the model's parameters (bf16, or fp32 when accumulated)."""
 
-    def masters_to_model(self, optimizer: Optimizer) -> None:
-        """Nothing to copy: :meth:`fused_step` writes the bf16 weights itself."""
-
     def master_of(self, param: Tensor) -> Optional[nn.Parameter]:
         """``None``: lean masters have no fp32 tensor per parameter (see :meth:`fp32_value`)."""
         return None
 
-    def clip_grad_norm_(self, optimizer: Optimizer, max_norm: float, norm_type: float = 2.0) -> Tensor:
+    def clip_grad_norm_(
+        self, optimizer: Optimizer, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False
+    ) -> Tensor:
         """Clip ``optimizer``'s gradients by their total norm, computed and applied in fp32 as
         ``torch.nn.utils.clip_grad_norm_`` does on fp32 master gradients. The factor is applied to the fp32 copy
         of each chunk's gradients inside the step (bf16 gradients are not rounded twice). Returns the total norm."""
@@ -242,6 +243,8 @@ class RemainderMasters(MasterWeights):
             return torch.tensor(0.0)
         norms = [torch._foreach_norm([g.float()], norm_type)[0] for g in grads]
         total = self._total_norm(norms, norm_type)
+        if error_if_nonfinite and not torch.isfinite(total):
+            raise nonfinite_norm_error(norm_type)
         coef = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)
         self._grad_ops.setdefault(id(optimizer), []).append(("mul", coef))
         return total
@@ -255,6 +258,10 @@ class RemainderMasters(MasterWeights):
     def clip_grad_value_(self, optimizer: Optimizer, clip_value: float) -> None:
         """Clamp ``optimizer``'s gradients to ``[-clip_value, clip_value]``, in fp32, inside the step."""
         self._grad_ops.setdefault(id(optimizer), []).append(("clamp", float(clip_value)))
+
+    def step(self, optimizer: Optimizer, found_inf: Optional[Tensor], run: Optional[Callable[[], Any]]) -> Any:
+        """The lean update (:meth:`fused_step`), skipped where ``found_inf`` is 1; ``run`` is not called."""
+        return self.fused_step(optimizer, found_inf)
 
     def fused_step(self, optimizer: Optimizer, found_inf: Optional[Tensor] = None) -> None:
         """The update of ``optimizer``'s parameters on the lean state, chunk by chunk.

@@ -20,12 +20,12 @@ from tests.distributed.common import finish, fit, save
 
 def fused_run(precision: str, masters: bool) -> tuple[dict, list[int]]:
     """The uninterrupted run with SGD(fused=True), which skips on the device; the host syncs of each step's
-    decision, optimizer step and scaler update (lightning_mp.stepping.step) counted on this rank."""
+    decision, optimizer step and scaler update (OptimizerStep._step_or_skip) counted on this rank."""
     from lightning_mp import stepping
     from tests.helpers import HostSyncCounter
 
     counts: list[int] = []
-    original = stepping.step
+    original = stepping.OptimizerStep._step_or_skip
 
     def counted(*args, **kwargs):
         with HostSyncCounter() as counter:
@@ -33,12 +33,12 @@ def fused_run(precision: str, masters: bool) -> tuple[dict, list[int]]:
         counts.append(len(counter.calls))
         return result
 
-    stepping.step = counted
+    stepping.OptimizerStep._step_or_skip = counted
     stepping.DECIDE_CPU_FLAGS_ON_HOST = False  # the accelerators' path, on these CPU ranks
     try:
         return fit(precision, masters, fused=True), counts
     finally:
-        stepping.step = original
+        stepping.OptimizerStep._step_or_skip = original
         stepping.DECIDE_CPU_FLAGS_ON_HOST = True
 
 

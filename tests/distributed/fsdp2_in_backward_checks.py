@@ -74,7 +74,7 @@ class Net(L.LightningModule):
 
     def on_train_batch_end(self, *args: Any) -> None:
         self.grads_after_step.append([p.grad is None for p in self.parameters()])
-        in_backward = self.trainer.precision_plugin._in_backward
+        in_backward = self.trainer.precision_plugin.steps.in_backward
         self.skipped_names.append(list(in_backward.skipped_params) if in_backward is not None else [])
 
     def train_dataloader(self) -> DataLoader:

@@ -31,7 +31,7 @@ def main() -> None:
                 "weights": weights(model),
                 "lrs": model.lrs,
                 "skipped": plugin.scaler.skipped_steps,
-                "sync": type(plugin._sync).__name__,
+                "sync": type(plugin.steps.sync).__name__,
                 "world_size": trainer.world_size,
             }
             torch.distributed.barrier()

@@ -43,8 +43,8 @@ class LaunchConfig(NamedTuple):
     precise: bool = False
 
 
-#: the default launch shape and arithmetic: the fastest precise shape on an H100 (2026-11-26,
-#: ``benchmarks/kernel_contract.py --tune``: 2580 GB/s, 0.99x the bandwidth of torch's fused fp32 AdamW there)
+#: the default launch shape and arithmetic: the fastest precise shape on an H100 by ``benchmarks/kernel_contract.py
+#: --tune`` (its figures: benchmarks/RESULTS.md)
 CONFIG = LaunchConfig(block=512, chunk=512, warps=4, precise=True)
 
 
