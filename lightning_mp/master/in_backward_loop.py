@@ -14,6 +14,16 @@ they show, before they change anything:
 * clipping after backward (``self.clip_gradients``, ``fabric.clip_gradients``): the gradients are used and freed
   inside backward (:func:`refuse_clipping`). Clipping by value that is already applied inside backward (automatic
   optimization with ``Trainer(gradient_clip_val=..., gradient_clip_algorithm="value")``) passes.
+
+The step's non-finite flags stay on the device (:mod:`lightning_mp.master.in_backward_flags`) and are read on the host
+by the normal step's rule (:mod:`lightning_mp.stepping`): only where the decision is needed there, that is with a
+skip observer (``PrecisionMonitor(localise_overflows=True)``), a step-interval LR scheduler on the optimizer (held on
+a skipped step), or flags on the CPU (no device to wait for: reading is a memory read, cheaper than the device
+path's ops; :data:`DECIDE_CPU_FLAGS_ON_HOST`). Otherwise the scaler counts the step from one device flag, with no
+synchronisation, and the names of the skipped parameters are read only if asked for
+(:attr:`~lightning_mp.master.in_backward.StepInBackward.skipped_params`); the warning that names them comes with a
+read, so on an accelerator without observer or step scheduler a skipped update shows in the scaler's count only,
+as a skipped normal step does.
 """
 
 from __future__ import annotations
@@ -24,7 +34,11 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 
 from lightning_mp.master.in_backward import OPTION, check_setup, install
-from lightning_mp.schedulers import record_step
+from lightning_mp.schedulers import has_step_scheduler, record_step
+
+#: Read CPU flags on the host (as :data:`lightning_mp.stepping.DECIDE_CPU_FLAGS_ON_HOST` for the normal step; the
+#: tests and ``benchmarks/host_work.py`` turn both off to run the accelerators' path on CPU tensors).
+DECIDE_CPU_FLAGS_ON_HOST = True
 
 #: Raised by :func:`begin` at a second backward before the optimizer step.
 SEVERAL_BACKWARDS = (
@@ -48,26 +62,35 @@ def begin(plugin: Any, tensor: Tensor) -> None:
 
 
 def finish_step(plugin: Any, optimizer: Any, model: Any = None) -> bool:
-    """The optimizer step after a backward that performed the updates: the report of non-finite values (one host
-    read), LR schedulers held on a skipped step, the scaler's count of skipped steps. ``False`` (and nothing done)
-    when no backward ran since the last step (a ``training_step`` that returned ``None``, a step without backward).
-    With ``model`` (the Trainer's module, or Fabric's), a step with a skipped update also goes to ``skip_observers``
-    (PrecisionMonitor records and replays it; the replay's ``autograd.grad`` updates nothing)."""
+    """The optimizer step after a backward that performed the updates: LR schedulers held on a skipped step, the
+    scaler's count of skipped steps, and, where the flags are read (the module doc's rule: one host read), the report
+    of non-finite values. ``False`` (and nothing done) when no backward ran since the last step (a ``training_step``
+    that returned ``None``, a step without backward). With ``model`` (the Trainer's module, or Fabric's), a step with
+    a skipped update also goes to ``skip_observers`` (PrecisionMonitor records and replays it; the replay's
+    ``autograd.grad`` updates nothing)."""
     in_backward = plugin._in_backward
     if not in_backward.armed:
         return False
-    skipped, names = in_backward.finish()
-    record_step(getattr(optimizer, "_optimizer", optimizer), skipped)  # a non-finite loss skipped every update
+    flags = in_backward.finish()
+    torch_optimizer = getattr(optimizer, "_optimizer", optimizer)
+    if flags is None:  # no check: nothing skipped
+        record_step(torch_optimizer, False)
+        return True
+    observers = plugin.skip_observers if model is not None else []
+    if not (observers or has_step_scheduler(torch_optimizer) or (DECIDE_CPU_FLAGS_ON_HOST and flags.on_cpu)):
+        record_step(torch_optimizer, flags.loss())  # a non-finite loss skipped every update; read if ever needed
+        plugin.scaler.update(flags.found())  # on the device; max_consecutive_skips counts both kinds of skip
+        return True
+    skipped, names = flags.read()  # the step's one host read
+    record_step(torch_optimizer, skipped)
     if names:
         rank_zero_warn(
             f"optimizer_in_backward: non-finite gradients in {len(names)} parameter(s) ({', '.join(names[:5])}"
             f"{', ...' if len(names) > 5 else ''}): their updates were skipped, the other parameters were updated."
         )
-    if model is not None and (skipped or names):
-        for observer in plugin.skip_observers:
-            observer(plugin=plugin, optimizer=getattr(optimizer, "_optimizer", optimizer), model=model)
-    if plugin._checking:
-        plugin.scaler.update(skipped or bool(names))  # max_consecutive_skips counts both
+    for observer in observers if skipped or names else ():
+        observer(plugin=plugin, optimizer=torch_optimizer, model=model)
+    plugin.scaler.update(skipped or bool(names))  # max_consecutive_skips counts both
     return True
 
 
