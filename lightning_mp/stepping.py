@@ -17,9 +17,9 @@ With ``optimizer_in_backward=True`` the backward performed the updates; the step
 A step's found-inf flag is a device tensor, and the step reads it on the host (one synchronisation, together with
 the scaler's pending state) only where the decision is needed there:
 
-  * the optimizer cannot skip on the device (:func:`skips_on_device`). An exact skip of, say, the for-loop AdamW on
-    the device would need a copy of the parameters and the optimizer state before each step and a ``torch.where``
-    after it: more work and memory than the one read it saves;
+  * the update cannot skip on the device (:meth:`~lightning_mp.master.plain.PlainWeights.skips_on_device`). An exact
+    skip of, say, the for-loop AdamW on the device would need a copy of the parameters and the optimizer state
+    before each step and a ``torch.where`` after it: more work and memory than the one read it saves;
   * a scheduler with ``interval="step"`` is guarded on this optimizer (it must not advance on a skipped step, and it
     is stepped on the host right after the optimizer);
   * a skip observer is registered (``PrecisionMonitor(localise_overflows=True)`` replays the skipped step while its
@@ -32,7 +32,6 @@ the scaler's pending state) only where the decision is needed there:
 
 from __future__ import annotations
 
-import inspect
 import operator
 from typing import Any, Callable, Optional
 
@@ -171,7 +170,7 @@ class OptimizerStep:
         observers = self.skip_observers
         on_host = observers or (DECIDE_CPU_FLAGS_ON_HOST and found_inf.is_cpu)
         weights = self.weights
-        if not on_host and skips_on_device(torch_optimizer, weights) and not has_step_scheduler(torch_optimizer):
+        if not on_host and weights.skips_on_device(torch_optimizer) and not has_step_scheduler(torch_optimizer):
             flag = (found_inf.reshape(()) > 0).to(torch.float32)  # 0-dim, exactly 0 or 1, as the fused kernels expect
             record_step(torch_optimizer, flag)
             output = weights.step(torch_optimizer, flag, _flagged_step(optimizer, torch_optimizer, flag, kwargs))
@@ -230,23 +229,31 @@ class OptimizerStep:
         in_backward.begin(loss)
 
     def _finish_in_backward(self, optimizer: Any, model: Any) -> bool:
-        """The step after a backward that performed the updates: the report of non-finite values (one host read),
-        LR schedulers held on a skipped step, the scaler's count of skipped steps. ``False`` (nothing done) when no
-        backward ran since the last step. A step with a skipped update goes to the skip observers (PrecisionMonitor
-        records and replays it; the replay's ``autograd.grad`` updates nothing)."""
+        """The step after a backward that performed the updates: LR schedulers held on a skipped step, the scaler's
+        count of skipped steps, and, where the flags are read (the module docstring's rule: one host read), the
+        report of non-finite values. ``False`` (nothing done) when no backward ran since the last step. A step with a
+        skipped update goes to the skip observers (PrecisionMonitor replays it; the replay updates nothing)."""
         in_backward = self.in_backward
         if not in_backward.armed:
             return False
-        skipped, names = in_backward.finish()
+        flags = in_backward.finish()
         torch_optimizer = unwrap_optimizer(optimizer)
-        record_step(torch_optimizer, skipped)  # a non-finite loss skipped every update
+        if flags is None:  # no check: nothing skipped
+            record_step(torch_optimizer, False)
+            return True
+        scaler: DynamicLossScaler = self.scaler  # type: ignore[assignment]  # flags: a check, so a scaler
+        observers = self.skip_observers if model is not None else []
+        if not (observers or has_step_scheduler(torch_optimizer) or (DECIDE_CPU_FLAGS_ON_HOST and flags.on_cpu)):
+            record_step(torch_optimizer, flags.loss())  # a non-finite loss skipped every update; read if ever needed
+            scaler.update(flags.found())  # on the device; max_consecutive_skips counts both kinds of skip
+            return True
+        skipped, names = flags.read()  # the step's one host read
+        record_step(torch_optimizer, skipped)
         if names:
             rank_zero_warn(in_backward_loop.skipped_updates_message(names))
-        if model is not None and (skipped or names):
-            for observer in self.skip_observers:
-                observer(plugin=self.plugin, optimizer=torch_optimizer, model=model)
-        if self.checking:
-            self.scaler.update(skipped or bool(names))  # type: ignore[union-attr]  # max_consecutive_skips counts both
+        for observer in observers if skipped or names else ():
+            observer(plugin=self.plugin, optimizer=torch_optimizer, model=model)
+        scaler.update(skipped or bool(names))  # max_consecutive_skips counts both
         return True
 
     def refuse_clipping(self, clip_val: Optional[float], algorithm: Any, call: str) -> None:
@@ -277,29 +284,6 @@ def _flagged_step(optimizer: Any, torch_optimizer: Any, flag: Tensor, kwargs: di
             del torch_optimizer.grad_scale, torch_optimizer.found_inf
 
     return run
-
-
-def skips_on_device(optimizer: Any, weights: Optional[PlainWeights] = None) -> bool:
-    """Whether a step of ``optimizer`` (a torch optimizer) can be skipped on the device by a found-inf flag: the
-    masters update themselves and take the flag (``weights.updates_itself``), or the optimizer follows
-    ``torch.amp.GradScaler``'s attribute protocol: it declares ``_step_supports_amp_scaling`` (torch's
-    ``fused=True`` optimizers) and its ``step`` has no ``grad_scaler`` argument (the deprecated protocol, where the
-    optimizer would expect a torch ``GradScaler``)."""
-    if weights is not None and weights.updates_itself:
-        return True
-    if not getattr(optimizer, "_step_supports_amp_scaling", False):
-        return False
-    honours = _HONOURS_FOUND_INF.get(type(optimizer))
-    if honours is None:
-        try:
-            honours = "grad_scaler" not in inspect.signature(optimizer.step).parameters
-        except (TypeError, ValueError):  # no signature to read: decide on the host
-            honours = False
-        _HONOURS_FOUND_INF[type(optimizer)] = honours
-    return honours
-
-
-_HONOURS_FOUND_INF: dict[type, bool] = {}
 
 
 # ------------------------------------------------------------------------------------------ unscale once

@@ -14,7 +14,7 @@ from torch import nn
 
 from lightning_mp import DynamicLossScaler, MixedPrecisionPlugin, stepping
 from lightning_mp.master import MasterWeights
-from lightning_mp.stepping import skips_on_device
+from lightning_mp.master.plain import PLAIN
 from tests.helpers import HostSyncCounter, TinyRegressor, make_trainer, params_of, regression_loader, seeded
 
 
@@ -301,10 +301,10 @@ def test_masters_that_update_themselves_are_called_with_none_when_nothing_is_che
 
 def test_which_optimizers_skip_on_the_device():
     params = [nn.Parameter(torch.zeros(2))]
-    assert skips_on_device(torch.optim.AdamW(params, fused=True))
-    assert skips_on_device(torch.optim.SGD(params, lr=0.1, fused=True))
-    assert not skips_on_device(torch.optim.AdamW(params))  # for-loop / foreach: decided on the host
-    assert not skips_on_device(torch.optim.AdamW(params, foreach=True))
+    assert PLAIN.skips_on_device(torch.optim.AdamW(params, fused=True))
+    assert PLAIN.skips_on_device(torch.optim.SGD(params, lr=0.1, fused=True))
+    assert not PLAIN.skips_on_device(torch.optim.AdamW(params))  # for-loop / foreach: decided on the host
+    assert not PLAIN.skips_on_device(torch.optim.AdamW(params, foreach=True))
 
     class OldProtocol(torch.optim.SGD):  # expects torch's GradScaler through `grad_scaler=`: never given ours
         _step_supports_amp_scaling = True
@@ -312,5 +312,5 @@ def test_which_optimizers_skip_on_the_device():
         def step(self, closure=None, grad_scaler=None):
             return super().step(closure)
 
-    assert not skips_on_device(OldProtocol(params, lr=0.1))
-    assert skips_on_device(torch.optim.AdamW(params), LeanMasters(torch.bfloat16))
+    assert not PLAIN.skips_on_device(OldProtocol(params, lr=0.1))
+    assert LeanMasters(torch.bfloat16).skips_on_device(torch.optim.AdamW(params))

@@ -19,8 +19,7 @@ def test_ops_our_code_issues_per_step_stay_within_budget(mode: str) -> None:
     assert result["tensors"] == 197
     ours = host_work.ours_per_step(result)
     assert 0 < ours <= host_work.BUDGET[mode], (mode, result["ops"])
-    if mode != "ours remainder, in backward":  # its one .tolist() per step is on the step-plan issue's list
-        assert sum(value for key, value in result["syncs"].items() if key.endswith("/ours")) == 0, result["syncs"]
+    assert sum(value for key, value in result["syncs"].items() if key.endswith("/ours")) == 0, result["syncs"]
 
 
 def test_counts_credit_the_builtin_and_the_optimizer_not_us() -> None:

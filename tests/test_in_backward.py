@@ -40,6 +40,7 @@ class Net(L.LightningModule):
         self.net = nn.Sequential(nn.Linear(16, 32), nn.LayerNorm(32), nn.GELU(), nn.Linear(32, 1))
         self.optimizer_name, self.bad_loss_at, self.bad_grad_at = optimizer, bad_loss_at, bad_grad_at
         self.grads_after_step: list[list[Optional[torch.Tensor]]] = []
+        self.skipped_params: list[list[str]] = []
         if bad_grad_at >= 0:  # an inf in net.3.weight's gradient, as soon as autograd has produced it
             self.net[3].weight.register_hook(lambda g: self._poison(g))
 
@@ -60,6 +61,9 @@ class Net(L.LightningModule):
     def on_train_batch_end(self, *args: Any) -> None:
         self.grads_after_step.append([p.grad for p in self.parameters()])
         self.lrs.append(self.trainer.optimizers[0].param_groups[0]["lr"])
+        in_backward = getattr(self.trainer.precision_plugin, "_in_backward", None)
+        if in_backward is not None:  # read when asked: a host read on the device path
+            self.skipped_params.append(in_backward.skipped_params)
 
     def configure_optimizers(self) -> Any:
         if self.scheduler:
@@ -92,6 +96,14 @@ def _fit(
     path = tmp_path / f"{name}.ckpt"
     trainer.save_checkpoint(path)
     return model, torch.load(path, weights_only=True)
+
+
+def _device_path(monkeypatch: pytest.MonkeyPatch, path: str) -> None:
+    """``path="device"``: CPU flags left on the device, as an accelerator's are (the step's rule, for the step inside
+    backward and the normal step alike); ``"host"``: the default, CPU flags read after backward."""
+    from lightning_mp import stepping
+
+    monkeypatch.setattr(stepping, "DECIDE_CPU_FLAGS_ON_HOST", path == "host")
 
 
 def _assert_same_bits(ours: dict[str, Any], reference: dict[str, Any]) -> None:
@@ -135,10 +147,12 @@ def test_clip_by_value_runs_per_parameter_inside_backward_bitwise(tmp_path):
     _assert_same_bits(ours, reference)
 
 
+@pytest.mark.parametrize("path", ["host", "device"])
 @pytest.mark.parametrize("device", DEVICES)
-def test_a_non_finite_loss_skips_every_update_of_its_step(tmp_path, device):
+def test_a_non_finite_loss_skips_every_update_of_its_step(tmp_path, monkeypatch, device, path):
     # step 2's loss is NaN: after 3 steps the state equals the normal lean step's after the same 3 steps, where
-    # the check skips step 2 as a whole (all its gradients are NaN)
+    # the check skips step 2 as a whole (all its gradients are NaN). device: the flags are not read at the step
+    _device_path(monkeypatch, path)
     _, ours = _fit(True, tmp_path, "ours", bad_loss_at=2, max_steps=3, accelerator=device)
     _, two = _fit(True, tmp_path, "two", max_steps=2, accelerator=device)
     for key, value in two["state_dict"].items():
@@ -150,7 +164,10 @@ def test_a_non_finite_loss_skips_every_update_of_its_step(tmp_path, device):
     _assert_same_bits(ours, reference)
 
 
-def test_a_step_scheduler_advances_as_with_the_normal_step_and_holds_on_a_non_finite_loss(tmp_path):
+@pytest.mark.parametrize("path", ["host", "device"])
+def test_a_step_scheduler_advances_as_with_the_normal_step_and_holds_on_a_non_finite_loss(tmp_path, monkeypatch, path):
+    # on the device path too the flags are read at the step: the scheduler needs the decision there
+    _device_path(monkeypatch, path)
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message=".*lr_scheduler.step\\(\\)")  # torch's "before optimizer.step()"
         ours_model, ours = _fit(True, tmp_path, "ours", bad_loss_at=2, scheduler=True, max_steps=5)
@@ -159,10 +176,20 @@ def test_a_step_scheduler_advances_as_with_the_normal_step_and_holds_on_a_non_fi
     _assert_same_bits(ours, reference)
 
 
+@pytest.mark.parametrize("path", ["host", "device"])
 @pytest.mark.parametrize("device", DEVICES)
-def test_a_non_finite_gradient_skips_that_parameter_only_and_is_reported(tmp_path, device):
-    with pytest.warns(UserWarning, match=r"non-finite gradients in 1 parameter\(s\) \(net\.3\.weight\)"):
-        _, ours = _fit(True, tmp_path, "ours", bad_grad_at=1, max_steps=2, accelerator=device)
+def test_a_non_finite_gradient_skips_that_parameter_only_and_is_reported(tmp_path, monkeypatch, device, path):
+    # host: the flags are read after backward (CPU flags by default; a skip observer or a step scheduler anywhere),
+    # with a warning naming the parameter. device (an accelerator's path, run here on CPU flags too): nothing is
+    # read at the step, the scaler counts the skip on the device, the name is read only when asked
+    _device_path(monkeypatch, path)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model, ours = _fit(True, tmp_path, "ours", bad_grad_at=1, max_steps=2, accelerator=device)
+    reported = [w for w in caught if "non-finite gradients in 1 parameter(s) (net.3.weight)" in str(w.message)]
+    assert len(reported) == (path == "host" and device == "cpu")  # CUDA flags: read for an observer or scheduler only
+    assert model.skipped_params == [[], ["net.3.weight"]]
+    assert model.trainer.precision_plugin.scaler.skipped_steps == 1  # counted either way
     _, one = _fit(True, tmp_path, "one", max_steps=1, accelerator=device)
     _, two = _fit(True, tmp_path, "two", max_steps=2, accelerator=device)
     index = list(dict(Net().named_parameters())).index("net.3.weight")
@@ -345,7 +372,7 @@ def test_a_large_parameter_updated_single_threaded_inside_backward_equals_the_th
             if stepper is not None:
                 stepper.begin(loss)
                 loss.backward()
-                assert stepper.finish() == (False, []) and model[0].weight.grad is None
+                assert stepper.finish().read() == (False, []) and model[0].weight.grad is None
             else:
                 loss.backward()
                 store.fused_step(optimizer, torch.zeros(()))
@@ -448,7 +475,7 @@ def test_an_agreed_loss_flag_is_zero_or_one_whatever_the_sum_over_ranks():
     steps = StepInBackward(store, optimizer)
     steps.begin(torch.tensor(float("nan")))
     steps.agree_on_loss(lambda flag: flag * 2)  # both ranks' NaN losses
-    assert steps._loss_found.item() == 1.0
+    assert steps._flags.loss().item() == 1.0
     norm_weight = net[1].weight.detach().clone()
     net[1].weight.grad = torch.ones(4)  # finite, from a branch the NaN does not reach
     steps._update(net[1].weight)

@@ -46,18 +46,20 @@ def test_updates_after_each_buckets_all_reduce_equal_the_normal_lean_ddp_step_bi
     assert first and norm
 
 
-def test_a_nan_loss_on_one_rank_skips_the_same_updates_on_both_and_they_stay_equal(ranks):
+@pytest.mark.parametrize("run", ["ours_nan", "ours_nan_device_path"])
+def test_a_nan_loss_on_one_rank_skips_the_same_updates_on_both_and_they_stay_equal(ranks, run):
+    # device path: the flags are not read at the step (an accelerator's), the scaler counts the skip on the device
     for rank in ranks:
-        ours = rank["ours_nan"]
+        ours = rank[run]
         assert ours["skipped_steps"] == rank["reference_nan"]["skipped_steps"] == 1
         assert_same_bits(ours, rank["reference_nan"])
-        assert_same_bits(ours, ranks[0]["ours_nan"])
+        assert_same_bits(ours, ranks[0][run])
         # the NaN step changed nothing: rank 0 (finite loss) did not update while rank 1 skipped
         assert not ours["updated_in_backward"][2] and all(
             ours["updated_in_backward"][:2] + ours["updated_in_backward"][3:]
         )
     assert not torch.equal(
-        ranks[0]["ours_nan"]["state_dict"]["net.0.weight"], ranks[0]["ours_adamw"]["state_dict"]["net.0.weight"]
+        ranks[0][run]["state_dict"]["net.0.weight"], ranks[0]["ours_adamw"]["state_dict"]["net.0.weight"]
     )
 
 

@@ -40,13 +40,16 @@ def test_a_nan_loss_on_rank_1_only_skips_every_update_on_both_ranks(ranks):
         assert ours["changed_in_backward"] == [step != BAD_AT for step in range(4)]
 
 
-def test_an_inf_in_one_ranks_gradient_shard_skips_that_parameter_on_both_ranks(ranks):
+@pytest.mark.parametrize("run", ["ours_inf_shard", "ours_inf_shard_device_path"])
+def test_an_inf_in_one_ranks_gradient_shard_skips_that_parameter_on_both_ranks(ranks, run):
+    # device path: the flags are not read at the step (an accelerator's); the names are read when asked
     rank0, rank1 = ranks
     for rank in ranks:  # rank 1's shard was finite: its update is skipped too (the flag is summed over the ranks)
-        assert rank["ours_inf_shard"]["changed_in_backward"] == [step != BAD_AT for step in range(4)]
-        assert rank["ours_inf_shard"]["skipped_names"] == [["net.0.weight"] if s == BAD_AT else [] for s in range(4)]
-    for name, value in rank0["ours_inf_shard"]["weights"].items():
-        assert torch.isfinite(value).all() and torch.equal(value, rank1["ours_inf_shard"]["weights"][name]), name
+        assert rank[run]["changed_in_backward"] == [step != BAD_AT for step in range(4)]
+        assert rank[run]["skipped_names"] == [["net.0.weight"] if s == BAD_AT else [] for s in range(4)]
+    for name, value in rank0[run]["weights"].items():
+        assert torch.isfinite(value).all() and torch.equal(value, rank1[run]["weights"][name]), name
+    assert_same_bits(rank0[run], rank0["ours_inf_shard"], weights="weights")  # both paths: the same bits
 
 
 def test_other_optimizers_are_refused_under_fsdp2_at_setup(ranks):

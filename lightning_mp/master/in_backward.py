@@ -14,10 +14,11 @@ Under DDP the gradient is final only after its bucket's all-reduce: the hooks ar
 hook (:mod:`lightning_mp.distributed.ddp_in_backward`). Under FSDP2 the hooks sit on the sharded parameters, whose
 hooks FSDP2 runs after each reduce-scatter (:mod:`lightning_mp.distributed.fsdp2_in_backward`).
 
-Non-finite values, without a host synchronisation inside backward: :meth:`StepInBackward.begin` turns the loss into
-a 0-dim device flag before backward (a non-finite loss skips every update of the step); each hook adds its own
-gradient's check to it (a non-finite gradient skips that parameter's update only). :meth:`StepInBackward.finish`
-reads the flags once, after backward, so the step can be reported and LR schedulers held on a skipped step. Any
+Non-finite values, without a host synchronisation (:mod:`~lightning_mp.master.in_backward_flags`): before backward
+:meth:`StepInBackward.begin` writes the loss's device flag into each parameter's slot of one preallocated vector (a
+non-finite loss skips every update of the step); each hook adds its own gradient's check to its slot (a non-finite
+gradient skips that parameter's update only). :meth:`StepInBackward.finish` reads nothing: the flags are read on the
+host only where the step's decision is needed there (:class:`lightning_mp.stepping.OptimizerStep`). Any
 other optimizer (the generic path) reads its parameter's flag on the host on a CPU (free); on a GPU it skips on the
 device by a masked write-back where :mod:`~lightning_mp.master.generic` can, else reads it: a synchronisation per
 parameter.
@@ -39,10 +40,10 @@ from torch.optim import Optimizer
 
 from lightning_mp.master import native, onepass
 from lightning_mp.master.flat import group_sizes
-from lightning_mp.master.in_backward_changes import UNDER_REDUCTION, one_groups, refuse_later_hook
+from lightning_mp.master.in_backward_changes import UNDER_REDUCTION, GroupOptions, one_groups, refuse_later_hook
+from lightning_mp.master.in_backward_flags import StepFlags
 from lightning_mp.master.in_backward_regions import Regions
-from lightning_mp.master.step import apply_grad_ops_in_place, fused_update, local_of, plan_chunks
-from lightning_mp.scaler_device import non_finite_check_and_unscale_
+from lightning_mp.master.step import apply_grad_ops_in_place, fused_update, plan_chunks
 
 OPTION = "optimizer_in_backward=True"
 
@@ -176,15 +177,11 @@ class StepInBackward:
         self.check = check
         self.names = names or {}
         self.armed = False  # hooks update only between begin() and finish(): a backward of the plugin's step
-        self._loss_found: Optional[Tensor] = None
-        self._flags: list[tuple[Tensor, Tensor]] = []  # (parameter, its 0-dim flag) updated in this backward
+        self._flags = StepFlags(self._name)  # one slot per parameter, made once (in_backward_flags)
+        self._finished: Optional[StepFlags] = None  # the last finished step's flags, until the next begin()
         self._one_groups: dict[int, tuple[int, dict[str, Any]]] = {}  # id(param) -> (its group's index, its group)
         self._chunks: dict[int, list[Any]] = {}
-        self._ones: dict[torch.device, Tensor] = {}
         self._hooks: dict[int, Any] = {}  # id(parameter) -> its post-accumulate-grad hook
-        #: names of the parameters whose non-finite gradient (under a finite loss) skipped their update in the last
-        #: step: what PrecisionMonitor records, the gradients being gone by then
-        self.skipped_params: list[str] = []
         self._generic = getattr(store, "_generic", {}).get(id(optimizer))  # not AdamW/Adam/SGD: the generic path
         self._params: list[Tensor] = []  # every parameter of the optimizer; hooked while it requires grad
         self._handed_over: set[int] = set()  # ids of parameters whose updates someone else drives (DDP)
@@ -196,8 +193,17 @@ class StepInBackward:
         # one dict per parameter for its whole life: the CUDA kernel caches its address tables by id(group). The
         # group by its index: optimizer.load_state_dict (a resume) replaces the group dicts
         self._one_groups, self._params = one_groups(optimizer, {})
+        self._options = GroupOptions(optimizer, self._one_groups)  # each group read once a step, not per parameter
+        self._flags.plan(self._params)
         self._group_sizes = group_sizes([optimizer])  # compared before each backward: add_param_group changes it
         self._hook_trainable()
+
+    @property
+    def skipped_params(self) -> list[str]:
+        """Names of the parameters whose non-finite gradient (under a finite loss) skipped their update in the last
+        step (what PrecisionMonitor records, the gradients being gone by then): read from the device flags when
+        asked, once per step (a host synchronisation on an accelerator unless the step read them already)."""
+        return self._finished.read()[1] if self._finished is not None else []
 
     def _hook_trainable(self) -> None:
         """Hook every parameter that requires grad now and has no hook yet (a frozen one, as LoRA's base weights in
@@ -223,17 +229,14 @@ class StepInBackward:
                 "gradient_checkpointing_kwargs={'use_reentrant': False}), or use optimizer_in_backward=False."
             )
         self.armed = True
-        self._flags = []
+        self._finished = None
         if len(self._hooks) + len(self._handed_over) < len(self._params):
             self._hook_trainable()
         if self._generic is not None:
             self._generic.begin_params()  # the group options advance once in this backward's updates
-        if self.check and loss is not None:
-            self._loss_found = torch.logical_not(torch.isfinite(loss.detach()).all()).to(torch.float32).reshape(())
-            if self.agree_each is not None:
-                self._loss_found = _agreed(self.agree_each, self._loss_found)
-        else:
-            self._loss_found = None
+        self._options.refresh()  # what a scheduler (or a resume) changed since the last step, group by group
+        if self.check:
+            self._flags.begin(loss, self.agree_each)
 
     def _follow_groups(self) -> None:
         """Param groups changed since setup (:mod:`~lightning_mp.master.in_backward_changes`): every parameter of
@@ -243,6 +246,8 @@ class StepInBackward:
         if self._generic is not None:
             self._generic.follow_groups()  # the new groups' slices (the store's before_backward may have made them)
         self._one_groups, self._params = one_groups(self.optimizer, self._one_groups)
+        self._options = GroupOptions(self.optimizer, self._one_groups)
+        self._flags.plan(self._params)
         for key in [key for key in self._hooks if key not in self._one_groups]:
             self._hooks.pop(key).remove()
         self._group_sizes = group_sizes([self.optimizer])
@@ -264,10 +269,10 @@ class StepInBackward:
             self._update(param)
 
     def agree_on_loss(self, agree: Any) -> None:
-        """Replace this backward's loss flag by ``agree(flag)`` (:func:`_agreed`) before any update reads it (under
-        DDP: summed over the ranks, so that a non-finite loss on one rank skips the same updates on all)."""
-        if self._loss_found is not None:
-            self._loss_found = _agreed(agree, self._loss_found)
+        """Replace this backward's loss flag by ``agree(flag)`` (summed over the ranks, as 0 or 1) before any update
+        reads it (under DDP: a non-finite loss on one rank skips the same updates on all)."""
+        if self.check:
+            self._flags.agree_on_loss(agree)
 
     def _update(self, param: Tensor) -> None:
         if not self.armed or param.grad is None:
@@ -286,31 +291,16 @@ class StepInBackward:
                 self._apply(param)
 
     def _apply(self, param: Tensor) -> None:
-        index, one = self._one_groups[id(param)]
-        one.update(self.optimizer.param_groups[index])  # hyperparameters as they are now (a scheduler may change them)
-        one["params"] = [param]
-        found = self._flag_for(param)
+        one = self._one_groups[id(param)][1]  # its group's options as of begin() (GroupOptions.refresh)
         with torch.no_grad(), native.single_threaded():  # see native.single_threaded: faster inside backward
+            found = self._flag_for(param)
             self._step(one, param, found)
         param.grad = None  # the gradient is used: free it now
 
     def _flag_for(self, param: Tensor) -> Optional[Tensor]:
-        if not self.check:
-            return None
-        grad = local_of(param.grad)  # FSDP2: the local shard (no DTensor dispatch, no hidden collective)
-        found = self._loss_found.clone() if self._loss_found is not None else grad.new_zeros((), dtype=torch.float32)
-        found = found.to(grad.device)
-        one = self._ones.get(grad.device)
-        if one is None:
-            one = self._ones[grad.device] = torch.ones((), dtype=torch.float32, device=grad.device)
-        # found becomes 1 where the gradient holds inf/NaN, the scaler's check-only way (read only, no transient the
-        # size of the gradient on the CPU; by its inf-norm for bf16 on CUDA)
-        with native.single_threaded():
-            non_finite_check_and_unscale_([grad.detach()], found, one, check_only=True)
-        if self.agree_each is not None:
-            found = _agreed(self.agree_each, found)
-        self._flags.append((param, found))
-        return found
+        # its slot of the step's flags, set to 1 where the gradient holds inf/NaN (read only; no transient the size
+        # of the gradient on the CPU; by its inf-norm for bf16 on CUDA): the update's `found`
+        return self._flags.check(param, self.agree_each) if self.check else None
 
     def _step(self, one: dict[str, Any], param: Tensor, found: Optional[Tensor]) -> None:
         if self._generic is not None:  # any other optimizer: its own step() on this parameter's fp32 slices
@@ -329,12 +319,11 @@ class StepInBackward:
             chunks = self._chunks[id(param)] = plan_chunks([param], offsets, self.store.chunk_size_for(param.device))
         fused_update(self.optimizer, one, chunks, self.store, self.store._staging, self.grad_ops, found)
 
-    def finish(self) -> tuple[bool, list[str]]:
-        """After backward: disarm the hooks; ``(whether the loss was non-finite, names of the parameters whose
-        non-finite gradient skipped their update)``. One host read of the step's flags (none without a check)."""
+    def finish(self) -> Optional[StepFlags]:
+        """After backward: disarm the hooks; the step's flags (``None`` without a check), not read: their
+        :meth:`~lightning_mp.master.in_backward_flags.StepFlags.read` is one host read, made where needed."""
         self.armed = False
         self._regions.clear()  # a backward with regions ran their updates at its end (none left to wait)
-        self.skipped_params = []
         self.optimizer._opt_called = True  # type: ignore[attr-defined]  # as torch's step() records for schedulers
         left = [p for group in self.optimizer.param_groups for p in group["params"] if p.grad is not None]
         if left:  # every update ran inside backward and freed its gradient: one left means an update did not run
@@ -347,18 +336,8 @@ class StepInBackward:
                 "that did not run the parameter's post-accumulate-grad hook (FSDP2 needs torch >= 2.13's), causes "
                 "this. Use optimizer_in_backward=False."
             )
-        if not self.check:
-            return False, []
-        flags = [flag for _, flag in self._flags]
-        loss = self._loss_found if self._loss_found is not None else torch.zeros(())
-        values = torch.stack([loss.to(flags[0].device), *flags]).tolist() if flags else [loss.item()]
-        params = [param for param, _ in self._flags]
-        self._flags = []
-        named = [self._name(p) for p, v in zip(params, values[1:]) if v]
-        if values[0] > 0:  # the loss: every update skipped, the loss's own origin is what a replay finds
-            return True, []
-        self.skipped_params = named
-        return False, named
+        self._finished = self._flags if self.check else None
+        return self._finished
 
     def _name(self, param: Tensor) -> str:
         return self.names.get(id(param), f"parameter {tuple(param.shape)}")
@@ -370,12 +349,6 @@ class StepInBackward:
         self._hooks, self._params = {}, []
         self._regions.clear()
         self.armed = False
-
-
-def _agreed(agree: Callable[[Tensor], Tensor], flag: Tensor) -> Tensor:
-    """``agree(flag)`` (the flag summed over the ranks) as 0 or 1: torch's fused kernels, which update the fp32
-    parameters, skip only on a flag of exactly 1, and a sum over ranks can be 2."""
-    return (agree(flag) > 0).to(torch.float32)
 
 
 def install(

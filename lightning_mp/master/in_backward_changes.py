@@ -1,4 +1,5 @@
-"""What changes during fit under the step inside backward: param groups (followed), hooks added later (refused).
+"""What changes during fit under the step inside backward: param groups and their options (followed), hooks added
+later (refused).
 
 **Param groups.** ``optimizer.add_param_group`` after setup (Lightning's ``BackboneFinetuning`` and
 ``BaseFinetuning.unfreeze_and_add_param_group``, a user's callback) brings parameters the hooks set up at connect do
@@ -10,6 +11,12 @@ conversion (every floating parameter of the module is converted, frozen or not) 
 exactly as the normal lean step, which reads the groups at each step, updates them. Add groups before the backward
 (``on_train_epoch_start``, ``on_train_batch_start``): a parameter added after its gradient was made is not updated
 and fails the "no update left behind" check at the step.
+
+**Group options.** Each parameter's update reads a one-parameter group (a dict of its own, for its whole life: the
+CUDA kernel caches its address tables by ``id(group)``). A scheduler changes ``lr`` between steps, a resume
+(``optimizer.load_state_dict``) replaces the group dicts: :class:`GroupOptions` compares each group's options with
+what it saw last, once per step before backward (a few identity checks per group), and copies only what changed into
+that group's one-parameter dicts, so a hook reads its options without copying a dict.
 
 **Post-accumulate-grad hooks added later.** A user's ``register_post_accumulate_grad_hook`` registered before
 the plugin's (before fit) runs first and sees (or rewrites) the gradient the update then uses, as the normal step
@@ -58,3 +65,30 @@ def refuse_later_hook(param: Tensor, ours: Optional[Any], name: str, option: str
             "or rewrite the gradient first). Raised before this parameter's update. Register it before fit (in "
             "__init__ or configure_model), use a tensor hook (p.register_hook), or optimizer_in_backward=False."
         )
+
+
+class GroupOptions:
+    """The one-parameter groups of :func:`one_groups` kept up to date with ``optimizer``'s groups, group by group.
+
+    Made (and every one-parameter group brought up to date) at setup and whenever the groups change;
+    :meth:`refresh` before each backward copies the options that changed since (compared by identity: a new value is
+    a new object, and a tensor option is never read on the host here)."""
+
+    def __init__(self, optimizer: Optimizer, ones: dict[int, tuple[int, dict[str, Any]]]) -> None:
+        self.optimizer = optimizer
+        self._members: list[list[dict[str, Any]]] = [[] for _ in optimizer.param_groups]
+        for index, one in ones.values():
+            self._members[index].append(one)
+        self._seen: list[dict[str, Any]] = [{} for _ in optimizer.param_groups]
+        self.refresh()
+
+    def refresh(self) -> None:
+        """Copy into the one-parameter groups each option whose value changed since the last call."""
+        for group, seen, members in zip(self.optimizer.param_groups, self._seen, self._members):
+            changed = {key: value for key, value in group.items() if seen.get(key, seen) is not value}
+            changed.pop("params", None)
+            if not changed:  # the usual step
+                continue
+            for one in members:
+                one.update(changed)
+            seen.update(changed)

@@ -15,6 +15,15 @@ they show, before they change anything:
 * clipping after backward (``self.clip_gradients``, ``fabric.clip_gradients``): the gradients are used and freed
   inside backward (:func:`refuse_clipping`). Clipping by value that is already applied inside backward (automatic
   optimization with ``Trainer(gradient_clip_val=..., gradient_clip_algorithm="value")``) passes.
+
+The step's non-finite flags stay on the device (:mod:`lightning_mp.master.in_backward_flags`) and are read on the host
+by the normal step's rule (:mod:`lightning_mp.stepping`): only where the decision is needed there, that is with a
+skip observer (``PrecisionMonitor(localise_overflows=True)``), a step-interval LR scheduler on the optimizer (held on
+a skipped step), or flags on the CPU (``stepping.DECIDE_CPU_FLAGS_ON_HOST``). Otherwise the scaler counts the step
+from one device flag, with no synchronisation, and the names of the skipped parameters are read only if asked for
+(:attr:`~lightning_mp.master.in_backward.StepInBackward.skipped_params`); the warning that names them comes with a
+read, so on an accelerator without observer or step scheduler a skipped update shows in the scaler's count only,
+as a skipped normal step does.
 """
 
 from __future__ import annotations

@@ -4,11 +4,12 @@
 torch's. :class:`~lightning_mp.master.MasterWeights` (fp32 copies) and :class:`~lightning_mp.master.RemainderMasters`
 (lean) implement the same methods, so that the step (:class:`lightning_mp.stepping.OptimizerStep`) never asks which
 kind runs: it calls :meth:`~PlainWeights.step`, :meth:`~PlainWeights.clip_grad_norm_` and
-:meth:`~PlainWeights.clip_grad_value_`, and reads :attr:`~PlainWeights.updates_itself`.
+:meth:`~PlainWeights.clip_grad_value_`, and asks :meth:`~PlainWeights.skips_on_device`.
 """
 
 from __future__ import annotations
 
+import inspect
 from typing import Any, Callable, Optional, Union
 
 import torch
@@ -35,6 +36,24 @@ class PlainWeights:
         assert run is not None
         return run()
 
+    def skips_on_device(self, optimizer: Optimizer) -> bool:
+        """Whether a step of ``optimizer`` can be skipped on the device by a found-inf flag: these weights update
+        themselves (:attr:`updates_itself`), or the optimizer follows ``torch.amp.GradScaler``'s attribute protocol:
+        it declares ``_step_supports_amp_scaling`` (torch's ``fused=True`` Adam, AdamW, SGD, Adagrad) and its
+        ``step`` has no ``grad_scaler`` argument (the deprecated protocol, which expects a torch ``GradScaler``)."""
+        if self.updates_itself:
+            return True
+        if not getattr(optimizer, "_step_supports_amp_scaling", False):
+            return False
+        honours = _HONOURS_FOUND_INF.get(type(optimizer))
+        if honours is None:
+            try:
+                honours = "grad_scaler" not in inspect.signature(optimizer.step).parameters
+            except (TypeError, ValueError):  # no signature to read: decide on the host
+                honours = False
+            _HONOURS_FOUND_INF[type(optimizer)] = honours
+        return honours
+
     def clip_grad_norm_(
         self, optimizer: Optimizer, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False
     ) -> Tensor:
@@ -48,6 +67,8 @@ class PlainWeights:
         params = [p for group in optimizer.param_groups for p in group["params"]]
         torch.nn.utils.clip_grad_value_(params, clip_value)
 
+
+_HONOURS_FOUND_INF: dict[type, bool] = {}  # optimizer class -> whether its step takes the found_inf attribute
 
 #: The step's weights without masters.
 PLAIN = PlainWeights()

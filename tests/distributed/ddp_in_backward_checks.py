@@ -24,7 +24,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 from torch.utils.data import DataLoader
 
-from lightning_mp import MixedPrecisionPlugin
+from lightning_mp import MixedPrecisionPlugin, stepping
 from tests.distributed.common import finish, save, sum_loader
 
 NAN_AT = 2  # the step whose loss is NaN on rank 1 only
@@ -146,6 +146,11 @@ def main() -> None:
     results["ours_adamw_manual"] = run(True, "adamw", manual=True)
     results["ours_nan"] = run(True, "adamw", nan_on_rank1=True)
     results["reference_nan"] = run(False, "adamw", nan_on_rank1=True)
+    stepping.DECIDE_CPU_FLAGS_ON_HOST = False  # the accelerators' path: the flags are not read at the step
+    try:
+        results["ours_nan_device_path"] = run(True, "adamw", nan_on_rank1=True)
+    finally:
+        stepping.DECIDE_CPU_FLAGS_ON_HOST = True
     try:  # refused at connect, before any step, on every rank
         run(True, "adamw", strategy=DDPStrategy(find_unused_parameters=True))
     except ValueError as error:

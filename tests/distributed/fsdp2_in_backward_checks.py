@@ -22,7 +22,7 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import nn
 from torch.utils.data import DataLoader
 
-from lightning_mp import MixedPrecisionPlugin
+from lightning_mp import MixedPrecisionPlugin, stepping
 from lightning_mp.master.step import local_of
 from tests.distributed.common import _full, finish, save, sum_loader
 
@@ -132,6 +132,11 @@ def main() -> None:
     results["ours_nan_loss"] = run(True, "adamw", "nan_loss")
     results["reference_nan_loss"] = run(False, "adamw", "nan_loss")
     results["ours_inf_shard"] = run(True, "adamw", "inf_shard")
+    stepping.DECIDE_CPU_FLAGS_ON_HOST = False  # the accelerators' path: the flags are not read at the step
+    try:
+        results["ours_inf_shard_device_path"] = run(True, "adamw", "inf_shard")
+    finally:
+        stepping.DECIDE_CPU_FLAGS_ON_HOST = True
     try:  # refused at connect, before any step, on every rank
         run(True, "rmsprop")
     except ValueError as error:
