@@ -61,7 +61,7 @@ class Net(L.LightningModule):
     def on_train_batch_end(self, *args: Any) -> None:
         self.grads_after_step.append([p.grad for p in self.parameters()])
         self.lrs.append(self.trainer.optimizers[0].param_groups[0]["lr"])
-        in_backward = getattr(self.trainer.precision_plugin, "_in_backward", None)
+        in_backward = self.trainer.precision_plugin.steps.in_backward
         if in_backward is not None:  # read when asked: a host read on the device path
             self.skipped_params.append(in_backward.skipped_params)
 
