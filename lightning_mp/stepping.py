@@ -186,7 +186,7 @@ def step(plugin: Any, optimizer: Any, model: Any, found_inf: Tensor, kwargs: dic
     observers = plugin.skip_observers
     on_host = observers or (DECIDE_CPU_FLAGS_ON_HOST and found_inf.is_cpu)
     if not on_host and skips_on_device(torch_optimizer, plugin.masters) and not has_step_scheduler(torch_optimizer):
-        flag = (found_inf.reshape(()) > 0).to(torch.float32)  # 0-dim, exactly 0 or 1, as the fused kernels expect
+        flag = found_inf.clamp(max=1.0)  # 0-dim, exactly 0 or 1 (a sum over ranks may be more), as fused kernels expect
         record_step(torch_optimizer, flag)
         output = _step(plugin.masters, optimizer, torch_optimizer, flag, kwargs)
         scaler.update(found_inf)
