@@ -7,8 +7,9 @@ arithmetic of :class:`~lightning_mp.DynamicLossScaler` that runs on the device.
 - :class:`GradientGroups`: parameters grouped once by device and dtype (the check kernel takes one device per call and
   runs fastest on one dtype); each step then only reads their ``.grad`` (sparse values, ``DTensor`` local shards).
 - :class:`DeviceState` holds a scaler's state as one float64 vector on the gradients' device and applies the scaler's
-  rules there (:func:`update_on_device`); :func:`steps_before_an_error_may_be_due` says from which step an update must
-  be decided on the host, so that errors fire at the step they are due.
+  rules there in three ops (the flag sorted into a case by :func:`edges` kept in the state, that case's affine map
+  from :func:`transition_table`); :func:`steps_before_an_error_may_be_due` says from which step an update must be
+  decided on the host, so that errors (and a growth the ``max_scale`` cap clips) happen at the step they are due.
 """
 
 from __future__ import annotations
