@@ -253,8 +253,9 @@ class DynamicLossScaler:
     def update(self, found_inf: Union[bool, Tensor]) -> None:
         """Adapt the scale after an optimizer step.
 
-        ``found_inf``: the tensor returned by :meth:`unscale_` (the rules run on the device, with no synchronisation
-        but on a step where an error may be due), or a bool (the flag already read: the rules run on the host). A
+        ``found_inf``: the tensor returned by :meth:`unscale_`, or its sum over ranks (``> 0``: non-finite; the rules
+        run on the device, with no synchronisation but on a step where an error or the ``max_scale`` cap may be due),
+        or a bool (the flag already read: the rules run on the host). A
         finite step restores the hysteresis allowance and, after ``growth_interval`` of them in a row, multiplies the
         scale by ``growth_factor`` (capped at ``max_scale``). A non-finite step resets the growth count and uses one
         unit of hysteresis; once it is used up, the scale is multiplied by ``backoff_factor``.
