@@ -99,6 +99,9 @@ class DynamicLossScaler:
         # the counters above are the host's copy, exact as of the last read; updates on the device since then live here
         self._device = DeviceState()
         self._scale_tensor: Optional[Tensor] = None
+        # (a scale tensor, its reciprocal): unscaling multiplies by the inverse of the scale the gradients carry; the
+        # device update makes both, the host path computes it once per scale tensor
+        self._inverse: Optional[tuple[Tensor, Tensor]] = None
         # the scale the current gradients were produced with: unscaling uses it, so an update between two
         # optimizers' steps (manual optimization) cannot unscale the second one's gradients with the new scale
         self._scale_in_grads: Optional[Tensor] = None
@@ -195,8 +198,9 @@ class DynamicLossScaler:
         Accepts fp32, fp16 and bf16 gradients (dense or sparse), on any mix of devices. ``params`` holds tensors or
         ``(name, tensor)`` pairs (names for the errors of :meth:`update`), or is a
         :class:`~lightning_mp.scaler_device.GradientGroups` of them, built once by a caller that checks the same
-        parameters every step. Returns a 1-element fp32 tensor, ``> 0`` if a non-finite gradient was found, on the
-        device of the first gradient; it does not synchronise.
+        parameters every step. Returns a 0-dim fp32 tensor on the device of the first gradient, exactly 1.0 if a
+        non-finite gradient was found and 0.0 if not (the form torch's fused optimizers take as ``found_inf``); it
+        does not synchronise.
 
         Sharded (``DTensor``) gradients are unscaled and checked through their local shards: no collective and no
         DTensor dispatch happen here, so the flag is this rank's; a caller on several ranks sums it over them before
@@ -205,26 +209,34 @@ class DynamicLossScaler:
         groups = params if isinstance(params, GradientGroups) else GradientGroups(params)
         self._last_unscaled = []
         if not self.enabled:
-            return torch.zeros(1, dtype=torch.float32, device=groups.first_gradient_device())
+            return torch.zeros((), dtype=torch.float32, device=groups.first_gradient_device())
         grad_enabled = torch.is_grad_enabled()
         torch._C._set_grad_enabled(False)  # torch.no_grad() without its Python frames, at every step
         try:
             per_device = groups.gradients()
             if not per_device:
-                return torch.zeros(1, dtype=torch.float32)
+                return torch.zeros((), dtype=torch.float32)
             first_device = per_device[0][0]
             scale = None if self.check_only else self.scale_of_grads(first_device)  # without scale_loss: current
             flags = []
             for device, per_dtype in per_device:
-                inv_scale = self._device.one(device) if scale is None else scale.to(device).reciprocal().reshape(1)
-                found_inf = torch.zeros(1, dtype=torch.float32, device=device)
+                inv_scale = self._device.one(device) if scale is None else self._inverse_of(scale, device)
+                found_inf = torch.zeros((), dtype=torch.float32, device=device)
                 for _, grads in per_dtype:  # bf16 on CUDA too; a check-only step reads without writing back
                     non_finite_check_and_unscale_(grads, found_inf, inv_scale, check_only=scale is None)
                 flags.append(found_inf if device == first_device else found_inf.to(first_device))
             self._last_unscaled = per_device
         finally:
             torch._C._set_grad_enabled(grad_enabled)
-        return flags[0] if len(flags) == 1 else torch.stack(flags).sum(0)
+        return flags[0] if len(flags) == 1 else torch.stack(flags).amax(0)  # still exactly 0 or 1
+
+    def _inverse_of(self, scale: Tensor, device: torch.device) -> Tensor:
+        """The reciprocal of ``scale`` on ``device`` (fp32, as torch's kernel computes it), made once per scale."""
+        if device != scale.device:
+            return scale.to(device).reciprocal()
+        if self._inverse is None or self._inverse[0] is not scale:
+            self._inverse = (scale, torch.reciprocal(scale))
+        return self._inverse[1]
 
     @staticmethod
     def found_inf(found_inf: Tensor) -> bool:
@@ -241,8 +253,9 @@ class DynamicLossScaler:
     def update(self, found_inf: Union[bool, Tensor]) -> None:
         """Adapt the scale after an optimizer step.
 
-        ``found_inf``: the tensor returned by :meth:`unscale_` (the rules run on the device, with no synchronisation
-        but on a step where an error may be due), or a bool (the flag already read: the rules run on the host). A
+        ``found_inf``: the tensor returned by :meth:`unscale_`, or its sum over ranks (``> 0``: non-finite; the rules
+        run on the device, with no synchronisation but on a step where an error or the ``max_scale`` cap may be due),
+        or a bool (the flag already read: the rules run on the host). A
         finite step restores the hysteresis allowance and, after ``growth_interval`` of them in a row, multiplies the
         scale by ``growth_factor`` (capped at ``max_scale``). A non-finite step resets the growth count and uses one
         unit of hysteresis; once it is used up, the scale is multiplied by ``backoff_factor``.
@@ -256,8 +269,9 @@ class DynamicLossScaler:
         try:  # the gradients checked by the last `unscale_` are kept until here, to name the non-finite ones
             if isinstance(found_inf, Tensor):
                 if self._device.pending + 1 < self._device.due(self):
-                    scale = self._device.update(found_inf, self)
-                    self._scale_tensor = scale if scale is not None else self._scale_tensor
+                    made = self._device.update(found_inf, self)
+                    if made is not None:  # a dynamic scaler's new scale and its inverse
+                        self._scale_tensor, self._inverse = made[0], made
                     self._steps += 1
                     return
                 found_inf = self.read_found_inf(found_inf)  # an error may be due at this step: decide it here

@@ -7,8 +7,9 @@ arithmetic of :class:`~lightning_mp.DynamicLossScaler` that runs on the device.
 - :class:`GradientGroups`: parameters grouped once by device and dtype (the check kernel takes one device per call and
   runs fastest on one dtype); each step then only reads their ``.grad`` (sparse values, ``DTensor`` local shards).
 - :class:`DeviceState` holds a scaler's state as one float64 vector on the gradients' device and applies the scaler's
-  rules there (:func:`update_on_device`); :func:`steps_before_an_error_may_be_due` says from which step an update must
-  be decided on the host, so that errors fire at the step they are due.
+  rules there in three ops (the flag sorted into a case by :func:`edges` kept in the state, that case's affine map
+  from :func:`transition_table`); :func:`steps_before_an_error_may_be_due` says from which step an update must be
+  decided on the host, so that errors (and a growth the ``max_scale`` cap clips) happen at the step they are due.
 """
 
 from __future__ import annotations
@@ -25,8 +26,15 @@ Checked = list[tuple[torch.device, list[tuple[list[str], list[Tensor]]]]]
 
 
 #: Positions in the scaler's device state, one float64 vector (float64 so that the scale is the exact product the
-#: rules state in Python floats, and the counters are exact integers up to 2**53).
-SCALE, GROWTH, HYSTERESIS, SKIPPED, CONSECUTIVE, LAST_FOUND = range(6)
+#: rules state in Python floats, and the counters are exact integers up to 2**53). The last three are the edges
+#: that sort a step's found-inf flag into one of the four cases of the rules (see :func:`edges`).
+SCALE, GROWTH, HYSTERESIS, SKIPPED, CONSECUTIVE, LAST_FOUND, GROW_EDGE, MIDDLE, BACKOFF_EDGE = range(9)
+SLOTS = 9
+#: The cases, in the order ``torch.bucketize(found_inf, edges)`` numbers them: a finite step that grows the scale,
+#: one that does not, a non-finite step that keeps the scale (hysteresis left), one that backs off.
+GROW, FINITE, SKIP, BACKOFF = range(4)
+#: A back-off edge step per unit of hysteresis: larger than any flag (a flag summed over ranks is at most their count)
+_STEP = 2.0**20
 
 
 def device_state(values: list[float], device: torch.device) -> torch.Tensor:
@@ -34,42 +42,50 @@ def device_state(values: list[float], device: torch.device) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.float64).to(device, non_blocking=True)
 
 
-def update_on_device(
-    state: torch.Tensor,
-    constants: torch.Tensor,
-    found_inf: torch.Tensor,
-    dynamic: bool,
-    growth_interval: int,
-    hysteresis: int,
-    max_scale: float,
-    restore_hysteresis: bool,
-) -> None:
-    """One step of the scaler's rules as tensor ops on ``state`` (in place, no host synchronisation).
+def edges(dynamic: bool, growth_tracker: int, hysteresis_tracker: int, growth_interval: int) -> list[float]:
+    """The ``GROW_EDGE, MIDDLE, BACKOFF_EDGE`` slots for a state, sorted as ``torch.bucketize`` needs them.
 
-    ``constants`` is ``[growth_factor, backoff_factor, 1.0]`` (float64, on the state's device). ``found_inf`` is the
-    step's flag (``> 0``: non-finite). The rules are those of ``DynamicLossScaler.update`` except the two errors:
-    the caller decides the steps where an error may be due on the host (see ``steps_before_an_error_may_be_due``),
-    so this function never meets a backoff below ``min_scale`` nor ``max_consecutive_skips``.
-    ``restore_hysteresis``: a static scaler whose hysteresis tracker is below ``hysteresis`` (possible only after
-    ``load_state_dict``) restores it on a finite step, as the host rules do.
+    A finite flag (0) counts the edges below 0: the grow edge ``growth_tracker + 1 - growth_interval`` (at most 0)
+    is below 0 exactly when the step does not grow the scale. A non-finite flag (1 or more) counts the edges below
+    it: the grow edge and the middle (0.25) always, the back-off edge (0.5 while at most one unit of hysteresis is
+    left, ``_STEP`` more per further unit) exactly when the step backs off. A static scaler's edges never move:
+    every finite step is case ``FINITE``, every non-finite one ``SKIP``.
     """
-    found = found_inf.reshape(()) > 0
-    flag = found.to(torch.float64)
-    state[SKIPPED:LAST_FOUND].add_(flag)  # skipped += flag, consecutive += flag
-    state[CONSECUTIVE].mul_(flag)  # ... and back to 0 after a finite step
-    state[LAST_FOUND].copy_(flag)
     if not dynamic:
-        if restore_hysteresis:
-            state[HYSTERESIS].copy_(torch.where(found, state[HYSTERESIS], float(hysteresis)))
-        return
-    growth = state[GROWTH].add_(1.0).mul_(1.0 - flag)  # finite steps in a row
-    grow = growth >= growth_interval
-    growth.sub_(grow.to(torch.float64) * growth_interval)  # back to 0 when it grows
-    allowance = torch.where(found, (state[HYSTERESIS] - 1.0).clamp_(min=0.0), float(hysteresis))
-    state[HYSTERESIS].copy_(allowance)
-    backoff = found & (allowance == 0.0)
-    factor = torch.where(grow, constants[0], torch.where(backoff, constants[1], constants[2]))
-    state[SCALE].mul_(factor).clamp_(max=max_scale)
+        return [-1.0, 0.25, _STEP + 0.5]
+    # (a tracker at or past the interval, possible after a load, grows at the next finite step: edge 0)
+    return [float(min(growth_tracker + 1 - growth_interval, 0)), 0.25, _backoff_edge(hysteresis_tracker)]
+
+
+def _backoff_edge(hysteresis_tracker: int) -> float:
+    return 0.5 if hysteresis_tracker <= 1 else _STEP * (hysteresis_tracker - 1) + 0.5
+
+
+def transition_table(
+    dynamic: bool, growth_factor: float, backoff_factor: float, growth_interval: int, hysteresis: int
+) -> torch.Tensor:
+    """The scaler's rules as one affine map per case: row ``case`` holds the multipliers of every slot, then what is
+    added (``new = old * multiplier + addend``, exact: each multiplier is 0, 1 or a factor, each addend an integer
+    or a quarter). What the rules leave out here, the host decides: a growth that the ``max_scale`` cap may clip,
+    a back-off below ``min_scale``, ``max_consecutive_skips`` (see :func:`steps_before_an_error_may_be_due`)."""
+    keep, zero = (1.0, 0.0), (0.0, 0.0)
+    rows = [[keep] * SLOTS for _ in range(4)]
+    for case in (SKIP, BACKOFF):  # skipped and consecutive count up, the flag is remembered
+        rows[case][SKIPPED], rows[case][CONSECUTIVE], rows[case][LAST_FOUND] = (1.0, 1.0), (1.0, 1.0), (0.0, 1.0)
+    for case in (GROW, FINITE):  # a finite step ends the run of skips and restores the hysteresis allowance
+        rows[case][CONSECUTIVE], rows[case][LAST_FOUND], rows[case][HYSTERESIS] = zero, zero, (0.0, float(hysteresis))
+    if dynamic:
+        restart = (0.0, float(1 - growth_interval))  # the grow edge of a growth tracker back at 0
+        rows[GROW][SCALE], rows[BACKOFF][SCALE] = (growth_factor, 0.0), (backoff_factor, 0.0)
+        rows[GROW][GROWTH], rows[SKIP][GROWTH], rows[BACKOFF][GROWTH] = zero, zero, zero
+        rows[GROW][GROW_EDGE], rows[SKIP][GROW_EDGE], rows[BACKOFF][GROW_EDGE] = restart, restart, restart
+        rows[FINITE][GROWTH], rows[FINITE][GROW_EDGE] = (1.0, 1.0), (1.0, 1.0)
+        rows[SKIP][HYSTERESIS], rows[BACKOFF][HYSTERESIS] = (1.0, -1.0), zero  # one unit used; none left
+        rows[SKIP][BACKOFF_EDGE], rows[BACKOFF][BACKOFF_EDGE] = (1.0, -_STEP), (0.0, 0.5)
+        for case in (GROW, FINITE):
+            rows[case][BACKOFF_EDGE] = (0.0, _backoff_edge(hysteresis))
+    table = [[pair[0] for pair in row] + [pair[1] for pair in row] for row in rows]
+    return torch.tensor(table, dtype=torch.float64)
 
 
 def steps_before_an_error_may_be_due(
@@ -81,13 +97,21 @@ def steps_before_an_error_may_be_due(
     min_scale: float,
     max_consecutive_skips: Optional[int],
     limit: int = 1000,
+    growth_tracker: int = 0,
+    growth_interval: int = 1,
+    growth_factor: float = 2.0,
+    max_scale: float = float("inf"),
 ) -> int:
     """From a known state, the number of the first step (1 = the next one) at which ``DynamicLossScaler.update``
-    could raise: ``max_consecutive_skips`` reached, or a backoff below ``min_scale``. Every step before it is safe
-    to update on the device; that step is decided on the host. At most ``limit`` (deciding earlier is always safe).
+    could raise (``max_consecutive_skips`` reached, or a backoff below ``min_scale``) or the ``max_scale`` cap could
+    clip a growth. Every step before it is safe to update on the device; that step is decided on the host. At most
+    ``limit`` (deciding earlier is always safe).
 
     The fastest way to either error is a run of non-finite steps: a finite step resets the run, restores the
-    hysteresis allowance and may grow the scale, which only moves the errors further away.
+    hysteresis allowance and may grow the scale, which only moves the errors further away. The fastest way to the
+    cap is a run of finite steps: one growth every ``growth_interval`` of them (the first after
+    ``growth_interval - growth_tracker``); a back-off only moves it away (the margin covers the roundings of a
+    back-off and a growth that do not cancel exactly, over ``limit`` steps).
     """
     due = limit
     if max_consecutive_skips is not None:
@@ -98,21 +122,31 @@ def steps_before_an_error_may_be_due(
             value *= backoff_factor
             backoffs += 1
         due = min(due, max(hysteresis_tracker, 1) + backoffs)  # the first backoff, then one per non-finite step
+        growths, value = 0, scale
+        while value * growth_factor * (1.0 + 2.0**-40) <= max_scale and growths < limit:
+            value *= growth_factor
+            growths += 1
+        due = min(due, max(growth_interval - growth_tracker, 1) + growths * growth_interval)
     return due
 
 
 class DeviceState:
     """A loss scaler's state as one float64 vector on the device, updated there; read by the host lazily.
 
-    ``pending`` counts the updates applied on the device since the host last read it.
+    One update is three ops whatever the settings: ``torch.bucketize`` sorts the flag into a case of the rules
+    against edges kept in the state, ``torch.index_select`` takes that case's affine map from the table, and one
+    ``torch.addcmul`` applies it to the whole state; a dynamic scaler then makes the fp32 scale and its inverse
+    (new tensors: the ones the current gradients were made with stay as they were). ``pending`` counts the updates
+    applied on the device since the host last read it.
     """
 
     def __init__(self) -> None:
         self.tensor: Optional[Tensor] = None
-        self.constants: Optional[Tensor] = None
         self.scale: Optional[Tensor] = None  # the fp32 scale after the latest update on the device
+        self.inverse: Optional[Tensor] = None  # and its reciprocal, the one unscaling multiplies by
         self.pending = 0
         self._due = 0
+        self._rules: Optional[tuple[Any, ...]] = None
         self._ones: dict[torch.device, Tensor] = {}
 
     def due(self, scaler: Any) -> int:
@@ -127,43 +161,54 @@ class DeviceState:
                 scaler.backoff_factor,
                 scaler.min_scale,
                 scaler.max_consecutive_skips,
+                growth_tracker=scaler._growth_tracker,
+                growth_interval=scaler.growth_interval,
+                growth_factor=scaler.growth_factor,
+                max_scale=scaler.max_scale,
             )
         return self._due
 
-    def update(self, found_inf: Tensor, scaler: Any) -> Optional[Tensor]:
-        """Apply one step of ``scaler``'s rules on ``found_inf``'s device (the state is built there from the host's
-        copy when it lives elsewhere or was forgotten). Returns the new fp32 scale tensor of a dynamic scaler."""
-        device = found_inf.device
-        if self.tensor is None or self.tensor.device != device:
-            if self.pending:  # the gradients moved to another device: read the state there first
-                self.pull(scaler)
-            self.tensor = device_state(
-                [
-                    scaler._scale_value,
-                    scaler._growth_tracker,
-                    scaler._hysteresis_tracker,
-                    scaler._skipped_steps,
-                    scaler._consecutive_skips,
-                    0.0,
-                ],
-                device,
-            )
-            self.constants = device_state([scaler.growth_factor, scaler.backoff_factor, 1.0], device)
-        assert self.constants is not None
-        update_on_device(
-            self.tensor,
-            self.constants,
-            found_inf,
-            dynamic=scaler.dynamic,
-            growth_interval=scaler.growth_interval,
-            hysteresis=scaler.hysteresis,
-            max_scale=scaler.max_scale,
-            restore_hysteresis=scaler._hysteresis_tracker != scaler.hysteresis,
+    def _build(self, scaler: Any, device: torch.device, rules: tuple[Any, ...]) -> None:
+        """The state, the table and the buffers the three ops write, on ``device``, from the host's copy."""
+        if self.pending:  # the gradients moved to another device, or the rules changed: read the state first
+            self.pull(scaler)
+        counters = [scaler._growth_tracker, scaler._hysteresis_tracker, scaler._skipped_steps]
+        self.tensor = device_state(
+            [scaler._scale_value, *counters, scaler._consecutive_skips, 0.0]
+            + edges(scaler.dynamic, scaler._growth_tracker, scaler._hysteresis_tracker, scaler.growth_interval),
+            device,
         )
+        self._table = transition_table(*rules).to(device, non_blocking=True)
+        self._edges = self.tensor[GROW_EDGE:]
+        self._cases: dict[torch.Size, Tensor] = {}  # the case, shaped as the flag (0-dim from unscale_)
+        self._map = torch.empty(1, 2 * SLOTS, dtype=torch.float64, device=device)
+        self._multipliers, self._addends = self._map[0, :SLOTS], self._map[0, SLOTS:]
+        self._scale64 = self.tensor[SCALE]
+        self._rules = rules
+
+    def update(self, found_inf: Tensor, scaler: Any) -> Optional[tuple[Tensor, Tensor]]:
+        """Apply one step of ``scaler``'s rules on ``found_inf``'s device (``> 0``: non-finite; the state is built
+        there from the host's copy when it lives elsewhere or was forgotten). Returns a dynamic scaler's new fp32
+        scale and its inverse (0-dim tensors)."""
+        device = found_inf.device
+        rules = (scaler.dynamic, scaler.growth_factor, scaler.backoff_factor, scaler.growth_interval, scaler.hysteresis)
+        if self.tensor is None or self.tensor.device != device or rules != self._rules:
+            self._build(scaler, device, rules)
+        assert self.tensor is not None
+        case = self._cases.get(found_inf.shape)
+        if case is None:
+            if found_inf.numel() != 1:
+                raise ValueError(f"found_inf must hold one value (what unscale_ returns), got shape {found_inf.shape}.")
+            case = self._cases[found_inf.shape] = torch.zeros(found_inf.shape, dtype=torch.int64, device=device)
+        torch.bucketize(found_inf, self._edges, out=case)
+        torch.index_select(self._table, 0, case, out=self._map)
+        torch.addcmul(self._addends, self.tensor, self._multipliers, out=self.tensor)
         self.pending += 1
-        if scaler.dynamic:  # a new tensor: the scale the current gradients were made with stays as it was
-            self.scale = self.tensor[SCALE].to(torch.float32)
-        return self.scale
+        if not scaler.dynamic:
+            return None
+        self.scale = self._scale64.to(torch.float32)  # new tensors: those the gradients were made with stay
+        self.inverse = torch.reciprocal(self.scale)
+        return self.scale, self.inverse
 
     def read(self, found_inf: Optional[Tensor] = None) -> tuple[list[float], Optional[float]]:
         """The state (and ``found_inf``'s value, when given) in one transfer to the host: a synchronisation."""
@@ -180,20 +225,20 @@ class DeviceState:
         """Bring ``scaler``'s host copy of the state up to date (and read ``found_inf``, when given) in one transfer:
         a synchronisation. Returns ``found_inf``'s value (``None`` without one)."""
         values, found = self.read(found_inf)
-        scaler._scale_value, growth, hysteresis, skipped, consecutive, _ = values
-        scaler._growth_tracker, scaler._hysteresis_tracker = int(growth), int(hysteresis)
-        scaler._skipped_steps, scaler._consecutive_skips = int(skipped), int(consecutive)
+        scaler._scale_value = values[SCALE]
+        scaler._growth_tracker, scaler._hysteresis_tracker = int(values[GROWTH]), int(values[HYSTERESIS])
+        scaler._skipped_steps, scaler._consecutive_skips = int(values[SKIPPED]), int(values[CONSECUTIVE])
         return found
 
     def one(self, device: torch.device) -> Tensor:
-        """A 1-element fp32 ``1.0`` on ``device`` (what a check-only scaler divides by), made once."""
+        """A 0-dim fp32 ``1.0`` on ``device`` (what a check-only scaler divides by), made once."""
         if device not in self._ones:
-            self._ones[device] = torch.ones(1, dtype=torch.float32, device=device)
+            self._ones[device] = torch.ones((), dtype=torch.float32, device=device)
         return self._ones[device]
 
     def forget(self) -> None:
         """The host's copy is ahead (a host update, a loaded state): drop the device copy (nothing may be pending)."""
-        self.tensor, self.scale, self.pending = None, None, 0
+        self.tensor, self.scale, self.inverse, self.pending, self._rules = None, None, None, 0, None
 
 
 # ------------------------------------------------------------------------------------------ the gradients it checks
