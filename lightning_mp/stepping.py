@@ -171,7 +171,7 @@ class OptimizerStep:
         on_host = observers or (DECIDE_CPU_FLAGS_ON_HOST and found_inf.is_cpu)
         weights = self.weights
         if not on_host and weights.skips_on_device(torch_optimizer) and not has_step_scheduler(torch_optimizer):
-            flag = found_inf.clamp(max=1.0)  # 0-dim, exactly 0 or 1 (a sum over ranks may be more), as fused kernels expect
+            flag = found_inf.clamp(max=1.0)  # 0-dim, exactly 0 or 1 (a sum over ranks may exceed 1): fused kernels
             record_step(torch_optimizer, flag)
             output = weights.step(torch_optimizer, flag, _flagged_step(optimizer, torch_optimizer, flag, kwargs))
             scaler.update(found_inf)
