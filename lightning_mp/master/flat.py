@@ -5,6 +5,12 @@ contiguous buffer per device (each master is a view into it, and so is its ``.gr
 ``grads_to_masters`` after every backward (accumulating in fp32 and freeing the half gradients),
 ``masters_to_model`` after the optimizer step. ``restore`` puts the fp32 values back into the model.
 
+Both moves are one foreach op per device whatever the number of parameters, over lists made at setup
+(:mod:`~lightning_mp.master.flat_moves`). The write-back's ``.data`` aliases hold the storage each parameter had
+when they were made: they are made again when the model sync records a new storage (``p.data = t`` followed, a
+load that gave new storage), which costs nothing per step; before the sync starts (the store used alone), the
+storage addresses are compared at each write-back instead.
+
 Memory at rest, per half-precision parameter with Adam: 2 (half weight) + 4 (master) + 4 (master grad)
 + 8 (Adam's two moments) = 18 bytes; the half gradient (2 bytes) lives only between a backward and the
 move that follows it. Parameters kept in fp32 (normalisation layers by default) cost what they cost in fp32
@@ -21,6 +27,7 @@ import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
+from lightning_mp.master.flat_moves import FlatMoves
 from lightning_mp.master.model_sync import ModelSync, materialise
 from lightning_mp.master.plain import PlainWeights
 
@@ -74,6 +81,7 @@ class MasterWeights(PlainWeights):
         self._param_of_master: dict[int, nn.Parameter] = {}  # id(master) -> half model param
         self._grad_views: dict[int, Tensor] = {}  # id(master) -> its slice of the flat grad buffer
         self._flat: list[tuple[Tensor, Tensor]] = []  # one (flat masters, flat grads) per device
+        self._moves = FlatMoves()  # the per-step moves' lists, per device
         self._optimizers: list[Optimizer] = []
         # per optimizer, its groups' lengths when last followed; None: not attached by this class (a subclass that
         # does its own, as the FSDP2 sharded store) and not followed
@@ -164,6 +172,7 @@ class MasterWeights(PlainWeights):
                     optimizer.state[self._masters[id(param)]] = optimizer.state.pop(param)
             _refuse_twice(optimizer)
         self._group_sizes = group_sizes(self._optimizers)
+        self._moves.forget_write_backs()  # the groups changed: the write-back lists are made again
 
     def follow_groups(self) -> None:
         """Follow param groups added since :meth:`attach` (``optimizer.add_param_group`` during fit: Lightning's
@@ -217,6 +226,7 @@ class MasterWeights(PlainWeights):
                 self._masters[id(param)] = master
                 self._param_of_master[id(master)] = param
                 self._grad_views[id(master)] = flat_grad[offset:end].view_as(param)
+                self._moves.add(param, master, self._grad_views[id(master)])
                 offset = end
             self._flat.append((flat, flat_grad))
 
@@ -233,18 +243,9 @@ class MasterWeights(PlainWeights):
 
     def grads_to_masters(self) -> None:
         """Move the half gradients into the masters' fp32 ``.grad`` (adding to what is there) and free them (groups
-        added since the backward began followed first)."""
+        added since the backward began followed first): one foreach op per device (:class:`FlatMoves`)."""
         self.follow_groups()
-        for param, master in self.pairs():
-            if param.grad is None:
-                continue
-            if master.grad is None:
-                grad = self._grad_views[id(master)]
-                grad.copy_(param.grad)
-                master.grad = grad
-            else:
-                master.grad.add_(param.grad)
-            param.grad = None
+        self._moves.grads_to_masters()
 
     def ensure_grads(self) -> None:
         """Give every trainable master a gradient (its slice of the flat buffer, zeroed) where no backward produced
@@ -256,16 +257,17 @@ class MasterWeights(PlainWeights):
                 master.grad = grad
 
     def masters_to_model(self, optimizer: Optimizer) -> None:
-        """Copy the masters that ``optimizer`` updates back into the half model parameters."""
-        model_values, masters = [], []
-        for group in optimizer.param_groups:
-            for master in group["params"]:
-                param = self._param_of_master.get(id(master))
-                if param is not None:
-                    model_values.append(param.data)
-                    masters.append(master.detach())
-        if model_values:
-            torch._foreach_copy_(model_values, masters)
+        """Copy the masters that ``optimizer`` updates back into the half model parameters: one ``_foreach_copy_``
+        per device into ``.data`` aliases, which bumps no version counter (not a write the model sync follows)."""
+        self._moves.masters_to_model(optimizer, self._param_of_master, self._storage_key())
+
+    def _storage_key(self) -> Any:
+        """What tells whether the write-back's ``.data`` aliases still hold the parameters' storage: the model sync's
+        storage generation once it follows writes (free), else the storage addresses themselves (read each call)."""
+        sync = self.model_sync
+        if sync is not None and sync.started:
+            return sync.storage_generation
+        return tuple(map(Tensor.data_ptr, self._params.values()))
 
     def step(self, optimizer: Optimizer, found_inf: Optional[Tensor], run: Optional[Callable[[], Any]]) -> Any:
         """The optimizer's own step on the fp32 masters (``run``), then the masters back into the model (a skipped

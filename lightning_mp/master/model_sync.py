@@ -102,6 +102,9 @@ class ModelSync:
         self._slot_ids = [id(s[2]) for s in slots]
         self._versions: list[int] = []
         self._pointers: list[int] = []
+        #: changes whenever a parameter's recorded storage changes: what made aliases of the parameters' storage
+        #: (the flat masters' write-back) compare to know they are still the parameters' (no per-parameter check)
+        self.storage_generation = 0
         self._held: list[Tensor] = []  # the recorded storages, kept alive (see record_storage)
         self._devices = [p.device for p in self._params]  # where the masters expect each parameter, in which dtype
         self._dtypes = [p.dtype for p in self._params]
@@ -133,7 +136,10 @@ class ModelSync:
         """Take the parameters' storage as it is now as known (the plugin moved them itself); versions stay. Once
         started, the recorded storages are held: a storage freed by ``p.data = t`` could otherwise come back at the
         same address for a later ``p.data = t2``, which the address alone would not tell apart."""
-        self._pointers = self._pointer_list()
+        pointers = self._pointer_list()
+        if pointers != self._pointers or not self.watch_objects:  # without addresses: any record may be new storage
+            self.storage_generation += 1
+        self._pointers = pointers
         self._held = [p.data for p in self._params] if self.started and self.watch_objects else []
         self._devices = [p.device for p in self._params]
         self._dtypes = [p.dtype for p in self._params]
@@ -269,6 +275,7 @@ class ModelSync:
                 self.store.load_fp32(param, value)
                 index = self._index[id(param)]
                 self._versions[index] = param._version
+                self.storage_generation += 1  # the load may have given the parameter new storage
                 if self.watch_objects:
                     self._pointers[index] = param.data_ptr()
                     if self._held:

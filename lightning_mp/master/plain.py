@@ -72,12 +72,3 @@ _HONOURS_FOUND_INF: dict[type, bool] = {}  # optimizer class -> whether its step
 
 #: The step's weights without masters.
 PLAIN = PlainWeights()
-
-
-def nonfinite_norm_error(norm_type: float) -> RuntimeError:
-    """What ``clip_grad_norm_(..., error_if_nonfinite=True)`` raises for a non-finite total norm (torch's words)."""
-    return RuntimeError(
-        f"The total norm of order {float(norm_type)} for gradients from `parameters` is non-finite, so it cannot be "
-        "clipped. To disable this error and scale the gradients by the non-finite norm anyway, set "
-        "`error_if_nonfinite=False`"
-    )

@@ -29,10 +29,10 @@ from torch.optim import Optimizer
 from lightning_mp.master import onepass
 from lightning_mp.master.bits import JoinSplit
 from lightning_mp.master.blocks import Blocks, join_by_chunks, split_by_chunks
+from lightning_mp.master.clipping import fp32_grad_norms, raise_if_nonfinite
 from lightning_mp.master.flat import MasterWeights, group_sizes, is_norm
 from lightning_mp.master.generic import GenericChunkedStep
 from lightning_mp.master.model_sync import materialise
-from lightning_mp.master.plain import nonfinite_norm_error
 from lightning_mp.master.step import (
     FUSED_UNIT,
     Staging,
@@ -97,9 +97,7 @@ class RemainderMasters(MasterWeights):
             )
         if not isinstance(compile, bool):
             raise ValueError(f"compile={compile!r} must be True or False.")
-        self.chunk_size = chunk_size
-        self.accumulate_grads_in = accumulate_grads_in
-        self.compile = compile
+        self.chunk_size, self.accumulate_grads_in, self.compile = chunk_size, accumulate_grads_in, compile
         self.codec = JoinSplit(compile)  # the join and split of the chunked and generic paths
         super().__init__(dtype, keep_fp32)
 
@@ -225,35 +223,38 @@ class RemainderMasters(MasterWeights):
         """Make the gradient ``grad`` fp32 in place (the same tensor object: autograd keeps adding into it)."""
         grad.data = grad.data.float()
 
-    def grads_to_masters(self) -> None:
-        """Nothing to move: the gradients stay on the model's parameters (bf16, or fp32 when accumulated)."""
+    def grads_to_masters(self) -> None:  # nothing to move: the gradients stay on the parameters (bf16, or fp32)
+        return None
 
     def master_of(self, param: Tensor) -> Optional[nn.Parameter]:
         """``None``: lean masters have no fp32 tensor per parameter (see :meth:`fp32_value`)."""
         return None
 
     def clip_grad_norm_(
-        self, optimizer: Optimizer, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False
+        self,
+        optimizer: Optimizer,
+        max_norm: float,
+        norm_type: float = 2.0,
+        error_if_nonfinite: bool = False,
+        foreach: Optional[bool] = None,
     ) -> Tensor:
-        """Clip ``optimizer``'s gradients by their total norm, computed and applied in fp32 as
-        ``torch.nn.utils.clip_grad_norm_`` does on fp32 master gradients. The factor is applied to the fp32 copy
-        of each chunk's gradients inside the step (bf16 gradients are not rounded twice). Returns the total norm."""
-        grads = [p.grad.detach() for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+        """Clip by the total norm, computed in fp32 as torch's on fp32 masters (:mod:`~lightning_mp.master.clipping`),
+        applied inside the step to the gradients' fp32 values (bf16 ones are not rounded twice); the total norm."""
+        grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
         if not grads:
             return torch.tensor(0.0)
-        norms = [torch._foreach_norm([g.float()], norm_type)[0] for g in grads]
-        total = self._total_norm(norms, norm_type)
-        if error_if_nonfinite and not torch.isfinite(total):
-            raise nonfinite_norm_error(norm_type)
-        coef = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)
+        with torch.no_grad():
+            total = self._total_norm(fp32_grad_norms(grads, float(norm_type), foreach), norm_type)
+            if error_if_nonfinite:
+                raise_if_nonfinite(total, norm_type)
+            coef = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)
         self._grad_ops.setdefault(id(optimizer), []).append(("mul", coef))
         return total
 
     @staticmethod
     def _total_norm(norms: list[Tensor], norm_type: float) -> Tensor:
-        """The norm of the per-gradient ``norms`` (on the first one's device)."""
-        first = norms[0].device
-        return torch.linalg.vector_norm(torch.stack([n.to(first) for n in norms]), norm_type)
+        """The norm of the per-gradient ``norms`` (all on one device)."""
+        return torch.linalg.vector_norm(torch.stack(norms), norm_type)
 
     def clip_grad_value_(self, optimizer: Optimizer, clip_value: float) -> None:
         """Clamp ``optimizer``'s gradients to ``[-clip_value, clip_value]``, in fp32, inside the step."""

@@ -33,6 +33,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch import Tensor
 from torch.optim import SGD, Adam, AdamW, Optimizer
+from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype
 
 #: torch's fused CPU kernels split each tensor into units of this many elements (FusedAdamKernel.cpp, grain size).
 FUSED_UNIT = 32768
@@ -170,10 +171,24 @@ def apply_grad_ops(grads: Tensor, grad_ops: list[tuple[str, Any]]) -> None:
 
 
 def apply_grad_ops_in_place(params: list[Tensor], grad_ops: list[tuple[str, Any]]) -> None:
-    """The same deferred clipping on gradients that are updated in place (fp32 parameters)."""
-    for param in params:
-        if param.grad is not None and param.grad.dtype == torch.float32 and param.dtype == torch.float32:
-            apply_grad_ops(local_of(param.grad), grad_ops)
+    """The same deferred clipping on gradients that are updated in place (fp32 parameters): one foreach op per
+    clipping and (device, dtype) group, as ``torch.nn.utils.clip_grad_norm_`` / ``clip_grad_value_`` apply it."""
+    if not grad_ops:
+        return
+    grads = [
+        local_of(p.grad)
+        for p in params
+        if p.grad is not None and p.grad.dtype == torch.float32 and p.dtype == torch.float32
+    ]
+    if not grads:
+        return
+    for (device, _), ([group], _) in _group_tensors_by_device_and_dtype([grads]).items():  # type: ignore[list-item]
+        for kind, value in grad_ops:
+            if kind == "mul":
+                torch._foreach_mul_(group, value.to(device))
+            else:  # "clamp"
+                torch._foreach_clamp_min_(group, -value)
+                torch._foreach_clamp_max_(group, value)
 
 
 def fp32_zeros_like(param: Tensor) -> Tensor:
