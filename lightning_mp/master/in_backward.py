@@ -317,11 +317,9 @@ class StepInBackward:
             self._generic.step_params([param], found, self.grad_ops)
             return
         # the body of RemainderMasters.fused_step for one parameter: fp32 ones clipped in place, then one pass
-        if self.store.offset_of(param) is None:
+        if self.grad_ops and self.store.offset_of(param) is None:
             apply_grad_ops_in_place([param], self.grad_ops)
-        clipping = onepass.plan([param], self.grad_ops)
-        if clipping is not None:
-            onepass.update(self.optimizer, one, self.store, clipping, found)
+        if onepass.step(self.optimizer, one, self.store, self.grad_ops, found, param):  # its plan, made once
             return
         chunks = self._chunks.get(id(param))
         if chunks is None:  # the chunked fallback (no kernel built): this parameter's pieces, planned once

@@ -32,6 +32,7 @@ from lightning_mp.master.blocks import Blocks, join_by_chunks, split_by_chunks
 from lightning_mp.master.flat import MasterWeights, group_sizes, is_norm
 from lightning_mp.master.generic import GenericChunkedStep
 from lightning_mp.master.model_sync import materialise
+from lightning_mp.master.plan import Plans
 from lightning_mp.master.step import (
     FUSED_UNIT,
     Staging,
@@ -111,6 +112,7 @@ class RemainderMasters(MasterWeights):
         self._generic: dict[int, GenericChunkedStep] = {}
         self._optimizer_hooks: list[Any] = []
         self._staging = Staging(self.chunk_size_for)
+        self.step_plans = Plans()  # the one-pass update's plans (master/plan.py), made at the first step
 
     # ------------------------------------------------------------------ setup
     def convert(self, module: nn.Module) -> nn.Module:
@@ -201,6 +203,11 @@ class RemainderMasters(MasterWeights):
         return place[1] if place is not None else None
 
     @property
+    def layout_version(self) -> int:
+        """Changes whenever blocks are made or released: older step plans (:mod:`.plan`) hold stale addresses."""
+        return self._blocks.version
+
+    @property
     def flat_buffers(self) -> list[tuple[Tensor, Tensor]]:
         """``(flat bf16 weights, flat int16 remainders)``, one pair per block (each on one device)."""
         return [block for block in self._blocks.blocks if block is not None]
@@ -274,12 +281,13 @@ class RemainderMasters(MasterWeights):
         if generic is not None:
             generic.step(found_inf, grad_ops)
             return
-        found = found_inf.to(torch.float32).reshape(()) if found_inf is not None else None  # 0-dim, as torch's
+        found = found_inf
+        if found is not None and (found.dtype != torch.float32 or found.dim()):
+            found = found.to(torch.float32).reshape(())  # 0-dim, as torch's
         for index, group in enumerate(optimizer.param_groups):
-            apply_grad_ops_in_place([p for p in group["params"] if id(p) not in self._layout], grad_ops)
-            clipping = onepass.plan(group["params"], grad_ops)
-            if clipping is not None:  # one compiled pass (CPU; CUDA when opted in)
-                onepass.update(optimizer, group, self, clipping, found)
+            if grad_ops:
+                apply_grad_ops_in_place([p for p in group["params"] if id(p) not in self._layout], grad_ops)
+            if onepass.step(optimizer, group, self, grad_ops, found):  # one compiled pass, by the group's plan
                 continue
             fused_update(optimizer, group, self._plan(optimizer, index, group), self, self._staging, grad_ops, found)
 

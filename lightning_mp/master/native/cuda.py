@@ -252,8 +252,29 @@ class CudaLeanUpdate:
     ) -> None:
         """Update the tensors of ``rows`` (``[high, low, grad, state1, state2, state3, numel]`` addresses each);
         ``steps``: their step counts (fp32 tensors on ``device``, already advanced) for Adam, ``None`` for SGD."""
+        on_device = steps is not None and all(s.device == device and s.dtype == torch.float32 for s in steps)
+        step_addresses = [step.data_ptr() for step in steps] if on_device else [0] * len(rows)
+        flat = [value for row, step in zip(rows, step_addresses) for value in (*row, step)]
+        numels = tuple(row[6] for row in rows)
+        self.launch(key, flat, numels, steps, on_device, options, found, grad_mul, device)
+
+    def launch(
+        self,
+        key: int,
+        flat: list[int],
+        numels: tuple[int, ...],
+        steps: Optional[list[Tensor]],
+        on_device: bool,
+        options: dict[str, Any],
+        found: Optional[Tensor],
+        grad_mul: Optional[Tensor],
+        device: torch.device,
+    ) -> None:
+        """:meth:`run` with the address table already flat (8 per tensor: the row, then its step count's address,
+        0 where ``on_device`` is false) and the tensors' sizes: what a step plan (:mod:`lightning_mp.master.plan`)
+        keeps between steps. The table goes to the device only when it changed (a new list that differs)."""
         config = launch_config()
-        numels = (config.chunk, *(row[6] for row in rows))
+        numels = (config.chunk, *numels)
         if numels not in self._blocks:
             tensors, starts = [], []
             for index, numel in enumerate(numels[1:]):
@@ -265,20 +286,18 @@ class CudaLeanUpdate:
                 torch.tensor(starts, dtype=torch.int64, device=device),
             )
         block_tensor, block_start = self._blocks[numels]
-        on_device = steps is not None and all(s.device == device and s.dtype == torch.float32 for s in steps)
-        step_addresses = [step.data_ptr() for step in steps] if on_device else [0] * len(rows)
-        flat = [value for row, step in zip(rows, step_addresses) for value in (*row, step)]
+        rows = len(numels) - 1
         cached = self._tables.get(key)
-        if cached is None or cached[0] != flat:
+        if cached is None or (cached[0] is not flat and cached[0] != flat):
             self._tables[key] = cached = (flat, _to_device(torch.tensor(flat, dtype=torch.int64), device))
         kernel = _kernel()
         option_values = self._options(options, device)
         scalars = block_start
         if on_device:
             scalars = self._scalars.get(key)
-            if scalars is None or scalars.numel() != 4 * len(rows):
-                self._scalars[key] = scalars = torch.empty(4 * len(rows), dtype=torch.float64, device=device)
-            _kernels["bias"][(len(rows),)](cached[1], option_values, scalars)
+            if scalars is None or scalars.numel() != 4 * rows:
+                self._scalars[key] = scalars = torch.empty(4 * rows, dtype=torch.float64, device=device)
+            _kernels["bias"][(rows,)](cached[1], option_values, scalars)
         elif steps is not None:  # step counts elsewhere (a state loaded from a checkpoint onto the CPU): torch ops
             scalars = _bias_scalars(steps, options, device)
         kind = options["kind"]
