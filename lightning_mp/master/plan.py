@@ -151,6 +151,7 @@ class StepPlan:
             self.flags = (ctypes.c_byte * len(rows))()
             counted = adam and all(s.device.type == "cpu" and s.dtype == _FP32 and s.dim() == 0 for s in self.steps)
             self.counts = (ctypes.c_void_p * len(self.steps))(*[s.data_ptr() for s in self.steps]) if counted else None
+            self.foreach_steps = [] if counted else self.steps
         else:
             steps = self.lean_steps
             self.on_device = steps is not None and all(s.device == self.device and s.dtype == _FP32 for s in steps)
@@ -158,6 +159,7 @@ class StepPlan:
             self.table = [value for row, step in zip(rows, step_addresses) for value in (*row, step)]
             self.numels = tuple(row[6] for row in rows)
             self.counts = None
+            self.foreach_steps = self.plain_steps if self.on_device else self.steps  # the rest: the bias kernel's
 
     # ------------------------------------------------------------------ each step
     def step(self, group: dict[str, Any], factor: Optional[Tensor], clamp: Optional[float], found: Any) -> bool:
@@ -191,8 +193,8 @@ class StepPlan:
             grads = [g if g.is_contiguous() else g.contiguous() for g in grads]
             pointers = [g.data_ptr() for g in grads]
         adam = self.switches[0]
-        if adam and self.counts is None:  # step counts the C kernel cannot reach (on a GPU, or not fp32 scalars)
-            torch._foreach_add_(self.steps, 1)
+        if adam and self.foreach_steps:  # step counts no kernel advances (fp32 parameters on a GPU, odd counts)
+            torch._foreach_add_(self.foreach_steps, 1)
         if self.kernel == "cpu":
             self._run_cpu(group, pointers, factor, clamp, found)
         else:
@@ -200,11 +202,10 @@ class StepPlan:
         if self.plain:
             self._plain(group, plain_grads, found)
         if adam and found is not None:
-            if self.counts is not None:
-                if self.plain:  # the fp32 parameters' kernel read the advanced counts: settle them now
-                    native.cpu_kernel().lean_settle(self.counts, len(self.steps), found.data_ptr())
-            else:
-                torch._foreach_sub_(self.steps, [found] * len(self.steps))
+            if self.counts is not None and self.plain:  # the fp32 parameters' kernel read the advanced counts
+                native.cpu_kernel().lean_settle(self.counts, len(self.steps), found.data_ptr())
+            if self.foreach_steps:
+                torch._foreach_sub_(self.foreach_steps, [found] * len(self.foreach_steps))
         self.first_step = False
         return True
 
@@ -259,7 +260,9 @@ class StepPlan:
                 numels = tuple(self.numels[k] for k in chosen)
                 steps = [self.lean_steps[k] for k in chosen] if self.lean_steps is not None else None
             these = {**options, "grad_fp32": fp32}
-            update.launch(self.key * 2 + fp32, table, numels, steps, self.on_device, these, found, factor, self.device)
+            update.launch(
+                self.key * 2 + fp32, table, numels, steps, self.on_device, these, found, factor, self.device, True
+            )
 
     def _plain(self, group: dict[str, Any], grads: list[Tensor], found: Any) -> None:
         """fp32 parameters (kept in fp32 by the policy): torch's fused kernel on them, in place."""

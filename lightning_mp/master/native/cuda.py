@@ -6,7 +6,7 @@ and int16 remainders into fp32, applies the optimizer's arithmetic and splits th
 each byte once. Which tensor and where: a table of ``(tensor, start)`` per program, built once per set of tensor
 sizes; the tensors' addresses: a small int64 table, copied to the device (pinned, asynchronously) only when an
 address changed. Adam's bias terms are formed per tensor from its step count on the device by a second, tiny
-kernel (one launch). :data:`CONFIG` holds the launch shape (``BLOCK``, ``CHUNK``, warps) and the arithmetic, chosen
+kernel (one launch), which also advances the counts for a step plan (:mod:`lightning_mp.master.plan`). :data:`CONFIG` holds the launch shape (``BLOCK``, ``CHUNK``, warps) and the arithmetic, chosen
 on an H100 by ``benchmarks/kernel_contract.py --tune``; ``LIGHTNING_MP_TRITON_CONFIG=BLOCK,CHUNK,WARPS[,PRECISE]``
 overrides it.
 
@@ -199,11 +199,20 @@ def _kernel() -> Any:
             tl.store(low_ptr + offsets, bits.to(tl.int16), mask=mask)
 
     @triton.jit
-    def bias_kernel(table, option_values, scalars):
+    def bias_kernel(table, option_values, scalars, found, COUNT: tl.constexpr, HAS_FOUND: tl.constexpr):
         """Per tensor (one program each): Adam's bias terms from its step count on the device, as
-        :func:`_bias_scalars` computes them with torch ops (one launch instead of about sixteen)."""
+        :func:`_bias_scalars` computes them with torch ops (one launch instead of about sixteen). ``COUNT``: the
+        count advances here first, and the found flag is taken off it (the C kernel's ``lean_step``: torch's
+        ``_foreach_add_(steps, 1)`` and ``_foreach_sub_(steps, found)``; the update reads the terms, not the count)."""
         t = tl.program_id(0)
-        step = tl.load(tl.load(table + t * 8 + 7).to(tl.pointer_type(tl.float32)))
+        step_ptr = tl.load(table + t * 8 + 7).to(tl.pointer_type(tl.float32))
+        step = tl.load(step_ptr)
+        if COUNT:
+            step = step + 1.0
+            if HAS_FOUND:
+                tl.store(step_ptr, step - tl.load(found))
+            else:
+                tl.store(step_ptr, step)
         lr = tl.load(option_values)
         beta1 = tl.load(option_values + 1)
         beta2 = tl.load(option_values + 2)
@@ -269,10 +278,12 @@ class CudaLeanUpdate:
         found: Optional[Tensor],
         grad_mul: Optional[Tensor],
         device: torch.device,
+        count: bool = False,
     ) -> None:
         """:meth:`run` with the address table already flat (8 per tensor: the row, then its step count's address,
         0 where ``on_device`` is false) and the tensors' sizes: what a step plan (:mod:`lightning_mp.master.plan`)
-        keeps between steps. The table goes to the device only when it changed (a new list that differs)."""
+        keeps between steps. The table goes to the device only when it changed (a new list that differs). ``count``
+        (with ``on_device``): the step counts advance in the bias kernel (``step += 1``, then ``step -= found``)."""
         config = launch_config()
         numels = (config.chunk, *numels)
         if numels not in self._blocks:
@@ -297,7 +308,8 @@ class CudaLeanUpdate:
             scalars = self._scalars.get(key)
             if scalars is None or scalars.numel() != 4 * rows:
                 self._scalars[key] = scalars = torch.empty(4 * rows, dtype=torch.float64, device=device)
-            _kernels["bias"][(rows,)](cached[1], option_values, scalars)
+            flag = found if found is not None else scalars
+            _kernels["bias"][(rows,)](cached[1], option_values, scalars, flag, COUNT=count, HAS_FOUND=found is not None)
         elif steps is not None:  # step counts elsewhere (a state loaded from a checkpoint onto the CPU): torch ops
             scalars = _bias_scalars(steps, options, device)
         kind = options["kind"]
