@@ -375,7 +375,8 @@ def test_the_bias_kernel_forms_adams_bias_terms_from_the_step_counts_on_the_devi
         table = torch.tensor([v for s in steps for v in [0] * 7 + [s.data_ptr()]], dtype=torch.int64, device=device)
         scalars = torch.empty(4 * len(steps), dtype=torch.float64, device=device)
         cuda._kernel()
-        cuda._kernels["bias"][(len(steps),)](table, cuda.CudaLeanUpdate()._options(options, device), scalars)
+        values = cuda.CudaLeanUpdate()._options(options, device)
+        cuda._kernels["bias"][(len(steps),)](table, values, scalars, scalars, COUNT=False, HAS_FOUND=False)
         got = scalars.view(-1, 4).cpu().numpy()
         for row, count in zip(got, counts):
             bias1, bias2 = 1 - beta1**count, 1 - beta2**count
@@ -385,6 +386,42 @@ def test_the_bias_kernel_forms_adams_bias_terms_from_the_step_counts_on_the_devi
             assert abs(np.float32(row[1]) - root) <= np.spacing(root), (beta2, count)
             assert row[2] == pytest.approx(options["lr"] / bias1, rel=1e-12)
             assert row[3] == pytest.approx(bias2**0.5, rel=1e-11)
+
+
+@pytest.mark.parametrize("flag", [None, 0.0, 1.0])
+def test_the_bias_kernel_counts_steps_as_torchs_two_foreach_ops_and_forms_the_terms_from_the_new_count(
+    monkeypatch, flag
+):
+    """COUNT: each step count becomes ``(step + 1) - found`` (torch's ``_foreach_add_`` then ``_foreach_sub_``, in
+    fp32, the C kernel's lean_step) and the terms are those of ``step + 1``, the count the update runs with."""
+    pytest.importorskip("triton", reason="Triton is not installed here (CUDA builds of torch ship it)")
+    from lightning_mp.master.native import cuda
+
+    if not torch.cuda.is_available():
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+        monkeypatch.setattr(cuda, "_kernels", {})
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    options = cuda.CudaLeanUpdate()._options(dict(lr=1e-3, beta1=0.9, beta2=0.999), device)
+    cuda._kernel()
+
+    def terms(counts, count, found):
+        steps = [torch.tensor(c, device=device) for c in counts]
+        table = torch.tensor([v for s in steps for v in [0] * 7 + [s.data_ptr()]], dtype=torch.int64, device=device)
+        scalars = torch.empty(4 * len(steps), dtype=torch.float64, device=device)
+        flag = found if found is not None else scalars
+        cuda._kernels["bias"][(len(steps),)](table, options, scalars, flag, COUNT=count, HAS_FOUND=found is not None)
+        return steps, scalars
+
+    counts = [0.0, 4.0, 2.0**24 - 1]
+    found = torch.tensor(flag, device=device) if flag is not None else None
+    steps, counted = terms(counts, True, found)
+    expected = [torch.tensor(c, device=device) for c in counts]
+    torch._foreach_add_(expected, 1)
+    _, direct = terms([e.item() for e in expected], False, None)  # the terms of the advanced counts
+    if found is not None:
+        torch._foreach_sub_(expected, [found] * len(expected))
+    assert all(torch.equal(s, e) for s, e in zip(steps, expected))
+    assert torch.equal(counted, direct)
 
 
 def test_the_cuda_kernels_store_keeps_every_class_of_fp32_pattern(monkeypatch):

@@ -38,6 +38,7 @@ class Blocks:
         self.blocks: list[Optional[tuple[Tensor, Tensor]]] = []  # (bf16 weights, int16 remainders); None: released
         self.members: list[list[nn.Parameter]] = []  # the parameters in each block, in order
         self.layout: dict[int, tuple[torch.device, int]] = {}  # id(param) -> (device, global offset)
+        self.version = 0  # counts the blocks made and released (see RemainderMasters.layout_version)
 
     def split_in(self, params: list[nn.Parameter]) -> None:
         """Put ``params`` (fp32, or bf16 with remainder 0) in new blocks, exactly, one chunk of a value at a time."""
@@ -74,6 +75,7 @@ class Blocks:
         """Forget block ``index`` (its storage goes once no parameter views it)."""
         self.blocks[index] = None
         self.members[index] = []
+        self.version += 1
 
     def _pack(self, params: list[nn.Parameter], fill: Callable[[nn.Parameter, Tensor, Tensor], None]) -> None:
         # lay params out in new blocks, in order, one block at a time: allocate it, fill each member's slices, point
@@ -92,6 +94,7 @@ class Blocks:
                 low = torch.empty(total, dtype=torch.int16, device=device)
                 self.blocks.append((high, low))
                 self.members.append(members)
+                self.version += 1
                 offset = 0
                 for param in members:
                     end = offset + param.numel()

@@ -4,7 +4,7 @@
 :class:`StepInBackward` registers ``Tensor.register_post_accumulate_grad_hook`` on every parameter of the one
 optimizer. During backward, once autograd has accumulated a parameter's gradient, its hook runs the lean update of
 that one parameter and sets ``param.grad = None``: for ``torch.optim.AdamW``, ``Adam`` and ``SGD``
-:func:`lightning_mp.master.onepass.update` on a one-parameter group (the same kernel, the same bits as the normal
+the one-parameter replay of the step plan (:mod:`lightning_mp.master.plan`; the same kernel, the same bits as the normal
 step, which updates each tensor independently); for any other optimizer (torchao's ``AdamW8bit``, ...) its own
 ``step()`` on that parameter's fp32 slices (:meth:`GenericChunkedStep.step_params
 <lightning_mp.master.generic.GenericChunkedStep.step_params>`, per-group counters advanced once per step). An
@@ -307,11 +307,9 @@ class StepInBackward:
             self._generic.step_params([param], found, self.grad_ops)
             return
         # the body of RemainderMasters.fused_step for one parameter: fp32 ones clipped in place, then one pass
-        if self.store.offset_of(param) is None:
+        if self.grad_ops and self.store.offset_of(param) is None:
             apply_grad_ops_in_place([param], self.grad_ops)
-        clipping = onepass.plan([param], self.grad_ops)
-        if clipping is not None:
-            onepass.update(self.optimizer, one, self.store, clipping, found)
+        if onepass.step(self.optimizer, one, self.store, self.grad_ops, found, param):  # its plan, made once
             return
         chunks = self._chunks.get(id(param))
         if chunks is None:  # the chunked fallback (no kernel built): this parameter's pieces, planned once

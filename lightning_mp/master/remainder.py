@@ -33,6 +33,8 @@ from lightning_mp.master.clipping import fp32_grad_norms, raise_if_nonfinite
 from lightning_mp.master.flat import MasterWeights, group_sizes, is_norm
 from lightning_mp.master.generic import GenericChunkedStep
 from lightning_mp.master.model_sync import materialise
+from lightning_mp.master.optimizer_state import check_params_belong, restore_fp32_state, stash_fp32_state
+from lightning_mp.master.plan import Plans
 from lightning_mp.master.step import (
     FUSED_UNIT,
     Staging,
@@ -111,6 +113,7 @@ class RemainderMasters(MasterWeights):
         self._generic: dict[int, GenericChunkedStep] = {}
         self._optimizer_hooks: list[Any] = []
         self._staging = Staging(self.chunk_size_for)
+        self.step_plans = Plans()  # the one-pass update's plans (master/plan.py), made at the first step
 
     # ------------------------------------------------------------------ setup
     def convert(self, module: nn.Module) -> nn.Module:
@@ -145,8 +148,8 @@ class RemainderMasters(MasterWeights):
         for optimizer in self._optimizers:
             if uses_fused_kernel(optimizer):
                 self._optimizer_hooks += [
-                    optimizer.register_load_state_dict_pre_hook(_stash_fp32_state),
-                    optimizer.register_load_state_dict_post_hook(_restore_fp32_state),
+                    optimizer.register_load_state_dict_pre_hook(stash_fp32_state),
+                    optimizer.register_load_state_dict_post_hook(restore_fp32_state),
                 ]
             elif id(optimizer) not in self._generic:
                 self._generic[id(optimizer)] = GenericChunkedStep(optimizer, self, self._chunk_of(optimizer))
@@ -199,6 +202,11 @@ class RemainderMasters(MasterWeights):
         """Where ``param`` starts in its device's flat buffers; ``None`` for a parameter without remainder."""
         place = self._layout.get(id(param))
         return place[1] if place is not None else None
+
+    @property
+    def layout_version(self) -> int:
+        """Changes whenever blocks are made or released: older step plans (:mod:`.plan`) hold stale addresses."""
+        return self._blocks.version
 
     @property
     def flat_buffers(self) -> list[tuple[Tensor, Tensor]]:
@@ -282,12 +290,13 @@ class RemainderMasters(MasterWeights):
         if generic is not None:
             generic.step(found_inf, grad_ops)
             return
-        found = found_inf.to(torch.float32).reshape(()) if found_inf is not None else None  # 0-dim, as torch's
+        found = found_inf
+        if found is not None and (found.dtype != torch.float32 or found.dim()):
+            found = found.to(torch.float32).reshape(())  # 0-dim, as torch's
         for index, group in enumerate(optimizer.param_groups):
-            apply_grad_ops_in_place([p for p in group["params"] if id(p) not in self._layout], grad_ops)
-            clipping = onepass.plan(group["params"], grad_ops)
-            if clipping is not None:  # one compiled pass (CPU; CUDA when opted in)
-                onepass.update(optimizer, group, self, clipping, found)
+            if grad_ops:
+                apply_grad_ops_in_place([p for p in group["params"] if id(p) not in self._layout], grad_ops)
+            if onepass.step(optimizer, group, self, grad_ops, found):  # one compiled pass, by the group's plan
                 continue
             fused_update(optimizer, group, self._plan(optimizer, index, group), self, self._staging, grad_ops, found)
 
@@ -366,34 +375,3 @@ class RemainderMasters(MasterWeights):
             f"{type(self).__name__}(bf16 weights + 16-bit remainders: {len(self._layout)} tensors / {held} values, "
             f"chunk_size={self.chunk_size}, accumulate_grads_in={self.accumulate_grads_in})"
         )
-
-
-def _stash_fp32_state(optimizer: Optimizer, state_dict: dict[str, Any]) -> None:
-    # torch's Optimizer.load_state_dict casts floating state to the parameter's dtype (bf16 here): keep the saved
-    # fp32 tensors, so the post-hook can put them back exactly
-    optimizer.__dict__["_lean_saved_state"] = dict(state_dict.get("state", {}))
-    optimizer.__dict__["_lean_saved_groups"] = [list(g["params"]) for g in state_dict.get("param_groups", [])]
-
-
-def _restore_fp32_state(optimizer: Optimizer) -> None:
-    saved = optimizer.__dict__.pop("_lean_saved_state", {})
-    saved_groups = optimizer.__dict__.pop("_lean_saved_groups", [])
-    for ids, group in zip(saved_groups, optimizer.param_groups):
-        for index, param in zip(ids, group["params"]):
-            for key, value in saved.get(index, {}).items():
-                if key != "step" and isinstance(value, Tensor) and value.is_floating_point():
-                    optimizer.state[param][key] = value.to(param.device, torch.float32, copy=True)
-
-
-def check_params_belong(index: int, optimizer: Optimizer, module_params: set[int]) -> None:
-    """Raise a ValueError naming the first parameter of ``optimizer`` (number ``index``) whose id is not in
-    ``module_params``: lean masters hold the weights of the converted module's parameters only."""
-    for g, group in enumerate(optimizer.param_groups):
-        for i, param in enumerate(group["params"]):
-            if id(param) not in module_params:
-                raise ValueError(
-                    f"master_weights='remainder' needs every optimizer parameter to belong to the model, but "
-                    f"optimizer {index} ({type(optimizer).__name__}) param_groups[{g}]['params'][{i}] "
-                    f"(shape {tuple(param.shape)}, {param.dtype}) is not one of its parameters. Build the "
-                    "optimizer from self.parameters() in configure_optimizers, or use master_weights=False."
-                )

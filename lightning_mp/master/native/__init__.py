@@ -59,6 +59,7 @@ class Piece(ctypes.Structure):
         ("state3", ctypes.c_void_p),
         ("step", ctypes.c_void_p),
         ("n", ctypes.c_int64),
+        ("grad_fp32", ctypes.c_int),
     ]
 
 
@@ -67,7 +68,7 @@ class Options(ctypes.Structure):
 
     _fields_ = [
         ("kind", ctypes.c_int),
-        ("grad_fp32", ctypes.c_int),
+        ("grad_fp32", ctypes.c_int),  # what :func:`run` gives every piece (the kernel reads each piece's)
         ("amsgrad", ctypes.c_int),
         ("maximize", ctypes.c_int),
         ("nesterov", ctypes.c_int),
@@ -163,6 +164,23 @@ def cpu_kernel() -> Optional[ctypes.CDLL]:
                 ctypes.c_int64,
                 ctypes.POINTER(ctypes.c_int64),
             ]
+            library.lean_step.restype = ctypes.c_int
+            library.lean_step.argtypes = [
+                ctypes.POINTER(Piece),
+                ctypes.c_int64,
+                ctypes.c_void_p,
+                ctypes.c_void_p,
+                ctypes.POINTER(Options),
+                ctypes.c_void_p,
+                ctypes.c_void_p,
+                ctypes.c_int64,
+                ctypes.c_int,
+                ctypes.c_int,
+                ctypes.c_int64,
+                ctypes.POINTER(ctypes.c_int64),
+            ]
+            library.lean_settle.restype = None
+            library.lean_settle.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
             library.lean_check_nonfinite.restype = None
             library.lean_check_nonfinite.argtypes = [
                 ctypes.c_void_p,
@@ -213,17 +231,21 @@ def single_threaded() -> Iterator[None]:
         _local.threads = before
 
 
+def threads() -> int:
+    """How many threads the CPU kernels may use here: one inside :func:`single_threaded`, else torch's."""
+    return getattr(_local, "threads", None) or torch.get_num_threads()
+
+
 def run(pieces: list[Piece], options: Options, found_inf: Optional[torch.Tensor]) -> None:
-    """One update of ``pieces`` on the CPU (the kernel must be built: :func:`cpu_kernel`)."""
+    """One update of ``pieces`` on the CPU (the kernel must be built: :func:`cpu_kernel`), each gradient of the
+    dtype ``options.grad_fp32`` says."""
     library = _state["cpu"]
+    for piece in pieces:
+        piece.grad_fp32 = options.grad_fp32
     array = (Piece * len(pieces))(*pieces)
     first_unit = (ctypes.c_int64 * (len(pieces) + 1))()
     flag = found_inf.data_ptr() if found_inf is not None else None
-    library.lean_update(array, len(pieces), ctypes.byref(options), flag, _threads(), GRAIN, first_unit)
-
-
-def _threads() -> int:
-    return getattr(_local, "threads", None) or torch.get_num_threads()
+    library.lean_update(array, len(pieces), ctypes.byref(options), flag, threads(), GRAIN, first_unit)
 
 
 def run_rows(
@@ -294,7 +316,7 @@ def check_nonfinite(grads: list[torch.Tensor], found: torch.Tensor) -> bool:
     numels = (ctypes.c_int64 * len(grads))(*[g.numel() for g in grads])
     first_unit = (ctypes.c_int64 * (len(grads) + 1))()
     library.lean_check_nonfinite(
-        pointers, numels, len(grads), width, mask, found.data_ptr(), _threads(), GRAIN, first_unit
+        pointers, numels, len(grads), width, mask, found.data_ptr(), threads(), GRAIN, first_unit
     )
     return True
 

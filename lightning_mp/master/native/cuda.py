@@ -6,7 +6,7 @@ and int16 remainders into fp32, applies the optimizer's arithmetic and splits th
 each byte once. Which tensor and where: a table of ``(tensor, start)`` per program, built once per set of tensor
 sizes; the tensors' addresses: a small int64 table, copied to the device (pinned, asynchronously) only when an
 address changed. Adam's bias terms are formed per tensor from its step count on the device by a second, tiny
-kernel (one launch). :data:`CONFIG` holds the launch shape (``BLOCK``, ``CHUNK``, warps) and the arithmetic, chosen
+kernel (one launch), which also advances the counts for a step plan (:mod:`lightning_mp.master.plan`). :data:`CONFIG` holds the launch shape (``BLOCK``, ``CHUNK``, warps) and the arithmetic, chosen
 on an H100 by ``benchmarks/kernel_contract.py --tune``; ``LIGHTNING_MP_TRITON_CONFIG=BLOCK,CHUNK,WARPS[,PRECISE]``
 overrides it.
 
@@ -199,11 +199,20 @@ def _kernel() -> Any:
             tl.store(low_ptr + offsets, bits.to(tl.int16), mask=mask)
 
     @triton.jit
-    def bias_kernel(table, option_values, scalars):
+    def bias_kernel(table, option_values, scalars, found, COUNT: tl.constexpr, HAS_FOUND: tl.constexpr):
         """Per tensor (one program each): Adam's bias terms from its step count on the device, as
-        :func:`_bias_scalars` computes them with torch ops (one launch instead of about sixteen)."""
+        :func:`_bias_scalars` computes them with torch ops (one launch instead of about sixteen). ``COUNT``: the
+        count advances here first, and the found flag is taken off it (the C kernel's ``lean_step``: torch's
+        ``_foreach_add_(steps, 1)`` and ``_foreach_sub_(steps, found)``; the update reads the terms, not the count)."""
         t = tl.program_id(0)
-        step = tl.load(tl.load(table + t * 8 + 7).to(tl.pointer_type(tl.float32)))
+        step_ptr = tl.load(table + t * 8 + 7).to(tl.pointer_type(tl.float32))
+        step = tl.load(step_ptr)
+        if COUNT:
+            step = step + 1.0
+            if HAS_FOUND:
+                tl.store(step_ptr, step - tl.load(found))
+            else:
+                tl.store(step_ptr, step)
         lr = tl.load(option_values)
         beta1 = tl.load(option_values + 1)
         beta2 = tl.load(option_values + 2)
@@ -252,8 +261,31 @@ class CudaLeanUpdate:
     ) -> None:
         """Update the tensors of ``rows`` (``[high, low, grad, state1, state2, state3, numel]`` addresses each);
         ``steps``: their step counts (fp32 tensors on ``device``, already advanced) for Adam, ``None`` for SGD."""
+        on_device = steps is not None and all(s.device == device and s.dtype == torch.float32 for s in steps)
+        step_addresses = [step.data_ptr() for step in steps] if on_device else [0] * len(rows)
+        flat = [value for row, step in zip(rows, step_addresses) for value in (*row, step)]
+        numels = tuple(row[6] for row in rows)
+        self.launch(key, flat, numels, steps, on_device, options, found, grad_mul, device)
+
+    def launch(
+        self,
+        key: int,
+        flat: list[int],
+        numels: tuple[int, ...],
+        steps: Optional[list[Tensor]],
+        on_device: bool,
+        options: dict[str, Any],
+        found: Optional[Tensor],
+        grad_mul: Optional[Tensor],
+        device: torch.device,
+        count: bool = False,
+    ) -> None:
+        """:meth:`run` with the address table already flat (8 per tensor: the row, then its step count's address,
+        0 where ``on_device`` is false) and the tensors' sizes: what a step plan (:mod:`lightning_mp.master.plan`)
+        keeps between steps. The table goes to the device only when it changed (a new list that differs). ``count``
+        (with ``on_device``): the step counts advance in the bias kernel (``step += 1``, then ``step -= found``)."""
         config = launch_config()
-        numels = (config.chunk, *(row[6] for row in rows))
+        numels = (config.chunk, *numels)
         if numels not in self._blocks:
             tensors, starts = [], []
             for index, numel in enumerate(numels[1:]):
@@ -265,20 +297,19 @@ class CudaLeanUpdate:
                 torch.tensor(starts, dtype=torch.int64, device=device),
             )
         block_tensor, block_start = self._blocks[numels]
-        on_device = steps is not None and all(s.device == device and s.dtype == torch.float32 for s in steps)
-        step_addresses = [step.data_ptr() for step in steps] if on_device else [0] * len(rows)
-        flat = [value for row, step in zip(rows, step_addresses) for value in (*row, step)]
+        rows = len(numels) - 1
         cached = self._tables.get(key)
-        if cached is None or cached[0] != flat:
+        if cached is None or (cached[0] is not flat and cached[0] != flat):
             self._tables[key] = cached = (flat, _to_device(torch.tensor(flat, dtype=torch.int64), device))
         kernel = _kernel()
         option_values = self._options(options, device)
         scalars = block_start
         if on_device:
             scalars = self._scalars.get(key)
-            if scalars is None or scalars.numel() != 4 * len(rows):
-                self._scalars[key] = scalars = torch.empty(4 * len(rows), dtype=torch.float64, device=device)
-            _kernels["bias"][(len(rows),)](cached[1], option_values, scalars)
+            if scalars is None or scalars.numel() != 4 * rows:
+                self._scalars[key] = scalars = torch.empty(4 * rows, dtype=torch.float64, device=device)
+            flag = found if found is not None else scalars
+            _kernels["bias"][(rows,)](cached[1], option_values, scalars, flag, COUNT=count, HAS_FOUND=found is not None)
         elif steps is not None:  # step counts elsewhere (a state loaded from a checkpoint onto the CPU): torch ops
             scalars = _bias_scalars(steps, options, device)
         kind = options["kind"]

@@ -28,11 +28,12 @@ typedef struct {
     float *state3;       /* Adam: max_exp_avg_sq (amsgrad) */
     const float *step;   /* Adam: the parameter's step count (already incremented, as torch's kernel sees it) */
     int64_t n;
+    int grad_fp32;       /* the gradient is fp32 (else bf16) */
 } lean_piece;
 
 typedef struct {
     int kind;            /* 0 Adam (L2 weight decay), 1 AdamW (decoupled), 2 SGD */
-    int grad_fp32;       /* gradients are fp32 (else bf16) */
+    int grad_fp32;       /* unused: each piece says its gradient's dtype (lean_piece.grad_fp32) */
     int amsgrad, maximize, nesterov, first_step;
     double lr, beta1, beta2, weight_decay, eps, momentum, dampening;
     const float *grad_mul;  /* clipping factor (clip by norm), NULL: none */
@@ -65,7 +66,7 @@ static inline void stage(const lean_piece *p, const lean_options *o, int64_t beg
     const uint16_t *high = p->high + begin;
     const int16_t *low = p->low + begin;
     for (int64_t i = 0; i < n; i++) w[i] = join(high[i], low[i]);
-    if (o->grad_fp32) {
+    if (p->grad_fp32) {
         memcpy(g, (const float *)p->grad + begin, (size_t)n * 4);
     } else {
         const uint16_t *grad = (const uint16_t *)p->grad + begin;
@@ -208,7 +209,7 @@ static void adam_range(const lean_piece *p, const lean_options *o, int64_t begin
     k.one_minus_c1 = 1.0f - k.c1;
     int decays = o->weight_decay != 0.0, adamw = o->kind == 1;
     if (!tail && k.small && !o->amsgrad && !o->maximize && !o->clamped) {
-        int which = adamw * 8 + (o->grad_fp32 != 0) * 4 + (o->grad_mul != 0) * 2 + decays;
+        int which = adamw * 8 + (p->grad_fp32 != 0) * 4 + (o->grad_mul != 0) * 2 + decays;
         ADAM_FUSED_FNS[which](p, o, &k, begin, end);
         return;
     }
@@ -349,6 +350,31 @@ int lean_update(const lean_piece *pieces, int64_t npieces, const lean_options *o
     lean_work work = {pieces, options, {grain, 0, first_unit, 0, 0}};
     for (int64_t k = 0; k < npieces; k++) add_units(&work.queue, k, pieces[k].n);
     run_threads(worker, &work, threads, &work.queue);
+    return 0;
+}
+
+/* Step counts (0-dim fp32 tensors): *counts[k] -= *found, as torch's `_foreach_sub_(steps, [found_inf] * n)` after
+ * its fused kernels (nothing without a flag). */
+void lean_settle(float *const *counts, int64_t ncounts, const float *found_inf) {
+    if (!found_inf) return;
+    for (int64_t k = 0; k < ncounts; k++) *counts[k] = *counts[k] - *found_inf;
+}
+
+/* One step of a plan (lightning_mp/master/plan.py): the pieces' static addresses were laid out once; this step's
+ * gradients (`grads[k]`, fp32 where `grad_fp32[k]`, else bf16) are written into them, every step count in `counts`
+ * (the lean pieces' and the group's fp32 parameters') advances by one first, as torch's `_foreach_add_(steps, 1)`,
+ * and with `settle` the found flag is subtracted after the update (lean_settle); without it, the caller does that
+ * after its fp32 parameters' kernel, which reads the advanced counts. */
+int lean_step(lean_piece *pieces, int64_t npieces, const void *const *grads, const signed char *grad_fp32,
+              const lean_options *options, const float *found_inf, float *const *counts, int64_t ncounts, int settle,
+              int threads, int64_t grain, int64_t *first_unit) {
+    for (int64_t k = 0; k < npieces; k++) {
+        pieces[k].grad = grads[k];
+        pieces[k].grad_fp32 = grad_fp32[k];
+    }
+    for (int64_t k = 0; k < ncounts; k++) *counts[k] = *counts[k] + 1.0f;
+    lean_update(pieces, npieces, options, found_inf, threads, grain, first_unit);
+    if (settle) lean_settle(counts, ncounts, found_inf);
     return 0;
 }
 

@@ -1,0 +1,289 @@
+"""The step plan of the one-pass lean update: what a param group's update reads, laid out once and replayed each step.
+
+Between two steps almost nothing the update reads moves: the bf16 weights and remainders sit in the store's blocks,
+the optimizer's state tensors stay where the first step made them, the group's parameters are the same. A
+:class:`StepPlan` records all of it when a group (or, for the step inside backward, one parameter) is first stepped:
+which parameters are lean (weight + remainder) and which are kept in fp32, every weight's, remainder's and state
+tensor's address, the step counts, and the kernel's arguments (on the CPU the ctypes array of pieces; on CUDA the
+flat address table the Triton kernel reads). A step then passes only what changes: the gradients' addresses (autograd
+makes new gradients each step unless they are zeroed in place), their dtypes, the group's options (an LR scheduler
+changes them), the clipping and the found-inf flag. No aten op is issued for the lean parameters on the CPU: the C
+kernel advances their step counts itself (``step += 1``, then ``step -= found``, torch's two foreach ops in C).
+
+A plan is rebuilt, never patched, when what it recorded may have changed; each check is per group, not per
+parameter (:meth:`StepPlan.fits`): the optimizer's ``state`` replaced (``load_state_dict``: a resume) or its number
+of entries changed, the store's blocks rebuilt (``layout_version``: a relocation), another ``params`` list in the
+group (``add_param_group`` makes new groups; a resume new group dicts), ``amsgrad`` or momentum switched on or off,
+and a parameter whose gradient appeared or went away (:class:`Stale`, met while reading the gradients). A state
+tensor replaced inside ``optimizer.state[param]`` by hand, outside ``load_state_dict``, is not seen.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import Any, Optional
+
+import torch
+from torch import Tensor
+from torch.optim import Adam, Optimizer
+
+from lightning_mp.master import native
+from lightning_mp.master.step import _state_for, fp32_zeros_like, local_of
+
+_FP32 = torch.float32
+_GRAD_DTYPES = (torch.bfloat16, torch.float32)
+
+
+class Plans(dict):
+    """A store's plans by the id of their group (or parameter). A copy or a pickle of the store starts without any:
+    ids and addresses belong to this process's objects (and ctypes arrays of addresses cannot be pickled)."""
+
+    def __reduce__(self) -> tuple[type, tuple[()]]:
+        return (Plans, ())
+
+
+class Stale(Exception):
+    """The parameters that have a gradient are no longer the plan's: build a new one."""
+
+
+def switches(optimizer: Optimizer, group: dict[str, Any]) -> tuple[bool, bool]:
+    """``(Adam, amsgrad)`` or ``(SGD, momentum on)``: the options that change what state a plan lays out."""
+    if isinstance(optimizer, Adam):
+        return True, bool(group["amsgrad"])
+    return False, group["momentum"] != 0
+
+
+class StepPlan:
+    """The one-pass update of ``params`` (a group's, or one parameter's) of ``optimizer`` on ``store``'s lean state.
+
+    Args:
+        kernel: ``"cpu"`` (the C kernel), ``"cuda"`` (the Triton kernel) or ``None`` (no kernel for these
+            parameters: the caller takes the chunked path).
+        key: what the CUDA update's caches are kept under (the group's or the parameter's id).
+        source: what :meth:`fits` compares by identity: the group's ``params`` list, or the one parameter.
+    """
+
+    def __init__(
+        self,
+        optimizer: Optimizer,
+        group: dict[str, Any],
+        params: list[Tensor],
+        store: Any,
+        kernel: Optional[str],
+        key: int,
+        source: Any,
+    ) -> None:
+        self.kernel = kernel
+        self.key = key
+        self.source = source  # the group's params list, or the one parameter: compared by identity
+        self.state = optimizer.state
+        self.optimizer_id = id(optimizer)
+        self.owner = store  # the CUDA update's caches are the store's
+        self.layout_version = getattr(store, "layout_version", 0)
+        self.switches = switches(optimizer, group)
+        self.device = local_of(params[0]).device if params else torch.device("cpu")
+        self.sharded = any(local_of(p) is not p for p in params)  # DTensors: the local shards are read
+        self._options: tuple[tuple[Any, ...], Any] = ((), None)
+        if kernel is not None:
+            self._lay_out(optimizer, group, params, store)
+        self.state_size = len(optimizer.state)
+
+    def fits(self, optimizer: Optimizer, group: dict[str, Any], store: Any, source: Any) -> bool:
+        """Whether the plan still describes ``group``: a few identity and size checks, none per parameter."""
+        return (
+            optimizer.state is self.state
+            and len(self.state) == self.state_size
+            and source is self.source
+            and getattr(store, "layout_version", 0) == self.layout_version
+            and switches(optimizer, group) == self.switches
+        )
+
+    # ------------------------------------------------------------------ built once
+    def _lay_out(self, optimizer: Optimizer, group: dict[str, Any], params: list[Tensor], store: Any) -> None:
+        stepped = [p for p in params if p.grad is not None]
+        self.idle = [p for p in params if p.grad is None]  # a gradient appearing here makes the plan stale
+        adam, on = self.switches
+        if adam:
+            keys = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq") if on else ("exp_avg", "exp_avg_sq")
+            states = [_state_for(optimizer, p, keys) for p in stepped]
+            self.first_step = False
+        else:  # as torch.optim.SGD(fused=True), whose first step (no momentum buffers yet) copies the gradient in
+            keys = ("momentum_buffer",) if on else ()
+            self.first_step = on and all(optimizer.state[p].get("momentum_buffer") is None for p in stepped)
+            states = []
+            for param in stepped:
+                state = optimizer.state[param] if on else {}
+                if on and state.get("momentum_buffer") is None:
+                    # zeros, not torch's empty_like: a first step skipped by found leaves defined values behind
+                    state["momentum_buffer"] = fp32_zeros_like(param)
+                states.append(state)
+        lean = [i for i, p in enumerate(stepped) if store.offset_of(p) is not None]
+        plain = [i for i, p in enumerate(stepped) if store.offset_of(p) is None]
+        self.lean = [stepped[i] for i in lean]
+        self.plain = [stepped[i] for i in plain]
+        self.plain_locals = [local_of(p) for p in self.plain]
+        self.plain_states = [[local_of(states[i][key]) for i in plain] for key in keys]
+        self.steps = [s["step"] for s in states] if adam else []
+        self.plain_steps = [states[i]["step"] for i in plain] if adam else []
+        self.lean_steps = [states[i]["step"] for i in lean] if adam else None
+        self.held: list[Tensor] = []  # the block slices and state tensors whose addresses the kernel is given
+        rows = []
+        for param, i in zip(self.lean, lean):
+            local = local_of(param)
+            offset = store.offset_of(param)
+            high, low = store.flat_slices(local.device, offset, offset + local.numel())
+            tensors = [local_of(states[i][key]) for key in keys]
+            self.held += [high, low, *tensors]
+            addresses = [t.data_ptr() for t in tensors] + [0] * (3 - len(tensors))
+            rows.append([high.data_ptr(), low.data_ptr(), 0, *addresses, local.numel()])
+        self.count = len(rows)
+        self.dtypes: list[torch.dtype] = []
+        self.pointers: list[int] = []
+        if self.kernel == "cpu":
+            steps = self.lean_steps
+            self.pieces = (native.Piece * len(rows))(
+                *[
+                    native.Piece(*(a or None for a in row[:6]), steps[k].data_ptr() if adam else None, row[6], 0)
+                    for k, row in enumerate(rows)
+                ]
+            )
+            self.first_unit = (ctypes.c_int64 * (len(rows) + 1))()
+            self.flags = (ctypes.c_byte * len(rows))()
+            counted = adam and all(s.device.type == "cpu" and s.dtype == _FP32 and s.dim() == 0 for s in self.steps)
+            self.counts = (ctypes.c_void_p * len(self.steps))(*[s.data_ptr() for s in self.steps]) if counted else None
+            self.foreach_steps = [] if counted else self.steps
+        else:
+            steps = self.lean_steps
+            self.on_device = steps is not None and all(s.device == self.device and s.dtype == _FP32 for s in steps)
+            step_addresses = [s.data_ptr() for s in steps] if self.on_device else [0] * len(rows)
+            self.table = [value for row, step in zip(rows, step_addresses) for value in (*row, step)]
+            self.numels = tuple(row[6] for row in rows)
+            self.counts = None
+            self.foreach_steps = self.plain_steps if self.on_device else self.steps  # the rest: the bias kernel's
+
+    # ------------------------------------------------------------------ each step
+    def step(self, group: dict[str, Any], factor: Optional[Tensor], clamp: Optional[float], found: Any) -> bool:
+        """One update of the planned parameters; ``False`` (nothing done) where a gradient's dtype is neither bf16
+        nor fp32 (the chunked path takes it). Raises :class:`Stale` when the plan no longer fits."""
+        for param in self.idle:
+            if param.grad is not None:
+                raise Stale
+        if not self.lean and not self.plain:
+            return True
+        grads = [p.grad for p in self.lean]
+        plain_grads = [p.grad for p in self.plain]
+        if self.sharded:
+            grads = [g if g is None else local_of(g) for g in grads]
+            plain_grads = [g if g is None else local_of(g) for g in plain_grads]
+        for grad in plain_grads:
+            if grad is None:
+                raise Stale
+        try:
+            pointers = [g.data_ptr() for g in grads]
+        except AttributeError:  # None: this parameter has no gradient this step
+            raise Stale from None
+        dtypes = [g.dtype for g in grads]
+        if dtypes != self.dtypes:
+            if any(d not in _GRAD_DTYPES for d in dtypes):
+                return False
+            self.dtypes = dtypes
+            if self.kernel == "cpu":
+                self.flags[:] = [d == _FP32 for d in dtypes]
+        if not all(map(Tensor.is_contiguous, grads)):  # read by address: a contiguous copy for this step
+            grads = [g if g.is_contiguous() else g.contiguous() for g in grads]
+            pointers = [g.data_ptr() for g in grads]
+        adam = self.switches[0]
+        if adam and self.foreach_steps:  # step counts no kernel advances (fp32 parameters on a GPU, odd counts)
+            torch._foreach_add_(self.foreach_steps, 1)
+        if self.kernel == "cpu":
+            self._run_cpu(group, pointers, factor, clamp, found)
+        else:
+            self._run_cuda(group, pointers, factor, clamp, found)
+        if self.plain:
+            self._plain(group, plain_grads, found)
+        if adam and found is not None:
+            if self.counts is not None and self.plain:  # the fp32 parameters' kernel read the advanced counts
+                native.cpu_kernel().lean_settle(self.counts, len(self.steps), found.data_ptr())
+            if self.foreach_steps:
+                torch._foreach_sub_(self.foreach_steps, [found] * len(self.foreach_steps))
+        self.first_step = False
+        return True
+
+    def _values(self, group: dict[str, Any]) -> tuple[Any, ...]:
+        """The optimizer's options this step, in :class:`~lightning_mp.master.native.Options` order."""
+        if self.switches[0]:
+            kind = native.ADAMW if group.get("decoupled_weight_decay", False) else native.ADAM
+            betas = group["betas"]
+            return (kind, self.switches[1], bool(group["maximize"]), False, False, float(group["lr"]),
+                    float(betas[0]), float(betas[1]), float(group["weight_decay"]), float(group["eps"]), 0.0, 0.0)  # fmt: skip
+        return (native.SGD, False, bool(group["maximize"]), bool(group["nesterov"]), bool(self.first_step),
+                float(group["lr"]), 0.0, 0.0, float(group["weight_decay"]), 0.0, float(group["momentum"]),
+                float(group["dampening"]))  # fmt: skip
+
+    def _run_cpu(self, group: dict[str, Any], pointers: list[int], factor: Any, clamp: Any, found: Any) -> None:
+        values = (*self._values(group), factor.data_ptr() if factor is not None else None, clamp)
+        if values != self._options[0]:
+            names = ("kind", "amsgrad", "maximize", "nesterov", "first_step", "lr", "beta1", "beta2", "weight_decay",
+                     "eps", "momentum", "dampening", "grad_mul")  # fmt: skip
+            options = native.Options(**dict(zip(names, values)), vec_size=native.vec_size())
+            options.clamped, options.clamp = (1, clamp) if clamp is not None else (0, -1.0)
+            self._options = (values, options)
+        library = native.cpu_kernel()
+        counts = self.counts
+        library.lean_step(
+            self.pieces, self.count, (ctypes.c_void_p * self.count)(*pointers), self.flags,
+            ctypes.byref(self._options[1]), found.data_ptr() if found is not None else None,
+            counts, len(self.steps) if counts is not None else 0, int(not self.plain),
+            native.threads(), native.GRAIN, self.first_unit,
+        )  # fmt: skip
+
+    def _run_cuda(self, group: dict[str, Any], pointers: list[int], factor: Any, clamp: Any, found: Any) -> None:
+        if not self.count:
+            return
+        if pointers != self.pointers:  # a new list: the update's cache compares it with the last one it sent
+            table = list(self.table)
+            table[2::8] = pointers
+            self.table, self.pointers = table, pointers
+        names = ("kind", "amsgrad", "maximize", "nesterov", "first_step", "lr", "beta1", "beta2", "weight_decay",
+                 "eps", "momentum", "dampening")  # fmt: skip
+        options = dict(zip(names, self._values(group)), clamped=clamp is not None)
+        options["clamp"] = clamp if clamp is not None else -1.0
+        update = native.cuda_update(self.owner)
+        for fp32 in (False, True):
+            chosen = [k for k, d in enumerate(self.dtypes) if (d == _FP32) == fp32]
+            if not chosen:
+                continue
+            if len(chosen) == self.count:
+                table, numels, steps = self.table, self.numels, self.lean_steps
+            else:  # gradients of both dtypes (rare): one launch per dtype, its rows picked this step
+                table = [v for k in chosen for v in self.table[8 * k : 8 * k + 8]]
+                numels = tuple(self.numels[k] for k in chosen)
+                steps = [self.lean_steps[k] for k in chosen] if self.lean_steps is not None else None
+            these = {**options, "grad_fp32": fp32}
+            update.launch(
+                self.key * 2 + fp32, table, numels, steps, self.on_device, these, found, factor, self.device, True
+            )
+
+    def _plain(self, group: dict[str, Any], grads: list[Tensor], found: Any) -> None:
+        """fp32 parameters (kept in fp32 by the policy): torch's fused kernel on them, in place."""
+        params = [local_of(p) for p in self.plain] if self.sharded else self.plain_locals
+        with torch.no_grad():  # the parameters themselves, updated in place
+            self._fused(group, params, grads, found)
+
+    def _fused(self, group: dict[str, Any], params: list[Tensor], grads: list[Tensor], found: Any) -> None:
+        if self.switches[0]:
+            kernel = torch._fused_adamw_ if group.get("decoupled_weight_decay", False) else torch._fused_adam_
+            states = self.plain_states
+            kernel(
+                params, grads, states[0], states[1], states[2] if self.switches[1] else [], self.plain_steps,
+                amsgrad=self.switches[1], lr=float(group["lr"]), beta1=float(group["betas"][0]),
+                beta2=float(group["betas"][1]), weight_decay=group["weight_decay"], eps=group["eps"],
+                maximize=group["maximize"], grad_scale=None, found_inf=found,
+            )  # fmt: skip
+            return
+        torch._fused_sgd_(
+            params, grads, self.plain_states[0] if self.switches[1] else [], weight_decay=group["weight_decay"],
+            momentum=group["momentum"], lr=float(group["lr"]), dampening=group["dampening"],
+            nesterov=group["nesterov"], maximize=group["maximize"], is_first_step=self.first_step,
+            grad_scale=None, found_inf=found,
+        )  # fmt: skip
