@@ -40,6 +40,18 @@ class HostSyncCounter(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
+class AtenOps(TorchDispatchMode):
+    """Records, in order, the aten ops dispatched inside (what a step issues: ``benchmarks/host_work.py``'s unit)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
 class MatmulDtypes(TorchDispatchMode):
     """Records the input dtypes of every matmul-like aten op that runs."""
 

@@ -10,21 +10,9 @@ from collections import Counter
 import pytest
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_mp.master import MasterWeights
-
-
-class Ops(TorchDispatchMode):
-    """Counts the aten ops dispatched inside."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops: Counter[str] = Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops[str(func)] += 1
-        return func(*args, **(kwargs or {}))
+from tests.helpers import AtenOps
 
 
 def _model(blocks: int) -> nn.Sequential:
@@ -81,16 +69,16 @@ def test_gradient_move_and_write_back_are_one_op_per_device_whatever_the_paramet
         store.masters_to_model(optimizer)  # the first write-back makes its lists; counted: the next step
         optimizer.zero_grad()
         _half_grads(model, seed=1)
-        with Ops() as moved:
+        with AtenOps() as moved:
             store.grads_to_masters()
         optimizer.step()
         versions = [p._version for p in model.parameters()]
-        with Ops() as written:
+        with AtenOps() as written:
             store.masters_to_model(optimizer)
         assert [p._version for p in model.parameters()] == versions  # not a write the model sync must follow
         for param, master in store.pairs():
             assert torch.equal(param, master.detach().to(torch.bfloat16))
-        counts.append((dict(moved.ops), dict(written.ops)))
+        counts.append((dict(Counter(moved.ops)), dict(Counter(written.ops))))
     assert counts[0] == counts[1] == ({"aten._foreach_copy_.default": 1}, {"aten._foreach_copy_.default": 1})
 
 

@@ -13,22 +13,10 @@ from collections import Counter
 import pytest
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_mp.master import RemainderMasters
 from lightning_mp.master.step import apply_grad_ops_in_place
-
-
-class Ops(TorchDispatchMode):
-    """Counts the aten ops dispatched inside."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops: Counter[str] = Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops[str(func)] += 1
-        return func(*args, **(kwargs or {}))
+from tests.helpers import AtenOps
 
 
 def _model(blocks: int, seed: int) -> nn.Sequential:
@@ -96,13 +84,13 @@ def test_lean_clipping_issues_the_same_ops_whatever_the_parameter_count(clip):
     counts = []
     for blocks in (2, 12):
         model, _, store, optimizer, _ = _setup(blocks, seed=1)
-        with Ops() as ops:
+        with AtenOps() as ops:
             if clip == "norm":
                 store.clip_grad_norm_(optimizer, 0.5)
             else:
                 store.clip_grad_value_(optimizer, 1e-3)
             fp32 = [p for p in model.parameters() if p.dtype == torch.float32]
             apply_grad_ops_in_place(fp32, store._grad_ops[id(optimizer)])  # the fp32 gradients' part of the step
-        counts.append(dict(ops.ops))
+        counts.append(dict(Counter(ops.ops)))
     assert counts[0] == counts[1]
     assert sum(counts[0].values()) <= (9 if clip == "norm" else 2), counts[0]

@@ -12,26 +12,15 @@ import copy
 import pytest
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_mp.master import RemainderMasters, native, onepass
-from tests.helpers import seeded
+from tests.helpers import AtenOps, seeded
 
 
 @pytest.fixture(autouse=True)
 def kernel():
     if native.cpu_kernel() is None:
         pytest.skip("no C compiler here: the chunked path has no plan")
-
-
-class _Ops(TorchDispatchMode):
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops: list[str] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops.append(str(func))
-        return func(*args, **(kwargs or {}))
 
 
 def _model() -> nn.Module:
@@ -138,7 +127,7 @@ def test_a_replayed_step_issues_no_op_but_the_fp32_parameters_kernel(optimizer_c
     _grads(model, reference, generator)
     _step(store, optimizer, ref_optimizer, found)
     _grads(model, reference, generator)
-    with _Ops() as counted:
+    with AtenOps() as counted:
         store.fused_step(optimizer, found)
     kernel = "aten._fused_adamw_.default" if optimizer_cls is torch.optim.AdamW else "aten._fused_sgd_.default"
     assert counted.ops == [kernel]
@@ -148,7 +137,7 @@ def test_a_replayed_step_issues_no_op_but_the_fp32_parameters_kernel(optimizer_c
         one = {**group, "params": [param]}
         assert onepass.step(optimizer, one, store, [], found, param)
         param.grad = torch.randn(param.shape, generator=generator).to(param.dtype)
-        with _Ops() as counted:
+        with AtenOps() as counted:
             assert onepass.step(optimizer, one, store, [], found, param)
         assert counted.ops == ([] if param is lean else [kernel])
 
