@@ -390,10 +390,9 @@ class MixedPrecisionPlugin(FabricHooks, MasterWeightsAccess, Precision):  # Fabr
         super().teardown()
 
     def __repr__(self) -> str:
-        masters = repr(self.steps.weights.option) if isinstance(self.steps.weights.option, str) else self.master_weights
         return (
             f"{type(self).__name__}(precision={self.precision!r}, scaler={self.scaler!r}, "
-            f"master_weights={masters}, "
+            f"master_weights={self.steps.weights.option!r}, "
             + ("optimizer_in_backward=True, " if self.optimizer_in_backward else "")
             + f"policy={self.policy!r}"
             + (f", fp8={self.fp8.recipe!r})" if self.fp8 is not None else ")")
