@@ -126,7 +126,7 @@ class StepPlan:
         state = optimizer.state
         if (
             state is not self.state
-            or getattr(store, "layout_version", 0) != self.layout_version
+            or store.layout_version != self.layout_version
             or switches(optimizer, group) != self.switches
             or len(params) != len(self.params)
             or not all(map(is_, params, self.params))
@@ -137,7 +137,7 @@ class StepPlan:
         if not all(map(is_, map(state.get, self.stepped), self.dicts)):
             return False
         try:
-            items = _read(self.dicts, self.keys)
+            items = list(map(self.getter, self.dicts)) if self.flat else _read(self.dicts, self.keys)
         except KeyError:  # cleared, or a key popped
             return False
         if not all(map(is_, items, self.items)):
@@ -186,6 +186,8 @@ class StepPlan:
                 for key in keys:
                     check_state_tensor(optimizer, param, key, state[key])
         if self.keys:
+            self.flat = len(self.keys) == 1  # one key: itemgetter gives the item itself, not a tuple
+            self.getter = itemgetter(*self.keys)
             self.stepped, self.dicts = stepped, states
             self.items = _read(states, self.keys)
             self.watched = [t for t in self.items if isinstance(t, Tensor)]
