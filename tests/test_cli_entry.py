@@ -59,6 +59,14 @@ def test_each_subcommand_help_names_the_command_the_user_typed(subcommand, capsy
     assert " ".join(SUBCOMMANDS[subcommand].split()[:4]) in " ".join(out.split()) or subcommand == "consolidate"
 
 
+def test_started_as_the_installed_script_the_usage_says_lightning_mp(monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", [str(Path(sys.prefix) / "bin" / "lightning-mp")])
+    for command in (["--help"], ["consolidate", "--help"]):
+        with pytest.raises(SystemExit):
+            main(command)
+        assert capsys.readouterr().out.startswith(f"usage: lightning-mp {command[0] if len(command) > 1 else ''}")
+
+
 def test_a_missing_extra_is_the_only_line_and_leaves_no_run_folder(tmp_path):
     """digits.yaml without scikit-learn (of the samples extra): its one line, before anything else is printed."""
     done = _run(
