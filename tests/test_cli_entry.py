@@ -138,3 +138,17 @@ def test_a_run_that_wrote_into_its_folder_before_failing_keeps_it(tmp_path):
     with pytest.raises(RuntimeError, match="the model failed at its first step"):
         _fit(tmp_path, "--model=tests.test_cli_entry.CrashingDigits", "--data=null")
     assert (tmp_path / "lightning_logs" / "version_0" / "precision_report.md").is_file()
+
+
+def test_a_sample_built_without_its_package_says_the_extra_in_one_line(monkeypatch):
+    """The same line where the sample is built by other code than the CLI's check (jsonargparse, a user's script)."""
+    from lightning_mp.cli.errors import missing_extra
+    from lightning_mp.samples import ImageDataModule
+    from lightning_mp.samples.resources import MissingExtraError
+
+    monkeypatch.setitem(sys.modules, "sklearn", None)  # not installed, as importlib.util.find_spec sees it
+    with pytest.raises(MissingExtraError) as refused:
+        ImageDataModule(source="digits")
+    assert missing_extra(refused.value) == str(refused.value)
+    assert 'pip install "lightning_mp[samples]"' in str(refused.value)
+    ImageDataModule(source="fashion_mnist")  # a source that does not need scikit-learn is not refused

@@ -73,8 +73,10 @@ def check_sample_dependency(module: str, distribution: str, needed_for: str) -> 
     """Raise :class:`MissingExtraError`, the line :func:`import_sample_dependency` would say, when ``module``'s
     package (``distribution`` on the package index) is not installed; found without importing it, so that a sample's
     ``check_dependencies`` is cheap enough for the command line to ask before any work."""
-    if importlib.util.find_spec(module.split(".")[0]) is None:
-        raise MissingExtraError(_not_installed(distribution, needed_for), name=module)
+    top = module.split(".")[0]
+    if importlib.util.find_spec(top) is None:
+        missing = ModuleNotFoundError(f"No module named {top!r}", name=top)  # what the import would have raised
+        raise MissingExtraError(_not_installed(distribution, needed_for), name=module) from missing
 
 
 def _not_installed(distribution: str, needed_for: str) -> str:
