@@ -2,14 +2,17 @@
 (``nn.LSTM`` under fp16 autocast on a CPU: ``could not create a primitive descriptor for the LSTM forward
 propagation primitive``), a constant too large for the half tensor it is written into (``x.masked_fill(mask, -1e9)``
 on fp16: ``value cannot be converted to type c10::Half without overflow``), or another error that names a half
-dtype. Such an error ends the run at the first forward, far from its cause.
+dtype. Such an error ends the run at the first forward, far from its cause, and a model often has more than one.
 
 :class:`ExplainingAutocast` is the plugin's ``torch.autocast``: on the normal path it is that context and nothing
 more (no hook, no mode, no per-op Python). When an error leaves the forward it reads the traceback (whose frames
-hold the modules that were running), re-runs the innermost module once under a ``TorchFunctionMode`` that notes
-the first torch function that raises (the op and its arguments), and raises :class:`HalfPrecisionError` from the
-original error: the module's qualified name and class, the op, the value (for an overflow) and the cast-policy
-line that fixes it. An error it cannot explain is left as it was.
+hold the modules that were running) and runs the outermost module call of the model that failed (the model's
+``forward``, with every submodule) once more under :class:`_EveryFailure`, a ``TorchFunctionMode`` that notes each
+torch function failing for the half dtype (the op, the module running it, the line, the value for an overflow) and
+runs that one op in fp32 so that the forward goes on to the next failure. It then raises one
+:class:`HalfPrecisionError` naming every failure of that forward and the one cast-policy line that fixes them all,
+``from None`` (the original error, with its traceback through torch's internals, is kept as ``.original``). An
+error it cannot explain is left as it was.
 """
 
 from __future__ import annotations
@@ -18,15 +21,18 @@ import linecache
 import math
 import os
 import re
-from dataclasses import asdict, dataclass
+import sys
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, replace
 from types import TracebackType
-from typing import Any, Callable, Optional
+from typing import Any, Optional, Union
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode, resolve_name
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_leaves, tree_map
 
+from lightning_mp.forward import override_context
 from lightning_mp.policy import CastPolicy
 
 #: Wrappers that hold the user's model and are not part of its names (Lightning's, Fabric's, torch's).
@@ -45,11 +51,13 @@ _HALF_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
 @dataclass(frozen=True)
 class HalfFailure:
-    """What :func:`explain` found. ``kind``: ``"no_kernel"`` (the op has no kernel for the half dtype on the device),
-    ``"overflow"`` (a constant does not fit the half dtype) or ``"dtype"`` (another error naming a half dtype).
-    ``module`` is the failing module's qualified name (``""`` for the root module or ``training_step``'s code) and
-    ``module_class`` its class; ``rule`` the ``fp32_modules`` rule that runs it in fp32 (``""`` when no module rule
-    reaches that code); ``fix`` the one line to apply; ``error`` the original error's first line."""
+    """One op that failed in the half dtype, found by :func:`explain`. ``kind``: ``"no_kernel"`` (the op has no
+    kernel for the half dtype on the device), ``"overflow"`` (a constant does not fit the half dtype) or ``"dtype"``
+    (another error naming a half dtype). ``module`` is the failing module's qualified name (``""`` for the root
+    module or ``training_step``'s code) and ``module_class`` its class; ``rule`` the ``fp32_modules`` rule that runs
+    it in fp32 (``""`` when no module rule reaches that code); ``fix`` the one line that fixes every failure of the
+    forward (this one included); ``error`` the original error's first line; ``also`` the other modules of the same
+    class where the same op failed at the same line (the layers of a stack)."""
 
     kind: str
     module: str
@@ -62,44 +70,79 @@ class HalfFailure:
     rule: str = ""
     fix: str = ""
     value: Optional[float] = None
+    also: tuple[str, ...] = ()
 
     def place(self) -> str:
         """``"encoder.lstm (LSTM)"``, or ``"the root module (MyModel)"`` for code no module rule reaches."""
         return f"{self.module} ({self.module_class})" if self.module else f"the root module ({self.module_class})"
 
-    def message(self) -> str:
-        """The one line :class:`HalfPrecisionError` says."""
+    def describe(self) -> str:
+        """What failed, where, and the original error's first line (no fix)."""
         at = f"op {self.op}" + (f" at {self.where}" if self.where else "")
+        place = self.place() + (f" (and {', '.join(self.also)})" if self.also else "")
         if self.kind == "overflow":
             what = (
-                f"{self.place()} writes {_number(self.value)} into a {self.dtype} tensor ({at}), beyond {self.dtype}'s "
+                f"{place} writes {_number(self.value)} into a {self.dtype} tensor ({at}), beyond {self.dtype}'s "
                 f"range (largest {_number(_largest(self.dtype))})"
             )
         elif self.kind == "no_kernel":
-            what = f"{self.place()} cannot run in {self.dtype} on {self.device}: {at} has no {self.dtype} kernel there"
+            what = f"{place} cannot run in {self.dtype} on {self.device}: {at} has no {self.dtype} kernel there"
         else:
-            what = f"{self.place()} fails in {self.dtype} on {self.device} ({at})"
-        return f"{what}: {self.error!r}. Fix: {self.fix}"
+            what = f"{place} fails in {self.dtype} on {self.device} ({at})"
+        return f"{what}: {self.error!r}"
+
+    def message(self) -> str:
+        """The one line :class:`HalfPrecisionError` says when this is the forward's only failure."""
+        return f"{self.describe()}. Fix: {self.fix}"
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        return {**asdict(self), "also": list(self.also)}
 
 
 class HalfPrecisionError(RuntimeError):
-    """An op that cannot run in the half dtype, explained (:class:`HalfFailure` in ``.failure``); raised from the
-    original error, which stays in ``__cause__``."""
+    """Every op of one forward that cannot run in the half dtype, explained: :attr:`failures` (one
+    :class:`HalfFailure` each, in the order the forward met them; :attr:`failure` the first), :attr:`fix` (the one
+    line that fixes them all), :attr:`rules` (the ``fp32_modules`` rules it adds) and :attr:`original` (the error the
+    forward raised; ``None`` once pickled). Raised ``from None``: the original's traceback through torch's
+    internals is not printed, it stays in :attr:`original`. ``stopped``: why the diagnosis ended before the end of
+    the forward (``""`` when it reached the end)."""
 
-    def __init__(self, failure: HalfFailure) -> None:
-        super().__init__(failure.message())
-        self.failure = failure
+    def __init__(
+        self,
+        failures: Union[HalfFailure, Sequence[HalfFailure]],
+        original: Optional[BaseException] = None,
+        stopped: str = "",
+    ) -> None:
+        self.failures: tuple[HalfFailure, ...] = (failures,) if isinstance(failures, HalfFailure) else tuple(failures)
+        self.failure = self.failures[0]
+        self.fix = self.failure.fix
+        self.rules = [f.rule for f in self.failures if f.rule]
+        self.original = original
+        self.stopped = stopped
+        super().__init__(_error_message(self.failures, stopped))
 
     def __reduce__(self) -> Any:  # pickled whole (a spawned rank's error reaches the parent process)
-        return type(self), (self.failure,)
+        return type(self), (self.failures, None, self.stopped)
+
+
+def _error_message(failures: tuple[HalfFailure, ...], stopped: str) -> str:
+    first = failures[0]
+    note = (
+        f" (The diagnosis stopped early, at {stopped}: later ops of the forward were not checked.)" if stopped else ""
+    )
+    if len(failures) == 1:
+        return first.message() + note
+    listed = "\n".join(f"  {i}. {failure.describe()}" for i, failure in enumerate(failures, 1))
+    return (
+        f"{len(failures)} ops of this forward cannot run in {first.dtype} on {first.device}:\n{listed}\n"
+        f"Fix them all: {first.fix}{note}"
+    )
 
 
 class ExplainingAutocast(torch.autocast):
-    """``torch.autocast`` that turns a half-precision failure leaving the forward into :class:`HalfPrecisionError`
-    (see the module docstring). ``policy`` is the cast policy in effect, so the fix adds to it."""
+    """``torch.autocast`` that turns a half-precision failure leaving the forward into one :class:`HalfPrecisionError`
+    naming every failure of that forward (see the module docstring). ``policy`` is the cast policy in effect, so the
+    fix adds to it."""
 
     def __init__(self, device_type: str, dtype: torch.dtype, policy: CastPolicy, cache_enabled: bool = False) -> None:
         super().__init__(device_type, dtype=dtype, cache_enabled=cache_enabled)
@@ -108,9 +151,9 @@ class ExplainingAutocast(torch.autocast):
     def __exit__(self, exc_type: Any, exc_val: Any, exc_tb: Optional[TracebackType]) -> Any:
         result = super().__exit__(exc_type, exc_val, exc_tb)
         if isinstance(exc_val, RuntimeError) and not isinstance(exc_val, HalfPrecisionError):
-            failure = explain(exc_val, self.device, self.fast_dtype, self.policy)
-            if failure is not None:
-                raise HalfPrecisionError(failure) from exc_val
+            explained = explain(exc_val, self.device, self.fast_dtype, self.policy)
+            if explained is not None:
+                raise explained from None  # the original (torch's internals) stays in .original, not printed
         return result
 
 
@@ -125,9 +168,10 @@ def kind_of(error: BaseException, dtype: torch.dtype) -> Optional[str]:
     return "dtype" if half else None
 
 
-def explain(error: BaseException, device: str, dtype: torch.dtype, policy: CastPolicy) -> Optional[HalfFailure]:
-    """The :class:`HalfFailure` behind ``error`` raised inside a ``dtype`` autocast on ``device``, or ``None``
-    when it is not a half-precision failure. Runs only on the failure path; never raises."""
+def explain(error: BaseException, device: str, dtype: torch.dtype, policy: CastPolicy) -> Optional[HalfPrecisionError]:
+    """The :class:`HalfPrecisionError` behind ``error`` raised inside a ``dtype`` autocast on ``device`` (every
+    failure of the forward it left), or ``None`` when it is not a half-precision failure. Runs only on the failure
+    path; never raises."""
     kind = kind_of(error, dtype)
     if kind is None or dtype not in _HALF_NAMES:
         return None
@@ -137,53 +181,96 @@ def explain(error: BaseException, device: str, dtype: torch.dtype, policy: CastP
         return None
 
 
-def _explain(error: BaseException, kind: str, device: str, dtype: torch.dtype, policy: CastPolicy) -> HalfFailure:
+def _explain(
+    error: BaseException, kind: str, device: str, dtype: torch.dtype, policy: CastPolicy
+) -> HalfPrecisionError:
     frames = _frames(error.__traceback__)
-    chain, call = _module_chain(frames)
+    chain, outer = _module_chain(frames)
+    failures: list[HalfFailure] = []
+    stopped = ""
+    if outer is not None:  # the model's forward that failed, once more: every failure it meets
+        failures, stopped = _replay(outer, chain[0], device, dtype, policy)
+    if not failures:  # training_step's own code (no module call to run again), or the forward did not fail again
+        failures = [_from_traceback(error, kind, frames, chain, device, dtype)]
+        stopped = ""
+    fix = fix_for_all(failures, policy)
+    return HalfPrecisionError([replace(failure, fix=fix) for failure in failures], original=error, stopped=stopped)
+
+
+def _from_traceback(
+    error: BaseException, kind: str, frames: list[Any], chain: list[nn.Module], device: str, dtype: torch.dtype
+) -> HalfFailure:
+    """The one failure the traceback shows: the innermost module running, the line that raised."""
     module = chain[-1] if chain else None
     name = _qualified_name(chain)
-    op, value = _replay(call, device, dtype) if call is not None else (None, None)
-    user = [f for f in frames if not os.path.abspath(f.f_code.co_filename).startswith(_LIBRARY_DIRS)]
-    where = f"{os.path.basename(user[-1].f_code.co_filename)}:{user[-1].f_lineno}" if user else ""
-    if op is None:  # no replay (training_step's own code) or it did not fail again: the line that raised
-        last = frames[-1] if frames else None
-        op = linecache.getline(last.f_code.co_filename, last.f_lineno).strip() if last is not None else "?"
-        if kind == "overflow":  # the constant as written on that line
-            numbers = [float(n) for n in re.findall(r"-?\d+(?:\.\d*)?(?:[eE][-+]?\d+)?", op)]
-            value = next((n for n in numbers if _too_large(n, dtype)), None)
+    last = frames[-1] if frames else None
+    op = linecache.getline(last.f_code.co_filename, last.f_lineno).strip() if last is not None else "?"
+    value = None
+    if kind == "overflow":  # the constant as written on that line
+        numbers = [float(n) for n in re.findall(r"-?\d+(?:\.\d*)?(?:[eE][-+]?\d+)?", op)]
+        value = next((n for n in numbers if _too_large(n, dtype)), None)
     module_class = type(module).__name__ if module is not None else "(outside any module)"
-    rule = module_class if name else ""
-    failure = HalfFailure(
+    return HalfFailure(
         kind=kind,
         module=name,
         module_class=module_class,
         op=op,
-        where=where,
+        where=_user_line([(f.f_code.co_filename, f.f_lineno) for f in frames]),
         dtype=_HALF_NAMES[dtype],
         device=device,
-        error=str(error).splitlines()[0].split(". ")[0][:200],
-        rule=rule,
+        error=_first_line(error),
+        rule=module_class if name else "",
         value=value,
     )
-    return HalfFailure(**{**failure.to_dict(), "fix": fix_for(failure, policy)})
 
 
 def fix_for(failure: HalfFailure, policy: CastPolicy) -> str:
     """The cast-policy line that runs the failing module in fp32 (with the rules already in ``policy``), or, for
     code no module rule reaches, what to change there."""
-    finfo = f"torch.finfo(x.dtype).min instead of {_number(failure.value)}" if failure.kind == "overflow" else ""
-    if not failure.rule:
+    return fix_for_all([failure], policy)
+
+
+def fix_for_all(failures: Sequence[HalfFailure], policy: CastPolicy) -> str:
+    """One line that fixes every failure: one ``fp32_modules`` policy (the rules already in ``policy`` plus one per
+    failing module class) for the failures inside submodules, and what to change for code no module rule reaches."""
+    ruled = [f for f in failures if f.rule]
+    parts = []
+    if ruled:
+        rules = list(dict.fromkeys([*policy.fp32_modules, *(f.rule for f in ruled)]))
+        fields = _fields(policy, rules)
+        python = "{" + ", ".join(f"{key!r}: {value!r}" for key, value in fields.items()) + "}"
+        yaml = "{" + ", ".join(f"{key}: {_yaml(value)}" for key, value in fields.items()) + "}"
+        them = "it" if len({f.rule for f in ruled}) == 1 else "them"
+        line = f"keep {them} in fp32 with MixedPrecisionPlugin(policy={python}) (YAML: policy: {yaml})"
+        constants = [
+            f"{_finfo(f)} in " + ("its forward" if them == "it" else f"{f.module_class}'s forward")
+            for f in _unique(ruled, lambda f: (f.module_class, f.value))
+            if f.kind == "overflow"
+        ]
+        parts.append(line.replace("'", '"') + (", or write " + "; ".join(constants) if constants else ""))
+    for failure in _unique([f for f in failures if not f.rule], lambda f: f.where):
         where = "there" if not failure.where else f"at {failure.where}"
-        return (
+        parts.append(
             "no fp32_modules rule reaches this code (it is not inside a submodule): "
-            + (f"write {finfo} {where}" if finfo else f"compute it in float32 {where} (cast its inputs with .float())")
-            + ", or move it into a submodule and keep that in fp32 with policy={'fp32_modules': [...]}."
+            + (
+                f"write {_finfo(failure)} {where}"
+                if failure.kind == "overflow"
+                else f"compute it in float32 {where} (cast its inputs with .float())"
+            )  # fmt: skip
+            + ", or move it into a submodule and keep that in fp32 with policy={'fp32_modules': [...]}"
         )
-    rules = list(dict.fromkeys([*policy.fp32_modules, failure.rule]))
-    python = "{" + ", ".join(f"{key!r}: {value!r}" for key, value in _fields(policy, rules).items()) + "}"
-    yaml = "{" + ", ".join(f"{key}: {_yaml(value)}" for key, value in _fields(policy, rules).items()) + "}"
-    line = f"keep it in fp32 with MixedPrecisionPlugin(policy={python}) (YAML: policy: {yaml})".replace("'", '"')
-    return line + (f", or write {finfo} in its forward" if finfo else "") + "."
+    return "; and ".join(parts) + "."
+
+
+def _finfo(failure: HalfFailure) -> str:
+    return f"torch.finfo(x.dtype).min instead of {_number(failure.value)}"
+
+
+def _unique(failures: Sequence[HalfFailure], key: Any) -> list[HalfFailure]:
+    seen: dict[Any, HalfFailure] = {}
+    for failure in failures:
+        seen.setdefault(key(failure), failure)
+    return list(seen.values())
 
 
 def _fields(policy: CastPolicy, rules: list[str]) -> dict[str, Any]:
@@ -201,6 +288,10 @@ def _yaml(value: Any) -> str:
     return "[" + ", ".join(str(item) for item in value) + "]" if isinstance(value, list) else str(value)
 
 
+def _first_line(error: BaseException) -> str:
+    return str(error).splitlines()[0].split(". ")[0][:200] if str(error) else type(error).__name__
+
+
 def _frames(traceback: Optional[TracebackType]) -> list[Any]:
     frames = []
     while traceback is not None:
@@ -209,33 +300,40 @@ def _frames(traceback: Optional[TracebackType]) -> list[Any]:
     return frames
 
 
+def _user_line(places: list[tuple[str, int]]) -> str:
+    """``file.py:line`` of the innermost place (``(filename, line)``, outermost first) outside torch and this
+    package: the model's own code."""
+    user = [(f, n) for f, n in places if not os.path.abspath(f).startswith(_LIBRARY_DIRS)]
+    return f"{os.path.basename(user[-1][0])}:{user[-1][1]}" if user else ""
+
+
 _CALL_IMPL = nn.Module._call_impl.__code__
 
 
 def _module_chain(frames: list[Any]) -> tuple[list[nn.Module], Optional[tuple[nn.Module, Any, Any, Any]]]:
     """The modules running when the error left (outermost first, wrappers dropped, from the innermost
-    LightningModule on) and the innermost module call ``(module, forward, args, kwargs)`` (``None`` when the error
-    came from code outside any module call)."""
+    LightningModule on) and the outermost call of one of them ``(module, forward, args, kwargs)``: the model's
+    forward that failed (``None`` when the error came from code outside any module call, ``training_step``)."""
     chain: list[nn.Module] = []
-    call = None
+    calls: list[tuple[nn.Module, Any, Any, Any]] = []
     for frame in frames:
         owner = frame.f_locals.get("self")
         if isinstance(owner, nn.Module) and (not chain or chain[-1] is not owner):
             chain.append(owner)
         if frame.f_code is _CALL_IMPL:
-            call = (
-                owner,
-                frame.f_locals.get("forward_call"),
-                frame.f_locals.get("args", ()),
-                frame.f_locals.get("kwargs", {}),
-            )
-    if call is not None and chain and call[0] is not chain[-1]:
-        call = None  # the innermost module's own code raised outside a module call (training_step)
+            calls.append(
+                (owner, frame.f_locals.get("forward_call"), frame.f_locals.get("args", ()),
+                 frame.f_locals.get("kwargs", {}))
+            )  # fmt: skip
     roots = [i for i, module in enumerate(chain) if _is_lightning_module(module)]
     chain = chain[roots[-1] :] if roots else chain
     while len(chain) > 1 and type(chain[0]).__name__ in WRAPPERS:
         chain = chain[1:]
-    return chain, call
+    if not calls or not chain or calls[-1][0] is not chain[-1]:
+        return chain, None  # the innermost module's own code raised outside a module call (training_step)
+    running = {id(module) for module in chain}
+    outer = next((call for call in calls if id(call[0]) in running and type(call[0]).__name__ not in WRAPPERS), None)
+    return chain, outer
 
 
 def _is_lightning_module(module: nn.Module) -> bool:
@@ -253,40 +351,119 @@ def _qualified_name(chain: list[nn.Module]) -> str:
     return ".".join(p for p in parts if p)
 
 
-class _FirstFailure(TorchFunctionMode):
-    """Notes the first torch function whose call raises (only top-level calls reach a mode: the op itself)."""
+#: Tensor methods that write their first argument in place without a trailing ``_`` in their name.
+_IN_PLACE_DUNDERS = {"__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__", "__ipow__"}
 
-    def __init__(self) -> None:
+
+class _EveryFailure(TorchFunctionMode):
+    """Runs each torch function (only top-level calls reach a mode: the op itself). One that fails for the half
+    dtype is noted with the module running it (a stack kept by global module hooks) and its line, and run again in
+    fp32 (floating inputs upcast, autocast off; outputs back in the dtype of its first floating input, an in-place
+    op's result written into its target), so that the forward goes on to its next failure."""
+
+    def __init__(self, device: str, dtype: torch.dtype, names: dict[int, str]) -> None:
         super().__init__()
-        self.failed: Optional[tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any]]] = None
+        self.device, self.dtype, self.names = device, dtype, names
+        self.running: list[nn.Module] = []  # the module stack, innermost last
+        self.found: list[tuple[str, BaseException, str, nn.Module, str, Optional[float]]] = []
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         try:
             return func(*args, **kwargs)
-        except Exception:
-            if self.failed is None:
-                self.failed = (func, args, kwargs)
-            raise
+        except Exception as error:
+            kind = kind_of(error, self.dtype)
+            if kind is None:
+                raise
+            self._note(func, kind, error, args, kwargs)
+            return self._in_fp32(func, args, kwargs)
+
+    def _note(self, func: Any, kind: str, error: BaseException, args: Any, kwargs: Any) -> None:
+        module = next((m for m in reversed(self.running) if id(m) in self.names), None)
+        places, frame = [], sys._getframe(2)  # the caller of the op (this method and __torch_function__ skipped)
+        while frame is not None:
+            places.append((frame.f_code.co_filename, frame.f_lineno))
+            frame = frame.f_back
+        found = [float(v) for v in tree_leaves((args, kwargs)) if _too_large(v, self.dtype)]
+        op = resolve_name(func) or getattr(func, "__name__", repr(func))
+        self.found.append((kind, error, op, module, _user_line(places[::-1]), found[0] if found else None))
+
+    def _in_fp32(self, func: Any, args: Any, kwargs: Any) -> Any:
+        upcast = tree_map(_to_fp32, (args, kwargs))
+        with torch.autocast(self.device, enabled=False):
+            out = func(*upcast[0], **upcast[1])
+        name = (resolve_name(func) or "").rsplit(".", 1)[-1]
+        target = args[0] if args and isinstance(args[0], Tensor) else None
+        if target is not None and (name in _IN_PLACE_DUNDERS or (name.endswith("_") and not name.endswith("__"))):
+            target.copy_(upcast[0][0])  # the in-place op wrote the fp32 copy: its target takes the result
+            return None if name == "__setitem__" else target
+        back = next((t.dtype for t in tree_leaves(args) if isinstance(t, Tensor) and t.is_floating_point()), None)
+        if back not in _HALF_NAMES:
+            return out
+        return tree_map(lambda v: v.to(back) if isinstance(v, Tensor) and v.dtype == torch.float32 else v, out)
+
+    def push(self, module: nn.Module, *args: Any) -> None:
+        self.running.append(module)
+
+    def pop(self, module: nn.Module, *args: Any) -> None:
+        if self.running and self.running[-1] is module:
+            self.running.pop()
 
 
-def _replay(call: tuple[nn.Module, Any, Any, Any], device: str, dtype: torch.dtype) -> tuple[Optional[str], Any]:
-    """Run the failing module's forward once more, under the same autocast, to name the op that raises and, for an
-    overflow, the value that did not fit."""
+def _to_fp32(value: Any) -> Any:
+    if isinstance(value, Tensor) and value.is_floating_point() and value.dtype != torch.float32:
+        return value.float()
+    return value
+
+
+def _replay(
+    call: tuple[nn.Module, Any, Any, Any], root: nn.Module, device: str, dtype: torch.dtype, policy: CastPolicy
+) -> tuple[list[HalfFailure], str]:
+    """Run the model's failing forward once more, under the same autocast and op overrides, through every failure
+    (:class:`_EveryFailure`); the failures, grouped (the same op on the same line in modules of one class: one
+    entry with the others in ``also``), and why the replay stopped early (``""`` when it reached the end)."""
     module, forward, args, kwargs = call
-    recorder = _FirstFailure()
+    names = {id(m): name for name, m in root.named_modules()}
+    recorder = _EveryFailure(device, dtype, names)
+    pre = torch.nn.modules.module.register_module_forward_pre_hook(recorder.push)
+    post = torch.nn.modules.module.register_module_forward_hook(recorder.pop, always_call=True)
+    stopped = ""
     try:
-        with torch.autocast(device, dtype=dtype, cache_enabled=False), recorder:
+        autocast = torch.autocast(device, dtype=dtype, cache_enabled=False)
+        with (
+            autocast,
+            override_context(policy, device, dtype),
+            recorder,
+        ):  # the recorder innermost: it sees each op first
             (forward or module.forward)(*args, **kwargs)
-    except Exception:
-        pass  # the failure being explained, found again
-    if recorder.failed is None:
-        return None, None
-    func, args, kwargs = recorder.failed
-    name = resolve_name(func) or getattr(func, "__name__", repr(func))
-    found: list[float] = []
-    tree_map(lambda v: found.append(float(v)) if _too_large(v, dtype) else None, (args, kwargs))
-    return name, (found[0] if found else None)
+    except Exception as error:  # a failure the recorder could not run past: reported with those found before it
+        stopped = f"{type(error).__name__}: {_first_line(error).rstrip('.')}"
+    finally:
+        pre.remove()
+        post.remove()
+    grouped: dict[tuple[str, str, str, str], HalfFailure] = {}
+    for kind, error, op, owner, where, value in recorder.found:
+        name = names.get(id(owner), "") if owner is not None else ""
+        module_class = type(owner).__name__ if owner is not None else type(root).__name__
+        key = (kind, op, where, module_class)
+        if key in grouped:
+            known = grouped[key]
+            if name != known.module and name not in known.also:
+                grouped[key] = replace(known, also=(*known.also, name))
+            continue
+        grouped[key] = HalfFailure(
+            kind=kind,
+            module=name,
+            module_class=module_class,
+            op=op,
+            where=where,
+            dtype=_HALF_NAMES[dtype],
+            device=device,
+            error=_first_line(error),
+            rule=module_class if name else "",
+            value=value,
+        )
+    return list(grouped.values()), stopped
 
 
 def _too_large(value: Any, dtype: torch.dtype) -> bool:
