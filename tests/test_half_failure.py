@@ -284,3 +284,14 @@ def test_a_failure_the_replay_cannot_run_past_is_said_with_those_before_it():
     assert str(error).endswith(
         f"(The diagnosis stopped early, at {error.stopped}: later ops of the forward were not checked.)"
     )
+
+
+def test_the_monitor_report_names_every_failure_and_the_one_fix(tmp_path):
+    monitor = PrecisionMonitor(sample_every=1)
+    with pytest.raises(HalfPrecisionError) as caught:
+        fit(MixedPrecisionPlugin(), attention=True, callbacks=[monitor], default_root_dir=tmp_path)
+    text = monitor.report_files.markdown.read_text()
+    assert f"1. **fp32_modules**: `{caught.value.fix}`" in text  # the line that fixes both
+    assert "the run ended at net.encoder.lstm (LSTM), op torch.lstm" in text
+    assert "; also net.attention (MaskedAttention), op torch.Tensor.masked_fill." in text
+    assert [other["module"] for other in monitor.history.half_failure["others"]] == ["net.attention"]
