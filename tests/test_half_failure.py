@@ -295,3 +295,44 @@ def test_the_monitor_report_names_every_failure_and_the_one_fix(tmp_path):
     assert "the run ended at net.encoder.lstm (LSTM), op torch.lstm" in text
     assert "; also net.attention (MaskedAttention), op torch.Tensor.masked_fill." in text
     assert [other["module"] for other in monitor.history.half_failure["others"]] == ["net.attention"]
+
+
+class OwnCode(nn.Module):
+    """A constant written in the module's own forward, not in a submodule of it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = self.linear(x)
+        return hidden.masked_fill(hidden > 0, -1e9)
+
+
+class CallsItsNet(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = OwnCode()
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self.net(batch[0]).float().mean()
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.05)
+
+
+def test_a_failure_in_the_called_modules_own_code_is_that_modules():
+    # training_step calls self.net(x): the forward run again is net's, and an op in net's own code is net's (a rule
+    # on its class reaches it), not code outside every module
+    with pytest.raises(HalfPrecisionError) as caught:
+        make_trainer(MixedPrecisionPlugin(), max_steps=1).fit(CallsItsNet(), data())
+    (failure,) = caught.value.failures
+    assert (failure.module, failure.module_class, failure.rule, failure.kind) == (
+        "net",
+        "OwnCode",
+        "OwnCode",
+        "overflow",
+    )
+    make_trainer(MixedPrecisionPlugin(policy={"fp32_modules": caught.value.rules}), max_steps=1).fit(
+        CallsItsNet(), data()
+    )

@@ -267,6 +267,7 @@ def replay(
     module, forward, args, kwargs = call
     names = {id(m): name for name, m in root.named_modules()}
     recorder = _EveryFailure(device, dtype, names)
+    recorder.running.append(module)  # its forward is called directly (no hooks): its own code is its own
     pre = torch.nn.modules.module.register_module_forward_pre_hook(recorder.push)
     post = torch.nn.modules.module.register_module_forward_hook(recorder.pop, always_call=True)
     stopped = ""
