@@ -109,7 +109,7 @@ def exact_parameters(module: nn.Module, store: Any = None) -> Iterator[tuple[str
     """``(name, exact fp32 value)`` for each of ``module``'s parameters, in ``named_parameters()`` order (tied ones
     once), each made when the iteration reaches it. ``module``: any module whose parameters the plugin holds (the
     LightningModule, a submodule such as ``self.unet``, a Fabric- or DDP-wrapped module): the masters are found from
-    the parameters themselves. Parameters no master weights hold (kept in fp32 by the policy, a model trained
+    the parameters themselves. Parameters without masters (kept in fp32 by the policy, a model trained
     without master weights, after fit) are given as they are: they are the exact values. ``store``: the
     master-weights store expected to hold ``module`` (the plugin's methods pass theirs; default: the one that runs
     ``module``, see :func:`store_of`); a module it does not hold raises :class:`NotHeldError` naming it. Read the
