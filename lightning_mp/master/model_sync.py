@@ -23,18 +23,26 @@ The check is three C-level passes over lists (version counters, storage addresse
 compared with the lists recorded after the last write the masters know of: no Python per parameter while nothing
 was written. ``p.data.copy_(t)`` bumps no counter and keeps the storage: nothing in torch records it, and it is the
 one write the masters cannot follow (write ``with torch.no_grad(): p.copy_(t)`` instead).
+
+Each :class:`ModelSync` also says which parameters it holds, by their identity (:func:`holder_of`): every parameter
+of the model it was made for, converted or kept in fp32, from its creation until :meth:`ModelSync.remove` (teardown).
+Code handed any module (a submodule, a module reached by any path) finds the masters of its parameters from the
+parameters themselves. The registry holds weak references on both sides: it keeps neither a parameter nor a store
+alive.
 """
 
 from __future__ import annotations
 
 import contextlib
 import operator
+import weakref
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from torch import Tensor, nn
 from torch.overrides import is_tensor_like
+from torch.utils.weak import WeakIdKeyDictionary
 
 _version = operator.attrgetter("_version")
 
@@ -118,6 +126,10 @@ class ModelSync:
                 owner.register_load_state_dict_post_hook(self._load_post_hook),
             )
         ]
+        self._held_params = list(module.parameters())  # (tied ones once) what holder_of answers for, until remove()
+        self_ref = weakref.ref(self)
+        for param in self._held_params:
+            _HOLDERS[param] = self_ref
         self.record()
 
     # ------------------------------------------------------------------ the record and the check
@@ -282,11 +294,26 @@ class ModelSync:
                         self._held[index] = param.data
 
     def remove(self) -> None:
-        """Remove the hooks (at teardown)."""
+        """Remove the hooks (at teardown) and stop holding the parameters (:func:`holder_of` no longer names this)."""
         for hook in self._hooks:
             hook.remove()
         self._hooks = []
         self._loaded.clear()
+        for param in self._held_params:
+            if holder_of(param) is self:  # a later store may have converted the same model since
+                del _HOLDERS[param]
+        self._held_params = []
+
+
+#: parameter -> weak reference to the :class:`ModelSync` that holds it (weak keys: compared by identity)
+_HOLDERS: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def holder_of(param: Tensor) -> Optional[ModelSync]:
+    """The :class:`ModelSync` whose masters hold ``param`` (any parameter of the model they set up, converted or
+    kept in fp32), or ``None``: no master weights hold it (none set it up, or they were torn down)."""
+    ref = _HOLDERS.get(param)
+    return ref() if ref is not None else None
 
 
 def _is_wide(value: Any) -> bool:
