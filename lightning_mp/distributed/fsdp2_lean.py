@@ -192,7 +192,7 @@ class ShardedRemainderMasters(RemainderMasters):
                 self._generic[id(optimizer)] = ShardedGenericStep(optimizer, self, self._chunk_of(optimizer))
                 continue
             _initial_state(optimizer)
-            self._optimizer_hooks += [
+            self._optimizer_hooks[id(optimizer)] = [
                 optimizer.register_load_state_dict_pre_hook(stash_fp32_state),
                 optimizer.register_load_state_dict_post_hook(restore_fp32_state),
             ]
@@ -281,7 +281,7 @@ class ShardedRemainderMasters(RemainderMasters):
             _retype_groups([group for _, group, _ in self._shards.values()])
         for generic in self._generic.values():
             generic.restore()
-        for hook in self._optimizer_hooks + self._forward_hooks:
+        for hook in [h for hooks in self._optimizer_hooks.values() for h in hooks] + self._forward_hooks:
             hook.remove()
         self._staging.release()
         self._reset()

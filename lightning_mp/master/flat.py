@@ -83,6 +83,7 @@ class MasterWeights(PlainWeights):
         self._flat: list[tuple[Tensor, Tensor]] = []  # one (flat masters, flat grads) per device
         self._moves = FlatMoves()  # the per-step moves' lists, per device
         self._optimizers: list[Optimizer] = []
+        self._carried_grads: dict[int, Tensor] = {}  # id(half param) -> its released master's gradient, until remade
         # per optimizer, its groups' lengths when last followed; None: not attached by this class (a subclass that
         # does its own, as the FSDP2 sharded store) and not followed
         self._group_sizes: Optional[list[tuple[int, ...]]] = None
@@ -197,6 +198,64 @@ class MasterWeights(PlainWeights):
             )
         self.attach(self._optimizers)
 
+    def follow_optimizers(self, optimizers: Iterable[Optimizer]) -> None:
+        """The run steps other optimizers now (one swapped mid-fit: ``trainer.strategy.setup_optimizers(trainer)``,
+        ``trainer.strategy.optimizers = [new]``): each optimizer no longer in ``optimizers`` gets the model's
+        parameters back in its groups (with its state), and ``optimizers`` hold masters as :meth:`attach` makes them.
+        A master no parameter of ``optimizers`` trains any more is released (its exact value kept as the model
+        parameter's fp32 value until a later optimizer trains it again; the masters still trained are made again,
+        with their gradients, in new flat buffers); when the same parameters are trained, the masters stay as they
+        are (and so does everything built on their flat buffers, as DDP's reduction).
+
+        Raises:
+            ValueError: as :meth:`attach`.
+            RuntimeError: masters to release under several processes (the strategy reduces the flat buffers
+                it was set up with).
+        """
+        if self._module is None:
+            return
+        optimizers = list(optimizers)
+        kept = {id(optimizer) for optimizer in optimizers}
+        for optimizer in self._optimizers:
+            if id(optimizer) not in kept:
+                self._give_back(optimizer)
+        trained = {
+            id(self._param_of_master.get(id(p), p)) for o in optimizers for g in o.param_groups for p in g["params"]
+        }
+        if any(key not in trained for key in self._masters):
+            distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+            if distributed and torch.distributed.get_world_size() > 1:
+                raise RuntimeError(
+                    "master_weights=True cannot release the masters of parameters the new optimizer does not train "
+                    "under several processes: the strategy reduces the flat buffers it was set up with. Build the "
+                    "new optimizer over the same parameters (frozen ones included), or use master_weights='remainder'."
+                )
+            self._release_masters(optimizers)
+        self._optimizers = []
+        self.attach(optimizers)
+        self._carried_grads = {}  # those of masters not made again: not trained any more
+
+    def _give_back(self, optimizer: Optimizer) -> None:
+        """``optimizer``'s groups and state hold the model's parameters again instead of their masters."""
+        for group in optimizer.param_groups:
+            group["params"] = [self._param_of_master.get(id(p), p) for p in group["params"]]
+        for master in [m for m in optimizer.state if id(m) in self._param_of_master]:
+            optimizer.state[self._param_of_master[id(master)]] = optimizer.state.pop(master)
+
+    def _release_masters(self, optimizers: list[Optimizer]) -> None:
+        """Every master's exact value back as its parameter's fp32 value, ``optimizers`` given the model's parameters;
+        the masters :meth:`attach` makes next take these values, and the gradients the masters held."""
+        carried: dict[int, Tensor] = {}
+        for optimizer in optimizers:
+            self._give_back(optimizer)
+        for key, master in self._masters.items():
+            self._fp32_values[key] = master.detach().clone()
+            if master.grad is not None:
+                carried[key] = master.grad.detach().clone()
+        self._masters, self._param_of_master, self._grad_views, self._flat = {}, {}, {}, []
+        self._moves = FlatMoves()
+        self._carried_grads = carried
+
     def check_callbacks(self, callbacks: Iterable[Any]) -> None:
         """Raise for a Trainer callback that reads the optimizer's groups as the model's parameters: Lightning's
         ``BaseFinetuning`` (``BackboneFinetuning``) names each parameter of each group at every epoch start, and
@@ -227,6 +286,9 @@ class MasterWeights(PlainWeights):
                 self._param_of_master[id(master)] = param
                 self._grad_views[id(master)] = flat_grad[offset:end].view_as(param)
                 self._moves.add(param, master, self._grad_views[id(master)])
+                carried = self._carried_grads.pop(id(param), None)
+                if carried is not None:  # masters made again (follow_optimizers): their gradients come along
+                    master.grad = self._grad_views[id(master)].copy_(carried)
                 offset = end
             self._flat.append((flat, flat_grad))
 
@@ -355,10 +417,7 @@ class MasterWeights(PlainWeights):
         for owner, name, _, original, half in self._buffers:
             owner._buffers[name] = self.buffer_value(owner, name, original, half)
         for optimizer in self._optimizers:
-            for group in optimizer.param_groups:
-                group["params"] = [self._param_of_master.get(id(p), p) for p in group["params"]]
-            for master in [m for m in optimizer.state if id(m) in self._param_of_master]:
-                optimizer.state[self._param_of_master[id(master)]] = optimizer.state.pop(master)
+            self._give_back(optimizer)
         self._reset()
 
     def __repr__(self) -> str:

@@ -111,7 +111,7 @@ class RemainderMasters(MasterWeights):
         self._plans: dict[tuple[int, int], tuple[tuple[int, ...], list[Any]]] = {}
         self._grad_ops: dict[int, list[tuple[str, Any]]] = {}  # id(optimizer) -> clipping to apply at the step
         self._generic: dict[int, GenericChunkedStep] = {}
-        self._optimizer_hooks: list[Any] = []
+        self._optimizer_hooks: dict[int, list[Any]] = {}  # id(optimizer) -> its load_state_dict hooks
         self._staging = Staging(self.chunk_size_for)
         self.step_plans = Plans()  # the one-pass update's plans (master/plan.py), made at the first step
 
@@ -147,13 +147,35 @@ class RemainderMasters(MasterWeights):
             self.model_sync.record_storage()  # the plugin's own move: not a write
         for optimizer in self._optimizers:
             if uses_fused_kernel(optimizer):
-                self._optimizer_hooks += [
-                    optimizer.register_load_state_dict_pre_hook(stash_fp32_state),
-                    optimizer.register_load_state_dict_post_hook(restore_fp32_state),
-                ]
+                if id(optimizer) not in self._optimizer_hooks:
+                    self._optimizer_hooks[id(optimizer)] = [
+                        optimizer.register_load_state_dict_pre_hook(stash_fp32_state),
+                        optimizer.register_load_state_dict_post_hook(restore_fp32_state),
+                    ]
             elif id(optimizer) not in self._generic:
                 self._generic[id(optimizer)] = GenericChunkedStep(optimizer, self, self._chunk_of(optimizer))
         self._group_sizes = group_sizes(self._optimizers)
+
+    def follow_optimizers(self, optimizers: Iterable[Optimizer]) -> None:
+        """The run steps other optimizers now (one swapped mid-fit): each optimizer no longer in ``optimizers`` is
+        released (the generic path's per-slice state back to its parameters where whole, its load hooks removed),
+        the step plans are made again at the next step, and ``optimizers`` are prepared as :meth:`attach` does. The
+        weights and remainders stay as they are: every converted parameter has them, whoever trains it."""
+        if self._module is None:
+            return
+        optimizers = list(optimizers)
+        kept = {id(optimizer) for optimizer in optimizers}
+        for optimizer in self._optimizers:
+            if id(optimizer) in kept:
+                continue
+            generic = self._generic.pop(id(optimizer), None)
+            if generic is not None:
+                generic.restore()
+            for hook in self._optimizer_hooks.pop(id(optimizer), []):
+                hook.remove()
+        self._plans.clear()
+        self.step_plans.clear()  # plans hold the old groups' and state's addresses: made again, never patched
+        self.attach(optimizers)
 
     def check_callbacks(self, callbacks: Iterable[Any]) -> None:
         """Nothing to refuse: the optimizer keeps the model's parameters (``BaseFinetuning`` names them)."""
@@ -357,8 +379,9 @@ class RemainderMasters(MasterWeights):
         self.stop_following()  # while the blocks still hold the weights
         for generic in self._generic.values():
             generic.restore()
-        for hook in self._optimizer_hooks:
-            hook.remove()
+        for hooks in self._optimizer_hooks.values():
+            for hook in hooks:
+                hook.remove()
         self._staging.release()
         with torch.no_grad():
             for index, members in enumerate(self._blocks.members):
