@@ -35,7 +35,7 @@ from lightning_mp.forward import module_device as _module_device
 from lightning_mp.fp8.convert import Fp8Training
 from lightning_mp.master import MasterWeights, MasterWeightsOption, is_norm, masters_for
 from lightning_mp.master.access import MasterWeightsAccess
-from lightning_mp.master.in_backward import check_options, check_setup, check_strategy
+from lightning_mp.master.in_backward import check_options, check_strategy
 from lightning_mp.policy import CastPolicy
 from lightning_mp.scaler import DynamicLossScaler
 from lightning_mp.schedulers import guard_step_schedulers
@@ -227,14 +227,9 @@ class MixedPrecisionPlugin(FabricHooks, MasterWeightsAccess, Precision):  # Fabr
         self.steps.names = {id(param): name for name, param in inner.named_parameters()}
         self.resolve_policy(inner)
         self._module_rules.install(inner, self.keeps_fp32, self._device_type)
-        if self.optimizer_in_backward:
-            check_setup(getattr(inner, "_trainer", None), inner, optimizers)
-        trainer = getattr(inner, "_trainer", None)
-        if self.masters is not None and not self.steps.sync.owns_masters:
-            self.masters.check_callbacks(getattr(trainer, "callbacks", None) or [])
-        # the masters on the optimizers, the step inside backward on them; followed at each step where the
-        # Trainer's strategy holds others (an optimizer swapped mid-fit: _follow_optimizers)
-        self.steps.hold(getattr(trainer, "strategy", None), inner, optimizers, self.optimizer_in_backward)
+        # the masters on the optimizers, the step inside backward on them (refusals first); followed at each step
+        # where the Trainer's strategy holds others (an optimizer swapped mid-fit: _follow_optimizers)
+        self.steps.hold(getattr(inner, "_trainer", None), inner, optimizers, self.optimizer_in_backward)
         if self.fp8 is not None:
             self.fp8.connect(inner, optimizers)  # FSDP2 fp8 all-gather: weight scales precomputed after each step
         self.steps.sync.connect(model, self)  # DDP: comm hooks (updates after each bucket), masters from rank 0; FSDP2
@@ -272,9 +267,9 @@ class MixedPrecisionPlugin(FabricHooks, MasterWeightsAccess, Precision):  # Fabr
 
     def _follow_optimizers(self) -> None:
         # an optimizer swapped mid-fit is the one stepped (masters, hooks inside backward): an identity check per step
-        optimizers = self.steps.follow_optimizers()
-        if optimizers is not None and self.fp8 is not None:
-            self.fp8.connect(self.steps.module, optimizers)
+        optimizers = self.steps.held.follow()
+        if optimizers is not None and self.fp8 is not None:  # FSDP2 fp8 all-gather: scales after its steps
+            self.fp8.connect(self.steps.held.module, optimizers)
 
     @override
     def pre_backward(self, tensor: Tensor, module: LightningModule) -> Tensor:  # type: ignore[override]
@@ -289,10 +284,8 @@ class MixedPrecisionPlugin(FabricHooks, MasterWeightsAccess, Precision):  # Fabr
             self.steps.new_backward()
             tensor = self.scaler.scale_loss(tensor)
         tensor = super().pre_backward(tensor, module)
-        if (
-            self.steps.in_backward is not None
-        ):  # the updates run in this backward (one per step): writes reach the masters
-            self.steps.begin_backward(tensor)  # first; the loss checked on the device (non-finite: no update)
+        if self.steps.in_backward is not None:  # the updates run in this backward (one per step): writes reach
+            self.steps.begin_backward(tensor)  # the masters first; the loss checked on the device (non-finite: none)
         return tensor
 
     @override
@@ -389,7 +382,7 @@ class MixedPrecisionPlugin(FabricHooks, MasterWeightsAccess, Precision):  # Fabr
     @override
     def teardown(self) -> None:
         # after fit/validate/test/predict the model holds its fp32 values again (the masters, after training)
-        self.steps.release()  # the hooks inside backward removed, no optimizer followed
+        self.steps.held.release()  # the hooks inside backward removed, no optimizer followed
         restore_averaging_callbacks(self._averaging)
         self._averaging = []
         if self.masters is not None:

@@ -42,11 +42,11 @@ from torch import Tensor
 from torch.optim import LBFGS
 
 from lightning_mp.master import in_backward_loop
-from lightning_mp.master.in_backward import check_setup, install
+from lightning_mp.master.held_optimizers import HeldOptimizers
 from lightning_mp.master.plain import PLAIN, PlainWeights
 from lightning_mp.scaler import DynamicLossScaler
 from lightning_mp.scaler_device import GradientGroups
-from lightning_mp.schedulers import guard_step_schedulers, has_step_scheduler, record_step
+from lightning_mp.schedulers import has_step_scheduler, record_step
 
 #: Decide on the host when the found-inf flag is a CPU tensor (no device to wait for; see the module docstring).
 DECIDE_CPU_FLAGS_ON_HOST = True
@@ -94,12 +94,7 @@ class OptimizerStep:
         self.names: dict[int, str] = {}
         self.in_backward: Optional[Any] = None  # a StepInBackward (master.in_backward), from connect to teardown
         self.skip_observers: list[Callable[..., None]] = []
-        # what hold() was given: the Trainer's strategy (None: Fabric, or hooks called by hand), the module, whether
-        # the step runs inside backward, and the optimizers the masters and the hooks are on
-        self._strategy: Optional[Any] = None
-        self.module: Optional[Any] = None  # the LightningModule (or Fabric's module) the step updates
-        self._in_backward_on = False
-        self._held: tuple[Any, ...] = ()
+        self.held = HeldOptimizers(self)  # the optimizers the masters and the hooks inside backward are on
 
     @property
     def checking(self) -> bool:
@@ -269,69 +264,15 @@ class OptimizerStep:
             in_backward_loop.refuse_clipping(self.in_backward, clip_val, algorithm, call)
 
     # ------------------------------------------------------------------------------------------ the optimizers
-    def hold(self, strategy: Any, module: Any, optimizers: list[Any], in_backward: bool) -> None:
-        """At connect: the masters attach to ``optimizers`` and the step inside backward (``in_backward``) runs on
-        them. ``strategy``: the Trainer's, whose ``optimizers`` :meth:`follow_optimizers` compares with these at
-        every step (``None``: nothing to follow, as under Fabric, where the optimizers are the ones set up)."""
-        self._strategy, self.module, self._in_backward_on = strategy, module, in_backward
-        optimizers = [unwrap_optimizer(optimizer) for optimizer in optimizers]
-        masters = self.masters
-        if masters is not None and not self.sync.owns_masters:
-            masters.attach(optimizers)
-            self._name_masters()
-        self.in_backward = install(self.in_backward, in_backward, masters, module, optimizers, self.checking, self.names)
-        self._held = tuple(optimizers)
-
-    def follow_optimizers(self) -> Optional[list[Any]]:
-        """Before every backward and every step: when the strategy holds other optimizers than the step was set up
-        with (one swapped mid-fit: ``trainer.strategy.setup_optimizers(trainer)``, ``trainer.strategy.optimizers =
-        [new]``), the masters move to them (:meth:`~lightning_mp.master.MasterWeights.follow_optimizers`: the old
-        ones get the model's parameters back), the step inside backward is set up on them (the old hooks removed;
-        refused as at setup if there are several), and their step-interval schedulers are guarded. The new
-        optimizers, or ``None`` when nothing changed: a comparison of the few optimizers by identity, no work per
-        parameter. Not between a backward that ran the updates and its step: that step is the old optimizer's."""
-        strategy = self._strategy
-        if strategy is None:
-            return None
-        current, held = strategy.optimizers, self._held
-        if len(current) == len(held) and all(map(operator.is_, current, held)):
-            return None
-        if self.in_backward is not None and self.in_backward.armed:
-            return None
-        optimizers = [unwrap_optimizer(optimizer) for optimizer in current]
-        module = self.module
-        if self._in_backward_on:  # several optimizers, accumulation, clipping by norm: refused before any update
-            check_setup(getattr(module, "_trainer", None), module, optimizers)
-        masters = self.masters
-        if masters is not None and not self.sync.owns_masters:
-            masters.follow_optimizers(optimizers)
-            self._name_masters()
-        if self._in_backward_on:
-            self.in_backward = install(self.in_backward, True, masters, module, optimizers, self.checking, self.names)
-            if self.in_backward is not None:
-                self.sync.hand_over(self.in_backward)  # DDP: its communication hook drives the new updates
-        guard_step_schedulers(getattr(strategy, "lr_scheduler_configs", None) or [])
-        self.unscaled.clear()
-        self._held = tuple(optimizers)
-        return optimizers
-
-    def release(self) -> None:
-        """At teardown: the hooks of the step inside backward removed, nothing followed any more."""
-        self.in_backward = install(self.in_backward, False)
-        self._strategy, self.module, self._held = None, None, ()
-
-    def _name_masters(self) -> None:
-        for param, master in self.masters.pairs():  # type: ignore[union-attr]
-            self.names[id(master)] = self.names.get(id(param), "")
+    def hold(self, trainer: Any, module: Any, optimizers: list[Any], in_backward: bool) -> None:
+        """At connect: the masters and the step inside backward on ``optimizers``; the ``trainer``'s strategy is
+        followed (:class:`~lightning_mp.master.held_optimizers.HeldOptimizers`)."""
+        self.held.hold(trainer, module, [unwrap_optimizer(o) for o in optimizers], in_backward)
 
     def add_optimizer(self, module: Any, optimizers: list[Any]) -> None:
-        """An optimizer set up after the module connected (Fabric's ``setup_module``, a forward, then
-        ``setup_optimizers``): the step inside backward moves to ``optimizers`` (refused as at setup if there are
-        several); under DDP its communication hook, registered at connect, drives the new ones."""
-        check_setup(None, module, optimizers)
-        self.in_backward = install(self.in_backward, True, self.masters, module, optimizers, self.checking, self.names)
-        if self.in_backward is not None:
-            self.sync.hand_over(self.in_backward)
+        """An optimizer set up after the module connected (Fabric): :meth:`~lightning_mp.master.held_optimizers.
+        HeldOptimizers.add`."""
+        self.held.add(module, optimizers)
 
 
 def _flagged_step(optimizer: Any, torch_optimizer: Any, flag: Tensor, kwargs: dict[str, Any]) -> Callable[[], Any]:

@@ -35,6 +35,7 @@ from lightning_mp.master.generic import GenericChunkedStep
 from lightning_mp.master.model_sync import materialise
 from lightning_mp.master.optimizer_state import check_params_belong, restore_fp32_state, stash_fp32_state
 from lightning_mp.master.plan import Plans
+from lightning_mp.master.refused_callbacks import refuse_callbacks
 from lightning_mp.master.step import (
     FUSED_UNIT,
     Staging,
@@ -161,13 +162,8 @@ class RemainderMasters(MasterWeights):
         released (the generic path's per-slice state back to its parameters where whole, its load hooks removed),
         the step plans are made again at the next step, and ``optimizers`` are prepared as :meth:`attach` does. The
         weights and remainders stay as they are: every converted parameter has them, whoever trains it."""
-        if self._module is None:
-            return
-        optimizers = list(optimizers)
-        kept = {id(optimizer) for optimizer in optimizers}
-        for optimizer in self._optimizers:
-            if id(optimizer) in kept:
-                continue
+        optimizers, kept = list(optimizers), {id(optimizer) for optimizer in optimizers}
+        for optimizer in [o for o in self._optimizers if id(o) not in kept]:
             generic = self._generic.pop(id(optimizer), None)
             if generic is not None:
                 generic.restore()
@@ -178,7 +174,8 @@ class RemainderMasters(MasterWeights):
         self.attach(optimizers)
 
     def check_callbacks(self, callbacks: Iterable[Any]) -> None:
-        """Nothing to refuse: the optimizer keeps the model's parameters (``BaseFinetuning`` names them)."""
+        """The optimizer keeps the model's parameters (``BaseFinetuning`` names them): ``ModelPruning`` is refused."""
+        refuse_callbacks(callbacks, self.option, reads_groups=False)
 
     def follow_groups(self) -> None:
         """Follow param groups added since :meth:`attach` (``optimizer.add_param_group`` during fit). Every
