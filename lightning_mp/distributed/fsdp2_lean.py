@@ -268,7 +268,7 @@ class ShardedRemainderMasters(RemainderMasters):
         ``param_dtype``); optimizer state stays keyed by the same parameters. Hooks and remainders are released."""
         from torch.distributed.fsdp import FSDPModule
 
-        self.stop_following()
+        error = self.stop_following()  # raised once the shards hold their exact values again
         for owner in self._module.modules() if self._module is not None else ():
             if isinstance(owner, FSDPModule):
                 owner.reshard()  # after a forward without backward (validation) the root holds unsharded parameters
@@ -285,6 +285,8 @@ class ShardedRemainderMasters(RemainderMasters):
             hook.remove()
         self._staging.release()
         self._reset()
+        if error is not None:
+            raise error
 
     def __repr__(self) -> str:
         held = sum(local_of(p).numel() for p in self._params.values())

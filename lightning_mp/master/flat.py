@@ -28,7 +28,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from lightning_mp.master.flat_moves import FlatMoves
-from lightning_mp.master.model_sync import ModelSync, materialise
+from lightning_mp.master.model_sync import ModelSync, ModelWriteError, materialise, stop
 from lightning_mp.master.optimizer_state import group_sizes, refuse_twice, several_processes
 from lightning_mp.master.plain import PlainWeights
 from lightning_mp.master.refused_callbacks import refuse_callbacks
@@ -204,7 +204,7 @@ class MasterWeights(PlainWeights):
         (with their state), ``optimizers`` get masters as :meth:`attach` gives them. Masters no longer trained are
         released (their exact values kept as the parameters' fp32 values; the others made again in new flat buffers,
         gradients included); while the same parameters are trained, the masters stay (DDP's reduction with them).
-        Raises as :meth:`attach`, and a RuntimeError for masters to release under several processes."""
+        Raises as :meth:`attach`; a RuntimeError for masters to release under several processes."""
         optimizers, kept = list(optimizers), {id(optimizer) for optimizer in optimizers}
         for optimizer in self._optimizers:
             if id(optimizer) not in kept:
@@ -372,18 +372,16 @@ class MasterWeights(PlainWeights):
         if value is not None:  # a copy: the model never shares storage with the tensor written
             param.data = source.to(self.dtype, copy=True)
 
-    def stop_following(self) -> None:
-        """Follow the writes since the last step (a hook after training wrote the model), then remove the hooks."""
+    def stop_following(self) -> Optional[ModelWriteError]:
+        """Follow the writes since the last step, then remove the hooks (:func:`~lightning_mp.master.model_sync.stop`)."""
         sync, self.model_sync = self.model_sync, None
-        if sync is not None:
-            sync.follow()
-            sync.remove()
+        return stop(sync)
 
     def restore(self) -> None:
         """Give the model back its fp32 values and the optimizers back the model's parameters (with their
         state). The masters, their flat buffers and the half copies are released. Writes since the last step are
-        followed first."""
-        self.stop_following()
+        followed first (one that cannot be is raised once the model holds its fp32 values)."""
+        error = self.stop_following()
         for key, param in self._params.items():
             if key in self._masters:  # a fresh tensor, not a view that would keep the flat buffer alive
                 param.data = self._masters[key].detach().to(param.device, copy=True)
@@ -394,6 +392,8 @@ class MasterWeights(PlainWeights):
         for optimizer in self._optimizers:
             self._give_back(optimizer)
         self._reset()
+        if error is not None:
+            raise error
 
     def __repr__(self) -> str:
         trained = sum(m.numel() for m in self._masters.values())

@@ -22,6 +22,7 @@ import operator
 from typing import Any, Optional
 
 from lightning_mp.master.in_backward import check_setup, install
+from lightning_mp.master.toggle import follow_toggles, unfollow_toggles
 from lightning_mp.schedulers import guard_step_schedulers
 
 
@@ -52,6 +53,8 @@ class HeldOptimizers:
             masters.check_callbacks(getattr(trainer, "callbacks", None) or [])
             masters.attach(optimizers)
             self._name_masters()
+            if not masters.lean:  # the groups hold fp32 masters: toggle_optimizer must switch the model's parameters
+                follow_toggles(module, masters)
         steps.in_backward = install(
             steps.in_backward, in_backward, masters, module, optimizers, steps.checking, steps.names
         )
@@ -103,6 +106,7 @@ class HeldOptimizers:
     def release(self) -> None:
         """At teardown: the hooks of the step inside backward removed, nothing followed any more."""
         self.steps.in_backward = install(self.steps.in_backward, False)
+        unfollow_toggles(self.module)
         self.trainer, self.module, self.optimizers = None, None, ()
 
     def _name_masters(self) -> None:

@@ -30,11 +30,13 @@ from __future__ import annotations
 import contextlib
 import operator
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from torch import Tensor, nn
 from torch.overrides import is_tensor_like
+
+from lightning_mp.master.refused_callbacks import PRUNING
 
 _version = operator.attrgetter("_version")
 
@@ -46,7 +48,11 @@ HOW_TO_WRITE = (
 
 
 class ModelWriteError(RuntimeError):
-    """A write into the model after setup that the master weights cannot follow; names the parameter."""
+    """A write into the model after setup that the master weights cannot follow; names the parameter.
+    ``repeated``: the same error was raised before (teardown, which gives the model its exact weights, then does
+    not raise it again)."""
+
+    repeated = False
 
 
 class ModelSync:
@@ -109,6 +115,7 @@ class ModelSync:
         self._devices = [p.device for p in self._params]  # where the masters expect each parameter, in which dtype
         self._dtypes = [p.dtype for p in self._params]
         self._loaded: dict[int, Any] = {}  # id(param) -> the value a load in progress brings
+        self._raised: Optional[str] = None  # the last ModelWriteError's message
         self._hooks = [
             hook
             for owner in owners.values()
@@ -187,8 +194,13 @@ class ModelSync:
             if now is param:
                 continue
             what = f"replaced by {type(now).__name__}" if now is not None else "removed (deleted or set to None)"
+            if now is None and slots.get(f"{name}_orig") is param:  # torch.nn.utils.prune: weight -> weight_orig
+                self._fail(
+                    f"MixedPrecisionPlugin with master weights: parameter {self._names.get(id(param), '?')!r} was "
+                    f"pruned (torch.nn.utils.prune or Lightning's ModelPruning) after setup: {PRUNING}"
+                )
             if now is None:
-                raise ModelWriteError(self._message(param, what, "the masters need a parameter there."))
+                self._fail(self._message(param, what, "the masters need a parameter there."))
             self._check_value(param, now, f"replaced (`module.{name} = nn.Parameter(...)`)")
             slots[name] = param
             param.requires_grad_(now.requires_grad)
@@ -211,7 +223,12 @@ class ModelSync:
         elif value.device != device:
             problem = f"it is now on {value.device}, its masters on {device}"
         if problem is not None:
-            raise ModelWriteError(self._message(param, what, problem))
+            self._fail(self._message(param, what, problem))
+
+    def _fail(self, message: str) -> None:
+        error = ModelWriteError(message)
+        error.repeated, self._raised = message == self._raised, message
+        raise error
 
     def _message(self, param: nn.Parameter, what: str, problem: str) -> str:
         return (
@@ -287,6 +304,21 @@ class ModelSync:
             hook.remove()
         self._hooks = []
         self._loaded.clear()
+
+
+def stop(sync: Optional[ModelSync]) -> Optional[ModelWriteError]:
+    """Follow the writes since the last step, then remove ``sync``'s hooks (at teardown). A write that cannot be
+    followed is returned, not raised (unless raised before already: then ``None``), so that the store gives the model
+    its exact weights first and raises it then."""
+    if sync is None:
+        return None
+    try:
+        sync.follow()
+    except ModelWriteError as error:
+        return None if error.repeated else error
+    finally:
+        sync.remove()
+    return None
 
 
 def _is_wide(value: Any) -> bool:

@@ -373,7 +373,7 @@ class RemainderMasters(MasterWeights):
         parameters are fp32 (the model's weights then cost at most one block more than the fp32 model). Optimizer
         state of AdamW/Adam/SGD stays keyed by the same parameters; see :meth:`GenericChunkedStep.restore` for
         others."""
-        self.stop_following()  # while the blocks still hold the weights
+        error = self.stop_following()  # while the blocks still hold the weights; raised once the model is fp32
         for generic in self._generic.values():
             generic.restore()
         for hooks in self._optimizer_hooks.values():
@@ -388,6 +388,8 @@ class RemainderMasters(MasterWeights):
                     param.data = value
                 self._blocks.release(index)
         super().restore()
+        if error is not None:
+            raise error
 
     def __repr__(self) -> str:
         held = sum(p.numel() for key, p in self._params.items() if key in self._layout)
