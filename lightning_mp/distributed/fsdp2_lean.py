@@ -47,7 +47,7 @@ from lightning_mp.distributed.fsdp2_generic import ShardedGenericStep
 from lightning_mp.distributed.shard import fsdp_param_groups
 from lightning_mp.master.bits import join_fp32, split_fp32_into
 from lightning_mp.master.model_sync import ModelSync, materialise
-from lightning_mp.master.optimizer_state import check_params_belong, restore_fp32_state, stash_fp32_state
+from lightning_mp.master.optimizer_state import check_params_belong, keep_fp32_state
 from lightning_mp.master.remainder import RemainderMasters
 from lightning_mp.master.step import fp32_zeros_like, local_of, uses_fused_kernel
 
@@ -192,10 +192,7 @@ class ShardedRemainderMasters(RemainderMasters):
                 self._generic[id(optimizer)] = ShardedGenericStep(optimizer, self, self._chunk_of(optimizer))
                 continue
             _initial_state(optimizer)
-            self._optimizer_hooks[id(optimizer)] = [
-                optimizer.register_load_state_dict_pre_hook(stash_fp32_state),
-                optimizer.register_load_state_dict_post_hook(restore_fp32_state),
-            ]
+            self._optimizer_hooks[id(optimizer)] = keep_fp32_state(optimizer)
 
     # ------------------------------------------------------------------ the layout the chunked step reads
     def flat_slices(self, device: torch.device, start: int, end: int) -> tuple[Tensor, Tensor]:

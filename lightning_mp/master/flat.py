@@ -242,7 +242,7 @@ class MasterWeights(PlainWeights):
         """Raise, before any step, for a Trainer callback the masters cannot run with
         (:func:`~lightning_mp.master.refused_callbacks.refuse_callbacks`: Lightning's ``BaseFinetuning``, which names
         the optimizer's parameters, fp32 masters here; ``ModelPruning``)."""
-        refuse_callbacks(callbacks, self.option, reads_groups=True)
+        refuse_callbacks(callbacks, self.option, reads_groups=not self.lean)  # lean: the model's parameters there
 
     def _build_masters(self, params: list[nn.Parameter]) -> None:
         by_device: dict[torch.device, list[nn.Parameter]] = defaultdict(list)

@@ -29,6 +29,14 @@ def restore_fp32_state(optimizer: Optimizer) -> None:
                     optimizer.state[param][key] = value.to(param.device, torch.float32, copy=True)
 
 
+def keep_fp32_state(optimizer: Optimizer) -> list[Any]:
+    """Register :func:`stash_fp32_state` and :func:`restore_fp32_state` on ``optimizer``; their handles."""
+    return [
+        optimizer.register_load_state_dict_pre_hook(stash_fp32_state),
+        optimizer.register_load_state_dict_post_hook(restore_fp32_state),
+    ]
+
+
 def check_params_belong(index: int, optimizer: Optimizer, module_params: set[int]) -> None:
     """Raise a ValueError naming the first parameter of ``optimizer`` (number ``index``) whose id is not in
     ``module_params``: lean masters hold the weights of the converted module's parameters only."""

@@ -29,13 +29,12 @@ from torch.optim import Optimizer
 from lightning_mp.master import onepass
 from lightning_mp.master.bits import JoinSplit
 from lightning_mp.master.blocks import Blocks, join_by_chunks, split_by_chunks
-from lightning_mp.master.clipping import fp32_grad_norms, raise_if_nonfinite
+from lightning_mp.master.clipping import norm_and_factor
 from lightning_mp.master.flat import MasterWeights, group_sizes, is_norm
 from lightning_mp.master.generic import GenericChunkedStep
 from lightning_mp.master.model_sync import materialise
-from lightning_mp.master.optimizer_state import check_params_belong, restore_fp32_state, stash_fp32_state
+from lightning_mp.master.optimizer_state import check_params_belong, keep_fp32_state
 from lightning_mp.master.plan import Plans
-from lightning_mp.master.refused_callbacks import refuse_callbacks
 from lightning_mp.master.step import (
     FUSED_UNIT,
     Staging,
@@ -148,20 +147,15 @@ class RemainderMasters(MasterWeights):
             self.model_sync.record_storage()  # the plugin's own move: not a write
         for optimizer in self._optimizers:
             if uses_fused_kernel(optimizer):
-                if id(optimizer) not in self._optimizer_hooks:
-                    self._optimizer_hooks[id(optimizer)] = [
-                        optimizer.register_load_state_dict_pre_hook(stash_fp32_state),
-                        optimizer.register_load_state_dict_post_hook(restore_fp32_state),
-                    ]
+                if id(optimizer) not in self._optimizer_hooks:  # attach() again (Fabric): registered once
+                    self._optimizer_hooks[id(optimizer)] = keep_fp32_state(optimizer)
             elif id(optimizer) not in self._generic:
                 self._generic[id(optimizer)] = GenericChunkedStep(optimizer, self, self._chunk_of(optimizer))
         self._group_sizes = group_sizes(self._optimizers)
 
     def follow_optimizers(self, optimizers: Iterable[Optimizer]) -> None:
-        """The run steps other optimizers now (one swapped mid-fit): each optimizer no longer in ``optimizers`` is
-        released (the generic path's per-slice state back to its parameters where whole, its load hooks removed),
-        the step plans are made again at the next step, and ``optimizers`` are prepared as :meth:`attach` does. The
-        weights and remainders stay as they are: every converted parameter has them, whoever trains it."""
+        """The run steps ``optimizers`` now (swapped mid-fit): those no longer in it are released (the generic path's
+        state back to whole parameters, load hooks removed), the step plans made again, ``optimizers`` attached."""
         optimizers, kept = list(optimizers), {id(optimizer) for optimizer in optimizers}
         for optimizer in [o for o in self._optimizers if id(o) not in kept]:
             generic = self._generic.pop(id(optimizer), None)
@@ -172,10 +166,6 @@ class RemainderMasters(MasterWeights):
         self._plans.clear()
         self.step_plans.clear()  # plans hold the old groups' and state's addresses: made again, never patched
         self.attach(optimizers)
-
-    def check_callbacks(self, callbacks: Iterable[Any]) -> None:
-        """The optimizer keeps the model's parameters (``BaseFinetuning`` names them): ``ModelPruning`` is refused."""
-        refuse_callbacks(callbacks, self.option, reads_groups=False)
 
     def follow_groups(self) -> None:
         """Follow param groups added since :meth:`attach` (``optimizer.add_param_group`` during fit). Every
@@ -267,15 +257,9 @@ class RemainderMasters(MasterWeights):
     ) -> Tensor:
         """Clip by the total norm, computed in fp32 as torch's on fp32 masters (:mod:`~lightning_mp.master.clipping`),
         applied inside the step to the gradients' fp32 values (bf16 ones are not rounded twice); the total norm."""
-        grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
-        if not grads:
-            return torch.tensor(0.0)
-        with torch.no_grad():
-            total = self._total_norm(fp32_grad_norms(grads, float(norm_type), foreach), norm_type)
-            if error_if_nonfinite:
-                raise_if_nonfinite(total, norm_type)
-            coef = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)
-        self._grad_ops.setdefault(id(optimizer), []).append(("mul", coef))
+        total, coef = norm_and_factor(optimizer, max_norm, norm_type, error_if_nonfinite, foreach, self._total_norm)
+        if coef is not None:
+            self._grad_ops.setdefault(id(optimizer), []).append(("mul", coef))
         return total
 
     @staticmethod
