@@ -189,3 +189,39 @@ def test_a_swap_to_several_optimizers_is_refused_inside_backward_before_any_upda
     make_trainer(plugin, max_epochs=1).fit(one_epoch, _loader())
     assert _max_diff(model, one_epoch) == 0.0  # stopped after epoch 0, before any update with the two
     assert all(p.dtype == torch.float32 for p in model.parameters())  # teardown gave the exact weights back
+
+
+def _fabric_run(mode: Optional[str]) -> dict[str, torch.Tensor]:
+    """A Fabric loop of 6 steps; at step 3 a new optimizer (SGD) is set up and stepped from then on."""
+    with seeded():
+        module = nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16), nn.GELU(), nn.Linear(16, 1))
+    plugin = None
+    if mode is None:
+        fabric = L.Fabric(accelerator="cpu", devices=1, precision="bf16-mixed")
+    else:
+        master_weights, in_backward = MODES[mode]
+        plugin = MixedPrecisionPlugin("bf16-mixed", master_weights=master_weights, optimizer_in_backward=in_backward)
+        fabric = L.Fabric(accelerator="cpu", devices=1, plugins=[plugin])
+    model, optimizer = fabric.setup(module, torch.optim.AdamW(module.parameters(), lr=1e-2))
+    x = torch.randn(8, 8, generator=torch.Generator().manual_seed(0))
+    for step in range(6):
+        if step == 3:  # under Fabric the optimizers are the ones set up
+            optimizer = fabric.setup_optimizers(torch.optim.SGD(model.parameters(), lr=5e-2, momentum=0.9))
+        fabric.backward(nn.functional.mse_loss(model(x).float(), x.sum(1, keepdim=True)))
+        optimizer.step()
+        optimizer.zero_grad()
+    if plugin is not None:
+        plugin.teardown()  # the model back in fp32, as at the end of a Trainer's fit
+    return _weights(module)
+
+
+@pytest.mark.parametrize("mode", ["true", "lean"])
+def test_fabric_masters_follow_an_optimizer_set_up_mid_loop_as_lightnings_bf16_mixed(mode):
+    ours, builtin = _fabric_run(mode), _fabric_run(None)
+    for name, value in builtin.items():
+        torch.testing.assert_close(ours[name], value, rtol=0, atol=1e-6)
+
+
+def test_fabric_inside_backward_refuses_a_second_optimizer_when_it_is_set_up():
+    with pytest.raises(ValueError, match="takes exactly one optimizer, got 2"):
+        _fabric_run("in_backward")
