@@ -42,7 +42,7 @@ from torch import Tensor
 from torch.optim import LBFGS
 
 from lightning_mp.master import in_backward_loop
-from lightning_mp.master.in_backward import check_setup, install
+from lightning_mp.master.held_optimizers import HeldOptimizers
 from lightning_mp.master.plain import PLAIN, PlainWeights
 from lightning_mp.scaler import DynamicLossScaler
 from lightning_mp.scaler_device import GradientGroups
@@ -94,6 +94,7 @@ class OptimizerStep:
         self.names: dict[int, str] = {}
         self.in_backward: Optional[Any] = None  # a StepInBackward (master.in_backward), from connect to teardown
         self.skip_observers: list[Callable[..., None]] = []
+        self.held = HeldOptimizers(self)  # the optimizers the masters and the hooks inside backward are on
 
     @property
     def checking(self) -> bool:
@@ -262,14 +263,16 @@ class OptimizerStep:
         if self.in_backward is not None:
             in_backward_loop.refuse_clipping(self.in_backward, clip_val, algorithm, call)
 
+    # ------------------------------------------------------------------------------------------ the optimizers
+    def hold(self, trainer: Any, module: Any, optimizers: list[Any], in_backward: bool) -> None:
+        """At connect: the masters and the step inside backward on ``optimizers``; the ``trainer``'s strategy is
+        followed (:class:`~lightning_mp.master.held_optimizers.HeldOptimizers`)."""
+        self.held.hold(trainer, module, [unwrap_optimizer(o) for o in optimizers], in_backward)
+
     def add_optimizer(self, module: Any, optimizers: list[Any]) -> None:
-        """An optimizer set up after the module connected (Fabric's ``setup_module``, a forward, then
-        ``setup_optimizers``): the step inside backward moves to ``optimizers`` (refused as at setup if there are
-        several); under DDP its communication hook, registered at connect, drives the new ones."""
-        check_setup(None, module, optimizers)
-        self.in_backward = install(self.in_backward, True, self.masters, module, optimizers, self.checking, self.names)
-        if self.in_backward is not None:
-            self.sync.hand_over(self.in_backward)
+        """An optimizer set up after the module connected (Fabric): :meth:`~lightning_mp.master.held_optimizers.
+        HeldOptimizers.add`."""
+        self.held.add(module, optimizers)
 
 
 def _flagged_step(optimizer: Any, torch_optimizer: Any, flag: Tensor, kwargs: dict[str, Any]) -> Callable[[], Any]:

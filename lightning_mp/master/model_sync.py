@@ -44,6 +44,8 @@ from torch import Tensor, nn
 from torch.overrides import is_tensor_like
 from torch.utils.weak import WeakIdKeyDictionary
 
+from lightning_mp.master.refused_callbacks import PRUNING
+
 _version = operator.attrgetter("_version")
 
 #: How to write a parameter so the masters follow (quoted by every error and the docs).
@@ -54,7 +56,11 @@ HOW_TO_WRITE = (
 
 
 class ModelWriteError(RuntimeError):
-    """A write into the model after setup that the master weights cannot follow; names the parameter."""
+    """A write into the model after setup that the master weights cannot follow; names the parameter.
+    ``repeated``: the same error was raised before (teardown, which gives the model its exact weights, then does
+    not raise it again)."""
+
+    repeated = False
 
 
 class ModelSync:
@@ -117,6 +123,7 @@ class ModelSync:
         self._devices = [p.device for p in self._params]  # where the masters expect each parameter, in which dtype
         self._dtypes = [p.dtype for p in self._params]
         self._loaded: dict[int, Any] = {}  # id(param) -> the value a load in progress brings
+        self._raised: Optional[str] = None  # the last ModelWriteError's message
         self._hooks = [
             hook
             for owner in owners.values()
@@ -199,8 +206,13 @@ class ModelSync:
             if now is param:
                 continue
             what = f"replaced by {type(now).__name__}" if now is not None else "removed (deleted or set to None)"
+            if now is None and slots.get(f"{name}_orig") is param:  # torch.nn.utils.prune: weight -> weight_orig
+                self._fail(
+                    f"MixedPrecisionPlugin with master weights: parameter {self._names.get(id(param), '?')!r} was "
+                    f"pruned (torch.nn.utils.prune or Lightning's ModelPruning) after setup: {PRUNING}"
+                )
             if now is None:
-                raise ModelWriteError(self._message(param, what, "the masters need a parameter there."))
+                self._fail(self._message(param, what, "the masters need a parameter there."))
             self._check_value(param, now, f"replaced (`module.{name} = nn.Parameter(...)`)")
             slots[name] = param
             param.requires_grad_(now.requires_grad)
@@ -223,7 +235,12 @@ class ModelSync:
         elif value.device != device:
             problem = f"it is now on {value.device}, its masters on {device}"
         if problem is not None:
-            raise ModelWriteError(self._message(param, what, problem))
+            self._fail(self._message(param, what, problem))
+
+    def _fail(self, message: str) -> None:
+        error = ModelWriteError(message)
+        error.repeated, self._raised = message == self._raised, message
+        raise error
 
     def _message(self, param: nn.Parameter, what: str, problem: str) -> str:
         return (
@@ -314,6 +331,21 @@ def holder_of(param: Tensor) -> Optional[ModelSync]:
     kept in fp32), or ``None``: no master weights hold it (none set it up, or they were torn down)."""
     ref = _HOLDERS.get(param)
     return ref() if ref is not None else None
+
+
+def stop(sync: Optional[ModelSync]) -> Optional[ModelWriteError]:
+    """Follow the writes since the last step, then remove ``sync``'s hooks (at teardown). A write that cannot be
+    followed is returned, not raised (unless raised before already: then ``None``), so that the store gives the model
+    its exact weights first and raises it then."""
+    if sync is None:
+        return None
+    try:
+        sync.follow()
+    except ModelWriteError as error:
+        return None if error.repeated else error
+    finally:
+        sync.remove()
+    return None
 
 
 def _is_wide(value: Any) -> bool:
