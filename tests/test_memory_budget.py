@@ -42,6 +42,10 @@ SLACK = 0.005
 
 @pytest.mark.parametrize("mode", sorted(BUDGET))
 def test_peak_live_tensor_bytes_of_a_fit_stay_at_budget(mode: str) -> None:
+    from lightning_mp.master import native
+
+    if "remainder" in mode:  # the chunked fallback has other transients (its staging buffers): other figures
+        assert native.enabled() and native.cpu_kernel() is not None, "the lean budgets are the compiled kernel's"
     result = peak_bytes.measure(mode)
     assert result["params"] == PARAMS
     figures, budget = result["peaks"], BUDGET[mode]
