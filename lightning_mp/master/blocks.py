@@ -31,10 +31,15 @@ class Blocks:
 
     Args:
         chunk_size_for: the step's chunk size on a device (a block is ``BLOCK_CHUNKS`` of them).
+        on_release: called before a block is forgotten, to drop whatever else views it (the step plans: a plan alive
+            past a release would keep the block's storage, and at restore every block, alive).
     """
 
-    def __init__(self, chunk_size_for: Callable[[torch.device], int]) -> None:
+    def __init__(
+        self, chunk_size_for: Callable[[torch.device], int], on_release: Callable[[], None] = lambda: None
+    ) -> None:
         self.chunk_size_for = chunk_size_for
+        self.on_release = on_release
         self.blocks: list[Optional[tuple[Tensor, Tensor]]] = []  # (bf16 weights, int16 remainders); None: released
         self.members: list[list[nn.Parameter]] = []  # the parameters in each block, in order
         self.layout: dict[int, tuple[torch.device, int]] = {}  # id(param) -> (device, global offset)
@@ -72,7 +77,8 @@ class Blocks:
         return high[local : local + end - start], low[local : local + end - start]
 
     def release(self, index: int) -> None:
-        """Forget block ``index`` (its storage goes once no parameter views it)."""
+        """Forget block ``index`` (its storage goes once no parameter views it; :attr:`on_release` drops the rest)."""
+        self.on_release()
         self.blocks[index] = None
         self.members[index] = []
         self.version += 1

@@ -105,7 +105,8 @@ class RemainderMasters(MasterWeights):
 
     def _reset(self) -> None:
         super()._reset()
-        self._blocks = Blocks(self.chunk_size_for)  # the bf16 weights and remainders
+        self.step_plans = Plans()  # the one-pass update's plans (master/plan.py), made at the first step
+        self._blocks = Blocks(self.chunk_size_for, on_release=self._drop_plans)  # the bf16 weights and remainders
         self._layout = self._blocks.layout  # id(param) -> (device, offset in the flat buffers)
         self._pending: list[nn.Parameter] = []  # converted parameters not yet in a block
         self._plans: dict[tuple[int, int], tuple[tuple[int, ...], list[Any]]] = {}
@@ -113,7 +114,6 @@ class RemainderMasters(MasterWeights):
         self._generic: dict[int, GenericChunkedStep] = {}
         self._optimizer_hooks: dict[int, list[Any]] = {}  # id(optimizer) -> its load_state_dict hooks
         self._staging = Staging(self.chunk_size_for)
-        self.step_plans = Plans()  # the one-pass update's plans (master/plan.py), made at the first step
 
     # ------------------------------------------------------------------ setup
     def convert(self, module: nn.Module) -> nn.Module:
@@ -123,6 +123,12 @@ class RemainderMasters(MasterWeights):
         pending, self._pending = self._pending, []
         self._blocks.split_in(pending)
         return module
+
+    def _drop_plans(self) -> None:
+        """Forget the step plans: each holds views of the blocks (and the state tensors) whose addresses it gave the
+        kernel, so a plan kept past a block's release would keep that block's storage alive (at restore: every
+        block at once, 4 bytes per parameter on top of the fp32 model). The next step lays out new ones."""
+        self.step_plans.clear()
 
     def _cast_param(self, param: nn.Parameter) -> None:
         self._pending.append(param)  # split into its block after the walk (blocks are sized from the whole list)
