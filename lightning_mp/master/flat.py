@@ -30,6 +30,7 @@ from torch.optim import Optimizer
 from lightning_mp.master.flat_moves import FlatMoves
 from lightning_mp.master.model_sync import ModelSync, materialise
 from lightning_mp.master.plain import PlainWeights
+from lightning_mp.master.watched import GroupsSeen
 
 #: Module classes whose parameters and buffers stay fp32 by default (and their subclasses).
 NORM_TYPES: tuple[type[nn.Module], ...] = (
@@ -83,9 +84,9 @@ class MasterWeights(PlainWeights):
         self._flat: list[tuple[Tensor, Tensor]] = []  # one (flat masters, flat grads) per device
         self._moves = FlatMoves()  # the per-step moves' lists, per device
         self._optimizers: list[Optimizer] = []
-        # per optimizer, its groups' lengths when last followed; None: not attached by this class (a subclass that
-        # does its own, as the FSDP2 sharded store) and not followed
-        self._group_sizes: Optional[list[tuple[int, ...]]] = None
+        # the optimizers' param groups as last followed (any edit shows); nothing recorded: not attached by this
+        # class (a subclass that does its own, as the FSDP2 sharded store) and not followed
+        self._groups_seen = GroupsSeen()
 
     # ------------------------------------------------------------------ setup
     def _kept_modules(self, module: nn.Module) -> dict[str, nn.Module]:
@@ -171,23 +172,27 @@ class MasterWeights(PlainWeights):
                 if param in optimizer.state:
                     optimizer.state[self._masters[id(param)]] = optimizer.state.pop(param)
             _refuse_twice(optimizer)
-        self._group_sizes = group_sizes(self._optimizers)
+        self._groups_seen.record(self._optimizers)
         self._moves.forget_write_backs()  # the groups changed: the write-back lists are made again
 
     def follow_groups(self) -> None:
         """Follow param groups added since :meth:`attach` (``optimizer.add_param_group`` during fit: Lightning's
         ``BackboneFinetuning``, a callback): the new half parameters get masters (their exact fp32 values, kept
-        since the cast) and the groups hold those, as :meth:`attach` does at setup. A cheap check per call (each
-        group's length); runs before every backward and before the gradients move to the masters.
+        since the cast) and the groups hold those, as :meth:`attach` does at setup; so do parameters put in a group
+        by any other edit (item assignment, a new list). A few identity checks per group and call
+        (:class:`~lightning_mp.master.watched.GroupsSeen`); runs before every backward and before the gradients move
+        to the masters.
 
         Raises:
             ValueError: a new parameter is not the model's, or its master is in the optimizer already.
-            RuntimeError: under several processes (each rank's masters would start from its own values).
+            RuntimeError: a half parameter new to the groups under several processes (each rank's masters would
+                start from its own values).
         """
-        if self._module is None or self._group_sizes in (None, group_sizes(self._optimizers)):
+        if self._module is None or not self._groups_seen.changed():
             return
+        new = any(id(p) in self._params for group in _groups_of(self._optimizers) for p in group["params"])
         distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
-        if distributed and torch.distributed.get_world_size() > 1:
+        if new and distributed and torch.distributed.get_world_size() > 1:
             raise RuntimeError(
                 "master_weights=True cannot follow optimizer.add_param_group after setup under several "
                 "processes: the new parameters' masters would start from each rank's own values, outside the "
@@ -366,9 +371,9 @@ class MasterWeights(PlainWeights):
         return f"{type(self).__name__}(dtype={self.dtype}, masters={len(self._masters)} tensors / {trained} values)"
 
 
-def group_sizes(optimizers: list[Optimizer]) -> list[tuple[int, ...]]:
-    """Per optimizer, the length of each param group: what ``add_param_group`` changes (cheap to compare)."""
-    return [tuple(len(group["params"]) for group in optimizer.param_groups) for optimizer in optimizers]
+def _groups_of(optimizers: list[Optimizer]) -> Iterator[dict[str, Any]]:
+    for optimizer in optimizers:
+        yield from optimizer.param_groups
 
 
 def _refuse_twice(optimizer: Optimizer) -> None:

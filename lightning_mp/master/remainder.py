@@ -30,7 +30,7 @@ from lightning_mp.master import onepass
 from lightning_mp.master.bits import JoinSplit
 from lightning_mp.master.blocks import Blocks, join_by_chunks, split_by_chunks
 from lightning_mp.master.clipping import fp32_grad_norms, raise_if_nonfinite
-from lightning_mp.master.flat import MasterWeights, group_sizes, is_norm
+from lightning_mp.master.flat import MasterWeights, is_norm
 from lightning_mp.master.generic import GenericChunkedStep
 from lightning_mp.master.model_sync import materialise
 from lightning_mp.master.optimizer_state import check_params_belong, restore_fp32_state, stash_fp32_state
@@ -153,7 +153,7 @@ class RemainderMasters(MasterWeights):
                 ]
             elif id(optimizer) not in self._generic:
                 self._generic[id(optimizer)] = GenericChunkedStep(optimizer, self, self._chunk_of(optimizer))
-        self._group_sizes = group_sizes(self._optimizers)
+        self._groups_seen.record(self._optimizers)
 
     def check_callbacks(self, callbacks: Iterable[Any]) -> None:
         """Nothing to refuse: the optimizer keeps the model's parameters (``BaseFinetuning`` names them)."""
@@ -162,9 +162,9 @@ class RemainderMasters(MasterWeights):
         """Follow param groups added since :meth:`attach` (``optimizer.add_param_group`` during fit). Every
         converted parameter already has its bf16 weight and remainder and the step reads the groups as they are;
         a new parameter must be the model's, and any other optimizer than AdamW/Adam/SGD makes the new groups'
-        slices (:meth:`GenericChunkedStep.follow_groups`). A cheap check per call (each group's length)."""
-        sizes = group_sizes(self._optimizers)
-        if self._module is None or self._group_sizes in (None, sizes):  # None: attached by a subclass (FSDP2)
+        slices (:meth:`GenericChunkedStep.follow_groups`). A few identity checks per group and call
+        (:class:`~lightning_mp.master.watched.GroupsSeen`: edits of a group's list in place show too)."""
+        if self._module is None or not self._groups_seen.changed():  # nothing recorded: attached by a subclass (FSDP2)
             return
         module_params = {id(p) for p in self._module.parameters()}
         for index, optimizer in enumerate(self._optimizers):
@@ -172,7 +172,7 @@ class RemainderMasters(MasterWeights):
             generic = self._generic.get(id(optimizer))
             if generic is not None:
                 generic.follow_groups()
-        self._group_sizes = sizes
+        self._groups_seen.record(self._optimizers)
 
     def chunk_size_for(self, device: torch.device) -> int:
         """The chunk size on ``device``: the one given, or the device type's default."""
