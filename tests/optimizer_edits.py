@@ -298,6 +298,8 @@ EDITS = [
     Edit("del optimizer.param_groups[1]", _at(_groups("remove group"))),
     Edit("del optimizer.param_groups[1] (its state kept)", _at(_groups("remove group, state kept"))),
     Edit("optimizer.param_groups.reverse()", _at(_groups("groups reordered"))),
+    # another optimizer
+    Edit("trainer.strategy.setup_optimizers(trainer)", _at(lambda o, m: m.trainer.strategy.setup_optimizers(m.trainer))),
     # options
     Edit("lr changed", _at(_options(lr=2e-3))),
     Edit("weight_decay changed", _at(_options(weight_decay=0.3))),

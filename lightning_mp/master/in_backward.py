@@ -200,6 +200,12 @@ class StepInBackward:
         self._hook_trainable()
 
     @property
+    def driven_by_strategy(self) -> bool:
+        """Whether DDP's communication hook (:meth:`hand_over`) or FSDP2's reduction (:attr:`agree_each`) drives the
+        updates: the parameters and the optimizer are fixed at setup then."""
+        return bool(self._handed_over) or self.agree_each is not None
+
+    @property
     def skipped_params(self) -> list[str]:
         """Names of the parameters whose non-finite gradient (under a finite loss) skipped their update in the last
         step (what PrecisionMonitor records, the gradients being gone by then): read from the device flags when
@@ -245,7 +251,7 @@ class StepInBackward:
         optimizer lose theirs. Under DDP or FSDP2 only a change that keeps the same parameters (reordered, moved
         between groups) is followed."""
         ones, params = one_groups(self.optimizer, self._one_groups)
-        if (self._handed_over or self.agree_each is not None) and ones.keys() != self._one_groups.keys():
+        if self.driven_by_strategy and ones.keys() != self._one_groups.keys():
             raise RuntimeError(f"MixedPrecisionPlugin({OPTION}) {UNDER_REDUCTION}")
         if self._generic is not None:
             self._generic.follow_groups()  # the new groups' slices (the store's before_backward may have made them)
