@@ -42,7 +42,7 @@ from lightning_mp.master import native, onepass
 from lightning_mp.master.in_backward_changes import UNDER_REDUCTION, GroupOptions, one_groups, refuse_later_hook
 from lightning_mp.master.in_backward_flags import StepFlags
 from lightning_mp.master.in_backward_regions import Regions
-from lightning_mp.master.step import apply_grad_ops_in_place, fused_update, plan_chunks
+from lightning_mp.master.step import apply_grad_ops_in_place, check_states, fused_update, plan_chunks
 from lightning_mp.master.watched import GroupsSeen
 
 OPTION = "optimizer_in_backward=True"
@@ -226,6 +226,8 @@ class StepInBackward:
         (:mod:`~lightning_mp.master.in_backward_regions`); under DDP or FSDP2 they are refused here, before backward."""
         if self._groups_seen.changed():
             self._follow_groups()
+        if self._generic is None and not native.enabled():  # the chunked path: every state checked before any update
+            check_states(self.optimizer, self.optimizer.param_groups, _requires_grad)
         if self._regions.arm(loss, self._run_waiting) and (self._handed_over or self.agree_each is not None):
             self._regions.clear()
             raise RuntimeError(  # before armed: the next backward is not taken for a second one
@@ -379,3 +381,7 @@ def install(
     clamp = getattr(getattr(model, "_trainer", None), "gradient_clip_val", None) or None
     optimizer = getattr(optimizers[0], "_optimizer", optimizers[0])
     return StepInBackward(store, optimizer, clamp, check, names)
+
+
+def _requires_grad(param: Tensor) -> bool:
+    return param.requires_grad

@@ -26,7 +26,7 @@ import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from lightning_mp.master import onepass
+from lightning_mp.master import native, onepass
 from lightning_mp.master.bits import JoinSplit
 from lightning_mp.master.blocks import Blocks, join_by_chunks, split_by_chunks
 from lightning_mp.master.clipping import fp32_grad_norms, raise_if_nonfinite
@@ -39,6 +39,7 @@ from lightning_mp.master.step import (
     FUSED_UNIT,
     Staging,
     apply_grad_ops_in_place,
+    check_states,
     fused_update,
     plan_chunks,
     uses_fused_kernel,
@@ -293,6 +294,8 @@ class RemainderMasters(MasterWeights):
         found = found_inf
         if found is not None and (found.dtype != torch.float32 or found.dim()):
             found = found.to(torch.float32).reshape(())  # 0-dim, as torch's
+        if not native.enabled():  # every group takes the chunked path: all their states checked before any update
+            check_states(optimizer, optimizer.param_groups, _has_grad)
         for index, group in enumerate(optimizer.param_groups):
             if grad_ops:
                 apply_grad_ops_in_place([p for p in group["params"] if id(p) not in self._layout], grad_ops)
@@ -375,3 +378,7 @@ class RemainderMasters(MasterWeights):
             f"{type(self).__name__}(bf16 weights + 16-bit remainders: {len(self._layout)} tensors / {held} values, "
             f"chunk_size={self.chunk_size}, accumulate_grads_in={self.accumulate_grads_in})"
         )
+
+
+def _has_grad(param: Tensor) -> bool:
+    return param.grad is not None

@@ -207,6 +207,57 @@ def _state_for(optimizer: Optimizer, param: Tensor, keys: tuple[str, ...]) -> di
     return state
 
 
+def state_keys(optimizer: Optimizer, group: dict[str, Any]) -> tuple[str, ...]:
+    """The state entries torch's optimizer reads for a parameter of ``group`` (besides ``step`` for Adam)."""
+    if isinstance(optimizer, Adam):
+        return ("exp_avg", "exp_avg_sq", "max_exp_avg_sq") if group["amsgrad"] else ("exp_avg", "exp_avg_sq")
+    return ("momentum_buffer",) if group["momentum"] != 0 else ()
+
+
+def check_states(optimizer: Optimizer, groups: list[dict[str, Any]], stepped: Callable[[Tensor], bool]) -> None:
+    """Raise, before any update, where the state of a parameter of ``groups`` that ``stepped`` is something the
+    update cannot step: torch's AdamW/Adam make a parameter's state when it is empty and otherwise read every entry
+    (a state with some of them only, or ``amsgrad`` switched on over a state without ``max_exp_avg_sq``, makes torch
+    raise ``KeyError``); each tensor must be fp32 and shaped as the parameter (a bf16 ``zeros_like`` of a lean
+    parameter is not). SGD's momentum buffer may be missing or ``None`` (made from the gradient)."""
+    for g, group in enumerate(groups):
+        keys = state_keys(optimizer, group)
+        adam = isinstance(optimizer, Adam)
+        for i, param in enumerate(group["params"]):
+            state = optimizer.state.get(param)
+            if not state or not stepped(param):
+                continue
+            where = f"optimizer.state[param_groups[{g}]['params'][{i}]] (shape {tuple(param.shape)})"
+            for key in (*keys, "step") if adam else keys:
+                value = state.get(key)
+                if value is None and not adam:
+                    continue
+                problem = _state_problem(key, value, param)
+                if problem is not None:
+                    raise ValueError(
+                        f"{type(optimizer).__name__} cannot step {where}: its {key!r} {problem} (the state holds "
+                        f"{sorted(state)}). torch.optim.{type(optimizer).__name__} makes a parameter's state when it "
+                        f"is empty and otherwise reads {sorted((*keys, 'step') if adam else keys)}, each an fp32 "
+                        "tensor shaped as the parameter ('step' a one-element tensor). Nothing was updated in this "
+                        "step. Reset the parameter's whole state (optimizer.state[p] = {}), or give every entry its "
+                        "fp32 tensor (torch.zeros_like(p, dtype=torch.float32))."
+                    )
+
+
+def _state_problem(key: str, value: Any, param: Tensor) -> Optional[str]:
+    if value is None:
+        return "is missing"
+    if not isinstance(value, Tensor):
+        return f"is a {type(value).__name__}, not a tensor"
+    if key == "step":
+        return None if value.numel() == 1 else f"has {value.numel()} elements"
+    if value.dtype != torch.float32:
+        return f"is {value.dtype}, not torch.float32"
+    if tuple(value.shape) != tuple(param.shape) or local_of(value).device != local_of(param).device:
+        return f"has shape {tuple(value.shape)} on {local_of(value).device}"
+    return None
+
+
 def fused_update(
     optimizer: Optimizer,
     group: dict[str, Any],
@@ -221,6 +272,7 @@ def fused_update(
     stepped = {id(p): p for p in group["params"] if p.grad is not None}
     if not stepped:
         return
+    check_states(optimizer, [group], lambda p: id(p) in stepped)  # before this group's update
     found = found_inf.to(torch.float32).reshape(()) if found_inf is not None else None  # 0-dim, as torch's
     if isinstance(optimizer, Adam):
         keys = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq") if group["amsgrad"] else ("exp_avg", "exp_avg_sq")
