@@ -9,7 +9,6 @@ if finite, update the scale).
 from __future__ import annotations
 
 import contextlib
-import operator
 from collections.abc import Generator, Mapping
 from typing import Any, Callable, Literal, Optional, Union
 
@@ -37,7 +36,6 @@ from lightning_mp.fp8.convert import Fp8Training
 from lightning_mp.master import MasterWeights, MasterWeightsOption, is_norm, masters_for
 from lightning_mp.master.access import MasterWeightsAccess
 from lightning_mp.master.in_backward import check_options, check_setup, check_strategy, install
-from lightning_mp.master.in_backward import refusal as in_backward_refusal
 from lightning_mp.policy import CastPolicy
 from lightning_mp.scaler import DynamicLossScaler
 from lightning_mp.schedulers import guard_step_schedulers
@@ -125,7 +123,6 @@ class MixedPrecisionPlugin(FabricHooks, MasterWeightsAccess, Precision):  # Fabr
         self._overrides: tuple[Optional[CastPolicy], bool] = (None, False)  # (policy, whether it overrides any op)
         self._module_rules = ModuleRules()
         self._device_type: Optional[str] = None
-        self._connected: list[Optimizer] = []  # the optimizers connect() set up (the strategy may replace them)
 
     @property
     def scaler(self) -> Optional[DynamicLossScaler]:  # the step's (lightning_mp.stepping.OptimizerStep)
@@ -241,7 +238,7 @@ class MixedPrecisionPlugin(FabricHooks, MasterWeightsAccess, Precision):  # Fabr
             self.fp8.connect(inner, optimizers)  # FSDP2 fp8 all-gather: weight scales precomputed after each step
         self.steps.in_backward = install(self.steps.in_backward, self.optimizer_in_backward, self.masters, inner,
                                          optimizers, self.steps.checking, names)  # fmt: skip
-        self._connected = list(optimizers)
+        self.steps.connected = list(optimizers)  # the strategy may replace them: followed before each backward/step
         self.steps.sync.connect(model, self)  # DDP: comm hooks (updates after each bucket), masters from rank 0; FSDP2
         if self.scaler is not None:
             self.scaler.gather_names = self.steps.sync.gather_names  # culprits at min_scale, from every rank
@@ -275,46 +272,11 @@ class MixedPrecisionPlugin(FabricHooks, MasterWeightsAccess, Precision):  # Fabr
         with self.autocast_context_manager(), override_context(self._effective_policy, self.device_type, self.dtype):
             yield
 
-    def follow_replaced_optimizers(self, module: Any) -> None:
-        """Set up the Trainer's optimizers again if they are no longer those :meth:`connect` set up: Lightning's
-        ``trainer.strategy.setup_optimizers(trainer)`` (or assigning ``trainer.strategy.optimizers``) during fit
-        replaces them without a new ``connect``, and fp32 masters would stay out of the new optimizer (which then
-        steps parameters whose gradients moved to the masters: nothing), the hooks of the step inside backward would
-        keep stepping the old one. Runs before each backward and each step: a few identity checks."""
-        trainer = getattr(module, "_trainer", None)
-        if trainer is None or not self._connected:  # Fabric, or not connected yet
-            return
-        current = trainer.strategy.optimizers
-        if len(current) == len(self._connected) and all(map(operator.is_, current, self._connected)):
-            return
-        optimizers = list(current)
-        inner = getattr(module, "module", module)
-        in_backward = self.steps.in_backward
-        if in_backward is not None and in_backward.driven_by_strategy:
-            raise in_backward_refusal(
-                "cannot follow an optimizer replaced during fit (trainer.strategy.setup_optimizers or "
-                "trainer.strategy.optimizers = ...) under DDP or FSDP2: the strategy's reduction drives the updates "
-                "of the optimizer it was set up with. This backward was stopped before it updated anything",
-                "Keep one optimizer for the whole fit (change its param groups, options or state instead), or use "
-                "optimizer_in_backward=False.",
-            )
-        if self.optimizer_in_backward:
-            check_setup(trainer, inner, optimizers)
-        if self.masters is not None and not self.steps.sync.owns_masters:
-            self.masters.attach(optimizers)
-            for param, master in self.masters.pairs():
-                self.steps.names[id(master)] = self.steps.names.get(id(param), "")
-        if in_backward is not None:
-            self.steps.in_backward = install(in_backward, True, self.masters, inner, optimizers, self.steps.checking,
-                                             self.steps.names)  # fmt: skip
-        guard_step_schedulers(trainer.strategy.lr_scheduler_configs)
-        self._connected = optimizers
-
     @override
     def pre_backward(self, tensor: Tensor, module: LightningModule) -> Tensor:  # type: ignore[override]
         # scale before Lightning's on_before_backward hooks, as its built-in plugin does. A new backward ends
         # every "already unscaled" record: gradients still unscaled are scaled back so the sum stays consistent
-        self.follow_replaced_optimizers(module)  # first: the masters and the hooks serve the optimizers of this step
+        self.steps.follow_replaced_optimizers(module)  # first: the masters and hooks serve this step's optimizers
         if self.masters is not None:
             self.masters.before_backward()  # lean masters: gradients of earlier micro-batches add up in fp32
         self.steps.sync.before_backward()  # DDP, lean masters: fp32 sums move aside before a synchronising backward
@@ -323,10 +285,8 @@ class MixedPrecisionPlugin(FabricHooks, MasterWeightsAccess, Precision):  # Fabr
             self.steps.new_backward()
             tensor = self.scaler.scale_loss(tensor)
         tensor = super().pre_backward(tensor, module)
-        if (
-            self.steps.in_backward is not None
-        ):  # the updates run in this backward (one per step): writes reach the masters
-            self.steps.begin_backward(tensor)  # first; the loss checked on the device (non-finite: no update)
+        if self.steps.in_backward is not None:  # the updates run in this backward (one per step)
+            self.steps.begin_backward(tensor)  # writes reach the masters first; the loss checked on the device
         return tensor
 
     @override
@@ -347,11 +307,10 @@ class MixedPrecisionPlugin(FabricHooks, MasterWeightsAccess, Precision):  # Fabr
     ) -> Any:
         # the order of a step (closure, unscale and check once, agree across ranks, Lightning's hooks and clipping,
         # step or skip, masters back into the model, update the scale) is the step owner's (lightning_mp.stepping)
-        self.follow_replaced_optimizers(model)  # replaced after backward (on_before_optimizer_step)
-
         def plain_step() -> Any:  # Lightning's own, for the step without a check (made, not called, every step)
             return super(MixedPrecisionPlugin, self).optimizer_step(optimizer, model=model, closure=closure, **kwargs)
 
+        self.steps.follow_replaced_optimizers(model)  # replaced after backward (on_before_optimizer_step)
         return self.steps.closure_step(optimizer, model, closure, kwargs, plain_step, self._after_closure)
 
     @override
@@ -423,8 +382,7 @@ class MixedPrecisionPlugin(FabricHooks, MasterWeightsAccess, Precision):  # Fabr
     @override
     def teardown(self) -> None:
         # after fit/validate/test/predict the model holds its fp32 values again (the masters, after training)
-        self.steps.in_backward = install(self.steps.in_backward, False)  # its hooks removed
-        self._connected = []
+        self.steps.disconnect()  # the hooks of the step inside backward removed
         restore_averaging_callbacks(self._averaging)
         self._averaging = []
         if self.masters is not None:

@@ -44,9 +44,10 @@ from torch.optim import LBFGS
 from lightning_mp.master import in_backward_loop
 from lightning_mp.master.in_backward import check_setup, install
 from lightning_mp.master.plain import PLAIN, PlainWeights
+from lightning_mp.master.replaced import follow_replaced
 from lightning_mp.scaler import DynamicLossScaler
 from lightning_mp.scaler_device import GradientGroups
-from lightning_mp.schedulers import has_step_scheduler, record_step
+from lightning_mp.schedulers import guard_step_schedulers, has_step_scheduler, record_step
 
 #: Decide on the host when the found-inf flag is a CPU tensor (no device to wait for; see the module docstring).
 DECIDE_CPU_FLAGS_ON_HOST = True
@@ -94,6 +95,7 @@ class OptimizerStep:
         self.names: dict[int, str] = {}
         self.in_backward: Optional[Any] = None  # a StepInBackward (master.in_backward), from connect to teardown
         self.skip_observers: list[Callable[..., None]] = []
+        self.connected: list[Any] = []  # the optimizers the plugin's connect set up
 
     @property
     def checking(self) -> bool:
@@ -261,6 +263,19 @@ class OptimizerStep:
         in_backward_loop.refuse_clipping`); ``call`` says how the user asked."""
         if self.in_backward is not None:
             in_backward_loop.refuse_clipping(self.in_backward, clip_val, algorithm, call)
+
+    def follow_replaced_optimizers(self, module: Any) -> None:
+        """Optimizers that replaced the :attr:`connected` ones set up (:mod:`lightning_mp.master.replaced`)."""
+        trainer = getattr(module, "_trainer", None)  # None under Fabric; a few identity checks per call
+        current = trainer.strategy.optimizers if trainer is not None and self.connected else self.connected
+        if len(current) != len(self.connected) or not all(map(operator.is_, current, self.connected)):
+            self.connected = follow_replaced(self, trainer, module, list(current), self.plugin.optimizer_in_backward)
+            guard_step_schedulers(trainer.strategy.lr_scheduler_configs)
+
+    def disconnect(self) -> None:
+        """At teardown: the step inside backward's hooks removed, no optimizer held."""
+        self.in_backward = install(self.in_backward, False)
+        self.connected = []
 
     def add_optimizer(self, module: Any, optimizers: list[Any]) -> None:
         """An optimizer set up after the module connected (Fabric's ``setup_module``, a forward, then
