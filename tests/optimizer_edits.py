@@ -28,7 +28,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_mp import MixedPrecisionPlugin
 
-STEPS = 5
+STEPS = 4
 #: the global step of most edits (earlier steps made the state and the plans)
 AT = 2
 
@@ -306,7 +306,7 @@ EDITS = [
     Edit("betas changed", _at(_options(betas=(0.8, 0.95))), optimizers=("adamw",)),
     Edit("eps and maximize changed", _at(_options(eps=1e-4, maximize=True)), optimizers=("adamw",)),
     Edit("amsgrad switched on over existing state", _at(_options(amsgrad=True)), follows=False, optimizers=("adamw",)),
-    Edit("momentum off, then on again", {2: _options(momentum=0.0), 4: _options(momentum=0.9)}, optimizers=("sgd",)),
+    Edit("momentum off, then on again", {1: _options(momentum=0.0), 3: _options(momentum=0.9)}, optimizers=("sgd",)),
     Edit("nesterov and dampening changed", _at(_options(nesterov=True, dampening=0.0)), optimizers=("sgd",)),
     # what torch's optimizer cannot step after: refused, before any update
     Edit("state[p].pop(moment)", _at(_pop("moment")), follows=False, optimizers=("adamw",)),
