@@ -205,3 +205,165 @@ def _fresh_step(store, optimizer, update):
         [s["exp_avg_sq"] for _, s in plain], [], [s["step"] for _, s in plain], amsgrad=False, lr=1e-2, beta1=0.9,
         beta2=0.999, weight_decay=0.1, eps=1e-8, maximize=False, grad_scale=None, found_inf=None,
     )  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# What users do to an optimizer between steps: the plan reads what torch's optimizer reads, or refuses before any
+# update. Each edit is made the same way on the lean optimizer and on the reference (torch's fused optimizer on fp32
+# parameters holding the exact values); the lean run must stay bitwise the reference through the edit and after it.
+
+
+def _layer_params(optimizer, first, last):
+    return [p for g in optimizer.param_groups for p in g["params"]][first:last]
+
+
+def _assign_exp_avg(optimizer, params, memo):
+    for p in params[:2]:
+        optimizer.state[p]["exp_avg"] = torch.full_like(optimizer.state[p]["exp_avg"], 1e-3)
+
+
+def _assign_step(optimizer, params, memo):
+    for p in params:
+        optimizer.state[p]["step"] = torch.tensor(1.0)
+
+
+def _reset_every_state(optimizer, params, memo):
+    for p in params:
+        optimizer.state[p] = {}
+
+
+def _clear_one_layer(optimizer, params, memo):
+    for p in params[:2]:
+        optimizer.state[p].clear()
+
+
+def _update_one_state(optimizer, params, memo):
+    state = optimizer.state[params[2]]
+    state.update({key: torch.zeros_like(value) for key, value in state.items() if key != "step"})
+
+
+def _restore_from_copy(optimizer, params, memo):
+    if "saved" not in memo:  # taken at the first edit, restored at the second
+        memo["saved"] = {p: copy.deepcopy(dict(optimizer.state[p])) for p in params}
+        return
+    for p in params:
+        optimizer.state[p] = copy.deepcopy(memo["saved"][p])
+
+
+def _swap_storage(optimizer, params, memo):
+    for p in params:
+        for key, value in optimizer.state[p].items():
+            if key != "step":
+                value.data = torch.full_like(value, 2e-4)
+        if "step" in optimizer.state[p]:
+            optimizer.state[p]["step"].data = torch.tensor(5.0)
+
+
+def _zero_in_place(optimizer, params, memo):
+    for p in params:
+        for key, value in optimizer.state[p].items():
+            if key != "step":
+                value.zero_()
+
+
+def _extend_params(optimizer, params, memo):
+    if "done" not in memo:
+        memo["done"] = True
+        optimizer.param_groups[0]["params"].extend(memo["late"])
+
+
+def _drop_a_parameter(optimizer, params, memo):
+    if "done" not in memo:
+        memo["done"] = True
+        dropped = optimizer.param_groups[0]["params"].pop(0)
+        optimizer.state.pop(dropped)  # torch's state_dict() cannot name the state of a parameter in no group
+
+
+def _permute_params(optimizer, params, memo):
+    optimizer.param_groups[0]["params"].reverse()
+
+
+def _momentum_to_none(optimizer, params, memo):
+    for p in params:
+        optimizer.state[p]["momentum_buffer"] = None
+
+
+def _momentum_replaced(optimizer, params, memo):
+    for p in params[1:3]:
+        optimizer.state[p]["momentum_buffer"] = torch.full_like(optimizer.state[p]["momentum_buffer"], 0.01)
+
+
+ADAM_EDITS = [_assign_exp_avg, _assign_step, _reset_every_state, _clear_one_layer, _update_one_state,
+              _restore_from_copy, _swap_storage, _zero_in_place, _extend_params, _drop_a_parameter, _permute_params]  # fmt: skip
+# (no parameter added in place: torch's fused SGD, the reference, cannot take a momentum buffer made later)
+SGD_EDITS = [_momentum_to_none, _momentum_replaced, _restore_from_copy, _swap_storage, _permute_params,
+             _reset_every_state]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("optimizer_cls", "kwargs", "edit"),
+    [(torch.optim.AdamW, dict(lr=1e-2, weight_decay=0.1), e) for e in ADAM_EDITS]
+    + [(torch.optim.SGD, dict(lr=1e-2, momentum=0.9, weight_decay=1e-3), e) for e in SGD_EDITS],
+    ids=lambda v: getattr(v, "__name__", None),
+)
+def test_the_plan_follows_what_users_do_to_the_optimizer_between_steps(optimizer_cls, kwargs, edit):
+    model, reference, store, optimizer, ref_optimizer = _setup(
+        optimizer_cls, kwargs, params=lambda m: [p for layer in list(m)[:3] for p in layer.parameters()]
+    )
+    generator = torch.Generator().manual_seed(3)
+    memos = ({"late": list(model[3].parameters())}, {"late": list(reference[3].parameters())})
+    for index in range(6):
+        _grads(model, reference, generator, skip=())
+        if index in (2, 4):
+            for opt, memo in zip((optimizer, ref_optimizer), memos):
+                edit(opt, [p for g in opt.param_groups for p in g["params"]], memo)
+        _step(store, optimizer, ref_optimizer)
+        _assert_same(model, reference, store, optimizer, ref_optimizer)
+
+
+@pytest.mark.parametrize("key", ["exp_avg", "exp_avg_sq"])
+def test_state_the_kernel_cannot_read_is_refused_by_name_before_any_update(key):
+    model, reference, store, optimizer, ref_optimizer = _setup(torch.optim.AdamW, dict(lr=1e-2))
+    generator = torch.Generator().manual_seed(4)
+    _grads(model, reference, generator, skip=())
+    _step(store, optimizer, ref_optimizer)
+    _grads(model, reference, generator, skip=())
+    param = model[2].weight
+    optimizer.state[param][key] = torch.zeros_like(param)  # bf16: the natural slip
+    before = [store.fp32_value(p).clone() if p.dtype == torch.bfloat16 else p.detach().clone() for p in model.parameters()]  # fmt: skip
+    with pytest.raises(ValueError, match=rf"state\[param\]\['{key}'\].*torch.bfloat16.*Nothing was updated"):
+        store.fused_step(optimizer, None)
+    after = [store.fp32_value(p) if p.dtype == torch.bfloat16 else p.detach() for p in model.parameters()]
+    assert all(torch.equal(a, b) for a, b in zip(before, after))
+    optimizer.state[param][key] = torch.zeros_like(param, dtype=torch.float32)
+    optimizer.state[param].pop("exp_avg_sq" if key == "exp_avg" else "exp_avg")
+    with pytest.raises(KeyError, match="partly cleared"):
+        store.fused_step(optimizer, None)
+
+
+def test_a_parameter_put_in_a_group_by_hand_must_be_the_models():
+    model, reference, store, optimizer, ref_optimizer = _setup(torch.optim.AdamW, dict(lr=1e-2))
+    stranger = nn.Parameter(torch.randn(4, dtype=torch.bfloat16))
+    generator = torch.Generator().manual_seed(5)
+    _grads(model, reference, generator, skip=())
+    _step(store, optimizer, ref_optimizer)
+    optimizer.param_groups[0]["params"][0] = stranger  # same length: no add_param_group, no size change
+    stranger.grad = torch.ones_like(stranger)
+    _grads(model, reference, generator, skip=())
+    with pytest.raises(ValueError, match="not one of its parameters.*Nothing was updated"):
+        store.fused_step(optimizer, None)
+
+
+def test_a_released_plan_releases_its_tensors():
+    """A plan of a group that left the optimizer, or of a state replaced by a resume, holds nothing afterwards."""
+    model, reference, store, optimizer, ref_optimizer = _setup(torch.optim.AdamW, dict(lr=1e-2))
+    generator = torch.Generator().manual_seed(6)
+    _grads(model, reference, generator, skip=())
+    _step(store, optimizer, ref_optimizer)
+    first = id(optimizer.param_groups[0])
+    assert first in store.step_plans
+    optimizer.load_state_dict(copy.deepcopy(optimizer.state_dict()))
+    _grads(model, reference, generator, skip=())
+    store.fused_step(optimizer, None)
+    assert list(store.step_plans) == [id(optimizer.param_groups[0])]
+    assert first not in store.step_plans or store.step_plans[first].state is optimizer.state

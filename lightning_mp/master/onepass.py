@@ -88,14 +88,10 @@ def step(
     plans = store.__dict__.get("step_plans")
     if plans is None:
         plans = store.__dict__["step_plans"] = Plans()
-    key, params, source = (
-        (id(group), group["params"], group["params"]) if param is None else (id(param), [param], param)
-    )
+    key, params, owner = (id(group), group["params"], group) if param is None else (id(param), [param], param)
     made = plans.get(key)
-    if made is None or not made.fits(optimizer, group, store, source):
-        for old in [k for k, p in plans.items() if p.optimizer_id == id(optimizer) and p.state is not optimizer.state]:
-            del plans[old]  # made before a resume replaced the state: their groups are gone, their tensors unused
-        made = plans[key] = _new_plan(optimizer, group, params, store, key, source)
+    if made is None or made.owner_object is not owner or not made.fits(optimizer, group, store, params):
+        made = _replan(plans, optimizer, group, params, store, key, owner)
     if made.kernel is None:
         return False
     clipping = plan_grad_ops(grad_ops, made.device) if grad_ops else (None, None)
@@ -104,15 +100,28 @@ def step(
     try:
         return made.step(group, clipping[0], clipping[1], found)
     except Stale:  # a gradient appeared or went away since the plan was made
-        made = plans[key] = _new_plan(optimizer, group, params, store, key, source)
+        made = _replan(plans, optimizer, group, params, store, key, owner)
         return made.step(group, clipping[0], clipping[1], found)
 
 
+def _replan(
+    plans: Plans, optimizer: Optimizer, group: dict[str, Any], params: list[Tensor], store: Any, key: int, owner: Any
+) -> StepPlan:
+    """A new plan under ``key``; plans that describe nothing any more are released with their tensors: those of a
+    dead optimizer, of one whose state was replaced (a resume), of a group no longer in its ``param_groups``."""
+    plans.pop(key, None)
+    groups = optimizer.param_groups
+    for old in [k for k, p in plans.items() if not p.current(optimizer, groups)]:
+        del plans[old]
+    made = plans[key] = _new_plan(optimizer, group, params, store, key, owner)
+    return made
+
+
 def _new_plan(
-    optimizer: Optimizer, group: dict[str, Any], params: list[Tensor], store: Any, key: int, source: Any
+    optimizer: Optimizer, group: dict[str, Any], params: list[Tensor], store: Any, key: int, owner: Any
 ) -> StepPlan:
     """The plan of ``params``: with the compiled kernel of their device where :func:`plan` finds one."""
-    return StepPlan(optimizer, group, list(params), store, _kernel_for(params), key, source)
+    return StepPlan(optimizer, group, list(params), store, _kernel_for(params), key, owner)
 
 
 def _kernel_for(params: list[Tensor]) -> Optional[str]:

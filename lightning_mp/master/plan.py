@@ -10,17 +10,33 @@ makes new gradients each step unless they are zeroed in place), their dtypes, th
 changes them), the clipping and the found-inf flag. No aten op is issued for the lean parameters on the CPU: the C
 kernel advances their step counts itself (``step += 1``, then ``step -= found``, torch's two foreach ops in C).
 
-A plan is rebuilt, never patched, when what it recorded may have changed; each check is per group, not per
-parameter (:meth:`StepPlan.fits`): the optimizer's ``state`` replaced (``load_state_dict``: a resume) or its number
-of entries changed, the store's blocks rebuilt (``layout_version``: a relocation), another ``params`` list in the
-group (``add_param_group`` makes new groups; a resume new group dicts), ``amsgrad`` or momentum switched on or off,
-and a parameter whose gradient appeared or went away (:class:`Stale`, met while reading the gradients). A state
-tensor replaced inside ``optimizer.state[param]`` by hand, outside ``load_state_dict``, is not seen.
+A plan is a cache of what the update reads, so it is kept only while everything it read is still what torch's
+optimizer would read now; otherwise it is rebuilt, never patched. :meth:`StepPlan.fits` re-reads those inputs each
+step, by identity and address, in a few C-level passes (``map``), no aten op and no Python loop per parameter:
+
+- the optimizer's ``state`` object (``load_state_dict`` replaces it), the store's blocks (``layout_version``),
+  ``amsgrad`` or momentum switched;
+- the group's parameters, element by element (``params`` edited in place: ``append``, ``extend``, ``del``, item
+  assignment, a new list; ``add_param_group`` makes a new group, and so a new plan);
+- each stepped parameter's state dict in ``optimizer.state`` (``state[p] = {}``, a restored copy) and the state
+  tensors in it (``state[p]["exp_avg"] = t``, ``clear``, ``pop``, ``update``: a key gone is a rebuild too);
+- the address of every tensor whose address the kernel is given (``exp_avg.data = t`` swaps the storage under the
+  same tensor object).
+
+Memory safety: the plan holds every tensor and storage whose address it hands the kernel (the block slices, the
+state tensors, their storages), so an address it gives is always live memory; and it gives an address only after
+checking that it is still where the tensor's data is, so a swapped storage is followed, never written through.
+A parameter whose gradient appeared or went away is met while reading the gradients (:class:`Stale`). State that
+the kernel cannot read (not fp32, another shape or device, not contiguous) is refused when the plan is laid out, by
+name, before any update of the step.
 """
 
 from __future__ import annotations
 
 import ctypes
+import weakref
+from itertools import chain
+from operator import is_, itemgetter
 from typing import Any, Optional
 
 import torch
@@ -28,7 +44,7 @@ from torch import Tensor
 from torch.optim import Adam, Optimizer
 
 from lightning_mp.master import native
-from lightning_mp.master.step import _state_for, fp32_zeros_like, local_of
+from lightning_mp.master.step import _state_for, check_state_tensor, fp32_zeros_like, local_of
 
 _FP32 = torch.float32
 _GRAD_DTYPES = (torch.bfloat16, torch.float32)
@@ -53,6 +69,13 @@ def switches(optimizer: Optimizer, group: dict[str, Any]) -> tuple[bool, bool]:
     return False, group["momentum"] != 0
 
 
+def _read(dicts: list[dict[str, Any]], keys: tuple[str, ...]) -> list[Any]:
+    """``[d[k] for d in dicts for k in keys]`` in C-level passes (``KeyError`` where a key is missing)."""
+    if len(keys) == 1:
+        return list(map(itemgetter(keys[0]), dicts))
+    return list(chain.from_iterable(map(itemgetter(*keys), dicts)))
+
+
 class StepPlan:
     """The one-pass update of ``params`` (a group's, or one parameter's) of ``optimizer`` on ``store``'s lean state.
 
@@ -60,7 +83,8 @@ class StepPlan:
         kernel: ``"cpu"`` (the C kernel), ``"cuda"`` (the Triton kernel) or ``None`` (no kernel for these
             parameters: the caller takes the chunked path).
         key: what the CUDA update's caches are kept under (the group's or the parameter's id).
-        source: what :meth:`fits` compares by identity: the group's ``params`` list, or the one parameter.
+        owner: the group dict (or, inside backward, the parameter) the plan is kept under by id: held, so that id
+            cannot name another object while the plan lives.
     """
 
     def __init__(
@@ -71,42 +95,81 @@ class StepPlan:
         store: Any,
         kernel: Optional[str],
         key: int,
-        source: Any,
+        owner: Any,
     ) -> None:
         self.kernel = kernel
         self.key = key
-        self.source = source  # the group's params list, or the one parameter: compared by identity
+        self.owner_object = owner
         self.state = optimizer.state
-        self.optimizer_id = id(optimizer)
+        self.optimizer = weakref.ref(optimizer)
         self.owner = store  # the CUDA update's caches are the store's
         self.layout_version = getattr(store, "layout_version", 0)
         self.switches = switches(optimizer, group)
+        self.params = list(params)  # compared element by element with the group's list at every step
         self.device = local_of(params[0]).device if params else torch.device("cpu")
         self.sharded = any(local_of(p) is not p for p in params)  # DTensors: the local shards are read
         self._options: tuple[tuple[Any, ...], Any] = ((), None)
+        # what fits() re-reads each step: the stepped parameters' state dicts, the tensors in them, their addresses
+        self.stepped: list[Tensor] = []
+        self.dicts: list[dict[str, Any]] = []
+        self.keys: tuple[str, ...] = ()
+        self.items: list[Any] = []
+        self.watched: list[Tensor] = []
+        self.addresses: list[int] = []
+        self.storages: list[Any] = []
         if kernel is not None:
-            self._lay_out(optimizer, group, params, store)
-        self.state_size = len(optimizer.state)
+            self._lay_out(optimizer, group, self.params, store)
 
-    def fits(self, optimizer: Optimizer, group: dict[str, Any], store: Any, source: Any) -> bool:
-        """Whether the plan still describes ``group``: a few identity and size checks, none per parameter."""
+    def fits(self, optimizer: Optimizer, group: dict[str, Any], store: Any, params: list[Tensor]) -> bool:
+        """Whether everything the plan read is still what torch's optimizer would read now (module doc): identities
+        and addresses compared in C-level passes, no Python loop per parameter."""
+        state = optimizer.state
+        if (
+            state is not self.state
+            or store.layout_version != self.layout_version
+            or switches(optimizer, group) != self.switches
+            or len(params) != len(self.params)
+            or not all(map(is_, params, self.params))
+        ):
+            return False
+        if not self.keys:
+            return True
+        if not all(map(is_, map(state.get, self.stepped), self.dicts)):
+            return False
+        try:
+            items = list(map(self.getter, self.dicts)) if self.flat else _read(self.dicts, self.keys)
+        except KeyError:  # cleared, or a key popped
+            return False
+        if not all(map(is_, items, self.items)):
+            return False
+        watched = self.watched
+        return list(map(Tensor.data_ptr, map(local_of, watched) if self.sharded else watched)) == self.addresses
+
+    def current(self, optimizer: Optimizer, groups: list[dict[str, Any]]) -> bool:
+        """Whether the plan may still be used (else it is released with what it holds): its optimizer alive, with the
+        same state object, and, for a group's plan of ``optimizer``, the group still in its ``groups``."""
+        mine = self.optimizer()
+        if mine is None or mine.state is not self.state:
+            return False
         return (
-            optimizer.state is self.state
-            and len(self.state) == self.state_size
-            and source is self.source
-            and getattr(store, "layout_version", 0) == self.layout_version
-            and switches(optimizer, group) == self.switches
+            mine is not optimizer
+            or not isinstance(self.owner_object, dict)
+            or any(g is self.owner_object for g in groups)
         )
 
     # ------------------------------------------------------------------ built once
     def _lay_out(self, optimizer: Optimizer, group: dict[str, Any], params: list[Tensor], store: Any) -> None:
         stepped = [p for p in params if p.grad is not None]
         self.idle = [p for p in params if p.grad is None]  # a gradient appearing here makes the plan stale
+        check = getattr(store, "check_trained", None)
+        if check is not None:
+            check(stepped)  # a parameter put in the group by hand must be one the store holds
         adam, on = self.switches
         if adam:
             keys = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq") if on else ("exp_avg", "exp_avg_sq")
             states = [_state_for(optimizer, p, keys) for p in stepped]
             self.first_step = False
+            self.keys = (*keys, "step")
         else:  # as torch.optim.SGD(fused=True), whose first step (no momentum buffers yet) copies the gradient in
             keys = ("momentum_buffer",) if on else ()
             self.first_step = on and all(optimizer.state[p].get("momentum_buffer") is None for p in stepped)
@@ -117,6 +180,20 @@ class StepPlan:
                     # zeros, not torch's empty_like: a first step skipped by found leaves defined values behind
                     state["momentum_buffer"] = fp32_zeros_like(param)
                 states.append(state)
+            self.keys = keys
+        if not adam:
+            for param, state in zip(stepped, states):
+                for key in keys:
+                    check_state_tensor(optimizer, param, key, state[key])
+        if self.keys:
+            self.flat = len(self.keys) == 1  # one key: itemgetter gives the item itself, not a tuple
+            self.getter = itemgetter(*self.keys)
+            self.stepped, self.dicts = stepped, states
+            self.items = _read(states, self.keys)
+            self.watched = [t for t in self.items if isinstance(t, Tensor)]
+            locals_ = [local_of(t) for t in self.watched]
+            self.addresses = [t.data_ptr() for t in locals_]
+            self.storages = [t.untyped_storage() for t in locals_]  # held: no address given can be freed
         lean = [i for i, p in enumerate(stepped) if store.offset_of(p) is not None]
         plain = [i for i, p in enumerate(stepped) if store.offset_of(p) is None]
         self.lean = [stepped[i] for i in lean]

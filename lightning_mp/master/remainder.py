@@ -175,6 +175,23 @@ class RemainderMasters(MasterWeights):
                 generic.follow_groups()
         self._groups_seen.record(self._optimizers)
 
+    def check_trained(self, params: list[Tensor]) -> None:
+        """Raise a ValueError naming the first of ``params`` that is not the converted module's: a step plan
+        (:mod:`.plan`) asks when it lays out a group, so a parameter put into ``group["params"]`` in place (not by
+        ``add_param_group``) is checked before the update, as :meth:`attach` checks the groups."""
+        if self._module is None:
+            return
+        module_params = {id(p) for p in self._module.parameters()}
+        for param in params:
+            if id(param) not in module_params:
+                raise ValueError(
+                    f"master_weights='remainder' needs every optimizer parameter to belong to the model, but a "
+                    f"parameter of shape {tuple(param.shape)} ({param.dtype}) in the optimizer's param_groups is not "
+                    "one of its parameters (put there in place, e.g. group['params'].append(...)). Nothing was "
+                    "updated. Add the model's own parameters (optimizer.add_param_group, or group['params'] edited "
+                    "with the model's parameters), or use master_weights=False."
+                )
+
     def chunk_size_for(self, device: torch.device) -> int:
         """The chunk size on ``device``: the one given, or the device type's default."""
         return self.chunk_size or DEFAULT_CHUNK_SIZES.get(device.type, DEFAULT_CHUNK_SIZES["cuda"])

@@ -196,14 +196,56 @@ def fp32_zeros_like(param: Tensor) -> Tensor:
     return torch.zeros_like(param, dtype=torch.float32, memory_format=torch.contiguous_format)
 
 
+def check_state_tensor(optimizer: Optimizer, param: Tensor, key: str, value: Any) -> None:
+    """Refuse, by name, optimizer state that the update cannot read as torch's fused kernel reads fp32 state: a
+    tensor that is not fp32, not shaped like the parameter, on another device, or not contiguous (a user's
+    ``state[p]["exp_avg"] = torch.zeros_like(p)`` makes a bf16 one: lean masters keep fp32 state)."""
+    local, target = local_of(value) if isinstance(value, Tensor) else value, local_of(param)
+    if (
+        isinstance(local, Tensor)
+        and local.dtype == torch.float32
+        and local.shape == target.shape
+        and local.device == target.device
+        and local.is_contiguous()
+    ):
+        return
+    what = (
+        f"{local.dtype} tensor of shape {tuple(local.shape)} on {local.device}"
+        + ("" if local.is_contiguous() else ", not contiguous")
+        if isinstance(local, Tensor)
+        else repr(type(value).__name__)
+    )
+    index = next((i for i, g in enumerate(optimizer.param_groups) if any(p is param for p in g["params"])), "?")
+    raise ValueError(
+        f"master_weights='remainder': {type(optimizer).__name__}.state[param][{key!r}] of a parameter of shape "
+        f"{tuple(param.shape)} in param_groups[{index}] is a {what}; the lean update keeps optimizer state in fp32, "
+        f"contiguous, shaped and placed like the parameter ({tuple(target.shape)} on {target.device}), as torch's "
+        f"fused optimizer reads it. Nothing was updated. Assign fp32 state, e.g. "
+        f"torch.zeros_like(state[{key!r}]) or torch.zeros_like(param, dtype=torch.float32), not "
+        "torch.zeros_like(param) (bf16)."
+    )
+
+
 def _state_for(optimizer: Optimizer, param: Tensor, keys: tuple[str, ...]) -> dict[str, Any]:
+    """``optimizer.state[param]``, made as torch's Adam makes it where it is empty; each of ``keys`` checked
+    (:func:`check_state_tensor`)."""
     state = optimizer.state[param]
-    if "step" not in state:
+    if not state:
         # as torch.optim.Adam/SGD initialise with fused=True: fp32 zeros shaped like the parameter (sharded like it,
         # for a DTensor), fp32 step
         state["step"] = torch.tensor(0.0, dtype=torch.float32, device=param.device)
         for key in keys:
             state[key] = fp32_zeros_like(param)
+    for key in (*keys, "step"):
+        if key not in state:
+            raise KeyError(
+                f"{type(optimizer).__name__}.state[param] of a parameter of shape {tuple(param.shape)} holds "
+                f"{sorted(state)} but not {key!r}: torch's {type(optimizer).__name__} makes a parameter's state only "
+                "where it is empty, so a partly cleared state stops its step too. Nothing was updated. Clear the "
+                "whole state (optimizer.state[param].clear()) or give it every key."
+            )
+        if key != "step":
+            check_state_tensor(optimizer, param, key, state[key])
     return state
 
 
@@ -329,6 +371,7 @@ def fused_update(
             if state.get("momentum_buffer") is None:
                 # zeros, not torch's empty_like: a first step skipped by found_inf leaves defined values behind
                 state["momentum_buffer"] = fp32_zeros_like(param)
+            check_state_tensor(optimizer, param, "momentum_buffer", state["momentum_buffer"])
             buffers[key] = state["momentum_buffer"]
     for chunk in chunks:
         view = ChunkView(chunk, store, staging, grad_ops)
