@@ -169,9 +169,12 @@ def _update_state(optimizer: torch.optim.Optimizer, model: EditNet) -> None:
         state.update({key: value * 0.5 for key, value in state.items() if key != "step" and value is not None})
 
 
-def _pop(key: str) -> Callable[..., None]:
+def _pop(key: str, group: int) -> Callable[..., None]:
+    """``state[p].pop(key)`` for the parameters of ``group``: of the last group (the normal step updates the others
+    first) or of the first (the head's gradients come first in backward: the step inside backward updates it first)."""
+
     def change(optimizer: torch.optim.Optimizer, model: EditNet) -> None:
-        for state in _each_state(optimizer, 1):  # the last group: the first must not have been updated either
+        for state in _each_state(optimizer, group):
             state.pop(_moment(optimizer) if key == "moment" else key)
 
     return change
@@ -299,7 +302,9 @@ EDITS = [
     Edit("del optimizer.param_groups[1] (its state kept)", _at(_groups("remove group, state kept"))),
     Edit("optimizer.param_groups.reverse()", _at(_groups("groups reordered"))),
     # another optimizer
-    Edit("trainer.strategy.setup_optimizers(trainer)", _at(lambda o, m: m.trainer.strategy.setup_optimizers(m.trainer))),
+    Edit(
+        "trainer.strategy.setup_optimizers(trainer)", _at(lambda o, m: m.trainer.strategy.setup_optimizers(m.trainer))
+    ),
     # options
     Edit("lr changed", _at(_options(lr=2e-3))),
     Edit("weight_decay changed", _at(_options(weight_decay=0.3))),
@@ -309,7 +314,8 @@ EDITS = [
     Edit("momentum off, then on again", {1: _options(momentum=0.0), 3: _options(momentum=0.9)}, optimizers=("sgd",)),
     Edit("nesterov and dampening changed", _at(_options(nesterov=True, dampening=0.0)), optimizers=("sgd",)),
     # what torch's optimizer cannot step after: refused, before any update
-    Edit("state[p].pop(moment)", _at(_pop("moment")), follows=False, optimizers=("adamw",)),
+    Edit("state[p].pop(moment) (the last group)", _at(_pop("moment", 1)), follows=False, optimizers=("adamw",)),
+    Edit("state[p].pop(moment) (the first group)", _at(_pop("moment", 0)), follows=False, optimizers=("adamw",)),
     Edit(
         "state[p].clear(); setdefault('step', ...)",
         _at(_reset("clear, setdefault step", group=1)),

@@ -236,6 +236,13 @@ def _state_for(optimizer: Optimizer, param: Tensor, keys: tuple[str, ...]) -> di
         state["step"] = torch.tensor(0.0, dtype=torch.float32, device=param.device)
         for key in keys:
             state[key] = fp32_zeros_like(param)
+    check_state(optimizer, param, state, keys)
+    return state
+
+
+def check_state(optimizer: Optimizer, param: Tensor, state: dict[str, Any], keys: tuple[str, ...]) -> None:
+    """Refuse, by name, an Adam state that holds some of ``keys`` and ``step`` but not all (torch's Adam raises
+    ``KeyError`` there too), and state tensors :func:`check_state_tensor` refuses."""
     for key in (*keys, "step"):
         if key not in state:
             raise KeyError(
@@ -246,58 +253,24 @@ def _state_for(optimizer: Optimizer, param: Tensor, keys: tuple[str, ...]) -> di
             )
         if key != "step":
             check_state_tensor(optimizer, param, key, state[key])
-    return state
-
-
-def state_keys(optimizer: Optimizer, group: dict[str, Any]) -> tuple[str, ...]:
-    """The state entries torch's optimizer reads for a parameter of ``group`` (besides ``step`` for Adam)."""
-    if isinstance(optimizer, Adam):
-        return ("exp_avg", "exp_avg_sq", "max_exp_avg_sq") if group["amsgrad"] else ("exp_avg", "exp_avg_sq")
-    return ("momentum_buffer",) if group["momentum"] != 0 else ()
 
 
 def check_states(optimizer: Optimizer, groups: list[dict[str, Any]], stepped: Callable[[Tensor], bool]) -> None:
-    """Raise, before any update, where the state of a parameter of ``groups`` that ``stepped`` is something the
-    update cannot step: torch's AdamW/Adam make a parameter's state when it is empty and otherwise read every entry
-    (a state with some of them only, or ``amsgrad`` switched on over a state without ``max_exp_avg_sq``, makes torch
-    raise ``KeyError``); each tensor must be fp32 and shaped as the parameter (a bf16 ``zeros_like`` of a lean
-    parameter is not). SGD's momentum buffer may be missing or ``None`` (made from the gradient)."""
-    for g, group in enumerate(groups):
-        keys = state_keys(optimizer, group)
-        adam = isinstance(optimizer, Adam)
-        for i, param in enumerate(group["params"]):
-            state = optimizer.state.get(param)
-            if not state or not stepped(param):
-                continue
-            where = f"optimizer.state[param_groups[{g}]['params'][{i}]] (shape {tuple(param.shape)})"
-            for key in (*keys, "step") if adam else keys:
-                value = state.get(key)
-                if value is None and not adam:
-                    continue
-                problem = _state_problem(key, value, param)
-                if problem is not None:
-                    raise ValueError(
-                        f"{type(optimizer).__name__} cannot step {where}: its {key!r} {problem} (the state holds "
-                        f"{sorted(state)}). torch.optim.{type(optimizer).__name__} makes a parameter's state when it "
-                        f"is empty and otherwise reads {sorted((*keys, 'step') if adam else keys)}, each an fp32 "
-                        "tensor shaped as the parameter ('step' a one-element tensor). Nothing was updated in this "
-                        "step. Reset the parameter's whole state (optimizer.state[p] = {}), or give every entry its "
-                        "fp32 tensor (torch.zeros_like(p, dtype=torch.float32))."
-                    )
-
-
-def _state_problem(key: str, value: Any, param: Tensor) -> Optional[str]:
-    if value is None:
-        return "is missing"
-    if not isinstance(value, Tensor):
-        return f"is a {type(value).__name__}, not a tensor"
-    if key == "step":
-        return None if value.numel() == 1 else f"has {value.numel()} elements"
-    if value.dtype != torch.float32:
-        return f"is {value.dtype}, not torch.float32"
-    if tuple(value.shape) != tuple(param.shape) or local_of(value).device != local_of(param).device:
-        return f"has shape {tuple(value.shape)} on {local_of(value).device}"
-    return None
+    """:func:`check_state` for every parameter of ``groups`` that ``stepped`` and has state (an empty one is made at
+    its update), before any of them is updated: the chunked path updates group by group (and, inside backward,
+    parameter by parameter), so a state met later would stop the step half-way."""
+    for group in groups:
+        if isinstance(optimizer, Adam):
+            keys = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq") if group["amsgrad"] else ("exp_avg", "exp_avg_sq")
+            for param in group["params"]:
+                state = optimizer.state.get(param)
+                if state and stepped(param):
+                    check_state(optimizer, param, state, keys)
+        elif group["momentum"] != 0:  # SGD: a buffer missing or None is made from the gradient
+            for param in group["params"]:
+                buffer = optimizer.state.get(param, {}).get("momentum_buffer")
+                if buffer is not None and stepped(param):
+                    check_state_tensor(optimizer, param, "momentum_buffer", buffer)
 
 
 def fused_update(
@@ -314,7 +287,6 @@ def fused_update(
     stepped = {id(p): p for p in group["params"] if p.grad is not None}
     if not stepped:
         return
-    check_states(optimizer, [group], lambda p: id(p) in stepped)  # before this group's update
     found = found_inf.to(torch.float32).reshape(()) if found_inf is not None else None  # 0-dim, as torch's
     if isinstance(optimizer, Adam):
         keys = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq") if group["amsgrad"] else ("exp_avg", "exp_avg_sq")
