@@ -535,7 +535,11 @@ def child_main() -> None:
 
     warnings.filterwarnings("ignore")
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
+    import sys
+
     for edit in STORAGE_SWAPS:
+        if len(sys.argv) > 1 and edit.name not in sys.argv[1:]:  # some by name (the default: all)
+            continue
         for optimizer in edit.optimizers:
             reference = fit("chunked", optimizer, edit)
             for mode in ("lean", "in backward"):

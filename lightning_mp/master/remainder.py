@@ -312,7 +312,7 @@ class RemainderMasters(MasterWeights):
         if found is not None and (found.dtype != torch.float32 or found.dim()):
             found = found.to(torch.float32).reshape(())  # 0-dim, as torch's
         if not native.enabled():  # every group takes the chunked path: all their states checked before any update
-            check_states(optimizer, optimizer.param_groups, _has_grad)
+            check_states(optimizer, optimizer.param_groups, lambda param: param.grad is not None)
         for index, group in enumerate(optimizer.param_groups):
             if grad_ops:
                 apply_grad_ops_in_place([p for p in group["params"] if id(p) not in self._layout], grad_ops)
@@ -395,7 +395,3 @@ class RemainderMasters(MasterWeights):
             f"{type(self).__name__}(bf16 weights + 16-bit remainders: {len(self._layout)} tensors / {held} values, "
             f"chunk_size={self.chunk_size}, accumulate_grads_in={self.accumulate_grads_in})"
         )
-
-
-def _has_grad(param: Tensor) -> bool:
-    return param.grad is not None
