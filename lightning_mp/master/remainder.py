@@ -169,7 +169,7 @@ class RemainderMasters(MasterWeights):
             return
         module_params = {id(p) for p in self._module.parameters()}
         for index, optimizer in enumerate(self._optimizers):
-            check_params_belong(index, optimizer, module_params)
+            check_params_belong(index, optimizer, module_params, during_fit=True)
             generic = self._generic.get(id(optimizer))
             if generic is not None:
                 generic.follow_groups()
