@@ -35,7 +35,7 @@ from lightning_mp.forward import module_device as _module_device
 from lightning_mp.fp8.convert import Fp8Training
 from lightning_mp.master import MasterWeights, MasterWeightsOption, is_norm, masters_for
 from lightning_mp.master.access import MasterWeightsAccess
-from lightning_mp.master.in_backward import check_options, check_setup, check_strategy, install
+from lightning_mp.master.in_backward import check_options, check_strategy
 from lightning_mp.policy import CastPolicy
 from lightning_mp.scaler import DynamicLossScaler
 from lightning_mp.schedulers import guard_step_schedulers
@@ -224,21 +224,14 @@ class MixedPrecisionPlugin(FabricHooks, MasterWeightsAccess, Precision):  # Fabr
         # Runs after the model is on its device and the optimizers exist, before checkpoint state is restored.
         inner = model.module if isinstance(model, torch.nn.parallel.DistributedDataParallel) else model
         self._device_type = _module_device(inner).type
-        names = self.steps.names = {id(param): name for name, param in inner.named_parameters()}
+        self.steps.names = {id(param): name for name, param in inner.named_parameters()}
         self.resolve_policy(inner)
         self._module_rules.install(inner, self.keeps_fp32, self._device_type)
-        if self.optimizer_in_backward:
-            check_setup(getattr(inner, "_trainer", None), inner, optimizers)
-        if self.masters is not None and not self.steps.sync.owns_masters:
-            self.masters.check_callbacks(getattr(getattr(inner, "_trainer", None), "callbacks", None) or [])
-            self.masters.attach(optimizers)
-            for param, master in self.masters.pairs():
-                names[id(master)] = names.get(id(param), "")
+        # the masters on the optimizers, the step inside backward on them (refusals first); followed at each step
+        # where the Trainer's strategy holds others (an optimizer swapped mid-fit: _follow_optimizers)
+        self.steps.hold(getattr(inner, "_trainer", None), inner, optimizers, self.optimizer_in_backward)
         if self.fp8 is not None:
             self.fp8.connect(inner, optimizers)  # FSDP2 fp8 all-gather: weight scales precomputed after each step
-        self.steps.in_backward = install(self.steps.in_backward, self.optimizer_in_backward, self.masters, inner,
-                                         optimizers, self.steps.checking, names)  # fmt: skip
-        self.steps.connected = list(optimizers)  # the strategy may replace them: followed before each backward/step
         self.steps.sync.connect(model, self)  # DDP: comm hooks (updates after each bucket), masters from rank 0; FSDP2
         if self.scaler is not None:
             self.scaler.gather_names = self.steps.sync.gather_names  # culprits at min_scale, from every rank
@@ -272,11 +265,17 @@ class MixedPrecisionPlugin(FabricHooks, MasterWeightsAccess, Precision):  # Fabr
         with self.autocast_context_manager(), override_context(self._effective_policy, self.device_type, self.dtype):
             yield
 
+    def _follow_optimizers(self) -> None:
+        # an optimizer swapped mid-fit is the one stepped (masters, hooks inside backward): an identity check per step
+        optimizers = self.steps.held.follow()
+        if optimizers is not None and self.fp8 is not None:  # FSDP2 fp8 all-gather: scales after its steps
+            self.fp8.connect(self.steps.held.module, optimizers)
+
     @override
     def pre_backward(self, tensor: Tensor, module: LightningModule) -> Tensor:  # type: ignore[override]
         # scale before Lightning's on_before_backward hooks, as its built-in plugin does. A new backward ends
         # every "already unscaled" record: gradients still unscaled are scaled back so the sum stays consistent
-        self.steps.follow_replaced_optimizers(module)  # first: the masters and hooks serve this step's optimizers
+        self._follow_optimizers()
         if self.masters is not None:
             self.masters.before_backward()  # lean masters: gradients of earlier micro-batches add up in fp32
         self.steps.sync.before_backward()  # DDP, lean masters: fp32 sums move aside before a synchronising backward
@@ -285,8 +284,8 @@ class MixedPrecisionPlugin(FabricHooks, MasterWeightsAccess, Precision):  # Fabr
             self.steps.new_backward()
             tensor = self.scaler.scale_loss(tensor)
         tensor = super().pre_backward(tensor, module)
-        if self.steps.in_backward is not None:  # the updates run in this backward (one per step)
-            self.steps.begin_backward(tensor)  # writes reach the masters first; the loss checked on the device
+        if self.steps.in_backward is not None:  # the updates run in this backward (one per step): writes reach
+            self.steps.begin_backward(tensor)  # the masters first; the loss checked on the device (non-finite: none)
         return tensor
 
     @override
@@ -307,10 +306,11 @@ class MixedPrecisionPlugin(FabricHooks, MasterWeightsAccess, Precision):  # Fabr
     ) -> Any:
         # the order of a step (closure, unscale and check once, agree across ranks, Lightning's hooks and clipping,
         # step or skip, masters back into the model, update the scale) is the step owner's (lightning_mp.stepping)
+        self._follow_optimizers()
+
         def plain_step() -> Any:  # Lightning's own, for the step without a check (made, not called, every step)
             return super(MixedPrecisionPlugin, self).optimizer_step(optimizer, model=model, closure=closure, **kwargs)
 
-        self.steps.follow_replaced_optimizers(model)  # replaced after backward (on_before_optimizer_step)
         return self.steps.closure_step(optimizer, model, closure, kwargs, plain_step, self._after_closure)
 
     @override
@@ -382,7 +382,7 @@ class MixedPrecisionPlugin(FabricHooks, MasterWeightsAccess, Precision):  # Fabr
     @override
     def teardown(self) -> None:
         # after fit/validate/test/predict the model holds its fp32 values again (the masters, after training)
-        self.steps.disconnect()  # the hooks of the step inside backward removed
+        self.steps.held.release()  # the hooks inside backward removed, no optimizer followed
         restore_averaging_callbacks(self._averaging)
         self._averaging = []
         if self.masters is not None:

@@ -42,12 +42,11 @@ from torch import Tensor
 from torch.optim import LBFGS
 
 from lightning_mp.master import in_backward_loop
-from lightning_mp.master.in_backward import check_setup, install
+from lightning_mp.master.held_optimizers import HeldOptimizers
 from lightning_mp.master.plain import PLAIN, PlainWeights
-from lightning_mp.master.replaced import follow_replaced
 from lightning_mp.scaler import DynamicLossScaler
 from lightning_mp.scaler_device import GradientGroups
-from lightning_mp.schedulers import guard_step_schedulers, has_step_scheduler, record_step
+from lightning_mp.schedulers import has_step_scheduler, record_step
 
 #: Decide on the host when the found-inf flag is a CPU tensor (no device to wait for; see the module docstring).
 DECIDE_CPU_FLAGS_ON_HOST = True
@@ -95,7 +94,7 @@ class OptimizerStep:
         self.names: dict[int, str] = {}
         self.in_backward: Optional[Any] = None  # a StepInBackward (master.in_backward), from connect to teardown
         self.skip_observers: list[Callable[..., None]] = []
-        self.connected: list[Any] = []  # the optimizers the plugin's connect set up
+        self.held = HeldOptimizers(self)  # the optimizers the masters and the hooks inside backward are on
 
     @property
     def checking(self) -> bool:
@@ -264,27 +263,16 @@ class OptimizerStep:
         if self.in_backward is not None:
             in_backward_loop.refuse_clipping(self.in_backward, clip_val, algorithm, call)
 
-    def follow_replaced_optimizers(self, module: Any) -> None:
-        """Optimizers that replaced the :attr:`connected` ones set up (:mod:`lightning_mp.master.replaced`)."""
-        trainer = getattr(module, "_trainer", None)  # None under Fabric; a few identity checks per call
-        current = trainer.strategy.optimizers if trainer is not None and self.connected else self.connected
-        if len(current) != len(self.connected) or not all(map(operator.is_, current, self.connected)):
-            self.connected = follow_replaced(self, trainer, module, list(current), self.plugin.optimizer_in_backward)
-            guard_step_schedulers(trainer.strategy.lr_scheduler_configs)
-
-    def disconnect(self) -> None:
-        """At teardown: the step inside backward's hooks removed, no optimizer held."""
-        self.in_backward = install(self.in_backward, False)
-        self.connected = []
+    # ------------------------------------------------------------------------------------------ the optimizers
+    def hold(self, trainer: Any, module: Any, optimizers: list[Any], in_backward: bool) -> None:
+        """At connect: the masters and the step inside backward on ``optimizers``; the ``trainer``'s strategy is
+        followed (:class:`~lightning_mp.master.held_optimizers.HeldOptimizers`)."""
+        self.held.hold(trainer, module, [unwrap_optimizer(o) for o in optimizers], in_backward)
 
     def add_optimizer(self, module: Any, optimizers: list[Any]) -> None:
-        """An optimizer set up after the module connected (Fabric's ``setup_module``, a forward, then
-        ``setup_optimizers``): the step inside backward moves to ``optimizers`` (refused as at setup if there are
-        several); under DDP its communication hook, registered at connect, drives the new ones."""
-        check_setup(None, module, optimizers)
-        self.in_backward = install(self.in_backward, True, self.masters, module, optimizers, self.checking, self.names)
-        if self.in_backward is not None:
-            self.sync.hand_over(self.in_backward)
+        """An optimizer set up after the module connected (Fabric): :meth:`~lightning_mp.master.held_optimizers.
+        HeldOptimizers.add`."""
+        self.held.add(module, optimizers)
 
 
 def _flagged_step(optimizer: Any, torch_optimizer: Any, flag: Tensor, kwargs: dict[str, Any]) -> Callable[[], Any]:

@@ -46,6 +46,15 @@ def test_updates_after_each_buckets_all_reduce_equal_the_normal_lean_ddp_step_bi
     assert first and norm
 
 
+def test_an_optimizer_swapped_mid_fit_is_stepped_after_each_buckets_all_reduce_bitwise_the_normal_step(ranks):
+    for rank in ranks:  # trainer.strategy.setup_optimizers at step 2: the communication hook drives the new one
+        ours = rank["ours_swap"]
+        assert_same_bits(ours, rank["reference_swap"])
+        assert_same_bits(ours, ranks[0]["ours_swap"])
+        assert all(ours["updated_in_backward"])
+        assert all("momentum_buffer" in state for state in ours["optimizer_state"].values())  # SGD's
+
+
 @pytest.mark.parametrize("run", ["ours_nan", "ours_nan_device_path"])
 def test_a_nan_loss_on_one_rank_skips_the_same_updates_on_both_and_they_stay_equal(ranks, run):
     # device path: the flags are not read at the step (an accelerator's), the scaler counts the skip on the device

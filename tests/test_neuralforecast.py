@@ -78,3 +78,29 @@ def test_nhits_trains_with_the_plugin_as_with_fp32_and_the_builtin_bf16():
     difference = np.abs(forecast["NHITS"].to_numpy() - fp32_forecast["NHITS"].to_numpy())
     assert forecast.shape == fp32_forecast.shape and np.isfinite(forecast["NHITS"]).all()
     assert difference.max() < 0.1 * np.abs(fp32_forecast["NHITS"].to_numpy()).mean(), difference
+
+
+def test_a_reloaded_model_predicts_with_the_plugin_only_when_given_it_again(tmp_path, monkeypatch):
+    """docs/getting-started.md's save-and-reload block, run as written: ``nf.save`` drops the plugin (neuralforecast's
+    own warning), the reloaded model predicts in fp32, and with the plugin set again in its ``trainer_kwargs`` its
+    forecast is bitwise the trained model's."""
+    import re
+    from pathlib import Path
+
+    page = (Path(__file__).resolve().parent.parent / "docs" / "getting-started.md").read_text()
+    blocks = [b for b in re.findall(r"```python\n(.*?)```", page, flags=re.S) if "NeuralForecast.load" in b]
+    assert len(blocks) == 1
+    source = "\n".join(line[4:] if line.startswith("    ") else line for line in blocks[0].splitlines())
+    monkeypatch.chdir(tmp_path)
+    namespace: dict[str, Any] = {}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        exec(compile(source, "docs/getting-started.md", "exec"), namespace)
+    dropped = [str(w.message) for w in caught if "Dropping hyperparameters" in str(w.message)]
+    assert dropped and "cannot be saved without pickle: plugins" in dropped[0]
+    trained, in_fp32, forecast = (namespace[name]["NHITS"].to_numpy() for name in ("trained", "in_fp32", "forecast"))
+    plugin = namespace["loaded"].models[0].trainer_kwargs["plugins"][0]
+    assert type(plugin) is MixedPrecisionPlugin and "master_weights='remainder'" in repr(plugin)
+    assert np.array_equal(forecast, trained)  # the plugin again: the same bf16 forward on the same exact weights
+    assert not np.array_equal(in_fp32, trained)  # without it: fp32, within bf16's distance
+    assert np.abs(in_fp32 - trained).max() < 0.05 * np.abs(trained).mean()

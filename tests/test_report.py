@@ -10,6 +10,7 @@ import pytest
 from lightning_mp.cli import main
 from lightning_mp.diagnostics import LayerSample, OverflowRecord, PrecisionMonitor, RunHistory, report
 from lightning_mp.diagnostics.history import HISTORY_FILE
+from tests.helpers import TinyRegressor
 from tests.planted import Planted, PlantedModel, fit_planted
 from tests.test_cli import CONFIGS, _short
 
@@ -143,10 +144,48 @@ def test_a_run_that_dies_at_max_consecutive_skips_still_writes_its_report_with_t
     with pytest.raises(FloatingPointError, match="3 optimizer steps in a row"):
         trainer.fit(model, regression_loader())
     text = (tmp_path / "precision_report.md").read_text()
-    assert "**The run ended with an error:** `FloatingPointError: 3 optimizer steps in a row" in text
+    assert "**The run ended with an error:**\n\n```text\nFloatingPointError: 3 optimizer steps in a row" in text
     assert "1. **bf16**" in text and "2. **model**" in text  # the model rule names log in net.3
     assert "| net.3 (Planted), forward, op log | model | 3 | 0 | 2 |" in text
     assert (tmp_path / "precision_report.png").is_file()
+
+
+#: the shape of a HalfPrecisionError's message: longer than a line, a policy line at its end that must stay whole
+LONG_ERROR = (
+    "encoder.layers.0.attention (Attention) writes -1e+09 into a float16 tensor (op masked_fill at model.py:42), "
+    "beyond float16's range (largest 65504), which the user's own check in training_step reports at length. "
+    "Fix: keep it in fp32 with MixedPrecisionPlugin(policy=CastPolicy(fp32_ops=('masked_fill',)))\n"
+    "A second line of the error, with a `backtick` and ``` three of them in it."
+)
+
+
+class _CrashingRegressor(TinyRegressor):
+    def training_step(self, batch, batch_idx):
+        if self.trainer.global_step == 1:
+            raise RuntimeError(LONG_ERROR)
+        return super().training_step(batch, batch_idx)
+
+
+def test_a_crashed_run_report_header_wraps_the_whole_error_never_cuts_it(tmp_path):
+    from lightning_mp import MixedPrecisionPlugin
+    from lightning_mp.diagnostics.run_report import ERROR_WIDTH
+    from tests.helpers import make_trainer, regression_loader
+
+    monitor = PrecisionMonitor(sample_every=0)
+    trainer = make_trainer(
+        MixedPrecisionPlugin("bf16-mixed"), callbacks=[monitor], max_steps=3, default_root_dir=tmp_path
+    )
+    with pytest.raises(RuntimeError, match="the user's own check"):
+        trainer.fit(_CrashingRegressor(), regression_loader())
+    text = (tmp_path / "precision_report.md").read_text()
+    header = text.split("## Advice")[0]
+    block = header.split("**The run ended with an error:**\n\n````text\n", 1)[1].split("\n````\n", 1)[0]
+    lines = block.splitlines()
+    assert " ".join(block.split()) == " ".join(f"RuntimeError: {LONG_ERROR}".split())  # every word, in order
+    assert len(lines) > 3 and all(len(line) <= ERROR_WIDTH or " " not in line.strip() for line in lines)
+    assert "MixedPrecisionPlugin(policy=CastPolicy(fp32_ops=('masked_fill',)))" in lines[3]  # the fix kept whole
+    assert lines[-1].startswith("A second line")  # the error's own lines stay lines; wrapped ones are indented
+    assert all(line.startswith("  ") for line in lines[1:-1])
 
 
 def test_a_bf16_run_report_speaks_of_bf16_not_of_fp16_or_a_loss_scale(tmp_path):

@@ -61,7 +61,8 @@ def loader(batches: int) -> DataLoader:
 class RecordExact(L.Callback):
     """Records the exact fp32 weights through the documented API after every step (and at every epoch start), and
     checks them against the masters themselves: the fp32 master tensors, or the bf16 weight joined with its
-    remainder (bits.join_fp32 on the store's flat buffers, not the store's own join)."""
+    remainder (bits.join_fp32 on the store's flat buffers, not the store's own join); a parameter kept in fp32 is its
+    own exact value."""
 
     def __init__(self) -> None:
         self.steps: list[dict[str, torch.Tensor]] = []
@@ -73,7 +74,9 @@ class RecordExact(L.Callback):
         masters = trainer.precision_plugin.masters
         for name, param in pl_module.named_parameters():
             master = masters.master_of(param)
-            if master is not None:
+            if not masters.model_sync.tracks(param):  # kept in fp32 by the policy (normalisation layers)
+                truth = param.detach()
+            elif master is not None:
                 truth = master.detach()
             else:
                 place = masters.offset_of(param)

@@ -7,6 +7,9 @@ matplotlib and transformers). Then each config in configs/ runs through ``python
 step, and each library entry point that needs an extra is called. Every outcome is recorded: ``"result"`` (returned),
 ``"exit"`` (SystemExit, with what the CLI printed on stderr), or ``"exception"`` (what would have been a traceback).
 One process for all of it: the imports are paid once (tests/test_packaging.py reads the JSON).
+
+``python tests/without_extras.py -m lightning_mp ARGS`` runs ``python -m lightning_mp ARGS`` without the extras
+instead, its output untouched (tests/test_cli_entry.py).
 """
 
 from __future__ import annotations
@@ -119,4 +122,10 @@ def main(out: Path) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]))
+    if sys.argv[1] == "-m":  # `python tests/without_extras.py -m lightning_mp fit ...`: as `python -m` runs it
+        import runpy
+
+        sys.argv = sys.argv[2:]
+        runpy.run_module(sys.argv[0], run_name="__main__", alter_sys=True)
+    else:
+        main(Path(sys.argv[1]))

@@ -7,6 +7,7 @@
 - :mod:`lightning_mp.cli.report`: the end-of-fit summary and ``--print_config``;
 - :mod:`lightning_mp.cli.checkpoints`: :class:`LastCheckpoint`, the ``last.ckpt`` that resumes exactly;
 - :mod:`lightning_mp.cli.consolidate`: ``python -m lightning_mp consolidate``, a (sharded) checkpoint as one fp32 file.
+- :mod:`lightning_mp.cli.run_folder`: a run that fails before writing into its log folder leaves no folder behind.
 
 An application of the library: nothing in the library imports it.
 """

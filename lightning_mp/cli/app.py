@@ -7,20 +7,24 @@ live in the ``mixed_precision`` section. ``32-true`` trains with no plugin (the 
 
 from __future__ import annotations
 
+import os
 import sys
 from argparse import ArgumentError
 from typing import Any, Optional
 
+from jsonargparse import class_from_function
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 import lightning_mp.samples  # noqa: F401  (registers the sample models and data modules for short class names)
+from lightning_mp.cli import consolidate
 from lightning_mp.cli.checks import (
     SPECIAL_CKPT_PATHS,
     CLIConfigError,
     check_checkpoint_class,
     check_checkpoint_file,
     check_checkpoint_weights,
+    check_dependencies,
     check_monitor_options,
     check_plugin_specs,
     check_strategy,
@@ -37,10 +41,35 @@ from lightning_mp.cli.choice import (
 )
 from lightning_mp.cli.errors import explain_parse_error, missing_extra, one_line
 from lightning_mp.cli.report import StepsThisRun, effective_config_yaml, fit_summary, pop_print_config
+from lightning_mp.cli.run_folder import NoEmptyRunFolder
 from lightning_mp.diagnostics import PrecisionMonitor
 from lightning_mp.distributed.strategies import end_distributed_run
 from lightning_mp.plugin import MixedPrecisionPlugin
 from lightning_mp.samples.resources import SourceUnavailableError
+
+#: every subcommand of ``python -m lightning_mp``, in the order ``--help`` lists them, with its one line there
+#: (Lightning's own lines are the first line of each Trainer method's docstring, cut mid-sentence for two of them)
+SUBCOMMANDS = {
+    "fit": "Train the model (then test it on the best checkpoint, where the data has a test set).",
+    "validate": "One evaluation epoch over the validation set.",
+    "test": "One evaluation epoch over the test set.",
+    "predict": "The model's predictions over the predict set.",
+    "consolidate": "A checkpoint (an FSDP2 distributed checkpoint folder or a .ckpt file) as one fp32 state dict.",
+}
+
+
+def program_name() -> str:
+    """How the command was started, as its usage lines say it: ``lightning-mp`` (the script pip installs), or
+    ``python -m lightning_mp`` (also what a call of :func:`main` from Python is named)."""
+    return "lightning-mp" if os.path.basename(sys.argv[0] if sys.argv else "") == "lightning-mp" else PROG
+
+
+PROG = "python -m lightning_mp"
+DESCRIPTION = (
+    "Train, validate, test or predict with any LightningModule from a YAML config, trainer.precision 16-mixed or "
+    "bf16-mixed running lightning_mp's MixedPrecisionPlugin (its options: --mixed_precision.*); consolidate a "
+    "checkpoint into one fp32 state dict."
+)
 
 
 class MixedPrecisionCLI(LightningCLI):
@@ -96,6 +125,8 @@ class MixedPrecisionCLI(LightningCLI):
         except ArgumentError as err:  # the parsers do not exit (init_parser): the error is said in one line here
             raise CLIConfigError(explain_parse_error(str(err)) or str(err)) from err
         self.subcommand = self.config.get("subcommand")  # what self._get needs; LightningCLI sets it again after
+        for key in ("model", "data"):  # a missing package first, before any other line: nothing else can run without
+            check_dependencies(key, self._get(self.config, key))
         trainer = self._get(self.config, "trainer") or {}
         check_plugin_specs(trainer.get("plugins"))
         choice = self.precision_choice = choose_precision(
@@ -129,7 +160,25 @@ class MixedPrecisionCLI(LightningCLI):
 
     def init_parser(self, **kwargs: Any) -> LightningArgumentParser:
         kwargs.setdefault("exit_on_error", False)  # parse errors come back to parse_arguments, to be said plainly
+        kwargs.setdefault("prog", program_name())  # not "__main__.py"; a subcommand's parser gets its own name
+        kwargs.setdefault("description", DESCRIPTION)  # a subcommand's parser gets its own line of SUBCOMMANDS
         return super().init_parser(**kwargs)
+
+    def _add_subcommands(self, parser: LightningArgumentParser, **kwargs: Any) -> None:
+        """Lightning's Trainer subcommands, each with its whole line of :data:`SUBCOMMANDS`, then ``consolidate``,
+        which :func:`main` runs before any CLI is built: listed here so that ``--help`` names every subcommand."""
+        self._subcommand_parsers: dict[str, LightningArgumentParser] = {}
+        subcommands = parser.add_subcommands()
+        trainer_class = (
+            self.trainer_class if isinstance(self.trainer_class, type) else class_from_function(self.trainer_class)
+        )
+        for name in self.subcommands():
+            options = {"description": SUBCOMMANDS.get(name), **kwargs.get(name, {})}
+            self._subcommand_parsers[name] = self._prepare_subcommand_parser(trainer_class, name, **options)
+            subcommands.add_subcommand(name, self._subcommand_parsers[name], help=SUBCOMMANDS.get(name))
+        subcommands.add_subcommand(
+            "consolidate", consolidate.parser(f"{parser.prog} consolidate"), help=SUBCOMMANDS["consolidate"]
+        )
 
     def _monitor_options(self) -> dict[str, Any]:
         return dict(_plain(self._get(self.config, "precision_monitor") or {}))
@@ -211,7 +260,10 @@ class MixedPrecisionCLI(LightningCLI):
         monitor = self._monitor_options()
         if monitor.pop("enabled", True):
             callbacks = [*callbacks, PrecisionMonitor(**monitor)]
-        return super()._instantiate_trainer(config, [*callbacks, StepsThisRun()])
+        run_folder = NoEmptyRunFolder()
+        trainer = super()._instantiate_trainer(config, [*callbacks, StepsThisRun(), run_folder])
+        run_folder.watch(trainer)  # the run's folders, before the Trainer creates any
+        return trainer
 
 
 # ------------------------------------------------------------------------------------ trainer.precision
@@ -231,9 +283,7 @@ def main(args: Optional[list[str]] = None) -> None:
     ``consolidate CHECKPOINT OUT.pt`` runs :func:`lightning_mp.cli.consolidate.main` (one fp32 state dict)."""
     argv = sys.argv[1:] if args is None else args
     if argv and argv[0] == "consolidate":  # not a Trainer method like fit/test: its own small command
-        from lightning_mp.cli.consolidate import main as consolidate
-
-        return consolidate(list(argv[1:]))
+        return consolidate.main(list(argv[1:]), prog=f"{program_name()} consolidate")
     try:
         cli = MixedPrecisionCLI(args=args)
     except (CLIConfigError, SourceUnavailableError) as err:

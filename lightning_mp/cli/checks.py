@@ -71,6 +71,30 @@ def check_plugin_specs(plugins: Any) -> None:
             raise CLIConfigError(f"trainer.plugins[{index}] ({spec[0]}): {err}") from err
 
 
+def check_dependencies(key: str, value: Any) -> None:
+    """Ask the class given for ``key`` (``model``, ``data``) whether the packages its settings need are installed,
+    before any work: a class may define ``check_dependencies(**init_args)`` (a static or class method), which raises
+    :class:`~lightning_mp.samples.resources.MissingExtraError` or
+    :class:`~lightning_mp.samples.resources.SourceUnavailableError` naming what is missing and how to install it. The
+    samples do; a class without the method is not asked.
+
+    Raises:
+        CLIConfigError: the class's own message, for a missing package (a ``SourceUnavailableError`` is raised as it
+            is: ``python -m lightning_mp`` prints it alone too).
+    """
+    from lightning_mp.samples.resources import MissingExtraError
+
+    spec = class_spec(value)
+    cls = import_class(spec[0]) if spec is not None else None
+    check = getattr(cls, "check_dependencies", None)
+    if spec is None or not callable(check):
+        return
+    try:
+        check(**spec[1])
+    except MissingExtraError as err:
+        raise CLIConfigError(str(err)) from err
+
+
 def check_strategy(strategy: Any, plugin_from: str) -> None:
     """Refuse, right after parsing, a ``trainer.strategy`` that cannot run ``MixedPrecisionPlugin`` (``plugin_from``
     says what asked for the plugin: ``"trainer.precision='bf16-mixed'"`` or ``"trainer.plugins"``).

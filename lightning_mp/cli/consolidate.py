@@ -13,7 +13,6 @@ the model's entries.
 
 from __future__ import annotations
 
-import argparse
 import sys
 import warnings
 import zipfile
@@ -21,6 +20,7 @@ from pathlib import Path
 from typing import Any, Optional, Union
 
 import torch
+from jsonargparse import ArgumentParser
 
 _META = "meta.pt"
 
@@ -95,17 +95,25 @@ def _read_file(path: Path, key: str) -> dict[str, torch.Tensor]:
     return {name: value for name, value in loaded[key].items() if isinstance(value, torch.Tensor)}
 
 
-def main(args: Optional[list[str]] = None) -> None:
+#: what ``consolidate`` does, in one sentence: its ``--help`` and its line in ``python -m lightning_mp --help``
+SUMMARY = (
+    "Write the model weights of a checkpoint (an FSDP2 distributed checkpoint folder or a .ckpt file) as one fp32 "
+    "state dict, for model.load_state_dict(torch.load(OUT), strict=True)."
+)
+
+
+def parser(prog: str = "python -m lightning_mp consolidate") -> ArgumentParser:
+    """The command line of ``consolidate``; ``python -m lightning_mp --help`` lists it with the Trainer's commands."""
+    parsed = ArgumentParser(prog=prog, description=SUMMARY)
+    parsed.add_argument("checkpoint", type=str, help="the distributed checkpoint folder, or a .ckpt file")
+    parsed.add_argument("output", type=str, help="the file to write, e.g. model.pt")
+    parsed.add_argument("--key", type=str, default="state_dict", help="the entry holding the model")
+    return parsed
+
+
+def main(args: Optional[list[str]] = None, prog: str = "python -m lightning_mp consolidate") -> None:
     """``python -m lightning_mp consolidate CHECKPOINT OUT.pt [--key state_dict]``; errors in one line, exit 2."""
-    parser = argparse.ArgumentParser(
-        prog="python -m lightning_mp consolidate",
-        description="Write the model weights of a checkpoint (an FSDP2 distributed checkpoint folder or a .ckpt "
-        "file) as one fp32 state dict, for model.load_state_dict(torch.load(OUT), strict=True).",
-    )
-    parser.add_argument("checkpoint", help="the distributed checkpoint folder, or a .ckpt file")
-    parser.add_argument("output", help="the file to write, e.g. model.pt")
-    parser.add_argument("--key", default="state_dict", help="the entry holding the model (default: state_dict)")
-    parsed = parser.parse_args(args)
+    parsed = parser(prog).parse_args(args)
     try:
         state = consolidate(parsed.checkpoint, parsed.output, parsed.key)
     except ConsolidateError as err:

@@ -3,7 +3,7 @@
 Each rule looks for one symptom and, when it finds it, says which setting to change and quotes the data:
 
 - ``fp32_modules`` (a crashed run): the run ended with a :class:`~lightning_mp.diagnostics.half_failure.
-  HalfPrecisionError` (an op with no half kernel, a constant beyond the half range) -> run that module in fp32
+  HalfPrecisionError` (ops with no half kernel, constants beyond the half range) -> run those modules in fp32
   (``fp32_code`` when the code is in ``training_step`` or the root module, which no module rule reaches).
 
 - ``fp32_modules``: one module was where the inf/NaN was born in most skipped steps, and it overflows half
@@ -24,7 +24,7 @@ Each rule looks for one symptom and, when it finds it, says which setting to cha
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 from lightning_mp.diagnostics.history import OverflowRecord, RunHistory
 from lightning_mp.diagnostics.history import format_number as _number
@@ -71,14 +71,19 @@ def _half_failure(history: RunHistory) -> Optional[Advice]:
     failure = history.half_failure
     if not failure:
         return None
-    place = f"{failure['module']} ({failure['module_class']})" if failure["module"] else failure["module_class"]
     evidence = (
-        f"the run ended at {place}, op {failure['op']}"
+        f"the run ended at {_place(failure)}, op {failure['op']}"
         + (f" ({failure['where']})" if failure["where"] else "")
-        + f": {failure['error']!r} in {failure['dtype']} on {failure['device']}."
+        + f": {failure['error']!r} in {failure['dtype']} on {failure['device']}"
+        + "".join(f"; also {_place(other)}, op {other['op']}" for other in failure.get("others", ()))
+        + "."
     )
     # the fix as the error printed it: the whole policy line, the run's rules included
     return Advice("fp32_modules" if failure["rule"] else "fp32_code", failure["fix"], evidence)
+
+
+def _place(failure: dict[str, Any]) -> str:
+    return f"{failure['module']} ({failure['module_class']})" if failure["module"] else failure["module_class"]
 
 
 def _fp32_modules(history: RunHistory) -> Optional[Advice]:

@@ -148,7 +148,8 @@ class RunHistory:
     steps that were skipped; ``steps`` the number of optimizer steps seen; ``error`` the message of an error that
     ended the run (e.g. the scaler's ``FloatingPointError`` at ``min_scale``); ``half_failure`` what a
     :class:`~lightning_mp.diagnostics.half_failure.HalfPrecisionError` that ended it found (its
-    :class:`~lightning_mp.diagnostics.half_failure.HalfFailure` as a dict; empty otherwise).
+    first :class:`~lightning_mp.diagnostics.half_failure.HalfFailure` as a dict, the others under ``"others"``;
+    empty otherwise).
     """
 
     precision: str = "fp32"

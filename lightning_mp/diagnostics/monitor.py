@@ -315,11 +315,12 @@ def sampling_interval(sample_every: int, total_steps: Union[int, float]) -> int:
 
 def half_failure_of(exception: BaseException) -> dict[str, Any]:
     """What a :class:`~lightning_mp.diagnostics.half_failure.HalfPrecisionError` in ``exception``'s chain found
-    (Lightning may wrap it), as a dict; empty when there is none."""
+    (Lightning may wrap it), as a dict: its first failure, with the forward's other failures under ``"others"``;
+    empty when there is none."""
     seen: Optional[BaseException] = exception
     while seen is not None:
         if isinstance(seen, HalfPrecisionError):
-            return seen.failure.to_dict()
+            return {**seen.failure.to_dict(), "others": [failure.to_dict() for failure in seen.failures[1:]]}
         seen = seen.__cause__ or seen.__context__
     return {}
 

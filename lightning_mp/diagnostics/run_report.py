@@ -6,6 +6,8 @@ logs by :class:`~lightning_mp.PrecisionMonitor` after ``fit``, or on demand by :
 from __future__ import annotations
 
 import math
+import re
+import textwrap
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, Union
@@ -19,6 +21,8 @@ PNG_FILE = "precision_report.png"
 #: rows of the per-step overflow table and of the worst-layers table
 MAX_ROWS = 30
 WORST_LAYERS = 10
+#: the error that ended a run is wrapped at spaces to lines of at most this many characters (a longer word stays whole)
+ERROR_WIDTH = 100
 
 
 @dataclass(frozen=True)
@@ -117,7 +121,7 @@ def write_report(history: RunHistory, directory: Path, suffix: str = "") -> Repo
 def render_markdown(history: RunHistory, png_error: str = "", png_name: str = PNG_FILE) -> str:
     lines = ["# Mixed-precision report", "", _summary(history), ""]
     if history.error:
-        lines += [f"**The run ended with an error:** `{history.error.splitlines()[0][:300]}`", ""]
+        lines += ["**The run ended with an error:**", "", *_fenced(error_lines(history.error)), ""]
     lines += [
         f"![loss scale and per-layer gradient statistics]({png_name})"
         if not png_error
@@ -144,6 +148,24 @@ def render_markdown(history: RunHistory, png_error: str = "", png_name: str = PN
         lines += [f"{number}. **{item.rule}**: `{item.change}`", f"   - Evidence: {item.evidence}", ""]
     lines += _overflow_section(history) + _layers_section(history) + fp8_section(history) + _legend()
     return "\n".join(lines) + "\n"
+
+
+def error_lines(error: str, width: int = ERROR_WIDTH) -> list[str]:
+    """The whole of ``error``, each of its lines wrapped at spaces to ``width`` characters, the continuations indented
+    by two spaces: never cut (a word longer than ``width``, a path or a policy line, stays whole on its own line)."""
+    wrapped = []
+    for line in error.splitlines() or [""]:
+        wrapped += textwrap.wrap(
+            line, width, subsequent_indent="  ", break_long_words=False, break_on_hyphens=False
+        ) or [""]
+    return wrapped
+
+
+def _fenced(lines: list[str]) -> list[str]:
+    """``lines`` as a Markdown code block, its fence longer than any run of backticks inside (shown as written)."""
+    longest = max((len(run) for line in lines for run in re.findall("`+", line)), default=0)
+    fence = "`" * max(3, longest + 1)
+    return [f"{fence}text", *lines, fence]
 
 
 def _summary(history: RunHistory) -> str:

@@ -86,6 +86,10 @@ class FSDP2Sync(ProcessGroupSync):
         sharded.whole_checkpoints = self.whole_checkpoints  # read by the generic path (fsdp2_generic)
         return sharded
 
+    def hand_over(self, in_backward: Any) -> None:
+        # a step inside backward made after connect (an optimizer swapped mid-fit): its skips agreed per shard too
+        fsdp2_in_backward.register(in_backward, self.device, self.group)
+
     def connect(self, model: Module, plugin: Any) -> None:
         if not plugin.master_weights:
             return

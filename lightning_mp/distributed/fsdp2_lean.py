@@ -47,7 +47,7 @@ from lightning_mp.distributed.fsdp2_generic import ShardedGenericStep
 from lightning_mp.distributed.shard import fsdp_param_groups
 from lightning_mp.master.bits import join_fp32, split_fp32_into
 from lightning_mp.master.model_sync import ModelSync, materialise
-from lightning_mp.master.optimizer_state import check_params_belong, restore_fp32_state, stash_fp32_state
+from lightning_mp.master.optimizer_state import check_params_belong, keep_fp32_state
 from lightning_mp.master.remainder import RemainderMasters
 from lightning_mp.master.step import fp32_zeros_like, local_of, uses_fused_kernel
 
@@ -192,10 +192,7 @@ class ShardedRemainderMasters(RemainderMasters):
                 self._generic[id(optimizer)] = ShardedGenericStep(optimizer, self, self._chunk_of(optimizer))
                 continue
             _initial_state(optimizer)
-            self._optimizer_hooks += [
-                optimizer.register_load_state_dict_pre_hook(stash_fp32_state),
-                optimizer.register_load_state_dict_post_hook(restore_fp32_state),
-            ]
+            self._optimizer_hooks[id(optimizer)] = keep_fp32_state(optimizer)
 
     # ------------------------------------------------------------------ the layout the chunked step reads
     def flat_slices(self, device: torch.device, start: int, end: int) -> tuple[Tensor, Tensor]:
@@ -268,7 +265,7 @@ class ShardedRemainderMasters(RemainderMasters):
         ``param_dtype``); optimizer state stays keyed by the same parameters. Hooks and remainders are released."""
         from torch.distributed.fsdp import FSDPModule
 
-        self.stop_following()
+        error = self.stop_following()  # raised once the shards hold their exact values again
         for owner in self._module.modules() if self._module is not None else ():
             if isinstance(owner, FSDPModule):
                 owner.reshard()  # after a forward without backward (validation) the root holds unsharded parameters
@@ -281,10 +278,12 @@ class ShardedRemainderMasters(RemainderMasters):
             _retype_groups([group for _, group, _ in self._shards.values()])
         for generic in self._generic.values():
             generic.restore()
-        for hook in self._optimizer_hooks + self._forward_hooks:
+        for hook in [h for hooks in self._optimizer_hooks.values() for h in hooks] + self._forward_hooks:
             hook.remove()
         self._staging.release()
         self._reset()
+        if error is not None:
+            raise error
 
     def __repr__(self) -> str:
         held = sum(local_of(p).numel() for p in self._params.values())

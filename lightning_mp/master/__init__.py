@@ -18,13 +18,14 @@ from typing import Any, Callable, Optional, Union
 import torch
 from torch import nn
 
-from lightning_mp.master.exact import exact_parameters, exact_weights
+from lightning_mp.master.exact import NotHeldError, exact_parameters, exact_weights
 from lightning_mp.master.flat import NORM_TYPES, MasterWeights, is_norm
 from lightning_mp.master.remainder import RemainderMasters
 
 __all__ = [
     "MasterWeights",
     "NORM_TYPES",
+    "NotHeldError",
     "RemainderMasters",
     "exact_parameters",
     "exact_weights",

@@ -34,12 +34,15 @@ class MasterWeightsAccess:
 
     def exact_weights(self, module: Module, write: bool = True) -> contextlib.AbstractContextManager[Module]:
         """A context inside which ``module.parameters()`` are fp32 parameters holding the exact master values, and
-        what is written into them becomes the masters on leaving (``write=False``: read only). See
-        :func:`lightning_mp.master.exact_weights` and docs/master-weights.md, "Weight averaging and EMA teachers"."""
+        what is written into them becomes the masters on leaving (``write=False``: read only). ``module``: the model
+        or any module of it (``self.unet``); one these masters do not hold raises
+        :class:`~lightning_mp.master.exact.NotHeldError`; without master weights the parameters are given as they
+        are (they are the exact weights). See :func:`lightning_mp.master.exact_weights` and docs/master-weights.md,
+        "Weight averaging and EMA teachers"."""
         return exact.exact_weights(module, store=self.masters, write=write)
 
     def exact_parameters(self, module: Module) -> Iterator[tuple[str, Tensor]]:
-        """``(name, exact fp32 value)`` per parameter of ``module``, one at a time (the master itself with
-        ``master_weights=True``, a joined fp32 tensor with ``"remainder"``): :func:`lightning_mp.master.
-        exact_parameters`."""
+        """``(name, exact fp32 value)`` per parameter of ``module`` (the model or any module of it), one at a time (the
+        master itself with ``master_weights=True``, a joined fp32 tensor with ``"remainder"``; without master weights
+        the parameters as they are): :func:`lightning_mp.master.exact_parameters`."""
         return exact.exact_parameters(module, store=self.masters)

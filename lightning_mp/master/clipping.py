@@ -51,3 +51,23 @@ def raise_if_nonfinite(total: Tensor, norm_type: float) -> None:
             "be clipped. To disable this error and scale the gradients by the non-finite norm anyway, set "
             "`error_if_nonfinite=False`"
         )
+
+
+def norm_and_factor(
+    optimizer: Any,
+    max_norm: float,
+    norm_type: float,
+    error_if_nonfinite: bool,
+    foreach: Optional[bool],
+    total_norm: Any,
+) -> tuple[Tensor, Optional[Tensor]]:
+    """The total norm of ``optimizer``'s gradients (``total_norm(per-gradient fp32 norms, norm_type)``) and the clip
+    factor, as ``clip_grad_norm_`` computes them on fp32 masters; the factor is ``None`` without gradients."""
+    grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+    if not grads:
+        return torch.tensor(0.0), None
+    with torch.no_grad():
+        total = total_norm(fp32_grad_norms(grads, float(norm_type), foreach), norm_type)
+        if error_if_nonfinite:
+            raise_if_nonfinite(total, norm_type)
+        return total, torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)

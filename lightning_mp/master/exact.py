@@ -17,7 +17,12 @@ reads the 16-bit copies, and a write through ``param.data.copy_(t)`` reaches no 
   ``_parameters`` only, never given another dtype: that would drop their gradient accumulators, which DDP hooks).
   With ``"remainder"`` the fp32 values exist for the whole model while inside (4 bytes per parameter, transient).
 
-Parameters without masters (kept in fp32, or a model without master weights) are yielded as they are: already exact.
+Both take any module whose parameters the plugin holds (the LightningModule, a submodule such as a diffusers UNet
+inside it, a module reached by any path): the masters are found from the parameters themselves
+(:func:`~lightning_mp.master.model_sync.holder_of`). Parameters without masters (kept in fp32, a model without
+master weights, after fit) are yielded as they are: they are the exact values. A module the plugin's masters do not
+hold, asked through the plugin (or through the Trainer or Fabric that runs it), raises :class:`NotHeldError` naming
+it: never its 16-bit values in silence.
 """
 
 from __future__ import annotations
@@ -29,11 +34,14 @@ from typing import Any, Optional
 import torch
 from torch import Tensor, nn
 
+from lightning_mp.master.model_sync import ModelSync, holder_of
+
 
 def store_of(module: Any) -> Any:
-    """The master-weights store that holds ``module``'s masters, found through what runs it: a LightningModule's
+    """The master-weights store of the plugin that runs ``module``, found through what runs it: a LightningModule's
     Trainer, a Fabric-wrapped module's strategy; ``None`` when no store converted it (no master weights, or after
-    teardown: then the parameters are the exact values)."""
+    teardown: then the parameters are the exact values). Any other module's masters are found from its parameters
+    (:func:`~lightning_mp.master.model_sync.holder_of`)."""
     plugin = None
     trainer = getattr(module, "_trainer", None)
     if trainer is not None:
@@ -59,29 +67,58 @@ SHARDED = (
 )
 
 
-def _usable(store: Any, module: nn.Module) -> Any:
-    store = store if store is not None else store_of(module)
-    if getattr(store, "model_sync", None) is None:
-        return None
-    if hasattr(store, "single_device"):  # lightning_mp.distributed.fsdp2_lean.ShardedRemainderMasters
-        raise ValueError(SHARDED)
-    return store
+class NotHeldError(ValueError):
+    """The plugin's master weights were asked for the exact weights of a module whose parameters they do not hold."""
 
 
-def _converted(store: Any, param: Tensor) -> bool:
-    return store is not None and store.model_sync is not None and store.model_sync.tracks(param)
+def _holders(module: nn.Module, store: Any) -> tuple[nn.Module, list[tuple[str, nn.Parameter, Optional[ModelSync]]]]:
+    """``module`` unwrapped, and ``(name, parameter, the ModelSync holding it or None)`` for each of its parameters
+    (tied ones once). Each parameter's masters are found from the parameter itself (:func:`holder_of`), whatever
+    path reached the module. ``store``: the master-weights store the caller expects to hold the module (the
+    plugin's, for its methods; default: the one that runs ``module``, :func:`store_of`).
+
+    Raises:
+        NotHeldError: that store holds none of the module's parameters (the 16-bit copies are never given instead).
+        ValueError: lean masters sharded by FSDP2 hold them (:data:`SHARDED`).
+    """
+    inner = unwrap(module)
+    held = [(name, param, holder_of(param)) for name, param in inner.named_parameters()]
+    expected = store if store is not None else store_of(module)
+    sync = getattr(expected, "model_sync", None)  # None: no masters, not set up yet, or masters that are the params
+    if sync is not None and held and not any(holder is sync for _, _, holder in held):
+        raise NotHeldError(_not_held(inner, held, expected))
+    for _, _, holder in held:
+        if holder is not None and hasattr(holder.store, "single_device"):  # fsdp2_lean.ShardedRemainderMasters
+            raise ValueError(SHARDED)
+    return inner, held
+
+
+def _not_held(inner: nn.Module, held: list[tuple[str, nn.Parameter, Optional[ModelSync]]], store: Any) -> str:
+    names = ", ".join(name for name, _, _ in held[:3]) + (", ..." if len(held) > 3 else "")
+    dtypes = sorted({str(param.dtype).removeprefix("torch.") for _, param, _ in held})
+    return (
+        f"lightning_mp exact weights: the plugin's master weights ({type(store).__name__}) do not hold "
+        f"{type(inner).__name__} (parameters {names}; {'/'.join(dtypes)}): it is not part of the model the plugin set "
+        "up, so it has no master weights and the plugin cannot give its exact values. Pass the model the plugin "
+        "trains or any of its submodules (the LightningModule, self.unet, the Fabric-wrapped module); a module "
+        "trained without master weights holds its exact values itself: read its parameters directly."
+    )
 
 
 def exact_parameters(module: nn.Module, store: Any = None) -> Iterator[tuple[str, Tensor]]:
     """``(name, exact fp32 value)`` for each of ``module``'s parameters, in ``named_parameters()`` order (tied ones
-    once), each made when the iteration reaches it. ``store``: the master-weights store (default: found from
-    ``module``, see :func:`store_of`). Read the values, do not write them (writes go through :func:`exact_weights`)."""
-    store = _usable(store, module)
-    inner = unwrap(module)
-    if store is not None:
-        store.model_sync.follow()  # a write into the model since the last step counts
-    for name, param in inner.named_parameters():
-        yield name, store.fp32_value(param) if _converted(store, param) else param.detach()
+    once), each made when the iteration reaches it. ``module``: any module whose parameters the plugin holds (the
+    LightningModule, a submodule such as ``self.unet``, a Fabric- or DDP-wrapped module): the masters are found from
+    the parameters themselves. Parameters without masters (kept in fp32 by the policy, a model trained
+    without master weights, after fit) are given as they are: they are the exact values. ``store``: the
+    master-weights store expected to hold ``module`` (the plugin's methods pass theirs; default: the one that runs
+    ``module``, see :func:`store_of`); a module it does not hold raises :class:`NotHeldError` naming it. Read the
+    values, do not write them (writes go through :func:`exact_weights`)."""
+    inner, held = _holders(module, store)
+    for sync in _distinct(held):
+        sync.follow()  # a write into the model since the last step counts
+    for name, param, sync in held:
+        yield name, sync.store.fp32_value(param) if sync is not None and sync.tracks(param) else param.detach()
 
 
 @contextlib.contextmanager
@@ -89,40 +126,55 @@ def exact_weights(module: nn.Module, store: Any = None, write: bool = True) -> I
     """Inside, ``module``'s parameters are fp32 parameters holding the exact master values (see the module doc).
 
     Args:
-        module: the model (a LightningModule, a Fabric-wrapped or DDP-wrapped module, or a submodule).
-        store: the master-weights store (default: found from ``module``, see :func:`store_of`).
+        module: any module whose parameters the plugin holds: the LightningModule, a submodule of it (``self.unet``),
+            a Fabric-wrapped or DDP-wrapped module; its masters are found from its parameters.
+        store: the master-weights store expected to hold ``module`` (default: the one that runs ``module``, see
+            :func:`store_of`); a module it does not hold raises :class:`NotHeldError` naming it.
         write: ``True`` (default): on leaving, the values in the fp32 parameters become the masters (exactly) and the
             model's 16-bit copy their rounding. ``False``: read only; nothing is written back (with
             ``master_weights=True`` the fp32 parameters are the masters themselves: do not write them then).
 
     Yields the unwrapped module. Without master weights (or outside fit) nothing changes: the parameters are exact.
     """
-    store = _usable(store, module)
-    inner = unwrap(module)
-    if store is None:
+    inner, held = _holders(module, store)
+    syncs = _distinct(held)
+    if not syncs:
         yield inner
         return
-    sync = store.model_sync
-    sync.follow()  # writes since the last step reach the masters before they are read
+    for sync in syncs:
+        sync.follow()  # writes since the last step reach the masters before they are read
+    tracked = {id(param): sync for _, param, sync in held if sync is not None and sync.tracks(param)}
     swapped: list[tuple[dict[str, Any], str, nn.Parameter]] = []
     exact: dict[int, tuple[nn.Parameter, nn.Parameter]] = {}  # id(model param) -> (model param, fp32 parameter)
     for owner in inner.modules():
         for name, param in list(owner._parameters.items()):
-            if param is None or not _converted(store, param):
+            if param is None or id(param) not in tracked:
                 continue
             if id(param) not in exact:  # tied parameters share one fp32 parameter
-                exact[id(param)] = (param, _fp32_parameter(store, param))
+                exact[id(param)] = (param, _fp32_parameter(tracked[id(param)].store, param))
             swapped.append((owner._parameters, name, param))
             owner._parameters[name] = exact[id(param)][1]
     try:
-        with sync.paused():  # the swap is not a write into the model
+        with contextlib.ExitStack() as paused:
+            for sync in syncs:
+                paused.enter_context(sync.paused())  # the swap is not a write into the model
             yield inner
     finally:
         for slots, name, param in swapped:
             slots[name] = param
         if write:
-            _write_back(store, list(exact.values()))
-            sync.record()  # the plugin's own writes
+            for sync in syncs:
+                _write_back(sync.store, [pair for key, pair in exact.items() if tracked[key] is sync])
+                sync.record()  # the plugin's own writes
+
+
+def _distinct(held: list[tuple[str, nn.Parameter, Optional[ModelSync]]]) -> list[ModelSync]:
+    """The master-weights syncs holding these parameters, each once (one, but a module may span two plugins')."""
+    syncs: dict[int, ModelSync] = {}
+    for _, _, sync in held:
+        if sync is not None:
+            syncs.setdefault(id(sync), sync)
+    return list(syncs.values())
 
 
 def _fp32_parameter(store: Any, param: nn.Parameter) -> nn.Parameter:

@@ -28,8 +28,10 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from lightning_mp.master.flat_moves import FlatMoves
-from lightning_mp.master.model_sync import ModelSync, materialise
+from lightning_mp.master.model_sync import ModelSync, ModelWriteError, materialise, stop
+from lightning_mp.master.optimizer_state import refuse_twice, several_processes
 from lightning_mp.master.plain import PlainWeights
+from lightning_mp.master.refused_callbacks import refuse_callbacks
 from lightning_mp.master.watched import GroupsSeen
 
 #: Module classes whose parameters and buffers stay fp32 by default (and their subclasses).
@@ -84,9 +86,8 @@ class MasterWeights(PlainWeights):
         self._flat: list[tuple[Tensor, Tensor]] = []  # one (flat masters, flat grads) per device
         self._moves = FlatMoves()  # the per-step moves' lists, per device
         self._optimizers: list[Optimizer] = []
-        # the optimizers' param groups as last followed (any edit shows); nothing recorded: not attached by this
-        # class (a subclass that does its own, as the FSDP2 sharded store) and not followed
-        self._groups_seen = GroupsSeen()
+        self._carried_grads: dict[int, Tensor] = {}  # id(half param) -> its released master's gradient, until remade
+        self._groups_seen = GroupsSeen()  # as last followed; none recorded: a subclass attached (FSDP2), not followed
 
     # ------------------------------------------------------------------ setup
     def _kept_modules(self, module: nn.Module) -> dict[str, nn.Module]:
@@ -171,28 +172,24 @@ class MasterWeights(PlainWeights):
             for param in trained.values():
                 if param in optimizer.state:
                     optimizer.state[self._masters[id(param)]] = optimizer.state.pop(param)
-            _refuse_twice(optimizer)
+            refuse_twice(optimizer)
         self._groups_seen.record(self._optimizers)
         self._moves.forget_write_backs()  # the groups changed: the write-back lists are made again
 
     def follow_groups(self) -> None:
         """Follow param groups added since :meth:`attach` (``optimizer.add_param_group`` during fit: Lightning's
         ``BackboneFinetuning``, a callback): the new half parameters get masters (their exact fp32 values, kept
-        since the cast) and the groups hold those, as :meth:`attach` does at setup; so do parameters put in a group
-        by any other edit (item assignment, a new list). A few identity checks per group and call
-        (:class:`~lightning_mp.master.watched.GroupsSeen`); runs before every backward and before the gradients move
-        to the masters.
+        since the cast) and the groups hold those, whatever edited them (:class:`~.watched.GroupsSeen`: a few
+        identity checks per group); runs before every backward and before the gradients move to the masters.
 
         Raises:
             ValueError: a new parameter is not the model's, or its master is in the optimizer already.
-            RuntimeError: a half parameter new to the groups under several processes (each rank's masters would
-                start from its own values).
+            RuntimeError: a new half parameter under several processes (each rank's master would be its own).
         """
         if self._module is None or not self._groups_seen.changed():
             return
-        new = any(id(p) in self._params for group in _groups_of(self._optimizers) for p in group["params"])
-        distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
-        if new and distributed and torch.distributed.get_world_size() > 1:
+        new = any(id(p) in self._params for o in self._optimizers for g in o.param_groups for p in g["params"])
+        if new and several_processes():
             raise RuntimeError(
                 "master_weights=True cannot follow optimizer.add_param_group after setup under several "
                 "processes: the new parameters' masters would start from each rank's own values, outside the "
@@ -202,18 +199,50 @@ class MasterWeights(PlainWeights):
             )
         self.attach(self._optimizers)
 
-    def check_callbacks(self, callbacks: Iterable[Any]) -> None:
-        """Raise for a Trainer callback that reads the optimizer's groups as the model's parameters: Lightning's
-        ``BaseFinetuning`` (``BackboneFinetuning``) names each parameter of each group at every epoch start, and
-        the groups hold fp32 masters here (a ``KeyError`` deep inside the callback otherwise)."""
-        for callback in callbacks:
-            if "BaseFinetuning" in {cls.__name__ for cls in type(callback).__mro__}:
-                raise ValueError(
-                    f"master_weights=True cannot run with {type(callback).__name__}: it maps the optimizer's "
-                    "parameters to the module's names, and master_weights=True puts fp32 masters in the optimizer "
-                    "instead. Use master_weights='remainder' (bf16-mixed: the optimizer keeps the model's parameters "
-                    "and follows the groups the callback adds), or add the param groups in your own callback."
+    def follow_optimizers(self, optimizers: Iterable[Optimizer]) -> None:
+        """The run steps ``optimizers`` now (swapped mid-fit): those no longer in it get the model's parameters back
+        (with their state), ``optimizers`` get masters as :meth:`attach` gives them. Masters no longer trained are
+        released (their exact values kept as the parameters' fp32 values; the others made again in new flat buffers,
+        gradients included); while the same parameters are trained, the masters stay (DDP's reduction with them).
+        Raises as :meth:`attach`; a RuntimeError for masters to release under several processes."""
+        optimizers, kept = list(optimizers), {id(optimizer) for optimizer in optimizers}
+        for optimizer in self._optimizers:
+            if id(optimizer) not in kept:
+                self._give_back(optimizer)
+        trained = {
+            id(self._param_of_master.get(id(p), p)) for o in optimizers for g in o.param_groups for p in g["params"]
+        }
+        if any(key not in trained for key in self._masters):
+            if several_processes():
+                raise RuntimeError(
+                    "master_weights=True cannot release the masters of parameters a new optimizer does not train "
+                    "under several processes: the strategy reduces the flat buffers it was set up with. Build the "
+                    "new optimizer over the same parameters (frozen ones too), or use master_weights='remainder'."
                 )
+            for optimizer in optimizers:
+                self._give_back(optimizer)
+            for key, master in self._masters.items():  # the exact values and gradients, for the masters made again
+                self._fp32_values[key] = master.detach().clone()
+                if master.grad is not None:
+                    self._carried_grads[key] = master.grad.detach().clone()
+            self._masters, self._param_of_master, self._grad_views, self._flat = {}, {}, {}, []
+            self._moves = FlatMoves()
+        self._optimizers = []
+        self.attach(optimizers)
+        self._carried_grads = {}  # those of masters not made again: not trained any more
+
+    def _give_back(self, optimizer: Optimizer) -> None:
+        """``optimizer``'s groups and state hold the model's parameters again instead of their masters."""
+        for group in optimizer.param_groups:
+            group["params"] = [self._param_of_master.get(id(p), p) for p in group["params"]]
+        for master in [m for m in optimizer.state if id(m) in self._param_of_master]:
+            optimizer.state[self._param_of_master[id(master)]] = optimizer.state.pop(master)
+
+    def check_callbacks(self, callbacks: Iterable[Any]) -> None:
+        """Raise, before any step, for a Trainer callback the masters cannot run with
+        (:func:`~lightning_mp.master.refused_callbacks.refuse_callbacks`: Lightning's ``BaseFinetuning``, which names
+        the optimizer's parameters, fp32 masters here; ``ModelPruning``)."""
+        refuse_callbacks(callbacks, self.option, reads_groups=not self.lean)  # lean: the model's parameters there
 
     def _build_masters(self, params: list[nn.Parameter]) -> None:
         by_device: dict[torch.device, list[nn.Parameter]] = defaultdict(list)
@@ -232,6 +261,9 @@ class MasterWeights(PlainWeights):
                 self._param_of_master[id(master)] = param
                 self._grad_views[id(master)] = flat_grad[offset:end].view_as(param)
                 self._moves.add(param, master, self._grad_views[id(master)])
+                carried = self._carried_grads.pop(id(param), None)
+                if carried is not None:  # masters made again (follow_optimizers): their gradients come along
+                    master.grad = self._grad_views[id(master)].copy_(carried)
                 offset = end
             self._flat.append((flat, flat_grad))
 
@@ -340,18 +372,16 @@ class MasterWeights(PlainWeights):
         if value is not None:  # a copy: the model never shares storage with the tensor written
             param.data = source.to(self.dtype, copy=True)
 
-    def stop_following(self) -> None:
-        """Follow the writes since the last step (a hook after training wrote the model), then remove the hooks."""
+    def stop_following(self) -> Optional[ModelWriteError]:
+        """Follow the writes since the last step, then remove the hooks (:func:`~lightning_mp.master.model_sync.stop`)."""
         sync, self.model_sync = self.model_sync, None
-        if sync is not None:
-            sync.follow()
-            sync.remove()
+        return stop(sync)
 
     def restore(self) -> None:
         """Give the model back its fp32 values and the optimizers back the model's parameters (with their
         state). The masters, their flat buffers and the half copies are released. Writes since the last step are
-        followed first."""
-        self.stop_following()
+        followed first (one that cannot be is raised once the model holds its fp32 values)."""
+        error = self.stop_following()
         for key, param in self._params.items():
             if key in self._masters:  # a fresh tensor, not a view that would keep the flat buffer alive
                 param.data = self._masters[key].detach().to(param.device, copy=True)
@@ -360,32 +390,11 @@ class MasterWeights(PlainWeights):
         for owner, name, _, original, half in self._buffers:
             owner._buffers[name] = self.buffer_value(owner, name, original, half)
         for optimizer in self._optimizers:
-            for group in optimizer.param_groups:
-                group["params"] = [self._param_of_master.get(id(p), p) for p in group["params"]]
-            for master in [m for m in optimizer.state if id(m) in self._param_of_master]:
-                optimizer.state[self._param_of_master[id(master)]] = optimizer.state.pop(master)
+            self._give_back(optimizer)
         self._reset()
+        if error is not None:
+            raise error
 
     def __repr__(self) -> str:
         trained = sum(m.numel() for m in self._masters.values())
         return f"{type(self).__name__}(dtype={self.dtype}, masters={len(self._masters)} tensors / {trained} values)"
-
-
-def _groups_of(optimizers: list[Optimizer]) -> Iterator[dict[str, Any]]:
-    for optimizer in optimizers:
-        yield from optimizer.param_groups
-
-
-def _refuse_twice(optimizer: Optimizer) -> None:
-    """Raise when a master is in ``optimizer``'s groups twice (a model parameter added again after setup, while its
-    master is in the optimizer already: torch's own check compares the objects, which differ)."""
-    seen: set[int] = set()
-    for g, group in enumerate(optimizer.param_groups):
-        for i, param in enumerate(group["params"]):
-            if id(param) in seen:
-                raise ValueError(
-                    f"{type(optimizer).__name__}.param_groups[{g}]['params'][{i}] (shape {tuple(param.shape)}) is "
-                    "in the optimizer twice: it was added again after setup while master_weights=True had already "
-                    "put its fp32 master in the optimizer. Add only parameters that are not in the optimizer yet."
-                )
-            seen.add(id(param))

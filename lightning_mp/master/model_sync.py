@@ -23,18 +23,28 @@ The check is three C-level passes over lists (version counters, storage addresse
 compared with the lists recorded after the last write the masters know of: no Python per parameter while nothing
 was written. ``p.data.copy_(t)`` bumps no counter and keeps the storage: nothing in torch records it, and it is the
 one write the masters cannot follow (write ``with torch.no_grad(): p.copy_(t)`` instead).
+
+Each :class:`ModelSync` also says which parameters it holds, by their identity (:func:`holder_of`): every parameter
+of the model it was made for, converted or kept in fp32, from its creation until :meth:`ModelSync.remove` (teardown).
+Code handed any module (a submodule, a module reached by any path) finds the masters of its parameters from the
+parameters themselves. The registry holds weak references on both sides: it keeps neither a parameter nor a store
+alive.
 """
 
 from __future__ import annotations
 
 import contextlib
 import operator
+import weakref
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from torch import Tensor, nn
 from torch.overrides import is_tensor_like
+from torch.utils.weak import WeakIdKeyDictionary
+
+from lightning_mp.master.refused_callbacks import PRUNING
 
 _version = operator.attrgetter("_version")
 
@@ -46,7 +56,11 @@ HOW_TO_WRITE = (
 
 
 class ModelWriteError(RuntimeError):
-    """A write into the model after setup that the master weights cannot follow; names the parameter."""
+    """A write into the model after setup that the master weights cannot follow; names the parameter.
+    ``repeated``: the same error was raised before (teardown, which gives the model its exact weights, then does
+    not raise it again)."""
+
+    repeated = False
 
 
 class ModelSync:
@@ -109,6 +123,7 @@ class ModelSync:
         self._devices = [p.device for p in self._params]  # where the masters expect each parameter, in which dtype
         self._dtypes = [p.dtype for p in self._params]
         self._loaded: dict[int, Any] = {}  # id(param) -> the value a load in progress brings
+        self._raised: Optional[str] = None  # the last ModelWriteError's message
         self._hooks = [
             hook
             for owner in owners.values()
@@ -118,6 +133,10 @@ class ModelSync:
                 owner.register_load_state_dict_post_hook(self._load_post_hook),
             )
         ]
+        self._held_params = list(module.parameters())  # (tied ones once) what holder_of answers for, until remove()
+        self_ref = weakref.ref(self)
+        for param in self._held_params:
+            _HOLDERS[param] = self_ref
         self.record()
 
     # ------------------------------------------------------------------ the record and the check
@@ -187,8 +206,13 @@ class ModelSync:
             if now is param:
                 continue
             what = f"replaced by {type(now).__name__}" if now is not None else "removed (deleted or set to None)"
+            if now is None and slots.get(f"{name}_orig") is param:  # torch.nn.utils.prune: weight -> weight_orig
+                self._fail(
+                    f"MixedPrecisionPlugin with master weights: parameter {self._names.get(id(param), '?')!r} was "
+                    f"pruned (torch.nn.utils.prune or Lightning's ModelPruning) after setup: {PRUNING}"
+                )
             if now is None:
-                raise ModelWriteError(self._message(param, what, "the masters need a parameter there."))
+                self._fail(self._message(param, what, "the masters need a parameter there."))
             self._check_value(param, now, f"replaced (`module.{name} = nn.Parameter(...)`)")
             slots[name] = param
             param.requires_grad_(now.requires_grad)
@@ -211,7 +235,12 @@ class ModelSync:
         elif value.device != device:
             problem = f"it is now on {value.device}, its masters on {device}"
         if problem is not None:
-            raise ModelWriteError(self._message(param, what, problem))
+            self._fail(self._message(param, what, problem))
+
+    def _fail(self, message: str) -> None:
+        error = ModelWriteError(message)
+        error.repeated, self._raised = message == self._raised, message
+        raise error
 
     def _message(self, param: nn.Parameter, what: str, problem: str) -> str:
         return (
@@ -282,11 +311,41 @@ class ModelSync:
                         self._held[index] = param.data
 
     def remove(self) -> None:
-        """Remove the hooks (at teardown)."""
+        """Remove the hooks (at teardown) and stop holding the parameters (:func:`holder_of` no longer names this)."""
         for hook in self._hooks:
             hook.remove()
         self._hooks = []
         self._loaded.clear()
+        for param in self._held_params:
+            if holder_of(param) is self:  # a later store may have converted the same model since
+                del _HOLDERS[param]
+        self._held_params = []
+
+
+#: parameter -> weak reference to the :class:`ModelSync` that holds it (weak keys: compared by identity)
+_HOLDERS: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def holder_of(param: Tensor) -> Optional[ModelSync]:
+    """The :class:`ModelSync` whose masters hold ``param`` (any parameter of the model they set up, converted or
+    kept in fp32), or ``None``: no master weights hold it (none set it up, or they were torn down)."""
+    ref = _HOLDERS.get(param)
+    return ref() if ref is not None else None
+
+
+def stop(sync: Optional[ModelSync]) -> Optional[ModelWriteError]:
+    """Follow the writes since the last step, then remove ``sync``'s hooks (at teardown). A write that cannot be
+    followed is returned, not raised (unless raised before already: then ``None``), so that the store gives the model
+    its exact weights first and raises it then."""
+    if sync is None:
+        return None
+    try:
+        sync.follow()
+    except ModelWriteError as error:
+        return None if error.repeated else error
+    finally:
+        sync.remove()
+    return None
 
 
 def _is_wide(value: Any) -> bool:

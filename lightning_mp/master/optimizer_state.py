@@ -1,5 +1,6 @@
-"""The optimizer's side of lean master weights: every parameter it trains belongs to the converted model, and its
-fp32 state survives ``load_state_dict`` (torch would cast it to the bf16 parameters' dtype)."""
+"""The optimizer's side of master weights: every parameter it trains belongs to the converted model, lean masters'
+fp32 state survives ``load_state_dict`` (torch would cast it to the bf16 parameters' dtype), the sizes of its groups
+(what ``add_param_group`` changes), and no master in it twice."""
 
 from __future__ import annotations
 
@@ -28,6 +29,14 @@ def restore_fp32_state(optimizer: Optimizer) -> None:
                     optimizer.state[param][key] = value.to(param.device, torch.float32, copy=True)
 
 
+def keep_fp32_state(optimizer: Optimizer) -> list[Any]:
+    """Register :func:`stash_fp32_state` and :func:`restore_fp32_state` on ``optimizer``; their handles."""
+    return [
+        optimizer.register_load_state_dict_pre_hook(stash_fp32_state),
+        optimizer.register_load_state_dict_post_hook(restore_fp32_state),
+    ]
+
+
 def check_params_belong(index: int, optimizer: Optimizer, module_params: set[int], during_fit: bool = False) -> None:
     """Raise a ValueError naming the first parameter of ``optimizer`` (number ``index``) whose id is not in
     ``module_params``: lean masters hold the weights of the converted module's parameters only. ``during_fit``: the
@@ -48,3 +57,32 @@ def check_params_belong(index: int, optimizer: Optimizer, module_params: set[int
                     f"(shape {tuple(param.shape)}, {param.dtype}) is not one of its parameters{fix}, or use "
                     "master_weights=False."
                 )
+
+
+def group_sizes(optimizers: list[Optimizer]) -> list[tuple[int, ...]]:
+    """Per optimizer, the length of each param group: what ``add_param_group`` changes (cheap to compare)."""
+    return [tuple(len(group["params"]) for group in optimizer.param_groups) for optimizer in optimizers]
+
+
+def refuse_twice(optimizer: Optimizer) -> None:
+    """Raise when a master is in ``optimizer``'s groups twice (a model parameter added again after setup, while its
+    master is in the optimizer already: torch's own check compares the objects, which differ)."""
+    seen: set[int] = set()
+    for g, group in enumerate(optimizer.param_groups):
+        for i, param in enumerate(group["params"]):
+            if id(param) in seen:
+                raise ValueError(
+                    f"{type(optimizer).__name__}.param_groups[{g}]['params'][{i}] (shape {tuple(param.shape)}) is "
+                    "in the optimizer twice: it was added again after setup while master_weights=True had already "
+                    "put its fp32 master in the optimizer. Add only parameters that are not in the optimizer yet."
+                )
+            seen.add(id(param))
+
+
+def several_processes() -> bool:
+    """Whether a process group of more than one process runs (masters made after setup would differ per rank)."""
+    return (
+        torch.distributed.is_available()
+        and torch.distributed.is_initialized()
+        and torch.distributed.get_world_size() > 1
+    )

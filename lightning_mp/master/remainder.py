@@ -29,11 +29,11 @@ from torch.optim import Optimizer
 from lightning_mp.master import native, onepass
 from lightning_mp.master.bits import JoinSplit
 from lightning_mp.master.blocks import Blocks, join_by_chunks, split_by_chunks
-from lightning_mp.master.clipping import fp32_grad_norms, raise_if_nonfinite
+from lightning_mp.master.clipping import norm_and_factor
 from lightning_mp.master.flat import MasterWeights, is_norm
 from lightning_mp.master.generic import GenericChunkedStep
 from lightning_mp.master.model_sync import materialise
-from lightning_mp.master.optimizer_state import check_params_belong, restore_fp32_state, stash_fp32_state
+from lightning_mp.master.optimizer_state import check_params_belong, keep_fp32_state
 from lightning_mp.master.plan import Plans
 from lightning_mp.master.step import (
     FUSED_UNIT,
@@ -112,7 +112,7 @@ class RemainderMasters(MasterWeights):
         self._plans: dict[tuple[int, int], tuple[tuple[int, ...], list[Any]]] = {}
         self._grad_ops: dict[int, list[tuple[str, Any]]] = {}  # id(optimizer) -> clipping to apply at the step
         self._generic: dict[int, GenericChunkedStep] = {}
-        self._optimizer_hooks: list[Any] = []
+        self._optimizer_hooks: dict[int, list[Any]] = {}  # id(optimizer) -> its load_state_dict hooks
         self._staging = Staging(self.chunk_size_for)
         self.step_plans = Plans()  # the one-pass update's plans (master/plan.py), made at the first step
 
@@ -148,24 +148,31 @@ class RemainderMasters(MasterWeights):
             self.model_sync.record_storage()  # the plugin's own move: not a write
         for optimizer in self._optimizers:
             if uses_fused_kernel(optimizer):
-                self._optimizer_hooks += [
-                    optimizer.register_load_state_dict_pre_hook(stash_fp32_state),
-                    optimizer.register_load_state_dict_post_hook(restore_fp32_state),
-                ]
+                if id(optimizer) not in self._optimizer_hooks:  # attach() again (Fabric): registered once
+                    self._optimizer_hooks[id(optimizer)] = keep_fp32_state(optimizer)
             elif id(optimizer) not in self._generic:
                 self._generic[id(optimizer)] = GenericChunkedStep(optimizer, self, self._chunk_of(optimizer))
         self._groups_seen.record(self._optimizers)
 
-    def check_callbacks(self, callbacks: Iterable[Any]) -> None:
-        """Nothing to refuse: the optimizer keeps the model's parameters (``BaseFinetuning`` names them)."""
+    def follow_optimizers(self, optimizers: Iterable[Optimizer]) -> None:
+        """The run steps ``optimizers`` now (swapped mid-fit): those no longer in it are released (the generic path's
+        state back to whole parameters, load hooks removed), the step plans made again, ``optimizers`` attached."""
+        optimizers, kept = list(optimizers), {id(optimizer) for optimizer in optimizers}
+        for optimizer in [o for o in self._optimizers if id(o) not in kept]:
+            generic = self._generic.pop(id(optimizer), None)
+            if generic is not None:
+                generic.restore()
+            for hook in self._optimizer_hooks.pop(id(optimizer), []):
+                hook.remove()
+        self._plans.clear()
+        self.step_plans.clear()  # plans hold the old groups' and state's addresses: made again, never patched
+        self.attach(optimizers)
 
     def follow_groups(self) -> None:
-        """Follow param groups added since :meth:`attach` (``optimizer.add_param_group`` during fit). Every
-        converted parameter already has its bf16 weight and remainder and the step reads the groups as they are;
-        a new parameter must be the model's, and any other optimizer than AdamW/Adam/SGD makes the new groups'
-        slices (:meth:`GenericChunkedStep.follow_groups`). A few identity checks per group and call
-        (:class:`~lightning_mp.master.watched.GroupsSeen`: edits of a group's list in place show too)."""
-        if self._module is None or not self._groups_seen.changed():  # nothing recorded: attached by a subclass (FSDP2)
+        """Follow the groups edited since :meth:`attach` (:class:`~.watched.GroupsSeen`): every converted parameter
+        has its bf16 weight and remainder and the step reads the groups as they are; a new parameter must be the
+        model's; any other optimizer than AdamW/Adam/SGD makes the new groups' slices (``GenericChunkedStep``)."""
+        if self._module is None or not self._groups_seen.changed():  # none recorded: a subclass attached (FSDP2)
             return
         module_params = {id(p) for p in self._module.parameters()}
         for index, optimizer in enumerate(self._optimizers):
@@ -177,8 +184,7 @@ class RemainderMasters(MasterWeights):
 
     def check_trained(self, params: list[Tensor]) -> None:
         """Raise a ValueError naming the first of ``params`` that is not the converted module's: a step plan
-        (:mod:`.plan`) asks when it lays out a group, so a parameter put into ``group["params"]`` in place (not by
-        ``add_param_group``) is checked before the update, as :meth:`attach` checks the groups."""
+        (:mod:`.plan`) asks when it lays out a group, so a parameter put in a group in place is checked first."""
         if self._module is None:
             return
         module_params = {id(p) for p in self._module.parameters()}
@@ -266,15 +272,9 @@ class RemainderMasters(MasterWeights):
     ) -> Tensor:
         """Clip by the total norm, computed in fp32 as torch's on fp32 masters (:mod:`~lightning_mp.master.clipping`),
         applied inside the step to the gradients' fp32 values (bf16 ones are not rounded twice); the total norm."""
-        grads = [p.grad for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
-        if not grads:
-            return torch.tensor(0.0)
-        with torch.no_grad():
-            total = self._total_norm(fp32_grad_norms(grads, float(norm_type), foreach), norm_type)
-            if error_if_nonfinite:
-                raise_if_nonfinite(total, norm_type)
-            coef = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)
-        self._grad_ops.setdefault(id(optimizer), []).append(("mul", coef))
+        total, coef = norm_and_factor(optimizer, max_norm, norm_type, error_if_nonfinite, foreach, self._total_norm)
+        if coef is not None:
+            self._grad_ops.setdefault(id(optimizer), []).append(("mul", coef))
         return total
 
     @staticmethod
@@ -311,7 +311,7 @@ class RemainderMasters(MasterWeights):
         found = found_inf
         if found is not None and (found.dtype != torch.float32 or found.dim()):
             found = found.to(torch.float32).reshape(())  # 0-dim, as torch's
-        if not native.enabled():  # every group takes the chunked path: all their states checked before any update
+        if not native.enabled():  # the chunked path for every group: all states checked before any update
             check_states(optimizer, optimizer.param_groups, lambda param: param.grad is not None)
         for index, group in enumerate(optimizer.param_groups):
             if grad_ops:
@@ -374,11 +374,12 @@ class RemainderMasters(MasterWeights):
         parameters are fp32 (the model's weights then cost at most one block more than the fp32 model). Optimizer
         state of AdamW/Adam/SGD stays keyed by the same parameters; see :meth:`GenericChunkedStep.restore` for
         others."""
-        self.stop_following()  # while the blocks still hold the weights
+        error = self.stop_following()  # while the blocks still hold the weights; raised once the model is fp32
         for generic in self._generic.values():
             generic.restore()
-        for hook in self._optimizer_hooks:
-            hook.remove()
+        for hooks in self._optimizer_hooks.values():
+            for hook in hooks:
+                hook.remove()
         self._staging.release()
         with torch.no_grad():
             for index, members in enumerate(self._blocks.members):
@@ -388,6 +389,8 @@ class RemainderMasters(MasterWeights):
                     param.data = value
                 self._blocks.release(index)
         super().restore()
+        if error is not None:
+            raise error
 
     def __repr__(self) -> str:
         held = sum(p.numel() for key, p in self._params.items() if key in self._layout)

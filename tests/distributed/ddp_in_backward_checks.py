@@ -47,6 +47,7 @@ class Net(L.LightningModule):
         self.grads_after_step: list[list[Any]] = []
         self.updated_in_backward: list[bool] = []
         self.comm_hooks: list[str] = []
+        self.phase = 0  # "swap": SGD from step 2 (trainer.strategy.setup_optimizers, Lightning's way mid-fit)
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         x, y = batch
@@ -65,6 +66,9 @@ class Net(L.LightningModule):
         return loss
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        if self.variant == "swap" and self.trainer.global_step == 2 and not self.phase:
+            self.phase = 1
+            self.trainer.strategy.setup_optimizers(self.trainer)
         if self.variant == "late_group" and self.trainer.global_step == 2:
             self.net[3].requires_grad_(True)
             self.trainer.optimizers[0].add_param_group({"params": list(self.net[3].parameters())})
@@ -86,6 +90,8 @@ class Net(L.LightningModule):
         return sum_loader(self.trainer.world_size, self.global_rank)
 
     def configure_optimizers(self) -> Any:
+        if self.phase:
+            return torch.optim.SGD(self.parameters(), lr=1e-2, momentum=0.9, weight_decay=0.01)
         if self.variant in (
             "partial",
             "late_group",
@@ -144,6 +150,8 @@ def main() -> None:
     results["ours_adamw_small_buckets"] = run(True, "adamw", strategy=DDPStrategy(bucket_cap_mb=SMALL_BUCKETS_MB))
     results["ours_adamw_bucket_views"] = run(True, "adamw", strategy=DDPStrategy(gradient_as_bucket_view=True))
     results["ours_adamw_manual"] = run(True, "adamw", manual=True)
+    results["ours_swap"] = run(True, "adamw", variant="swap")  # AdamW, then SGD from step 2
+    results["reference_swap"] = run(False, "adamw", variant="swap")
     results["ours_nan"] = run(True, "adamw", nan_on_rank1=True)
     results["reference_nan"] = run(False, "adamw", nan_on_rank1=True)
     stepping.DECIDE_CPU_FLAGS_ON_HOST = False  # the accelerators' path: the flags are not read at the step

