@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import copy
 import os
-from collections import defaultdict
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -487,10 +486,6 @@ def outcome(result: dict[str, Any], reference: dict[str, Any]) -> str:
         return "refused" if changed is None else f"refused late ({changed})"
     problem = difference(result, reference)
     return "exact" if problem is None else f"diverged ({problem})"
-
-
-def all_states(result: dict[str, Any]) -> dict[str, Any]:  # pragma: no cover - a debugging aid
-    return defaultdict(dict, result["state"])
 
 
 # ---------------------------------------------------------------------------------------------------- storage swaps
