@@ -29,9 +29,10 @@ from torch.optim import Optimizer
 
 from lightning_mp.master.flat_moves import FlatMoves
 from lightning_mp.master.model_sync import ModelSync, ModelWriteError, materialise, stop
-from lightning_mp.master.optimizer_state import group_sizes, refuse_twice, several_processes
+from lightning_mp.master.optimizer_state import refuse_twice, several_processes
 from lightning_mp.master.plain import PlainWeights
 from lightning_mp.master.refused_callbacks import refuse_callbacks
+from lightning_mp.master.watched import GroupsSeen
 
 #: Module classes whose parameters and buffers stay fp32 by default (and their subclasses).
 NORM_TYPES: tuple[type[nn.Module], ...] = (
@@ -86,9 +87,7 @@ class MasterWeights(PlainWeights):
         self._moves = FlatMoves()  # the per-step moves' lists, per device
         self._optimizers: list[Optimizer] = []
         self._carried_grads: dict[int, Tensor] = {}  # id(half param) -> its released master's gradient, until remade
-        # per optimizer, its groups' lengths when last followed; None: not attached by this class (a subclass that
-        # does its own, as the FSDP2 sharded store) and not followed
-        self._group_sizes: Optional[list[tuple[int, ...]]] = None
+        self._groups_seen = GroupsSeen()  # as last followed; none recorded: a subclass attached (FSDP2), not followed
 
     # ------------------------------------------------------------------ setup
     def _kept_modules(self, module: nn.Module) -> dict[str, nn.Module]:
@@ -174,22 +173,23 @@ class MasterWeights(PlainWeights):
                 if param in optimizer.state:
                     optimizer.state[self._masters[id(param)]] = optimizer.state.pop(param)
             refuse_twice(optimizer)
-        self._group_sizes = group_sizes(self._optimizers)
+        self._groups_seen.record(self._optimizers)
         self._moves.forget_write_backs()  # the groups changed: the write-back lists are made again
 
     def follow_groups(self) -> None:
         """Follow param groups added since :meth:`attach` (``optimizer.add_param_group`` during fit: Lightning's
         ``BackboneFinetuning``, a callback): the new half parameters get masters (their exact fp32 values, kept
-        since the cast) and the groups hold those, as :meth:`attach` does at setup. A cheap check per call (each
-        group's length); runs before every backward and before the gradients move to the masters.
+        since the cast) and the groups hold those, whatever edited them (:class:`~.watched.GroupsSeen`: a few
+        identity checks per group); runs before every backward and before the gradients move to the masters.
 
         Raises:
             ValueError: a new parameter is not the model's, or its master is in the optimizer already.
-            RuntimeError: under several processes (each rank's masters would start from its own values).
+            RuntimeError: a new half parameter under several processes (each rank's master would be its own).
         """
-        if self._module is None or self._group_sizes in (None, group_sizes(self._optimizers)):
+        if self._module is None or not self._groups_seen.changed():
             return
-        if several_processes():
+        new = any(id(p) in self._params for o in self._optimizers for g in o.param_groups for p in g["params"])
+        if new and several_processes():
             raise RuntimeError(
                 "master_weights=True cannot follow optimizer.add_param_group after setup under several "
                 "processes: the new parameters' masters would start from each rank's own values, outside the "

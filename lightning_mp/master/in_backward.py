@@ -39,11 +39,11 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_mp.master import native, onepass
-from lightning_mp.master.flat import group_sizes
 from lightning_mp.master.in_backward_changes import UNDER_REDUCTION, GroupOptions, one_groups, refuse_later_hook
 from lightning_mp.master.in_backward_flags import StepFlags
 from lightning_mp.master.in_backward_regions import Regions
-from lightning_mp.master.step import apply_grad_ops_in_place, fused_update, plan_chunks
+from lightning_mp.master.step import apply_grad_ops_in_place, check_states, fused_update, plan_chunks
+from lightning_mp.master.watched import GroupsSeen
 
 OPTION = "optimizer_in_backward=True"
 
@@ -195,8 +195,15 @@ class StepInBackward:
         self._one_groups, self._params = one_groups(optimizer, {})
         self._options = GroupOptions(optimizer, self._one_groups)  # each group read once a step, not per parameter
         self._flags.plan(self._params)
-        self._group_sizes = group_sizes([optimizer])  # compared before each backward: add_param_group changes it
+        self._groups_seen = GroupsSeen()  # compared before each backward: any edit of the param groups shows
+        self._groups_seen.record([optimizer])
         self._hook_trainable()
+
+    @property
+    def driven_by_strategy(self) -> bool:
+        """Whether DDP's communication hook (:meth:`hand_over`) or FSDP2's reduction (:attr:`agree_each`) drives the
+        updates: the parameters and the optimizer are fixed at setup then."""
+        return bool(self._handed_over) or self.agree_each is not None
 
     @property
     def skipped_params(self) -> list[str]:
@@ -217,8 +224,10 @@ class StepInBackward:
         flag, nonzero when it is non-finite (then every update of this backward is skipped). Reentrant checkpoint
         regions below ``loss`` make the updates that land while one runs wait for the end of backward
         (:mod:`~lightning_mp.master.in_backward_regions`); under DDP or FSDP2 they are refused here, before backward."""
-        if group_sizes([self.optimizer]) != self._group_sizes:
+        if self._groups_seen.changed():
             self._follow_groups()
+        if self._generic is None and not native.enabled():  # the chunked path: every state checked before any update
+            check_states(self.optimizer, self.optimizer.param_groups, _requires_grad)
         if self._regions.arm(loss, self._run_waiting) and (self._handed_over or self.agree_each is not None):
             self._regions.clear()
             raise RuntimeError(  # before armed: the next backward is not taken for a second one
@@ -240,17 +249,20 @@ class StepInBackward:
 
     def _follow_groups(self) -> None:
         """Param groups changed since setup (:mod:`~lightning_mp.master.in_backward_changes`): every parameter of
-        the current groups gets its one-parameter group and its hook, those no longer in the optimizer lose theirs."""
-        if self._handed_over or self.agree_each is not None:
+        the current groups gets its one-parameter group (its group's options) and its hook, those no longer in the
+        optimizer lose theirs. Under DDP or FSDP2 only a change that keeps the same parameters (reordered, moved
+        between groups) is followed."""
+        ones, params = one_groups(self.optimizer, self._one_groups)
+        if self.driven_by_strategy and ones.keys() != self._one_groups.keys():
             raise RuntimeError(f"MixedPrecisionPlugin({OPTION}) {UNDER_REDUCTION}")
         if self._generic is not None:
             self._generic.follow_groups()  # the new groups' slices (the store's before_backward may have made them)
-        self._one_groups, self._params = one_groups(self.optimizer, self._one_groups)
+        self._one_groups, self._params = ones, params
         self._options = GroupOptions(self.optimizer, self._one_groups)
         self._flags.plan(self._params)
         for key in [key for key in self._hooks if key not in self._one_groups]:
             self._hooks.pop(key).remove()
-        self._group_sizes = group_sizes([self.optimizer])
+        self._groups_seen.record([self.optimizer])
         self._hook_trainable()
 
     def hand_over(self, params: list[Tensor]) -> None:
@@ -369,3 +381,7 @@ def install(
     clamp = getattr(getattr(model, "_trainer", None), "gradient_clip_val", None) or None
     optimizer = getattr(optimizers[0], "_optimizer", optimizers[0])
     return StepInBackward(store, optimizer, clamp, check, names)
+
+
+def _requires_grad(param: Tensor) -> bool:
+    return param.requires_grad

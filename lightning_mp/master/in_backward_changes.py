@@ -3,11 +3,13 @@ later (refused).
 
 **Param groups.** ``optimizer.add_param_group`` after setup (Lightning's ``BackboneFinetuning`` and
 ``BaseFinetuning.unfreeze_and_add_param_group``, a user's callback) brings parameters the hooks set up at connect do
-not know. :class:`~lightning_mp.master.in_backward.StepInBackward` compares each group's length before every backward
-(:func:`~lightning_mp.master.flat.group_sizes`, a few integers) and, when they changed, gives every parameter of the
-current groups its one-parameter group (:func:`one_groups`) and its hook; the store made their lean state at the
-conversion (every floating parameter of the module is converted, frozen or not) and checks they are the model's
-(:meth:`~lightning_mp.master.RemainderMasters.follow_groups`). The new parameters are then updated inside backward
+not know, and edits of a group's list (``append``, ``del``, item assignment, a parameter moved to another group, a new
+list) change which parameters are stepped and with which options.
+:class:`~lightning_mp.master.in_backward.StepInBackward` checks the groups before every backward
+(:class:`~lightning_mp.master.watched.GroupsSeen`, a few identity checks per group) and, when they changed, gives every
+parameter of the current groups its one-parameter group (:func:`one_groups`, its group's options) and its hook; the
+store made their lean state at the conversion (every floating parameter of the module is converted, frozen or not)
+and checks they are the model's (:meth:`~lightning_mp.master.RemainderMasters.follow_groups`). The new parameters are then updated inside backward
 exactly as the normal lean step, which reads the groups at each step, updates them. Add groups before the backward
 (``on_train_epoch_start``, ``on_train_batch_start``): a parameter added after its gradient was made is not updated
 and fails the "no update left behind" check at the step.

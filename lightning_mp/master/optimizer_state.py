@@ -37,17 +37,25 @@ def keep_fp32_state(optimizer: Optimizer) -> list[Any]:
     ]
 
 
-def check_params_belong(index: int, optimizer: Optimizer, module_params: set[int]) -> None:
+def check_params_belong(index: int, optimizer: Optimizer, module_params: set[int], during_fit: bool = False) -> None:
     """Raise a ValueError naming the first parameter of ``optimizer`` (number ``index``) whose id is not in
-    ``module_params``: lean masters hold the weights of the converted module's parameters only."""
+    ``module_params``: lean masters hold the weights of the converted module's parameters only. ``during_fit``: the
+    groups were edited after setup (checked before the backward and the step that would use them)."""
     for g, group in enumerate(optimizer.param_groups):
         for i, param in enumerate(group["params"]):
             if id(param) not in module_params:
+                fix = (
+                    " (put there after setup, e.g. group['params'].append(...) or item assignment). Nothing was "
+                    "updated. Add the model's own parameters (optimizer.add_param_group, or group['params'] edited "
+                    "with the model's parameters)"
+                    if during_fit
+                    else ". Build the optimizer from self.parameters() in configure_optimizers"
+                )
                 raise ValueError(
                     f"master_weights='remainder' needs every optimizer parameter to belong to the model, but "
                     f"optimizer {index} ({type(optimizer).__name__}) param_groups[{g}]['params'][{i}] "
-                    f"(shape {tuple(param.shape)}, {param.dtype}) is not one of its parameters. Build the "
-                    "optimizer from self.parameters() in configure_optimizers, or use master_weights=False."
+                    f"(shape {tuple(param.shape)}, {param.dtype}) is not one of its parameters{fix}, or use "
+                    "master_weights=False."
                 )
 
 

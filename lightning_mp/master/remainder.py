@@ -26,11 +26,11 @@ import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from lightning_mp.master import onepass
+from lightning_mp.master import native, onepass
 from lightning_mp.master.bits import JoinSplit
 from lightning_mp.master.blocks import Blocks, join_by_chunks, split_by_chunks
 from lightning_mp.master.clipping import norm_and_factor
-from lightning_mp.master.flat import MasterWeights, group_sizes, is_norm
+from lightning_mp.master.flat import MasterWeights, is_norm
 from lightning_mp.master.generic import GenericChunkedStep
 from lightning_mp.master.model_sync import materialise
 from lightning_mp.master.optimizer_state import check_params_belong, keep_fp32_state
@@ -39,6 +39,7 @@ from lightning_mp.master.step import (
     FUSED_UNIT,
     Staging,
     apply_grad_ops_in_place,
+    check_states,
     fused_update,
     plan_chunks,
     uses_fused_kernel,
@@ -157,7 +158,7 @@ class RemainderMasters(MasterWeights):
                     self._optimizer_hooks[id(optimizer)] = keep_fp32_state(optimizer)
             elif id(optimizer) not in self._generic:
                 self._generic[id(optimizer)] = GenericChunkedStep(optimizer, self, self._chunk_of(optimizer))
-        self._group_sizes = group_sizes(self._optimizers)
+        self._groups_seen.record(self._optimizers)
 
     def follow_optimizers(self, optimizers: Iterable[Optimizer]) -> None:
         """The run steps ``optimizers`` now (swapped mid-fit): those no longer in it are released (the generic path's
@@ -174,25 +175,22 @@ class RemainderMasters(MasterWeights):
         self.attach(optimizers)
 
     def follow_groups(self) -> None:
-        """Follow param groups added since :meth:`attach` (``optimizer.add_param_group`` during fit). Every
-        converted parameter already has its bf16 weight and remainder and the step reads the groups as they are;
-        a new parameter must be the model's, and any other optimizer than AdamW/Adam/SGD makes the new groups'
-        slices (:meth:`GenericChunkedStep.follow_groups`). A cheap check per call (each group's length)."""
-        sizes = group_sizes(self._optimizers)
-        if self._module is None or self._group_sizes in (None, sizes):  # None: attached by a subclass (FSDP2)
+        """Follow the groups edited since :meth:`attach` (:class:`~.watched.GroupsSeen`): every converted parameter
+        has its bf16 weight and remainder and the step reads the groups as they are; a new parameter must be the
+        model's; any other optimizer than AdamW/Adam/SGD makes the new groups' slices (``GenericChunkedStep``)."""
+        if self._module is None or not self._groups_seen.changed():  # none recorded: a subclass attached (FSDP2)
             return
         module_params = {id(p) for p in self._module.parameters()}
         for index, optimizer in enumerate(self._optimizers):
-            check_params_belong(index, optimizer, module_params)
+            check_params_belong(index, optimizer, module_params, during_fit=True)
             generic = self._generic.get(id(optimizer))
             if generic is not None:
                 generic.follow_groups()
-        self._group_sizes = sizes
+        self._groups_seen.record(self._optimizers)
 
     def check_trained(self, params: list[Tensor]) -> None:
         """Raise a ValueError naming the first of ``params`` that is not the converted module's: a step plan
-        (:mod:`.plan`) asks when it lays out a group, so a parameter put into ``group["params"]`` in place (not by
-        ``add_param_group``) is checked before the update, as :meth:`attach` checks the groups."""
+        (:mod:`.plan`) asks when it lays out a group, so a parameter put in a group in place is checked first."""
         if self._module is None:
             return
         module_params = {id(p) for p in self._module.parameters()}
@@ -319,6 +317,8 @@ class RemainderMasters(MasterWeights):
         found = found_inf
         if found is not None and (found.dtype != torch.float32 or found.dim()):
             found = found.to(torch.float32).reshape(())  # 0-dim, as torch's
+        if not native.enabled():  # the chunked path for every group: all states checked before any update
+            check_states(optimizer, optimizer.param_groups, lambda param: param.grad is not None)
         for index, group in enumerate(optimizer.param_groups):
             if grad_ops:
                 apply_grad_ops_in_place([p for p in group["params"] if id(p) not in self._layout], grad_ops)

@@ -236,6 +236,13 @@ def _state_for(optimizer: Optimizer, param: Tensor, keys: tuple[str, ...]) -> di
         state["step"] = torch.tensor(0.0, dtype=torch.float32, device=param.device)
         for key in keys:
             state[key] = fp32_zeros_like(param)
+    check_state(optimizer, param, state, keys)
+    return state
+
+
+def check_state(optimizer: Optimizer, param: Tensor, state: dict[str, Any], keys: tuple[str, ...]) -> None:
+    """Refuse, by name, an Adam state that holds some of ``keys`` and ``step`` but not all (torch's Adam raises
+    ``KeyError`` there too), and state tensors :func:`check_state_tensor` refuses."""
     for key in (*keys, "step"):
         if key not in state:
             raise KeyError(
@@ -246,7 +253,24 @@ def _state_for(optimizer: Optimizer, param: Tensor, keys: tuple[str, ...]) -> di
             )
         if key != "step":
             check_state_tensor(optimizer, param, key, state[key])
-    return state
+
+
+def check_states(optimizer: Optimizer, groups: list[dict[str, Any]], stepped: Callable[[Tensor], bool]) -> None:
+    """:func:`check_state` for every parameter of ``groups`` that ``stepped`` and has state (an empty one is made at
+    its update), before any of them is updated: the chunked path updates group by group (and, inside backward,
+    parameter by parameter), so a state met later would stop the step half-way."""
+    for group in groups:
+        if isinstance(optimizer, Adam):
+            keys = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq") if group["amsgrad"] else ("exp_avg", "exp_avg_sq")
+            for param in group["params"]:
+                state = optimizer.state.get(param)
+                if state and stepped(param):
+                    check_state(optimizer, param, state, keys)
+        elif group["momentum"] != 0:  # SGD: a buffer missing or None is made from the gradient
+            for param in group["params"]:
+                buffer = optimizer.state.get(param, {}).get("momentum_buffer")
+                if buffer is not None and stepped(param):
+                    check_state_tensor(optimizer, param, "momentum_buffer", buffer)
 
 
 def fused_update(
