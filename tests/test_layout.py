@@ -1,7 +1,7 @@
 """The layout constraints of DESIGN.md and docs/architecture.md, stated as a test.
 
 Library at the top of ``lightning_mp/`` (at most 10 modules there), the applications of it in ``cli/`` and
-``samples/``; no module over 400 lines; no module-level import cycle; the dependency arrows point one way;
+``samples/``; no module over 600 lines (the guide's flag for one concept per module); no module-level import cycle; the dependency arrows point one way;
 ``import lightning_mp`` loads neither the CLI nor the samples; the public API is unchanged.
 """
 
@@ -97,9 +97,11 @@ def test_library_at_the_top_has_at_most_ten_modules():
 
 
 @pytest.mark.parametrize("name", sorted(MODULES))
-def test_no_module_over_400_lines(name):
+def test_no_module_over_600_lines(name):
+    """One concept per module: past ~600 lines a module is likely two (the developers' guide's flag). A concept is
+    never cut to fit a count: a module that grows past it is split where a concept ends."""
     lines = len(MODULES[name].read_text().splitlines())
-    assert lines <= 400, f"{MODULES[name].relative_to(ROOT)} has {lines} lines"
+    assert lines <= 600, f"{MODULES[name].relative_to(ROOT)} has {lines} lines"
 
 
 @pytest.mark.parametrize("module_level_only", [True, False], ids=["module-level", "every-import"])

@@ -58,15 +58,10 @@ REFERENCE_OF = {
     "chunked in backward": "chunked",
     "True": "bf16-mixed",
 }
-#: refused, but after some update of the step: the plan refuses what it meets when it lays out a group (the normal
-#: step: after the groups before it were updated) or a parameter (inside backward: after the parameters whose
-#: gradients came first). The reference paths check every state before any update; the plan paths would need a
-#: check of every parameter's state before the step (see the module doc of tests/optimizer_edits.py)
+#: refused, but after some update of the step: inside backward the plan refuses what it meets when it lays out a
+#: parameter, after the parameters whose gradients came first. The normal step checks every state before any update
+#: where a group's plan does not fit (RemainderMasters.fused_step, onepass.ready).
 LATE = {
-    (name, mode): "the plan lays out and checks group by group"
-    for name in ("state[p].pop(moment) (the last group)", "state[p].clear(); setdefault('step', ...)")
-    for mode in ("lean", "lean, plans rebuilt")
-} | {
     ("state[p].pop(moment) (the first group)", mode): "the plan inside backward checks parameter by parameter"
     for mode in ("in backward", "in backward, plans rebuilt")
 }

@@ -57,6 +57,36 @@ def plan_grad_ops(
     return factor, clamp
 
 
+def expressible(grad_ops: list[tuple[str, Any]]) -> bool:
+    """Whether the kernel applies ``grad_ops`` itself (:func:`plan_grad_ops` gives a plan), without making any
+    tensor: at most one clip-by-norm factor, then at most one clip-by-value bound."""
+    kinds = [kind for kind, _ in grad_ops]
+    return kinds in ([], ["mul"], ["clamp"], ["mul", "clamp"])
+
+
+def ready(
+    optimizer: Optimizer, group: dict[str, Any], store: Any, grad_ops: list[tuple[str, Any]], param: Any = None
+) -> Any:
+    """The plan that :func:`step` will replay for ``group`` (or, with ``param``, that parameter's), when it exists,
+    still fits (:meth:`~lightning_mp.master.plan.StepPlan.fits`), no parameter of it gained a gradient and the
+    kernel takes the clipping; else ``None``: that step lays out a plan (or takes the chunked path) and may refuse
+    state it meets, so a caller checks every state first (:func:`~lightning_mp.master.step.check_states`) to refuse
+    before any update. Pass what it returns to :func:`step` as ``ready``: the plan is not checked twice."""
+    plans = store.__dict__.get("step_plans")
+    key, owner, params = (id(group), group, group["params"]) if param is None else (id(param), param, [param])
+    made = plans.get(key) if plans else None
+    if (
+        made is None
+        or made.owner_object is not owner
+        or made.kernel is None
+        or not made.fits(optimizer, group, store, params)
+        or any(p.grad is not None for p in made.idle)
+        or (grad_ops and not expressible(grad_ops))
+    ):
+        return None
+    return made
+
+
 def plan(params: list[Tensor], grad_ops: list[tuple[str, Any]]) -> Optional[tuple[Optional[Tensor], Optional[float]]]:
     """The clipping the one-pass kernel applies to a group of ``params`` (:func:`plan_grad_ops`), or ``None`` when
     the kernel cannot update it (the chunked path does)."""
@@ -79,6 +109,7 @@ def step(
     grad_ops: list[tuple[str, Any]],
     found: Optional[Tensor],
     param: Optional[Tensor] = None,
+    ready: Any = None,
 ) -> bool:
     """One step of ``group`` (or, with ``param``, of that one parameter of it: the step inside backward) on the lean
     state, in one pass, by its :class:`~lightning_mp.master.plan.StepPlan` (made on the first step and whenever it
@@ -89,9 +120,11 @@ def step(
     if plans is None:
         plans = store.__dict__["step_plans"] = Plans()
     key, params, owner = (id(group), group["params"], group) if param is None else (id(param), [param], param)
-    made = plans.get(key)
-    if made is None or made.owner_object is not owner or not made.fits(optimizer, group, store, params):
-        made = _replan(plans, optimizer, group, params, store, key, owner)
+    made = ready
+    if made is None:
+        made = plans.get(key)
+        if made is None or made.owner_object is not owner or not made.fits(optimizer, group, store, params):
+            made = _replan(plans, optimizer, group, params, store, key, owner)
     if made.kernel is None:
         return False
     clipping = plan_grad_ops(grad_ops, made.device) if grad_ops else (None, None)

@@ -317,12 +317,17 @@ class RemainderMasters(MasterWeights):
         found = found_inf
         if found is not None and (found.dtype != torch.float32 or found.dim()):
             found = found.to(torch.float32).reshape(())  # 0-dim, as torch's
-        if not native.enabled():  # the chunked path for every group: all states checked before any update
-            check_states(optimizer, optimizer.param_groups, lambda param: param.grad is not None)
-        for index, group in enumerate(optimizer.param_groups):
+        groups = optimizer.param_groups
+        # the plans each group replays, where they fit; where one does not (a first step, an edit since the last one)
+        # or a group takes the chunked path, every group's state is checked first: a refusal comes before any update
+        ready = [onepass.ready(optimizer, group, self, grad_ops) for group in groups] if native.enabled() else []
+        if not ready or None in ready:
+            check_states(optimizer, groups, lambda param: param.grad is not None)
+        for index, group in enumerate(groups):
             if grad_ops:
                 apply_grad_ops_in_place([p for p in group["params"] if id(p) not in self._layout], grad_ops)
-            if onepass.step(optimizer, group, self, grad_ops, found):  # one compiled pass, by the group's plan
+            made = ready[index] if ready else None
+            if onepass.step(optimizer, group, self, grad_ops, found, ready=made):  # by the group's plan
                 continue
             fused_update(optimizer, group, self._plan(optimizer, index, group), self, self._staging, grad_ops, found)
 
