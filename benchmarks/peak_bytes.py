@@ -41,6 +41,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _report import QUIET_TRAINER, report  # noqa: E402
+from decoder import SIZES as DECODER_SIZES  # noqa: E402
 
 from lightning_mp import MixedPrecisionPlugin  # noqa: E402
 
@@ -56,14 +57,7 @@ SIZES = {
         num_key_value_heads=4,
         vocab_size=4096,
     ),
-    "issue": dict(
-        hidden_size=512,
-        intermediate_size=1376,
-        num_hidden_layers=8,
-        num_attention_heads=8,
-        num_key_value_heads=8,
-        vocab_size=32000,
-    ),
+    "issue": DECODER_SIZES["issue"],
 }
 
 

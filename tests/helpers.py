@@ -186,3 +186,17 @@ class DigitsMLP(L.LightningModule):
 
     def configure_optimizers(self) -> Any:
         return torch.optim.Adam(self.parameters(), lr=1e-3)
+
+
+def fabric_trained_net(plugin: Any) -> tuple[Any, Any]:
+    """A small net set up by a one-device CPU Fabric that carries ``plugin``, trained three AdamW steps: ``(fabric,
+    the wrapped net)``."""
+    torch.manual_seed(0)
+    fabric = L.Fabric(accelerator="cpu", devices=1, plugins=[plugin])
+    net = fabric.setup_module(nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2)))
+    optimizer = fabric.setup_optimizers(torch.optim.AdamW(net.parameters(), lr=0.02))
+    for x in torch.randn(3, 8, 4):
+        fabric.backward(net(x).float().square().mean())
+        optimizer.step()
+        optimizer.zero_grad()
+    return fabric, net

@@ -21,6 +21,7 @@ from lightning_mp import MixedPrecisionPlugin
 from lightning_mp.master import exact_parameters, exact_weights
 from lightning_mp.master.exact import NotHeldError
 from lightning_mp.master.model_sync import ModelSync, holder_of
+from tests.helpers import fabric_trained_net
 from tests.test_weight_averaging import IDS, MODES, RecordExact
 
 
@@ -182,15 +183,8 @@ def test_the_plugin_found_through_the_trainer_refuses_a_module_it_does_not_hold(
 
 @pytest.mark.parametrize("master_weights", [True, "remainder"])
 def test_a_submodule_under_fabric(master_weights):
-    torch.manual_seed(0)
     plugin = MixedPrecisionPlugin("bf16-mixed", master_weights=master_weights)
-    fabric = L.Fabric(accelerator="cpu", devices=1, plugins=[plugin])
-    net = fabric.setup_module(nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2)))
-    optimizer = fabric.setup_optimizers(torch.optim.AdamW(net.parameters(), lr=0.02))
-    for x in torch.randn(3, 8, 4):
-        fabric.backward(net(x).float().square().mean())
-        optimizer.step()
-        optimizer.zero_grad()
+    _, net = fabric_trained_net(plugin)
     saved = net.state_dict()  # the exact fp32 masters
     last = net.module[2]
     read = dict(exact_parameters(last))

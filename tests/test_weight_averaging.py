@@ -22,6 +22,7 @@ from lightning_mp import MixedPrecisionPlugin
 from lightning_mp.callbacks import averaging
 from lightning_mp.master import exact_parameters, exact_weights
 from lightning_mp.master.bits import join_fp32
+from tests.helpers import fabric_trained_net
 
 # (master_weights, optimizer_in_backward)
 MODES = [(True, False), ("remainder", False), ("remainder", True)]
@@ -274,15 +275,8 @@ def test_exact_api_without_master_weights_gives_the_parameters():
 def test_exact_api_under_fabric(master_weights):
     # a Fabric-wrapped module finds its plugin through the strategy: the reads are the masters (the fp32 values
     # fabric.save writes), the writes land in them
-    torch.manual_seed(0)
     plugin = MixedPrecisionPlugin("bf16-mixed", master_weights=master_weights)
-    fabric = L.Fabric(accelerator="cpu", devices=1, plugins=[plugin])
-    net = fabric.setup_module(nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2)))
-    optimizer = fabric.setup_optimizers(torch.optim.AdamW(net.parameters(), lr=0.02))
-    for x in torch.randn(3, 8, 4):
-        fabric.backward(net(x).float().square().mean())
-        optimizer.step()
-        optimizer.zero_grad()
+    _, net = fabric_trained_net(plugin)
     saved = net.state_dict()  # the exact fp32 masters (the state-dict hook)
     read = dict(exact_parameters(net))
     assert read.keys() == saved.keys()
