@@ -105,7 +105,8 @@ class Net(L.LightningModule):
         return loss * float("nan") if self.trainer.global_step == self.bad_loss_at else loss
 
     def on_train_batch_end(self, *args: Any) -> None:
-        self.grads_after_step += [p.grad for p in self.parameters()]
+        probe = min(self.parameters(), key=torch.Tensor.numel)  # its gradient kept: the probe of zero_grad
+        self.grads_after_step += [p.grad for p in self.parameters() if p is not probe]
         self.lrs.append([float(g["lr"]) for g in self.trainer.optimizers[0].param_groups])
 
     def configure_optimizers(self) -> Any:
