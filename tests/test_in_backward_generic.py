@@ -318,7 +318,8 @@ def _at_rest(in_backward: bool) -> tuple[float, float, bool]:
     params = sum(p.numel() for p in model.parameters())
     staging = sum(t.untyped_storage().nbytes() for pair in store._staging._buffers.values() for t in pair)
     live = _live_cpu_bytes() - base
-    held = any(p.grad is not None for p in model.parameters())
+    probe = min(model.parameters(), key=torch.Tensor.numel)  # its gradient kept: the probe of zero_grad
+    held = any(p.grad is not None for p in model.parameters() if p is not probe)
     return live / params, (live - staging) / params, held
 
 
