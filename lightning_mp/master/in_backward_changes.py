@@ -18,17 +18,13 @@ CUDA kernel caches its address tables by ``id(group)``). A scheduler changes ``l
 what it saw last, once per step before backward (a few identity checks per group), and copies only what changed into
 that group's one-parameter dicts, so a hook reads its options without copying a dict.
 
-**The Trainer's settings.** ``accumulate_grad_batches``, ``gradient_clip_val`` and ``gradient_clip_algorithm`` are
-read again before every backward (:func:`trainer_grad_ops`, a few attribute reads), where a callback may have changed
-them since setup (Lightning's ``GradientAccumulationScheduler`` in ``on_train_epoch_start``, a user's callback setting
-``trainer.gradient_clip_val``): clipping by value is followed (applied per parameter inside the update from this
-backward on, as the normal step clips from this step on); accumulation and clipping by norm are refused there, before
-this backward updates anything, naming the setting and what changed it where that can be known.
+**The Trainer's settings** (accumulation, clipping) changed by a callback are read before each backward:
+:mod:`~lightning_mp.master.in_backward_settings`.
 
 **Post-accumulate-grad hooks added later.** A user's ``register_post_accumulate_grad_hook`` registered before
 the plugin's (before fit) runs first and sees (or rewrites) the gradient the update then uses, as the normal step
-would. One registered after setup would run after the update, on a gradient that is gone: :func:`refuse_later_hook`
-raises before the backward that would run it (:func:`later_hooks`, checked with the Trainer's settings, before any update).
+would. One registered after setup would run after the update, on a gradient that is gone: :func:`later_hooks`
+raises before the backward that would run it, before any update of that backward.
 """
 
 from __future__ import annotations
