@@ -42,7 +42,7 @@ from lightning_mp.master import native, onepass
 from lightning_mp.master.flat import group_sizes
 from lightning_mp.master.in_backward_changes import UNDER_REDUCTION, GroupOptions, later_hooks, one_groups
 from lightning_mp.master.in_backward_flags import StepFlags
-from lightning_mp.master.in_backward_regions import Regions
+from lightning_mp.master.in_backward_regions import PARTIAL, Regions
 from lightning_mp.master.in_backward_settings import OPTION, accumulation_schedule, refusal, trainer_grad_ops
 from lightning_mp.master.in_backward_zero_grads import ZeroGrads
 from lightning_mp.master.step import apply_grad_ops_in_place, fused_update, plan_chunks
@@ -191,8 +191,7 @@ class StepInBackward:
         self.agree_each: Optional[Callable[[Tensor], Tensor]] = None
         #: reentrant checkpoint regions of the running backward: updates wait for them (in_backward_regions)
         self._regions = Regions()
-        #: the gradients the normal step would hold: zero updates owed after backward (in_backward_zero_grads)
-        self._zero = ZeroGrads()
+        self._zero = ZeroGrads()  # the gradients the normal step would hold: zero updates owed (in_backward_zero_grads)
         # one dict per parameter for its whole life: the CUDA kernel caches its address tables by id(group). The
         # group by its index: optimizer.load_state_dict (a resume) replaces the group dicts
         self._one_groups, self._params = one_groups(optimizer, {})
@@ -227,7 +226,8 @@ class StepInBackward:
         later_hooks(self._params, self._hooks, self._name, OPTION)
         if group_sizes([self.optimizer]) != self._group_sizes:
             self._follow_groups()
-        if self._regions.arm(loss, self._run_waiting) and (self._handed_over or self.agree_each is not None):
+        reduced = bool(self._handed_over) or self.agree_each is not None  # regions refused: walked every backward
+        if self._regions.arm(loss, self._run_waiting, walk=reduced) and reduced:
             self._regions.clear()
             raise RuntimeError(  # before armed: the next backward is not taken for a second one
                 f"MixedPrecisionPlugin({OPTION}) cannot follow reentrant activation checkpointing "
@@ -291,7 +291,9 @@ class StepInBackward:
         if not self.armed or param.grad is None:
             return
         regions = self._regions
-        if (regions.pending or regions.waiting) and regions.wait(param):
+        if (regions.pending or regions.waiting or regions.watching) and regions.wait(param):
+            if regions.watching and id(param) in self._zero.updated:  # updated already: a region met unwalked
+                raise RuntimeError(PARTIAL.format(name=self._name(param)))
             return  # reentrant checkpointing: the gradient may not be whole yet, updated at the end of backward
         self._apply(param)
 
@@ -338,12 +340,13 @@ class StepInBackward:
         self.armed = False
         self._regions.clear()  # a backward with regions ran their updates at its end (none left to wait)
         self.optimizer._opt_called = True  # type: ignore[attr-defined]  # as torch's step() records for schedulers
-        owed = self._zero.owed()
-        if owed:  # zero_grad(set_to_none=False): the zero gradients the normal step would update (frozen, unused)
-            self._update_zero(owed)
-        self._zero.finish(owed)
-        probe = self._zero.probe
-        left = [p for g in self.optimizer.param_groups for p in g["params"] if p.grad is not None and p is not probe]
+        self._zero.settle(self._params, self._apply)  # zero_grad(set_to_none=False): zero updates owed (frozen, unused)
+        left = [
+            p
+            for g in self.optimizer.param_groups
+            for p in g["params"]
+            if p.grad is not None and p is not self._zero.probe
+        ]
         if left:  # every update ran inside backward and freed its gradient: one left means an update did not run
             names = ", ".join(self._name(p) for p in left[:5])
             raise RuntimeError(
@@ -356,13 +359,6 @@ class StepInBackward:
             )
         self._finished = self._flags if self.check else None
         return self._finished
-
-    def _update_zero(self, owed: set[int]) -> None:
-        """The update of each parameter in ``owed`` (ids) with a gradient of zeros, made for it and freed after."""
-        for param in [p for p in self._params if id(p) in owed and id(p) in self._one_groups]:
-            if param.grad is None:
-                param.grad = torch.zeros_like(param)
-            self._apply(param)
 
     def _name(self, param: Tensor) -> str:
         return self.names.get(id(param), f"parameter {tuple(param.shape)}")

@@ -25,8 +25,10 @@ probe (a gradient kept there would be written back by the reduction): there ``ze
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Optional
 
+import torch
 from torch import Tensor
 
 
@@ -68,13 +70,14 @@ class ZeroGrads:
         self.updated.add(id(param))
         return param is self.probe
 
-    def owed(self) -> set[int]:
-        """After backward: ids of the parameters the normal step would update now with a zero gradient."""
-        return self._had - self.updated if self.kept else set()
-
-    def finish(self, owed: set[int]) -> None:
-        """After the updates of the step (``owed``: those :meth:`owed` returned, updated since): remember who holds a
-        gradient, and the probe's gradient for the next :meth:`begin`."""
+    def settle(self, params: list[Tensor], update: Callable[[Tensor], None]) -> None:
+        """After backward: ``update`` each of ``params`` the normal step would update now with a zero gradient (made
+        for it; ``update`` frees it); then remember who holds a gradient, and the probe's for the next :meth:`begin`."""
+        owed = self._had - self.updated if self.kept else set()
+        for param in [p for p in params if id(p) in owed] if owed else ():
+            if param.grad is None:
+                param.grad = torch.zeros_like(param)
+            update(param)
         self._had = self.updated | owed
         grad = self.probe.grad if self.probe is not None else None
         self._seen = (grad, grad._version) if grad is not None else None
