@@ -96,10 +96,11 @@ def test_gradient_accumulation_scheduler_is_refused_at_setup_by_name():
     # Lightning's tests/tests_pytorch/callbacks/test_gradient_accumulation_scheduler.py::
     # test_trainer_accumulate_grad_batches_with_callback trains with GradientAccumulationScheduler({1: 2, 3: 4});
     # inside backward nothing can accumulate: refused before the first step, naming the callback and its schedule
+    # (Lightning adds epoch 0's factor 1 to it)
     unchanged = _refused(
         GradientAccumulationScheduler({1: 2, 3: 4}),
         ValueError,
-        r"cannot accumulate gradients, and GradientAccumulationScheduler\(scheduling=\{1: 2, 3: 4\}\) would raise "
+        r"cannot accumulate gradients, and GradientAccumulationScheduler\(scheduling=\{1: 2, 3: 4, 0: 1\}\) would raise "
         r"Trainer.accumulate_grad_batches above 1 during fit",
     )
     assert unchanged.batches == 0
@@ -124,7 +125,7 @@ def test_a_scheduler_the_setup_could_not_see_is_refused_by_name_before_the_epoch
     unchanged = _refused(
         SchedulerAddedLate(),
         ValueError,
-        r"Trainer.accumulate_grad_batches is 2 now, set by GradientAccumulationScheduler\(scheduling=\{1: 2\}\) at "
+        r"Trainer.accumulate_grad_batches is 2 now, set by GradientAccumulationScheduler\(scheduling=\{1: 2, 0: 1\}\) at "
         r"epoch 1.*stopped before it updated anything.*remove the scheduler",
     )
     assert unchanged.batches == 7 and unchanged.unchanged  # epoch 0's 6 batches ran; epoch 1's first updated nothing
