@@ -62,11 +62,11 @@ def _plugin(in_backward: bool = True) -> MixedPrecisionPlugin:
     return MixedPrecisionPlugin("bf16-mixed", master_weights="remainder", optimizer_in_backward=in_backward)
 
 
-def _refused(callback: Callback, error: type[Exception], match: str) -> Unchanged:
+def _refused(callback: Callback, error: type[Exception], match: str, steps: int = 4) -> Unchanged:
     unchanged = Unchanged()
     with seeded():
         model = Net()
-    trainer = make_trainer(_plugin(), max_steps=4, callbacks=[callback, unchanged])
+    trainer = make_trainer(_plugin(), max_steps=steps, max_epochs=3, callbacks=[callback, unchanged])
     with pytest.raises(error, match=match):
         trainer.fit(model, _loader())
     return unchanged
@@ -113,12 +113,11 @@ def test_gradient_accumulation_scheduler_that_never_accumulates_is_accepted():
 
 
 class SchedulerAddedLate(Callback):
-    """Puts a ``GradientAccumulationScheduler`` into the Trainer's callbacks after setup (as ``configure_callbacks``
-    or a callback's ``setup`` could), so that the setup check cannot see it: the per-backward check names it."""
+    """Puts a ``GradientAccumulationScheduler`` into the Trainer's callbacks after the plugin's setup (in
+    ``on_fit_start``), so that the setup check cannot see it: the per-backward check names it."""
 
-    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        scheduler = GradientAccumulationScheduler({1: 2})
-        trainer.callbacks.insert(0, scheduler)
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        trainer.callbacks.append(GradientAccumulationScheduler({1: 2}))
 
 
 def test_a_scheduler_the_setup_could_not_see_is_refused_by_name_before_the_epochs_updates():
@@ -127,6 +126,7 @@ def test_a_scheduler_the_setup_could_not_see_is_refused_by_name_before_the_epoch
         ValueError,
         r"Trainer.accumulate_grad_batches is 2 now, set by GradientAccumulationScheduler\(scheduling=\{1: 2, 0: 1\}\) at "
         r"epoch 1.*stopped before it updated anything.*remove the scheduler",
+        steps=12,
     )
     assert unchanged.batches == 7 and unchanged.unchanged  # epoch 0's 6 batches ran; epoch 1's first updated nothing
 
