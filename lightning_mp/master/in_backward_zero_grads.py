@@ -11,8 +11,8 @@ The step inside backward frees each gradient right after its update, so ``zero_g
 hook fires for a parameter that gets no gradient. :class:`ZeroGrads` keeps what the normal step would hold instead:
 
 * which parameters hold a gradient after a step (``had``): those updated in that step;
-* what the user's ``zero_grad`` does, read from one *probe*: the smallest parameter of the optimizer keeps its
-  gradient after its update, and before the next backward its fate tells: ``None`` (``set_to_none=True``), zeroed in
+* what the user's ``zero_grad`` does, read from one *probe*: the smallest parameter of the optimizer keeps a
+  gradient of zeros after its update, and before the next backward its fate tells: ``None`` (``set_to_none=True``), zeroed in
   place (its version counter moved: ``set_to_none=False``), or untouched (no ``zero_grad`` since the step: freed
   then, as every other gradient was). The probe costs its own gradient (the smallest one) at rest, nothing else;
 * after backward, each parameter that held a gradient, was zeroed, and was not updated in this backward is updated
@@ -66,9 +66,14 @@ class ZeroGrads:
             self.probe.grad = None  # no zero_grad since the step: freed, as the others were (no accumulation)
 
     def keeps(self, param: Tensor) -> bool:
-        """In each update: record ``param`` as updated; whether its gradient stays (the probe's) instead of freed."""
+        """In each update: record ``param`` as updated; whether its gradient stays (the probe's: replaced by zeros, so
+        that what a diagnostic reads there is finite and the next backward adds to zeros, as the normal step's would)
+        instead of freed."""
         self.updated.add(id(param))
-        return param is self.probe
+        if param is not self.probe:
+            return False
+        param.grad = torch.zeros_like(param)
+        return True
 
     def settle(self, params: list[Tensor], update: Callable[[Tensor], None]) -> None:
         """After backward: ``update`` each of ``params`` the normal step would update now with a zero gradient (made
