@@ -337,5 +337,6 @@ def test_adamw8bit_in_backward_holds_no_gradient_at_rest_and_two_bytes_per_param
     assert not ours_held and normal_held  # the normal step holds its bf16 gradients until the next backward
     params = 4 * (256 * 256 + 256)
     tensors = 8
-    assert (normal - ours) * params >= 2 * params - 4 * (tensors + 2)  # the bf16 gradients, less the flag vector
+    probe = 2 * 256  # the smallest parameter (a bias) keeps a bf16 gradient of zeros: the probe of zero_grad
+    assert (normal - ours) * params >= 2 * params - 4 * (tensors + 2) - probe  # the bf16 gradients, less the flags
     assert ours_without_staging <= 6.3  # the goal for AdamW8bit (a real model's staging is negligible)
