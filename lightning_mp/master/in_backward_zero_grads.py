@@ -41,6 +41,7 @@ class ZeroGrads:
         self.kept = False  # zero_grad(set_to_none=False) since the last step: the gradients held stay, as zeros
         self._had: set[int] = set()  # ids of the parameters holding a gradient after the last step
         self.updated: set[int] = set()  # ids of the parameters updated in this backward
+        self._marker: Optional[Tensor] = None  # the probe's gradient of zeros, made once; never written by autograd
 
     def plan(self, params: list[Tensor], excluded: set[int]) -> None:
         """Choose the probe among ``params`` (the optimizer's; ``excluded``: ids whose gradients a strategy reduces):
@@ -50,7 +51,7 @@ class ZeroGrads:
             return
         candidates = [p for p in params if p.requires_grad and id(p) not in excluded]
         self.probe = min(candidates, key=Tensor.numel) if candidates else None
-        self._seen = None
+        self._seen, self._marker = None, None
 
     def begin(self) -> None:
         """Before backward (after the user's ``zero_grad``): read what it did to the probe's gradient."""
@@ -60,19 +61,21 @@ class ZeroGrads:
         grad = self.probe.grad
         if grad is None:
             self.kept = False  # set_to_none=True
-        elif grad is seen[0] and grad._version != seen[1]:
-            self.kept = True  # zeroed in place: set_to_none=False
         elif grad is seen[0]:
-            self.probe.grad = None  # no zero_grad since the step: freed, as the others were (no accumulation)
+            if grad._version != seen[1]:
+                self.kept = True  # zeroed in place: set_to_none=False
+            self.probe.grad = None  # off before backward (as every other gradient): autograd never adds into it
 
     def keeps(self, param: Tensor) -> bool:
-        """In each update: record ``param`` as updated; whether its gradient stays (the probe's: replaced by zeros, so
-        that what a diagnostic reads there is finite and the next backward adds to zeros, as the normal step's would)
-        instead of freed."""
+        """In each update: record ``param`` as updated; whether it keeps a gradient (the probe: one tensor of zeros made
+        once, so that what a diagnostic reads there is finite and no op is issued per step) instead of freed."""
         self.updated.add(id(param))
         if param is not self.probe:
             return False
-        param.grad = torch.zeros_like(param)
+        marker = self._marker
+        if marker is None or marker.dtype != param.dtype:  # kept through zero_grad(set_to_none=False), the lean
+            marker = self._marker = torch.zeros_like(param)  # store's before_backward made it its fp32 sum: anew
+        param.grad = self._marker
         return True
 
     def settle(self, params: list[Tensor], update: Callable[[Tensor], None]) -> None:
