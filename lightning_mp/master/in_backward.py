@@ -39,18 +39,13 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_mp.master import native, onepass
-from lightning_mp.master.in_backward_changes import UNDER_REDUCTION, GroupOptions, one_groups, refuse_later_hook
+from lightning_mp.master.in_backward_changes import UNDER_REDUCTION, GroupOptions, later_hooks, one_groups
 from lightning_mp.master.in_backward_flags import StepFlags
-from lightning_mp.master.in_backward_regions import Regions
+from lightning_mp.master.in_backward_regions import PARTIAL, Regions
+from lightning_mp.master.in_backward_settings import OPTION, accumulation_schedule, refusal, trainer_grad_ops
+from lightning_mp.master.in_backward_zero_grads import ZeroGrads
 from lightning_mp.master.step import apply_grad_ops_in_place, check_states, fused_update, plan_chunks
 from lightning_mp.master.watched import GroupsSeen
-
-OPTION = "optimizer_in_backward=True"
-
-
-def refusal(reason: str, change: str) -> ValueError:
-    """The one error each setup that cannot step in backward raises: the option, why, and what to change."""
-    return ValueError(f"MixedPrecisionPlugin({OPTION}) {reason}. {change}")
 
 
 def check_options(optimizer_in_backward: Any, precision: str, master_weights: Any) -> None:
@@ -103,15 +98,17 @@ def check_setup(trainer: Any, model: Any, optimizers: list[Optimizer]) -> None:
             "in the backward that produced it",
             "Set Trainer(accumulate_grad_batches=1) and a larger batch, or use optimizer_in_backward=False.",
         )
-    clip_val = getattr(trainer, "gradient_clip_val", None)
-    algorithm = getattr(trainer, "gradient_clip_algorithm", None)
-    if clip_val and str(getattr(algorithm, "value", algorithm) or "norm") == "norm":
-        raise refusal(
-            f"cannot clip by the global norm (gradient_clip_val={clip_val}, gradient_clip_algorithm='norm'): the "
-            "norm needs every gradient, and each is used and freed as soon as it is final",
-            "Clip by value (gradient_clip_algorithm='value': applied per parameter inside backward), or use "
-            "optimizer_in_backward=False.",
-        )
+    for callback in getattr(trainer, "callbacks", None) or []:
+        schedule = accumulation_schedule(callback)
+        if schedule:
+            raise refusal(
+                f"cannot accumulate gradients, and {type(callback).__name__}(scheduling={schedule}) would raise "
+                "Trainer.accumulate_grad_batches above 1 during fit: each gradient is used and freed in the backward "
+                "that produced it",
+                f"Remove the {type(callback).__name__} callback (use a larger batch instead), or use "
+                "optimizer_in_backward=False.",
+            )
+    trainer_grad_ops(trainer, "at setup")
 
 
 def needs_closure(optimizer: Optimizer) -> bool:
@@ -161,6 +158,8 @@ class StepInBackward:
             (default): no clipping.
         check: check the loss and each gradient for inf/NaN and skip what is non-finite (default ``True``).
         names: ``id(parameter) -> name``, for the report of non-finite gradients.
+        trainer: the Trainer under automatic optimization, whose settings (accumulation, clipping) are read again
+            before each backward (:func:`trainer_grad_ops`); ``None`` (Fabric, manual optimization): ``clamp`` stays.
     """
 
     def __init__(
@@ -170,8 +169,10 @@ class StepInBackward:
         clamp: Optional[float] = None,
         check: bool = True,
         names: Optional[dict[int, str]] = None,
+        trainer: Any = None,
     ) -> None:
         self.store = store
+        self.trainer = trainer
         self.optimizer = optimizer
         self.grad_ops: list[tuple[str, Any]] = [("clamp", float(clamp))] if clamp else []
         self.check = check
@@ -190,11 +191,13 @@ class StepInBackward:
         self.agree_each: Optional[Callable[[Tensor], Tensor]] = None
         #: reentrant checkpoint regions of the running backward: updates wait for them (in_backward_regions)
         self._regions = Regions()
+        self._zero = ZeroGrads()  # the gradients the normal step would hold: zero updates owed (in_backward_zero_grads)
         # one dict per parameter for its whole life: the CUDA kernel caches its address tables by id(group). The
         # group by its index: optimizer.load_state_dict (a resume) replaces the group dicts
         self._one_groups, self._params = one_groups(optimizer, {})
         self._options = GroupOptions(optimizer, self._one_groups)  # each group read once a step, not per parameter
         self._flags.plan(self._params)
+        self._zero.plan(self._params, self._handed_over)
         self._groups_seen = GroupsSeen()  # compared before each backward: any edit of the param groups shows
         self._groups_seen.record([optimizer])
         self._hook_trainable()
@@ -224,11 +227,16 @@ class StepInBackward:
         flag, nonzero when it is non-finite (then every update of this backward is skipped). Reentrant checkpoint
         regions below ``loss`` make the updates that land while one runs wait for the end of backward
         (:mod:`~lightning_mp.master.in_backward_regions`); under DDP or FSDP2 they are refused here, before backward."""
+        # every refusal first, before this backward updates anything: what the Trainer asks now, hooks added later
+        if self.trainer is not None:
+            self.grad_ops = trainer_grad_ops(self.trainer, "now")
+        later_hooks(self._params, self._hooks, self._name, OPTION)
         if self._groups_seen.changed():
             self._follow_groups()
         if self._generic is None and not native.enabled():  # the chunked path: every state checked before any update
             check_states(self.optimizer, self.optimizer.param_groups, _requires_grad)
-        if self._regions.arm(loss, self._run_waiting) and (self._handed_over or self.agree_each is not None):
+        reduced = self.driven_by_strategy  # regions refused: walked every backward
+        if self._regions.arm(loss, self._run_waiting, walk=reduced) and reduced:
             self._regions.clear()
             raise RuntimeError(  # before armed: the next backward is not taken for a second one
                 f"MixedPrecisionPlugin({OPTION}) cannot follow reentrant activation checkpointing "
@@ -237,6 +245,9 @@ class StepInBackward:
                 "it updated anything. Pass use_reentrant=False to torch.utils.checkpoint (or "
                 "gradient_checkpointing_kwargs={'use_reentrant': False}), or use optimizer_in_backward=False."
             )
+        if self.agree_each is not None and self._zero.probe is not None:  # FSDP2: no probe on the reduced shards
+            self._zero.plan(self._params, {id(p) for p in self._params})
+        self._zero.begin()  # what the user's zero_grad did since the last step
         self.armed = True
         self._finished = None
         if len(self._hooks) + len(self._handed_over) < len(self._params):
@@ -260,6 +271,7 @@ class StepInBackward:
         self._one_groups, self._params = ones, params
         self._options = GroupOptions(self.optimizer, self._one_groups)
         self._flags.plan(self._params)
+        self._zero.plan(self._params, self._handed_over)
         for key in [key for key in self._hooks if key not in self._one_groups]:
             self._hooks.pop(key).remove()
         self._groups_seen.record([self.optimizer])
@@ -273,6 +285,7 @@ class StepInBackward:
             hook = self._hooks.pop(id(param), None)
             if hook is not None:
                 hook.remove()
+        self._zero.plan(self._params, self._handed_over)  # no probe among the gradients DDP reduces
 
     def update_with(self, param: Tensor, grad: Tensor) -> None:
         """The hook's work with ``grad`` (``param``'s final gradient) as ``param.grad``: check, update, free."""
@@ -289,10 +302,10 @@ class StepInBackward:
     def _update(self, param: Tensor) -> None:
         if not self.armed or param.grad is None:
             return
-        if len(param._post_accumulate_grad_hooks or ()) > 1:  # someone else's hook too: it must not run after ours
-            refuse_later_hook(param, self._hooks.get(id(param)), self._name(param), OPTION)
         regions = self._regions
-        if (regions.pending or regions.waiting) and regions.wait(param):
+        if (regions.pending or regions.waiting or regions.watching) and regions.wait(param):
+            if regions.watching and id(param) in self._zero.updated:  # updated already: a region met unwalked
+                raise RuntimeError(PARTIAL.format(name=self._name(param)))
             return  # reentrant checkpointing: the gradient may not be whole yet, updated at the end of backward
         self._apply(param)
 
@@ -304,10 +317,14 @@ class StepInBackward:
 
     def _apply(self, param: Tensor) -> None:
         one = self._one_groups[id(param)][1]  # its group's options as of begin() (GroupOptions.refresh)
-        with torch.no_grad(), native.single_threaded():  # see native.single_threaded: faster inside backward
-            found = self._flag_for(param)
-            self._step(one, param, found)
-        param.grad = None  # the gradient is used: free it now
+        with native.single_threaded():  # see native.single_threaded: faster inside backward
+            if torch.is_grad_enabled():  # a backward with create_graph=True (autograd runs the others without grad)
+                with torch.no_grad():
+                    self._step(one, param, self._flag_for(param))
+            else:
+                self._step(one, param, self._flag_for(param))
+        if not self._zero.keeps(param):
+            param.grad = None  # the gradient is used: free it now (all but the probe's: in_backward_zero_grads)
 
     def _flag_for(self, param: Tensor) -> Optional[Tensor]:
         # its slot of the step's flags, set to 1 where the gradient holds inf/NaN (read only; no transient the size
@@ -335,7 +352,13 @@ class StepInBackward:
         self.armed = False
         self._regions.clear()  # a backward with regions ran their updates at its end (none left to wait)
         self.optimizer._opt_called = True  # type: ignore[attr-defined]  # as torch's step() records for schedulers
-        left = [p for group in self.optimizer.param_groups for p in group["params"] if p.grad is not None]
+        self._zero.settle(self._params, self._apply)  # zero_grad(set_to_none=False): zero updates owed (frozen, unused)
+        left = [
+            p
+            for g in self.optimizer.param_groups
+            for p in g["params"]
+            if p.grad is not None and p is not self._zero.probe
+        ]
         if left:  # every update ran inside backward and freed its gradient: one left means an update did not run
             names = ", ".join(self._name(p) for p in left[:5])
             raise RuntimeError(
@@ -378,9 +401,11 @@ def install(
         current.remove()
     if not enabled or not optimizers:
         return None
-    clamp = getattr(getattr(model, "_trainer", None), "gradient_clip_val", None) or None
+    trainer = getattr(model, "_trainer", None)
+    clamp = getattr(trainer, "gradient_clip_val", None) or None
     optimizer = getattr(optimizers[0], "_optimizer", optimizers[0])
-    return StepInBackward(store, optimizer, clamp, check, names)
+    automatic = trainer is not None and getattr(model, "automatic_optimization", False)  # the Trainer's clipping
+    return StepInBackward(store, optimizer, clamp, check, names, trainer if automatic else None)
 
 
 def _requires_grad(param: Tensor) -> bool:

@@ -20,15 +20,19 @@ CUDA kernel caches its address tables by ``id(group)``). A scheduler changes ``l
 what it saw last, once per step before backward (a few identity checks per group), and copies only what changed into
 that group's one-parameter dicts, so a hook reads its options without copying a dict.
 
+**The Trainer's settings** (accumulation, clipping) changed by a callback are read before each backward:
+:mod:`~lightning_mp.master.in_backward_settings`.
+
 **Post-accumulate-grad hooks added later.** A user's ``register_post_accumulate_grad_hook`` registered before
 the plugin's (before fit) runs first and sees (or rewrites) the gradient the update then uses, as the normal step
-would. One registered after setup would run after the update, on a gradient that is gone: :func:`refuse_later_hook`
-raises before that parameter's update (a cheap check, only on a parameter with several such hooks).
+would. One registered after setup would run after the update, on a gradient that is gone: :func:`later_hooks`
+raises before the backward that would run it, before any update of that backward.
 """
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from collections.abc import Callable
+from typing import Any
 
 from torch import Tensor
 from torch.optim import Optimizer
@@ -58,15 +62,19 @@ def one_groups(
     return ones, params
 
 
-def refuse_later_hook(param: Tensor, ours: Optional[Any], name: str, option: str) -> None:
-    """Raise when the last post-accumulate-grad hook of ``param`` is not ``ours`` (the plugin's handle)."""
-    if ours is not None and next(reversed(param._post_accumulate_grad_hooks)) != ours.id:
-        raise RuntimeError(
-            f"MixedPrecisionPlugin({option}): {name} has a post-accumulate-grad hook registered after the plugin's, "
-            "which would run after the update, when the gradient is used and gone (the normal step would let it read "
-            "or rewrite the gradient first). Raised before this parameter's update. Register it before fit (in "
-            "__init__ or configure_model), use a tensor hook (p.register_hook), or optimizer_in_backward=False."
-        )
+def later_hooks(params: list[Tensor], hooks: dict[int, Any], name: Callable[[Tensor], str], option: str) -> None:
+    """Raise when the last post-accumulate-grad hook of one of ``params`` is not the plugin's (``hooks``: ``id(param)
+    -> handle``): before backward, so that no update of the step runs first. One length check per parameter."""
+    for param in [p for p in params if len(p._post_accumulate_grad_hooks or ()) > 1]:
+        ours = hooks.get(id(param))
+        if ours is not None and next(reversed(param._post_accumulate_grad_hooks)) != ours.id:
+            raise RuntimeError(
+                f"MixedPrecisionPlugin({option}): {name(param)} has a post-accumulate-grad hook registered after the "
+                "plugin's, which would run after the update, when the gradient is used and gone (the normal step "
+                "would let it read or rewrite the gradient first). This backward was stopped before it updated "
+                "anything. Register it before fit (in __init__ or configure_model), use a tensor hook "
+                "(p.register_hook), or optimizer_in_backward=False."
+            )
 
 
 class GroupOptions:

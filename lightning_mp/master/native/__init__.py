@@ -10,7 +10,6 @@ why, and the step falls back to the chunked path (:mod:`lightning_mp.master.step
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import hashlib
 import os
@@ -21,7 +20,6 @@ import tempfile
 import threading
 import warnings
 import weakref
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Optional
 
@@ -218,17 +216,20 @@ def vec_size() -> int:
 _local = threading.local()  # .threads: this thread's cap on the CPU kernel's threads (see single_threaded)
 
 
-@contextlib.contextmanager
-def single_threaded() -> Iterator[None]:
+class single_threaded:  # a context manager named as the function it was: `with single_threaded():`
     """Within the block, the CPU kernels (update and check) run on the calling thread only. Inside backward (the step in backward)
     torch's OpenMP threads spin-wait between autograd's ops and hold the other cores: kernel threads started there
-    competed with them (measured on 2 cores: 39 calls inside backward 27-48 ms with 2 threads, 7-14 ms with 1)."""
-    before = getattr(_local, "threads", None)
-    _local.threads = 1
-    try:
-        yield
-    finally:
-        _local.threads = before
+    competed with them (measured on 2 cores: 39 calls inside backward 27-48 ms with 2 threads, 7-14 ms with 1). A
+    class, not a generator: it is entered once per parameter inside backward, where contextlib's cost showed."""
+
+    __slots__ = ("before",)
+
+    def __enter__(self) -> None:
+        self.before = getattr(_local, "threads", None)
+        _local.threads = 1
+
+    def __exit__(self, *exc: object) -> None:
+        _local.threads = self.before
 
 
 def threads() -> int:
