@@ -29,11 +29,13 @@ BUDGET: dict[str, dict[str, int]] = {
     "built-in bf16-true": {"setup": 6_851_200, "steps": 13_702_812, "rest": 11_605_400, "teardown": 11_605_400},
     "ours True": {"setup": 20_308_928, "steps": 30_306_596, "rest": 26_111_772, "teardown": 31_914_008},
     "ours remainder": {"setup": 12_915_904, "steps": 22_033_840, "rest": 20_309_276, "teardown": 24_014_360},
+    # + 256 bytes from issue 43: the probe's zero gradient (the optimizer's smallest parameter, a bias of 128 bf16
+    # values) kept between steps to see what the user's zero_grad did (master/in_backward_zero_grads.py)
     "ours remainder, in backward": {
         "setup": 12_915_904,
-        "steps": 19_394_300,
-        "rest": 17_408_116,
-        "teardown": 21_113_200,
+        "steps": 19_394_556,
+        "rest": 17_408_372,
+        "teardown": 21_113_456,
     },
 }
 #: a figure more than this share under its budget fails: lower the budget

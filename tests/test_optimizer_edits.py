@@ -58,13 +58,10 @@ REFERENCE_OF = {
     "chunked in backward": "chunked",
     "True": "bf16-mixed",
 }
-#: refused, but after some update of the step: inside backward the plan refuses what it meets when it lays out a
-#: parameter, after the parameters whose gradients came first. The normal step checks every state before any update
-#: where a group's plan does not fit (RemainderMasters.fused_step, onepass.ready).
-LATE = {
-    ("state[p].pop(moment) (the first group)", mode): "the plan inside backward checks parameter by parameter"
-    for mode in ("in backward", "in backward, plans rebuilt")
-}
+#: refused, but after some update of the step: none. The normal step checks every state before any update where a
+#: group's plan does not fit (RemainderMasters.fused_step, onepass.ready); the step inside backward where the state
+#: changed since the last backward (plan.StateSeen, checked in StepInBackward.begin).
+LATE: dict[tuple[str, str], str] = {}
 CASES = [
     pytest.param(
         edit.name,

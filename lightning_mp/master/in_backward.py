@@ -44,6 +44,7 @@ from lightning_mp.master.in_backward_flags import StepFlags
 from lightning_mp.master.in_backward_regions import PARTIAL, Regions
 from lightning_mp.master.in_backward_settings import OPTION, accumulation_schedule, refusal, trainer_grad_ops
 from lightning_mp.master.in_backward_zero_grads import ZeroGrads
+from lightning_mp.master.plan import StateSeen
 from lightning_mp.master.step import apply_grad_ops_in_place, check_states, fused_update, plan_chunks
 from lightning_mp.master.watched import GroupsSeen
 
@@ -200,6 +201,7 @@ class StepInBackward:
         self._zero.plan(self._params, self._handed_over)
         self._groups_seen = GroupsSeen()  # compared before each backward: any edit of the param groups shows
         self._groups_seen.record([optimizer])
+        self._states_seen = StateSeen()  # the optimizer state as last checked (plan.StateSeen)
         self._hook_trainable()
 
     @property
@@ -233,8 +235,10 @@ class StepInBackward:
         later_hooks(self._params, self._hooks, self._name, OPTION)
         if self._groups_seen.changed():
             self._follow_groups()
-        if self._generic is None and not native.enabled():  # the chunked path: every state checked before any update
+        if self._generic is None and self._states_seen.changed(self.optimizer, self._params):
+            # a state edited since the last backward (or made by its updates): every state checked before any update
             check_states(self.optimizer, self.optimizer.param_groups, _requires_grad)
+            self._states_seen.record(self.optimizer, self._params)
         reduced = self.driven_by_strategy  # regions refused: walked every backward
         if self._regions.arm(loss, self._run_waiting, walk=reduced) and reduced:
             self._regions.clear()

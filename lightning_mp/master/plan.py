@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import ctypes
 import weakref
-from itertools import chain
+from itertools import chain, repeat
 from operator import is_, itemgetter
 from typing import Any, Optional
 
@@ -74,6 +74,47 @@ def _read(dicts: list[dict[str, Any]], keys: tuple[str, ...]) -> list[Any]:
     if len(keys) == 1:
         return list(map(itemgetter(keys[0]), dicts))
     return list(chain.from_iterable(map(itemgetter(*keys), dicts)))
+
+
+_EMPTY: dict[str, Any] = {}
+
+
+class StateSeen:
+    """The optimizer state of some parameters as last checked, compared in C-level passes: the ``state`` object,
+    each parameter's state dict, every value in them (by identity) and every tensor's address, and each group's
+    ``amsgrad`` / ``momentum``. The step inside backward replays one plan per parameter, laid out in its hook; a
+    state it cannot read would be met there, after the parameters whose gradients came first were updated. So before
+    each backward it asks :meth:`changed`, and where anything changed it checks every state first
+    (:func:`~lightning_mp.master.step.check_states`) and :meth:`record` s it again."""
+
+    def __init__(self) -> None:
+        self.state: Any = None
+
+    def record(self, optimizer: Optimizer, params: list[Tensor]) -> None:
+        self.state = optimizer.state
+        self.params = list(params)
+        self.switches = [(g.get("amsgrad"), g.get("momentum")) for g in optimizer.param_groups]
+        self.dicts = list(map(optimizer.state.get, self.params, repeat(_EMPTY)))
+        self.values = list(chain.from_iterable(map(dict.values, self.dicts)))
+        self.tensors = [v for v in self.values if isinstance(v, Tensor)]
+        self.addresses = [local_of(t).data_ptr() for t in self.tensors]
+
+    def changed(self, optimizer: Optimizer, params: list[Tensor]) -> bool:
+        state = optimizer.state
+        if (
+            state is not self.state
+            or len(params) != len(self.params)
+            or not all(map(is_, params, self.params))
+            or [(g.get("amsgrad"), g.get("momentum")) for g in optimizer.param_groups] != self.switches
+        ):
+            return True
+        dicts = list(map(state.get, params, repeat(_EMPTY)))
+        if not all(map(is_, dicts, self.dicts)):
+            return True
+        values = list(chain.from_iterable(map(dict.values, dicts)))
+        if len(values) != len(self.values) or not all(map(is_, values, self.values)):
+            return True
+        return list(map(Tensor.data_ptr, map(local_of, self.tensors))) != self.addresses
 
 
 class StepPlan:
