@@ -36,7 +36,7 @@ from __future__ import annotations
 import ctypes
 import weakref
 from itertools import chain, repeat
-from operator import is_, itemgetter
+from operator import is_
 from typing import Any, Optional
 
 import torch
@@ -69,23 +69,19 @@ def switches(optimizer: Optimizer, group: dict[str, Any]) -> tuple[bool, bool]:
     return False, group["momentum"] != 0
 
 
-def _read(dicts: list[dict[str, Any]], keys: tuple[str, ...]) -> list[Any]:
-    """``[d[k] for d in dicts for k in keys]`` in C-level passes (``KeyError`` where a key is missing)."""
-    if len(keys) == 1:
-        return list(map(itemgetter(keys[0]), dicts))
-    return list(chain.from_iterable(map(itemgetter(*keys), dicts)))
-
-
 _EMPTY: dict[str, Any] = {}
 
 
 class StateSeen:
-    """The optimizer state of some parameters as last checked, compared in C-level passes: the ``state`` object,
-    each parameter's state dict, every value in them (by identity) and every tensor's address, and each group's
-    ``amsgrad`` / ``momentum``. The step inside backward replays one plan per parameter, laid out in its hook; a
-    state it cannot read would be met there, after the parameters whose gradients came first were updated. So before
-    each backward it asks :meth:`changed`, and where anything changed it checks every state first
-    (:func:`~lightning_mp.master.step.check_states`) and :meth:`record` s it again."""
+    """The optimizer state of some parameters as last read, compared in C-level passes (``map``, no Python loop per
+    parameter): the ``state`` object, the parameters, each one's state dict, every value in them (by identity), every
+    tensor's address, and each group's ``amsgrad`` / ``momentum``. It holds those tensors and their storages, so an
+    address it recorded cannot be freed memory while it lives.
+
+    A :class:`StepPlan` keeps one over its stepped parameters (what it hands the kernel). The step inside backward,
+    which lays out one plan per parameter in its hook, keeps one over all its parameters and asks :meth:`changed`
+    before each backward: where anything changed, every state is checked first
+    (:func:`~lightning_mp.master.step.check_states`), so a refusal comes before any update of that backward."""
 
     def __init__(self) -> None:
         self.state: Any = None
@@ -97,7 +93,10 @@ class StateSeen:
         self.dicts = list(map(optimizer.state.get, self.params, repeat(_EMPTY)))
         self.values = list(chain.from_iterable(map(dict.values, self.dicts)))
         self.tensors = [v for v in self.values if isinstance(v, Tensor)]
-        self.addresses = [local_of(t).data_ptr() for t in self.tensors]
+        self.sharded = any(local_of(t) is not t for t in self.tensors)  # DTensors: the local shards' addresses
+        locals_ = [local_of(t) for t in self.tensors]
+        self.addresses = [t.data_ptr() for t in locals_]
+        self.storages = [t.untyped_storage() for t in locals_]  # held: no recorded address can be freed
 
     def changed(self, optimizer: Optimizer, params: list[Tensor]) -> bool:
         state = optimizer.state
@@ -114,7 +113,8 @@ class StateSeen:
         values = list(chain.from_iterable(map(dict.values, dicts)))
         if len(values) != len(self.values) or not all(map(is_, values, self.values)):
             return True
-        return list(map(Tensor.data_ptr, map(local_of, self.tensors))) != self.addresses
+        tensors = map(local_of, self.tensors) if self.sharded else self.tensors
+        return list(map(Tensor.data_ptr, tensors)) != self.addresses
 
 
 class StepPlan:
@@ -150,14 +150,7 @@ class StepPlan:
         self.device = local_of(params[0]).device if params else torch.device("cpu")
         self.sharded = any(local_of(p) is not p for p in params)  # DTensors: the local shards are read
         self._options: tuple[tuple[Any, ...], Any] = ((), None)
-        # what fits() re-reads each step: the stepped parameters' state dicts, the tensors in them, their addresses
-        self.stepped: list[Tensor] = []
-        self.dicts: list[dict[str, Any]] = []
-        self.keys: tuple[str, ...] = ()
-        self.items: list[Any] = []
-        self.watched: list[Tensor] = []
-        self.addresses: list[int] = []
-        self.storages: list[Any] = []
+        self.seen: Optional[StateSeen] = None  # the stepped parameters' state as laid out: re-read by fits()
         if kernel is not None:
             self._lay_out(optimizer, group, self.params, store)
 
@@ -173,18 +166,7 @@ class StepPlan:
             or not all(map(is_, params, self.params))
         ):
             return False
-        if not self.keys:
-            return True
-        if not all(map(is_, map(state.get, self.stepped), self.dicts)):
-            return False
-        try:
-            items = list(map(self.getter, self.dicts)) if self.flat else _read(self.dicts, self.keys)
-        except KeyError:  # cleared, or a key popped
-            return False
-        if not all(map(is_, items, self.items)):
-            return False
-        watched = self.watched
-        return list(map(Tensor.data_ptr, map(local_of, watched) if self.sharded else watched)) == self.addresses
+        return self.seen is None or not self.seen.changed(optimizer, self.seen.params)
 
     def current(self, optimizer: Optimizer, groups: list[dict[str, Any]]) -> bool:
         """Whether the plan may still be used (else it is released with what it holds): its optimizer alive, with the
@@ -210,7 +192,6 @@ class StepPlan:
             keys = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq") if on else ("exp_avg", "exp_avg_sq")
             states = [_state_for(optimizer, p, keys) for p in stepped]
             self.first_step = False
-            self.keys = (*keys, "step")
         else:  # as torch.optim.SGD(fused=True), whose first step (no momentum buffers yet) copies the gradient in
             keys = ("momentum_buffer",) if on else ()
             self.first_step = on and all(optimizer.state[p].get("momentum_buffer") is None for p in stepped)
@@ -221,20 +202,12 @@ class StepPlan:
                     # zeros, not torch's empty_like: a first step skipped by found leaves defined values behind
                     state["momentum_buffer"] = fp32_zeros_like(param)
                 states.append(state)
-            self.keys = keys
         if not adam:
             for param, state in zip(stepped, states):
                 for key in keys:
                     check_state_tensor(optimizer, param, key, state[key])
-        if self.keys:
-            self.flat = len(self.keys) == 1  # one key: itemgetter gives the item itself, not a tuple
-            self.getter = itemgetter(*self.keys)
-            self.stepped, self.dicts = stepped, states
-            self.items = _read(states, self.keys)
-            self.watched = [t for t in self.items if isinstance(t, Tensor)]
-            locals_ = [local_of(t) for t in self.watched]
-            self.addresses = [t.data_ptr() for t in locals_]
-            self.storages = [t.untyped_storage() for t in locals_]  # held: no address given can be freed
+        self.seen = StateSeen()
+        self.seen.record(optimizer, stepped)  # after the states were made: what the kernel is handed
         lean = [i for i, p in enumerate(stepped) if store.offset_of(p) is not None]
         plain = [i for i, p in enumerate(stepped) if store.offset_of(p) is None]
         self.lean = [stepped[i] for i in lean]
