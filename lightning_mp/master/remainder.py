@@ -180,7 +180,7 @@ class RemainderMasters(MasterWeights):
         model's; any other optimizer than AdamW/Adam/SGD makes the new groups' slices (``GenericChunkedStep``)."""
         if self._module is None or not self._groups_seen.changed():  # none recorded: a subclass attached (FSDP2)
             return
-        module_params = {id(p) for p in self._module.parameters()}
+        module_params = self._held_ids()
         for index, optimizer in enumerate(self._optimizers):
             check_params_belong(index, optimizer, module_params, during_fit=True)
             generic = self._generic.get(id(optimizer))
@@ -188,12 +188,19 @@ class RemainderMasters(MasterWeights):
                 generic.follow_groups()
         self._groups_seen.record(self._optimizers)
 
+    def _held_ids(self) -> set[int]:
+        """Ids of the parameters a group may hold during fit: the module's, and the converted ones the store holds
+        (a parameter the user replaced on the module, ``module.weight = nn.Parameter(...)``, is still the optimizer's
+        until the model sync puts it back at the next update: it is not a stranger)."""
+        assert self._module is not None
+        return {id(p) for p in self._module.parameters()} | set(self._params)
+
     def check_trained(self, params: list[Tensor]) -> None:
         """Raise a ValueError naming the first of ``params`` that is not the converted module's: a step plan
         (:mod:`.plan`) asks when it lays out a group, so a parameter put in a group in place is checked first."""
         if self._module is None:
             return
-        module_params = {id(p) for p in self._module.parameters()}
+        module_params = self._held_ids()
         for param in params:
             if id(param) not in module_params:
                 raise ValueError(
