@@ -4,7 +4,7 @@
 
 A bf16 step has no loss scale, but the plugin still checks every gradient for inf/NaN (a non-finite step is skipped).
 torch's ``_amp_foreach_non_finite_check_and_unscale_`` reads each gradient and writes it back multiplied by one;
-the compiled check (``lightning_mp.master.native.check_nonfinite``, used from 2^20 gradient elements) only reads.
+the compiled check (``lightning_mp.kernels.native.check_nonfinite``, used from 2^20 gradient elements) only reads.
 Layouts, bf16 gradients: many mid-sized tensors that fit the last-level cache together (32 x 2^19, the
 ``step_alone.py`` model), the same out of cache (256 x 2^19, 268 MB), and one large tensor (2^27 values: an
 embedding's gradient, which only a check that cuts tensors into units shares among threads). All of torch's threads;
@@ -25,7 +25,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _report import report
 
-from lightning_mp.master import native
+from lightning_mp.kernels import native
 
 LAYOUTS = {"32 x 2^19": (32, 1 << 19), "256 x 2^19": (256, 1 << 19), "1 x 2^27": (1, 1 << 27)}
 

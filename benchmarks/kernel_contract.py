@@ -5,7 +5,7 @@ Triton kernel's bandwidth per launch shape.
     TRITON_INTERPRET=1 python benchmarks/kernel_contract.py --device cpu --path triton   # the CUDA kernel, interpreted
     python benchmarks/kernel_contract.py --device cuda --tune --record   # on a GPU: contract, then launch shapes
 
-Contract (:mod:`lightning_mp.master.native.contract`): one step of each optimizer configuration from the same random
+Contract (:mod:`lightning_mp.kernels.contract`): one step of each optimizer configuration from the same random
 fp32 values, by torch's fused kernel on the device and by ours, each compared with a float64 evaluation of the
 formula; the largest distance in units in the last place, per gradient dtype. On CUDA both arithmetics of the Triton
 kernel are measured: torch's (fp32 variables where torch's kernel has them) and ``precise`` (fp64 intermediates,
@@ -30,7 +30,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _report import report
 
-from lightning_mp.master.native import contract
+from lightning_mp.kernels import contract
 
 #: launch shapes tried by --tune: (BLOCK, CHUNK, WARPS, PRECISE); precise arithmetic is the default's (the contract
 #: table shows why), torch's arithmetic timed once for its cost
@@ -110,9 +110,9 @@ def _fp32_rows(args: argparse.Namespace, n: int) -> list[dict]:
 
 def tune_table(args: argparse.Namespace) -> tuple[str, list[dict]]:
     """Bandwidth of torch's fused fp32 AdamW, a copy, and the Triton kernel per launch shape and arithmetic."""
-    from lightning_mp.master import native
-    from lightning_mp.master.bits import split_fp32
-    from lightning_mp.master.native.cuda import CudaLeanUpdate
+    from lightning_mp.kernels import native
+    from lightning_mp.kernels.bits import split_fp32
+    from lightning_mp.kernels.cuda import CudaLeanUpdate
 
     device = torch.device("cuda")
     n = int(args.params * 1e6) // args.tensors
@@ -164,7 +164,7 @@ def main() -> None:
     device = torch.device(args.device)
     path = args.path or ("cpu" if args.device == "cpu" else "triton")
     if path == "triton":  # the default launch shape, in both arithmetics
-        from lightning_mp.master.native.cuda import CONFIG
+        from lightning_mp.kernels.cuda import CONFIG
 
         shape = f"{CONFIG.block},{CONFIG.chunk},{CONFIG.warps}"
         variants = [("torch's arithmetic", f"{shape},0"), ("precise", f"{shape},1")]

@@ -35,7 +35,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from lightning_mp import MixedPrecisionPlugin
-from lightning_mp.master import native
+from lightning_mp.kernels import native
 
 MODES = ("builtin AdamW", "builtin AdamW(fused)", "remainder", "remainder, chunked")
 

@@ -79,7 +79,7 @@ class MixedPrecisionPlugin(FabricHooks, MasterWeightsAccess, Precision):  # Fabr
             updated inside backward as soon as its gradient is final, and the gradient freed (12 bytes/param at rest
             with AdamW; :mod:`lightning_mp.master.in_backward`). Trainer (automatic or manual; one device, DDP,
             FSDP2) and Fabric (one device or DDP), one optimizer whose ``step()`` takes no closure; the step keeps
-            the books (:mod:`~lightning_mp.master.in_backward_loop`). Accumulation and clipping by norm are refused.
+            the books (:mod:`~lightning_mp.master.in_backward.loop`). Accumulation and clipping by norm are refused.
             Default ``False``.
 
     The autocast device is the device the model lives on, found when Lightning connects the plugin; ``fp16``

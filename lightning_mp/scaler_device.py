@@ -343,9 +343,9 @@ def non_finite_check_and_unscale_(
     """Multiply ``grads`` (one device, one dtype) by ``inv_scale`` in place and set ``found_inf`` (a 1-element fp32
     tensor) to 1 if any element is inf or NaN, as ``torch._amp_foreach_non_finite_check_and_unscale_`` does.
     ``check_only`` (``inv_scale`` is one): on the CPU, read the gradients without writing them back, through the
-    compiled check of :mod:`lightning_mp.master.native` where it is built."""
+    compiled check of :mod:`lightning_mp.kernels.native` where it is built."""
     if check_only and grads and grads[0].device.type == "cpu" and sum(g.numel() for g in grads) >= _READ_ONLY_FROM:
-        from lightning_mp.master import native  # the kernel's module, loaded on first use
+        from lightning_mp.kernels import native  # the kernel's module, loaded on first use
 
         if native.check_nonfinite(grads, found_inf):
             return

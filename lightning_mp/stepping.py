@@ -41,8 +41,8 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 from torch.optim import LBFGS
 
-from lightning_mp.master import in_backward_loop
 from lightning_mp.master.held_optimizers import HeldOptimizers
+from lightning_mp.master.in_backward import loop as in_backward_loop
 from lightning_mp.master.plain import PLAIN, PlainWeights
 from lightning_mp.scaler import DynamicLossScaler
 from lightning_mp.scaler_device import GradientGroups
@@ -221,7 +221,7 @@ class OptimizerStep:
     # ------------------------------------------------------------------------------------------ inside backward
     def begin_backward(self, loss: Tensor) -> None:
         """In ``pre_backward``, before a backward that performs the updates: refuse a second backward before the
-        step (:data:`~lightning_mp.master.in_backward_loop.SEVERAL_BACKWARDS`), make writes into the model so far
+        step (:data:`~lightning_mp.master.in_backward.loop.SEVERAL_BACKWARDS`), make writes into the model so far
         reach the masters, then arm the hooks with the loss's device check (a non-finite loss skips every update)."""
         in_backward = self.in_backward
         if in_backward.armed:  # armed since the last backward, and no step has finished it

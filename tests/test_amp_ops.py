@@ -67,7 +67,7 @@ def test_lean_masters_train_on_cuda_with_bf16_gradients_checked():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("poison", [None, float("inf"), float("nan"), 65504.0])
 def test_a_check_only_step_reads_the_gradients_and_finds_what_torchs_kernel_finds(dtype, poison):
-    """Check-only (bf16, no loss scale): the CPU check reads without writing back (lightning_mp.master.native)."""
+    """Check-only (bf16, no loss scale): the CPU check reads without writing back (lightning_mp.kernels.native)."""
     grads = [torch.randn(n).to(dtype) for n in (9, 1 << 20, 3)]
     if poison is not None:
         grads[1][400] = poison

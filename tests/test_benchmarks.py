@@ -228,7 +228,7 @@ def test_step_alone_benchmark_times_every_mode_and_names_the_path():
     )
     assert done.returncode == 0, done.stderr[-3000:]
     rows = [line.split(" | ")[0] for line in done.stdout.splitlines() if line.startswith(("| builtin", "| remainder"))]
-    from lightning_mp.master import native
+    from lightning_mp.kernels import native
 
     path = "| remainder (one pass)" if native.cpu_kernel() is not None else "| remainder (chunked)"  # no C compiler
     assert rows == ["| builtin AdamW", "| builtin AdamW(fused)", path, "| remainder, chunked"]
@@ -236,7 +236,7 @@ def test_step_alone_benchmark_times_every_mode_and_names_the_path():
 
 
 def test_grad_check_benchmark_times_both_checks_on_every_layout():
-    from lightning_mp.master import native
+    from lightning_mp.kernels import native
 
     command = [sys.executable, str(ROOT / "benchmarks" / "grad_check.py"), "--rounds", "1", "--shrink", "512"]
     done = subprocess.run(command, capture_output=True, text=True, timeout=300)
@@ -253,8 +253,7 @@ def test_grad_check_benchmark_times_both_checks_on_every_layout():
 def test_kernel_contract_benchmark_measures_both_kernels_against_float64_on_every_case(tmp_path):
     """The contract table on the CPU (torch's fused kernel and the C kernel, each against float64): a row per
     optimizer configuration and gradient dtype, every one within the contract; the JSON has the same rows."""
-    from lightning_mp.master import native
-    from lightning_mp.master.native import contract
+    from lightning_mp.kernels import contract, native
 
     if native.cpu_kernel() is None:
         pytest.skip("no C compiler here: the C kernel cannot be built")

@@ -359,7 +359,8 @@ def test_the_cli_passes_the_option_and_refuses_what_the_plugin_refuses():
 def test_a_large_parameter_updated_single_threaded_inside_backward_equals_the_threaded_step(monkeypatch):
     """Without a Trainer: the kernel runs on one thread inside backward (native.single_threaded), on two after it
     (512 x 512 values: four units of native.GRAIN, shared by the threads): the same bits."""
-    from lightning_mp.master import RemainderMasters, native
+    from lightning_mp.kernels import native
+    from lightning_mp.master import RemainderMasters
     from lightning_mp.master.in_backward import StepInBackward
 
     monkeypatch.setattr(torch, "get_num_threads", lambda: 2)  # what the kernel reads outside single_threaded

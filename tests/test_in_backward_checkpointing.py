@@ -1,7 +1,7 @@
 """The step inside backward under activation checkpointing, reentrant (a nested backward per region) and not.
 
 A parameter used in several reentrant regions, or inside one and outside it, gets its gradient in parts, one per
-nested backward (see :mod:`lightning_mp.master.in_backward_regions`): its update must wait for the whole gradient.
+nested backward (see :mod:`lightning_mp.master.in_backward.regions`): its update must wait for the whole gradient.
 Every run is compared with the normal lean step (``master_weights="remainder"`` without ``optimizer_in_backward``)
 on the same model, data and seed: the fp32 weights and the optimizer state (``step`` counts included) bit for bit.
 """

@@ -17,8 +17,8 @@ from hypothesis import strategies as st
 from torch import nn
 
 from lightning_mp import MixedPrecisionPlugin
+from lightning_mp.kernels.bits import join_fp32, split_fp32
 from lightning_mp.master import MasterWeights, RemainderMasters, masters_for
-from lightning_mp.master.bits import join_fp32, split_fp32
 from tests.helpers import seeded
 
 

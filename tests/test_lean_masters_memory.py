@@ -165,7 +165,8 @@ def test_a_released_block_is_freed_though_step_plans_gave_its_addresses_to_the_k
     # every block alive until the end (4 bytes per parameter more than the fp32 model at teardown)
     import weakref
 
-    from lightning_mp.master import native, onepass
+    from lightning_mp.kernels import native
+    from lightning_mp.master import onepass
 
     if native.cpu_kernel() is None:
         pytest.skip("the step plans need the compiled CPU kernel (no C compiler here)")

@@ -44,7 +44,7 @@ SLACK = 0.005
 
 @pytest.mark.parametrize("mode", sorted(BUDGET))
 def test_peak_live_tensor_bytes_of_a_fit_stay_at_budget(mode: str) -> None:
-    from lightning_mp.master import native
+    from lightning_mp.kernels import native
 
     if "remainder" in mode:  # the chunked fallback has other transients (its staging buffers): other figures
         assert native.enabled() and native.cpu_kernel() is not None, "the lean budgets are the compiled kernel's"

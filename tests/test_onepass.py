@@ -1,4 +1,4 @@
-"""The one-pass lean update (lightning_mp.master.native, .onepass): bitwise torch's fused kernels, flag by flag, and
+"""The one-pass lean update (lightning_mp.kernels.native, .onepass): bitwise torch's fused kernels, flag by flag, and
 the fallback to the chunked path when the kernel cannot be built."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_mp.master import RemainderMasters, native, onepass
-from lightning_mp.master.bits import join_fp32, split_fp32
-from lightning_mp.master.native import contract
+from lightning_mp.kernels import contract, native
+from lightning_mp.kernels.bits import join_fp32, split_fp32
+from lightning_mp.master import RemainderMasters, onepass
 
 # tensor sizes: vector body only, tail only (< 8), body + tail, several threads' units (> native.GRAIN)
 SIZES = [64, 7, 1003, native.GRAIN * 2 + 13]
@@ -317,7 +317,7 @@ def test_cuda_kernel_under_tritons_interpreter_is_as_close_to_float64_as_torchs_
 ):
     """Where Triton is installed without a GPU: the same kernel, interpreted, against torch's fused CPU kernel."""
     pytest.importorskip("triton", reason="Triton is not installed here (CUDA builds of torch ship it)")
-    from lightning_mp.master.native import cuda
+    from lightning_mp.kernels import cuda
 
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     monkeypatch.setattr(cuda, "_kernels", {})
@@ -344,7 +344,7 @@ def test_float64_reference_agrees_with_torchs_kernel_to_a_few_ulps():
 
 
 def test_a_bad_triton_launch_config_names_the_value_and_the_allowed_form(monkeypatch):
-    from lightning_mp.master.native import cuda
+    from lightning_mp.kernels import cuda
 
     for text in ("1000,1024,4", "1024,512,4", "1024,2048", "a,b,c", "1024,2048,4,2"):
         monkeypatch.setenv("LIGHTNING_MP_TRITON_CONFIG", text)
@@ -362,7 +362,7 @@ def test_the_bias_kernel_forms_adams_bias_terms_from_the_step_counts_on_the_devi
     import numpy as np
 
     pytest.importorskip("triton", reason="Triton is not installed here (CUDA builds of torch ship it)")
-    from lightning_mp.master.native import cuda
+    from lightning_mp.kernels import cuda
 
     if not torch.cuda.is_available():
         monkeypatch.setenv("TRITON_INTERPRET", "1")
@@ -395,7 +395,7 @@ def test_the_bias_kernel_counts_steps_as_torchs_two_foreach_ops_and_forms_the_te
     """COUNT: each step count becomes ``(step + 1) - found`` (torch's ``_foreach_add_`` then ``_foreach_sub_``, in
     fp32, the C kernel's lean_step) and the terms are those of ``step + 1``, the count the update runs with."""
     pytest.importorskip("triton", reason="Triton is not installed here (CUDA builds of torch ship it)")
-    from lightning_mp.master.native import cuda
+    from lightning_mp.kernels import cuda
 
     if not torch.cuda.is_available():
         monkeypatch.setenv("TRITON_INTERPRET", "1")
@@ -429,7 +429,7 @@ def test_the_cuda_kernels_store_keeps_every_class_of_fp32_pattern(monkeypatch):
     finite value, signed zero, subnormal and infinity back bit for bit, and a NaN as a NaN (quieted), through the
     kernel's own split (compiled on a GPU, interpreted elsewhere)."""
     pytest.importorskip("triton", reason="Triton is not installed here (CUDA builds of torch ship it)")
-    from lightning_mp.master.native import cuda
+    from lightning_mp.kernels import cuda
 
     if not torch.cuda.is_available():
         monkeypatch.setenv("TRITON_INTERPRET", "1")

@@ -13,7 +13,8 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_mp.master import RemainderMasters, native, onepass
+from lightning_mp.kernels import native
+from lightning_mp.master import RemainderMasters, onepass
 from tests.helpers import AtenOps, seeded
 
 
@@ -146,7 +147,7 @@ def test_the_cuda_plan_launches_what_a_fresh_table_would_under_tritons_interpret
     """The Triton path's plan (address table patched with each step's gradients, both dtypes split into two
     launches, step counts by foreach ops) against the same kernel given a table made from scratch every step."""
     pytest.importorskip("triton", reason="Triton is not installed here (CUDA builds of torch ship it)")
-    from lightning_mp.master.native import cuda
+    from lightning_mp.kernels import cuda
 
     if torch.cuda.is_available():
         pytest.skip("the GPU runs the compiled kernel: tests/test_onepass.py")

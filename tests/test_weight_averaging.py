@@ -20,8 +20,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_mp import MixedPrecisionPlugin
 from lightning_mp.callbacks import averaging
+from lightning_mp.kernels.bits import join_fp32
 from lightning_mp.master import exact_parameters, exact_weights
-from lightning_mp.master.bits import join_fp32
 from tests.helpers import fabric_trained_net
 
 # (master_weights, optimizer_in_backward)

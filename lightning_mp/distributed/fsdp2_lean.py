@@ -9,7 +9,7 @@ local shards of every parameter that FSDP2 computes in bf16 into
 - a bf16 local shard, written into a new (padded) storage that FSDP2 takes as its own (``_sharded_param_data``):
   the sharded parameter becomes a bf16 ``DTensor``, so FSDP2 all-gathers it as it is (no cast) and reduce-scatters
   the bf16 gradients in ``reduce_dtype`` (fp32 by default) into bf16 sharded gradients;
-- an int16 remainder of the same local shape (:mod:`lightning_mp.master.bits`).
+- an int16 remainder of the same local shape (:mod:`lightning_mp.kernels.bits`).
 
 Parameters of modules sharded with ``param_dtype=torch.float32`` (normalisation layers, the policy's
 ``fp32_modules``) stay fp32 shards without remainder, updated in place. The step
@@ -45,7 +45,7 @@ from torch.optim import Optimizer
 
 from lightning_mp.distributed.fsdp2_generic import ShardedGenericStep
 from lightning_mp.distributed.shard import fsdp_param_groups
-from lightning_mp.master.bits import join_fp32, split_fp32_into
+from lightning_mp.kernels.bits import join_fp32, split_fp32_into
 from lightning_mp.master.model_sync import ModelSync, materialise
 from lightning_mp.master.optimizer_state import check_params_belong, keep_fp32_state
 from lightning_mp.master.remainder import RemainderMasters

@@ -18,7 +18,7 @@ from typing import Callable, Optional
 import torch
 from torch import Tensor, nn
 
-from lightning_mp.master.bits import join_fp32_into, split_fp32_into
+from lightning_mp.kernels.bits import join_fp32_into, split_fp32_into
 
 #: Elements per block, in chunks of the step: 4 x 2**18 on CPU (4 MiB of bf16 + int16), 4 x 2**25 on a GPU.
 BLOCK_CHUNKS = 4
@@ -115,7 +115,7 @@ class Blocks:
 
 
 def split_by_chunks(value: Tensor, high: Tensor, low: Tensor, step: int) -> None:
-    """:func:`~lightning_mp.master.bits.split_fp32_into` of a flat ``value`` (any float dtype, any device) ``step``
+    """:func:`~lightning_mp.kernels.bits.split_fp32_into` of a flat ``value`` (any float dtype, any device) ``step``
     elements at a time: the split's int32 temporaries are one chunk's, not the value's size."""
     for start in range(0, value.numel(), step):
         stop = min(start + step, value.numel())
@@ -123,7 +123,7 @@ def split_by_chunks(value: Tensor, high: Tensor, low: Tensor, step: int) -> None
 
 
 def join_by_chunks(high: Tensor, low: Tensor, out: Tensor, step: int) -> Tensor:
-    """:func:`~lightning_mp.master.bits.join_fp32_into` ``step`` elements at a time (on CPU the int16 remainder is
+    """:func:`~lightning_mp.kernels.bits.join_fp32_into` ``step`` elements at a time (on CPU the int16 remainder is
     widened into a temporary of the size joined): returns ``out``."""
     for start in range(0, out.numel(), step):
         stop = min(start + step, out.numel())

@@ -2,15 +2,15 @@
 
 For ``torch.optim.AdamW``, ``Adam`` and ``SGD`` (the optimizers :func:`~lightning_mp.master.step.uses_fused_kernel`
 accepts), each element's bf16 weight, int16 remainder, gradient and optimizer state are read once and written once,
-by one kernel call per param group: on the CPU the C kernel of :mod:`lightning_mp.master.native` (compiled on first
+by one kernel call per param group: on the CPU the C kernel of :mod:`lightning_mp.kernels.native` (compiled on first
 use, spread over ``torch.get_num_threads()`` threads), on CUDA the Triton kernel of
-:mod:`lightning_mp.master.native.cuda` (one launch per gradient dtype). What a group's call reads is laid out once, in
+:mod:`lightning_mp.kernels.cuda` (one launch per gradient dtype). What a group's call reads is laid out once, in
 its step plan (:mod:`lightning_mp.master.plan`), and replayed each step; the step inside backward replays one plan
 per parameter. The chunked path of :mod:`lightning_mp.master.step` (join into an fp32
 buffer, torch's fused kernel, split back: about ten passes) remains the fallback, taken when the kernel cannot be
 built (one warning), on other devices, and for deferred clipping it does not express (see :func:`plan_grad_ops`).
 
-Exactness, on every device (:mod:`lightning_mp.master.native.contract`): the fp32 master values stay exact (the join
+Exactness, on every device (:mod:`lightning_mp.kernels.contract`): the fp32 master values stay exact (the join
 and split are lossless), and each value the update writes is as close to a float64 evaluation of the optimizer's
 formula as torch's own fused kernel's on the same device.
 
@@ -34,7 +34,7 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from lightning_mp.master import native
+from lightning_mp.kernels import native
 from lightning_mp.master.plan import Plans, Stale, StepPlan
 from lightning_mp.master.step import local_of
 

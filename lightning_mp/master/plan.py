@@ -43,7 +43,7 @@ import torch
 from torch import Tensor
 from torch.optim import Adam, Optimizer
 
-from lightning_mp.master import native
+from lightning_mp.kernels import native
 from lightning_mp.master.step import _state_for, check_state_tensor, fp32_zeros_like, local_of
 
 _FP32 = torch.float32
@@ -301,7 +301,7 @@ class StepPlan:
         return True
 
     def _values(self, group: dict[str, Any]) -> tuple[Any, ...]:
-        """The optimizer's options this step, in :class:`~lightning_mp.master.native.Options` order."""
+        """The optimizer's options this step, in :class:`~lightning_mp.kernels.native.Options` order."""
         if self.switches[0]:
             kind = native.ADAMW if group.get("decoupled_weight_decay", False) else native.ADAM
             betas = group["betas"]

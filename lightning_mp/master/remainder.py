@@ -2,7 +2,7 @@
 
 ``master_weights="remainder"``. The model's parameters become bf16 views into flat blocks (what the forward uses;
 :mod:`lightning_mp.master.blocks`); a parallel int16 buffer holds, per element, the low 16 bits that the bf16
-rounding dropped (see :mod:`lightning_mp.master.bits`: every non-NaN fp32 value is its bf16 half plus this
+rounding dropped (see :mod:`lightning_mp.kernels.bits`: every non-NaN fp32 value is its bf16 half plus this
 remainder, bit for bit). No fp32 copy of the model exists between steps; the step (:meth:`~RemainderMasters.step`)
 joins them in one pass (:mod:`~lightning_mp.master.onepass`) or one chunk at a time.
 
@@ -26,8 +26,9 @@ import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from lightning_mp.master import native, onepass
-from lightning_mp.master.bits import JoinSplit
+from lightning_mp.kernels import native
+from lightning_mp.kernels.bits import JoinSplit
+from lightning_mp.master import onepass
 from lightning_mp.master.blocks import Blocks, join_by_chunks, split_by_chunks
 from lightning_mp.master.clipping import norm_and_factor
 from lightning_mp.master.flat import MasterWeights, is_norm

@@ -278,7 +278,7 @@ def cuda_one_pass() -> bool:
 def cuda_kernel() -> Optional[Any]:
     """The CUDA one-pass update's module (:mod:`.cuda`), or ``None`` (one warning) where Triton is missing."""
     if "cuda" not in _state:
-        from lightning_mp.master.native import cuda
+        from lightning_mp.kernels import cuda
 
         _state["cuda"] = cuda if cuda.triton_available() else None
         if _state["cuda"] is None and enabled():

@@ -14,7 +14,7 @@ Under DDP the gradient is final only after its bucket's all-reduce: the hooks ar
 hook (:mod:`lightning_mp.distributed.ddp_in_backward`). Under FSDP2 the hooks sit on the sharded parameters, whose
 hooks FSDP2 runs after each reduce-scatter (:mod:`lightning_mp.distributed.fsdp2_in_backward`).
 
-Non-finite values, without a host synchronisation (:mod:`~lightning_mp.master.in_backward_flags`): before backward
+Non-finite values, without a host synchronisation (:mod:`~lightning_mp.master.in_backward.flags`): before backward
 :meth:`StepInBackward.begin` writes the loss's device flag into each parameter's slot of one preallocated vector (a
 non-finite loss skips every update of the step); each hook adds its own gradient's check to its slot (a non-finite
 gradient skips that parameter's update only). :meth:`StepInBackward.finish` reads nothing: the flags are read on the
@@ -38,12 +38,13 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from lightning_mp.master import native, onepass
-from lightning_mp.master.in_backward_changes import UNDER_REDUCTION, GroupOptions, later_hooks, one_groups
-from lightning_mp.master.in_backward_flags import StepFlags
-from lightning_mp.master.in_backward_regions import PARTIAL, Regions
-from lightning_mp.master.in_backward_settings import OPTION, accumulation_schedule, refusal, trainer_grad_ops
-from lightning_mp.master.in_backward_zero_grads import ZeroGrads
+from lightning_mp.kernels import native
+from lightning_mp.master import onepass
+from lightning_mp.master.in_backward.changes import UNDER_REDUCTION, GroupOptions, later_hooks, one_groups
+from lightning_mp.master.in_backward.flags import StepFlags
+from lightning_mp.master.in_backward.regions import PARTIAL, Regions
+from lightning_mp.master.in_backward.settings import OPTION, accumulation_schedule, refusal, trainer_grad_ops
+from lightning_mp.master.in_backward.zero_grads import ZeroGrads
 from lightning_mp.master.plan import StateSeen
 from lightning_mp.master.step import apply_grad_ops_in_place, check_states, fused_update, plan_chunks
 from lightning_mp.master.watched import GroupsSeen
@@ -74,7 +75,7 @@ def check_setup(trainer: Any, model: Any, optimizers: list[Optimizer]) -> None:
     """Raise a :func:`refusal` for a Trainer setup whose updates cannot run inside backward (called at connect,
     before any step; Fabric's ``fabric.setup`` too): several optimizers, an optimizer whose step needs a closure,
     gradient accumulation, clipping by norm. The strategy is refused at ``convert_module``. What shows only at run
-    time (a second backward before a step, clipping after backward) is :mod:`lightning_mp.master.in_backward_loop`'s."""
+    time (a second backward before a step, clipping after backward) is :mod:`lightning_mp.master.in_backward.loop`'s."""
     if not optimizers:  # validate/test/predict (or no optimizer at all): nothing is updated, nothing to refuse
         return
     if len(optimizers) != 1:
@@ -228,7 +229,7 @@ class StepInBackward:
         """Before backward: arm the hooks; ``loss`` (the tensor backward starts from) becomes the step's device
         flag, nonzero when it is non-finite (then every update of this backward is skipped). Reentrant checkpoint
         regions below ``loss`` make the updates that land while one runs wait for the end of backward
-        (:mod:`~lightning_mp.master.in_backward_regions`); under DDP or FSDP2 they are refused here, before backward."""
+        (:mod:`~lightning_mp.master.in_backward.regions`); under DDP or FSDP2 they are refused here, before backward."""
         # every refusal first, before this backward updates anything: what the Trainer asks now, hooks added later
         if self.trainer is not None:
             self.grad_ops = trainer_grad_ops(self.trainer, "now")
@@ -263,7 +264,7 @@ class StepInBackward:
             self._flags.begin(loss, self.agree_each)
 
     def _follow_groups(self) -> None:
-        """Param groups changed since setup (:mod:`~lightning_mp.master.in_backward_changes`): every parameter of
+        """Param groups changed since setup (:mod:`~lightning_mp.master.in_backward.changes`): every parameter of
         the current groups gets its one-parameter group (its group's options) and its hook, those no longer in the
         optimizer lose theirs. Under DDP or FSDP2 only a change that keeps the same parameters (reordered, moved
         between groups) is followed."""
@@ -352,7 +353,7 @@ class StepInBackward:
 
     def finish(self) -> Optional[StepFlags]:
         """After backward: disarm the hooks; the step's flags (``None`` without a check), not read: their
-        :meth:`~lightning_mp.master.in_backward_flags.StepFlags.read` is one host read, made where needed."""
+        :meth:`~lightning_mp.master.in_backward.flags.StepFlags.read` is one host read, made where needed."""
         self.armed = False
         self._regions.clear()  # a backward with regions ran their updates at its end (none left to wait)
         self.optimizer._opt_called = True  # type: ignore[attr-defined]  # as torch's step() records for schedulers

@@ -29,7 +29,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch import Tensor
 
-from lightning_mp.master import native
+from lightning_mp.kernels import native
 
 _QUIET_BIT = 0x0040  # bf16's quiet-NaN mantissa bit
 
@@ -71,7 +71,7 @@ def join_fp32_into(high: Tensor, low: Tensor, out: Tensor) -> Tensor:
 
 class JoinSplit:
     """The join and split a lean store runs, by the fastest means here, the same bits whichever runs: one compiled
-    pass (:mod:`lightning_mp.master.native`) on plain contiguous CPU tensors where the kernel is built; elsewhere the
+    pass (:mod:`lightning_mp.kernels.native`) on plain contiguous CPU tensors where the kernel is built; elsewhere the
     eager ops above, the split compiled with ``torch.compile`` when ``compile`` is true (about ten eager passes with
     its NaN rule gain; the join, three, does not)."""
 

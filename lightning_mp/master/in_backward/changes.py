@@ -21,7 +21,7 @@ what it saw last, once per step before backward (a few identity checks per group
 that group's one-parameter dicts, so a hook reads its options without copying a dict.
 
 **The Trainer's settings** (accumulation, clipping) changed by a callback are read before each backward:
-:mod:`~lightning_mp.master.in_backward_settings`.
+:mod:`~lightning_mp.master.in_backward.settings`.
 
 **Post-accumulate-grad hooks added later.** A user's ``register_post_accumulate_grad_hook`` registered before
 the plugin's (before fit) runs first and sees (or rewrites) the gradient the update then uses, as the normal step

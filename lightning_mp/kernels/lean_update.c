@@ -1,7 +1,7 @@
 /* The one-pass update of lean master weights on the CPU: for every element, join the bf16 weight and its int16
  * remainder into the exact fp32 value, apply torch's fused AdamW/Adam/SGD arithmetic to it, and split the result
- * back, reading and writing each byte once. See lightning_mp/master/native.py (how it is built and loaded) and
- * lightning_mp/master/bits.py (the join and split).
+ * back, reading and writing each byte once. See lightning_mp/kernels/native.py (how it is built and loaded) and
+ * lightning_mp/kernels/bits.py (the join and split).
  *
  * Exactness: torch's fused CPU kernels (aten/src/ATen/native/cpu/FusedAdamKernel.cpp, FusedSGDKernel.cpp, fp32
  * case) compute each element of a tensor's vector body (8 floats a vector in torch 2.13) with at::vec operations and

@@ -16,7 +16,7 @@ of the formula correctly rounded (0.5 ulp from it on an H100, where torch's CUDA
 cancellation in its fp32 variables). The other arithmetic, ``PRECISE=0``, is torch's CUDA kernel's
 (``fused_adam_utils.cuh``, ``FusedSgdKernel.cu``: fp32 variables, fp64 terms) with IEEE division and square root
 (Triton's default fp32 division is approximate): up to 9.3 ulp, 4% faster. Either meets the contract of
-:mod:`lightning_mp.master.native.contract`; neither is bitwise torch's CUDA kernel (its compiler contracts
+:mod:`lightning_mp.kernels.contract`; neither is bitwise torch's CUDA kernel (its compiler contracts
 multiply-adds its own way).
 """
 

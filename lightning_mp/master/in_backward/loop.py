@@ -16,7 +16,7 @@ they show, before they change anything:
   inside backward (:func:`refuse_clipping`). Clipping by value that is already applied inside backward (automatic
   optimization with ``Trainer(gradient_clip_val=..., gradient_clip_algorithm="value")``) passes.
 
-The step's non-finite flags stay on the device (:mod:`lightning_mp.master.in_backward_flags`) and are read on the host
+The step's non-finite flags stay on the device (:mod:`lightning_mp.master.in_backward.flags`) and are read on the host
 by the normal step's rule (:mod:`lightning_mp.stepping`): only where the decision is needed there, that is with a
 skip observer (``PrecisionMonitor(localise_overflows=True)``), a step-interval LR scheduler on the optimizer (held on
 a skipped step), or flags on the CPU (``stepping.DECIDE_CPU_FLAGS_ON_HOST``). Otherwise the scaler counts the step
@@ -30,7 +30,8 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from lightning_mp.master.in_backward import OPTION, StepInBackward
+from lightning_mp.master.in_backward.hooks import StepInBackward
+from lightning_mp.master.in_backward.settings import OPTION
 
 #: Raised at a second backward before the optimizer step.
 SEVERAL_BACKWARDS = (

@@ -161,8 +161,8 @@ def lean_step(
     """Our one-pass kernel on lean copies of ``weights`` (split into bf16 + remainder on ``device``) and on
     ``states`` in place; ``path``: ``"cpu"`` (the C kernel) or ``"triton"`` (the CUDA kernel; on a CPU device under
     ``TRITON_INTERPRET=1``). Returns the joined fp32 weights."""
-    from lightning_mp.master import native
-    from lightning_mp.master.bits import join_fp32, split_fp32
+    from lightning_mp.kernels import native
+    from lightning_mp.kernels.bits import join_fp32, split_fp32
 
     halves = [tuple(t.to(device) for t in split_fp32(w)) for w in weights]
     local_grads = [g.to(device, grad_dtype).contiguous() for g in grads]
@@ -188,7 +188,7 @@ def lean_step(
             raise RuntimeError("the C kernel cannot be built here (no C compiler)")
         native.run_rows(rows, steps, options, None, None)
     else:
-        from lightning_mp.master.native.cuda import CudaLeanUpdate
+        from lightning_mp.kernels.cuda import CudaLeanUpdate
 
         CudaLeanUpdate().run(0, rows, steps, options, None, None, device)
     return [join_fp32(high, low) for high, low in halves]
