@@ -38,8 +38,8 @@ from lightning_mp.master.access import MasterWeightsAccess
 from lightning_mp.master.in_backward import check_options, check_strategy
 from lightning_mp.policy import CastPolicy
 from lightning_mp.scaler import DynamicLossScaler
+from lightning_mp.scaler.settings import foreign_scaler_state
 from lightning_mp.schedulers import guard_step_schedulers
-from lightning_mp.settings import foreign_scaler_state
 from lightning_mp.standalone import lightning_isinstance
 from lightning_mp.stepping import OptimizerStep
 

@@ -41,11 +41,11 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 from torch.optim import LBFGS
 
+from lightning_mp.grads import GradientGroups
 from lightning_mp.master.held_optimizers import HeldOptimizers
 from lightning_mp.master.in_backward import loop as in_backward_loop
 from lightning_mp.master.plain import PLAIN, PlainWeights
 from lightning_mp.scaler import DynamicLossScaler
-from lightning_mp.scaler_device import GradientGroups
 from lightning_mp.schedulers import has_step_scheduler, record_step
 
 #: Decide on the host when the found-inf flag is a CPU tensor (no device to wait for; see the module docstring).

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from lightning_mp import MixedPrecisionPlugin
-from lightning_mp.scaler_device import check_and_unscale_by_norm_, non_finite_check_and_unscale_
+from lightning_mp.grads import check_and_unscale_by_norm_, non_finite_check_and_unscale_
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -82,7 +82,7 @@ def test_a_check_only_step_reads_the_gradients_and_finds_what_torchs_kernel_find
 def test_the_norm_check_of_bf16_gradients_finds_non_finite_values_and_writes_nothing_when_check_only():
     """The path CUDA bf16 gradients take (torch's kernel refuses bf16): ``inv_scale=None`` checks without writing
     (the check-only bf16 step; one kernel per gradient saved), an ``inv_scale`` unscales like torch's kernel."""
-    from lightning_mp.scaler_device import check_and_unscale_by_norm_
+    from lightning_mp.grads import check_and_unscale_by_norm_
 
     grads = [torch.randn(300).bfloat16(), torch.randn(7).bfloat16()]
     before = [g.clone() for g in grads]

@@ -29,20 +29,25 @@ PUBLIC_NAMES = [
 APPLICATIONS = ("lightning_mp.cli", "lightning_mp.samples")
 NUMERICS = (
     "lightning_mp.scaler",
-    "lightning_mp.settings",
+    "lightning_mp.grads",
+    "lightning_mp.kernels",
     "lightning_mp.master",
     "lightning_mp.policy",
-    "lightning_mp.scaler_device",
     "lightning_mp.stepping",
     "lightning_mp.schedulers",
 )
+# the floor: what both the scaler and the weights build on, importing nothing of the library above it
+FLOOR = {"lightning_mp.grads": ("lightning_mp.kernels",), "lightning_mp.kernels": ("lightning_mp.kernels",)}
 # the modules of one optimizer step: the plugin hands the step to stepping, which owns its order and calls the scaler
 STEP_MODULES = (
     "lightning_mp.plugin",
     "lightning_mp.stepping",
     "lightning_mp.scaler",
-    "lightning_mp.scaler_device",
-    "lightning_mp.settings",
+    "lightning_mp.scaler.loss_scaler",
+    "lightning_mp.scaler.rules",
+    "lightning_mp.scaler.device",
+    "lightning_mp.scaler.settings",
+    "lightning_mp.grads",
     "lightning_mp.schedulers",
 )
 
@@ -128,13 +133,13 @@ def test_no_import_cycle(module_level_only):
 
 
 def test_the_step_modules_import_one_way_even_lazily_or_for_type_checking():
-    # every import counts here (in functions, under TYPE_CHECKING): plugin -> stepping -> scaler -> scaler_device
+    # every import counts here (in functions, under TYPE_CHECKING): plugin -> stepping -> scaler -> its device side
     graph = {
         name: _imports(MODULES[name], module_level_only=False) & set(STEP_MODULES) - {name} for name in STEP_MODULES
     }
     assert "lightning_mp.stepping" in graph["lightning_mp.plugin"]
     assert "lightning_mp.scaler" in graph["lightning_mp.stepping"]
-    for arithmetic in ("lightning_mp.scaler", "lightning_mp.scaler_device", "lightning_mp.settings"):
+    for arithmetic in STEP_MODULES[2:]:
         assert not graph[arithmetic] & {"lightning_mp.stepping", "lightning_mp.plugin"}, (arithmetic, graph[arithmetic])
     done: set[str] = set()
 
@@ -161,6 +166,18 @@ def test_dependency_arrows_point_one_way():
         if name.startswith(NUMERICS):  # numerics are observed by diagnostics and glued by the plugin, never the reverse
             banned = ("lightning_mp.diagnostics", "lightning_mp.plugin", "lightning_mp.distributed")
             assert not {m for m in imported if m.startswith(banned)}, (name, imported)
+
+
+def test_the_floor_imports_nothing_above_it():
+    """``grads`` (the gradients a step checks) and ``kernels/`` sit below both the scaler and the weights: they import
+    nothing of the library but the floor below them, not even lazily or for type checking (``master`` importing the
+    scaler through the check was a back-arrow until issue 45)."""
+    for name, path in MODULES.items():
+        for floor, allowed in FLOOR.items():
+            if name == floor or name.startswith(floor + "."):
+                imported = _imports(path, module_level_only=False) - {name}
+                assert all(module.startswith(allowed) for module in imported), (name, imported)
+    assert "lightning_mp.grads" in _imports(MODULES["lightning_mp.master.in_backward.flags"], module_level_only=False)
 
 
 def _modules_after(statement: str) -> set[str]:

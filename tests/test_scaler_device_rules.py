@@ -1,9 +1,10 @@
-"""The scaler's rules on the device (three ops a step: ``bucketize``, ``index_select``, ``addcmul``) against the same
-rules on the host, step by step, for any settings and any sequence of flags.
+"""The scaler's rules on the device (three ops a step: ``bucketize``, ``index_select``, ``addcmul``, with the table
+generated from :mod:`lightning_mp.scaler.rules`) against the same rules applied on the host
+(:func:`lightning_mp.scaler.rules.update`), step by step, for any settings and any sequence of flags.
 
 Two scalers start alike: one is updated with the flag tensor (``update(found_inf)``: the device path, the host
 deciding only the steps where an error or the ``max_scale`` cap may be due), the other with the flag already read
-(``update(bool)``: the host rules, ``_update_on_host``). After every step their whole state is the same (scale,
+(``update(bool)``: the host applies the rules' table). After every step their whole state is the same (scale,
 growth and hysteresis trackers, skipped and consecutive counts), each error is raised at the same step with the same
 reason, and a state saved from the device path at any step continues identically after a load. The flags include
 sums over ranks (2, 3: what a DDP all-reduce of the flag gives) and settings that reach hysteresis > 1, a growth
@@ -20,7 +21,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from lightning_mp import DynamicLossScaler
-from lightning_mp.scaler_device import BACKOFF, FINITE, GROW, GROW_EDGE, SKIP, SLOTS, edges, transition_table
+from lightning_mp.scaler import rules
+from lightning_mp.scaler.device import GROW_EDGE, GROWTH, HYSTERESIS, SLOTS, edges, transition_table
+from lightning_mp.scaler.rules import Rules, ScalerState
 
 
 @st.composite
@@ -111,34 +114,42 @@ def test_a_long_run_stays_on_the_device_and_reads_back_exactly() -> None:
     assert host.scale == 2.0**14 or host.skipped_steps > 0
 
 
+def _rules(dynamic: bool, interval: int, hysteresis: int) -> Rules:
+    return Rules(dynamic, 2.0, 0.5, interval, hysteresis, 1.0, 2.0**24, None)
+
+
 @pytest.mark.parametrize("dynamic", [True, False])
-def test_the_edges_sort_every_flag_into_its_case(dynamic: bool) -> None:
-    """``bucketize(flag, edges)`` gives the case the host rules take, for trackers around every threshold and for
-    flags summed over ranks."""
+def test_the_edges_sort_every_flag_into_the_case_of_the_host_rule(dynamic: bool) -> None:
+    """``bucketize(flag, edges)`` gives the case :func:`lightning_mp.scaler.rules.case` takes, for trackers around
+    every threshold and for flags summed over ranks."""
     interval, hysteresis = 3, 3
+    settings = _rules(dynamic, interval, hysteresis)
     for growth in range(0, interval + 3):  # past the interval: possible after a load
         for left in range(0, hysteresis + 1):
-            bounds = torch.tensor(edges(dynamic, growth, left, interval), dtype=torch.float64)
+            state = ScalerState(8.0, growth_tracker=growth, hysteresis_tracker=left)
+            bounds = torch.tensor(edges(state, settings), dtype=torch.float64)
             assert bounds.tolist() == sorted(bounds.tolist())
             for flag in (0.0, 1.0, 2.0, 64.0):
                 case = int(torch.bucketize(torch.tensor(flag), bounds))
-                if flag == 0:
-                    expected = GROW if dynamic and growth + 1 >= interval else FINITE
-                else:
-                    expected = BACKOFF if dynamic and left <= 1 else SKIP
-                assert case == expected, (growth, left, flag)
+                assert case == rules.case(state, flag > 0, settings), (growth, left, flag)
 
 
-def test_the_table_keeps_the_edges_in_step_with_the_trackers() -> None:
-    """Applying a case's row to a state moves its edges to those of the new trackers (what the next step sorts by)."""
+@pytest.mark.parametrize("dynamic", [True, False])
+def test_the_generated_table_is_the_host_rule_and_keeps_the_edges_in_step(dynamic: bool) -> None:
+    """Each row of the generated table, applied to a state, gives the counters the host's table gives
+    (:func:`lightning_mp.scaler.rules.apply`) and moves the edges to those of the new trackers (what the next step
+    sorts by)."""
     interval, hysteresis = 3, 3
-    table = transition_table(True, 2.0, 0.5, interval, hysteresis)
+    settings = _rules(dynamic, interval, hysteresis)
+    table = transition_table(settings)
     for growth in range(interval):
         for left in range(hysteresis + 1):
-            state = torch.tensor(
-                [8.0, growth, left, 0, 0, 0, *edges(True, growth, left, interval)], dtype=torch.float64
-            )
+            state = ScalerState(8.0, growth_tracker=growth, hysteresis_tracker=left, skipped_steps=5)
+            vector = torch.tensor([8.0, growth, left, 5, 0, 0, *edges(state, settings)], dtype=torch.float64)
             for flag in (0.0, 1.0):
-                case = int(torch.bucketize(torch.tensor(flag), state[GROW_EDGE:]))
-                new = state * table[case, :SLOTS] + table[case, SLOTS:]
-                assert new[GROW_EDGE:].tolist() == edges(True, int(new[1]), int(new[2]), interval)
+                case = int(torch.bucketize(torch.tensor(flag), vector[GROW_EDGE:]))
+                new = vector * table[case, :SLOTS] + table[case, SLOTS:]
+                host = rules.apply(case, state, settings)
+                assert new[: len(rules.COUNTERS)].tolist() == [getattr(host, name) for name in rules.COUNTERS]
+                moved = ScalerState(8.0, growth_tracker=int(new[GROWTH]), hysteresis_tracker=int(new[HYSTERESIS]))
+                assert new[GROW_EDGE:].tolist() == edges(moved, settings)

@@ -17,7 +17,7 @@ from jsonargparse import ArgumentParser
 from lightning.pytorch import LightningModule
 from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy
 
-from lightning_mp.settings import validated_state
+from lightning_mp.scaler.settings import validated_state
 
 
 class CLIConfigError(ValueError):
@@ -200,7 +200,7 @@ def check_checkpoint_file(ckpt_path: Optional[str], scaler_defaults: Optional[di
 
 def check_scaler_states(checkpoint: dict[str, Any], where: str, defaults: Optional[dict[str, Any]] = None) -> None:
     """Check every ``DynamicLossScaler`` state in ``checkpoint`` (``checkpoint[<plugin class>]['scaler']``) with the
-    scaler's own rules (:func:`lightning_mp.settings.validated_state`), so that a hand-edited or corrupt one is
+    scaler's own rules (:func:`lightning_mp.scaler.settings.validated_state`), so that a hand-edited or corrupt one is
     refused at start rather than when the Trainer restores it.
 
     Raises:

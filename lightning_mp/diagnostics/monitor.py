@@ -35,7 +35,7 @@ from lightning_mp.diagnostics.underflow import (
     scale_tensor,
 )
 from lightning_mp.fp8.stats import Fp8Sampler, sample_record
-from lightning_mp.settings import SETTING_NAMES
+from lightning_mp.scaler.settings import SETTING_NAMES
 
 #: ``sample_every=None``: sample every this many optimizer steps, lowered so a run of known length gets MIN_SAMPLES
 DEFAULT_SAMPLE_EVERY = 100

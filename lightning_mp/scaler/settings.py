@@ -1,5 +1,5 @@
-"""The rules every loss-scaler setting follows, shared by the constructor and ``load_state_dict``, and what the
-plugin's ``scaler=`` argument means.
+"""The rules every loss-scaler setting follows, shared by the constructor and ``load_state_dict``; the checkpoint's
+form of the state (its keys, a state written by another plugin); and what the plugin's ``scaler=`` argument means.
 
 Each check names the bad value and what is allowed, and refuses what Python would otherwise coerce silently: a
 string where a number belongs (``"2"``), a bool where a number belongs, ``enabled="no"``, a scale beyond fp32.
@@ -16,7 +16,8 @@ import torch
 
 #: The largest finite fp32 value: no scale may exceed it (the scale is held in an fp32 tensor).
 FP32_MAX = float(torch.finfo(torch.float32).max)
-#: A scaler's counters (its attributes of these names with a leading ``_``), in ``state_dict()``'s order, after "scale".
+#: A scaler's counters (the fields of its :class:`~lightning_mp.scaler.rules.ScalerState` but the scale), in
+#: ``state_dict()``'s order, after "scale": the checkpoint's format, kept as it was.
 COUNTER_NAMES = ("growth_tracker", "hysteresis_tracker", "steps", "skipped_steps", "consecutive_skips")
 #: A scaler's settings (its attributes of these names), in the order ``state_dict()`` writes them after the counters.
 SETTING_NAMES = (
@@ -206,20 +207,4 @@ def scaler_for_precision(cls: Any, precision: str, scaler: Any) -> Any:
     raise ValueError(
         f"scaler={scaler!r} is not supported: pass None, a lightning_mp.DynamicLossScaler, a number > 0 "
         "for a static scale, or a mapping of DynamicLossScaler arguments."
-    )
-
-
-def describe_scaler(scaler: Any) -> str:
-    """``repr`` of a ``DynamicLossScaler``: how it was made (disabled, check-only, static) or its settings."""
-    name = type(scaler).__name__
-    if not scaler.enabled:
-        return f"{name}(enabled=False)"
-    if scaler.check_only:
-        return f"{name}.check_only(max_consecutive_skips={scaler.max_consecutive_skips})"
-    if not scaler.dynamic:
-        return f"{name}.static({scaler._scale_value:g})"
-    return (
-        f"{name}(scale={scaler.scale:g}, growth_factor={scaler.growth_factor:g}, "
-        f"backoff_factor={scaler.backoff_factor:g}, growth_interval={scaler.growth_interval}, "
-        f"hysteresis={scaler.hysteresis}, min_scale={scaler.min_scale:g}, max_scale={scaler.max_scale:g})"
     )

@@ -8,8 +8,10 @@ caller).
 The whole state lives on the gradients' device and nothing in a step waits for it: :meth:`~DynamicLossScaler.unscale_`
 returns the found-inf flag as a device tensor, and :meth:`~DynamicLossScaler.update` given that tensor applies the
 rules as tensor ops; the host reads the state lazily, in one transfer, when a property or ``state_dict()`` asks and on
-the steps where an error may be due, so that errors fire at the step they are due (:mod:`lightning_mp.scaler_device`).
-When each part runs in an optimizer step is :mod:`lightning_mp.stepping`'s decision, not the scaler's.
+the steps where an error may be due, so that errors fire at the step they are due (:mod:`lightning_mp.scaler.device`).
+The scaler owns its counters as one :class:`~lightning_mp.scaler.rules.ScalerState`; the rules that move them are
+written once, in :mod:`lightning_mp.scaler.rules`. When each part runs in an optimizer step is
+:mod:`lightning_mp.stepping`'s decision, not the scaler's.
 """
 
 from __future__ import annotations
@@ -19,17 +21,18 @@ from typing import Any, Callable, Optional, Union
 import torch
 from torch import Tensor
 
-from lightning_mp import settings as rules
-from lightning_mp.scaler_device import (
+from lightning_mp.grads import (
     Checked,
-    DeviceState,
     GradientGroups,
     NamedOrPlainParams,
     non_finite_check_and_unscale_,
-    nonfinite_error,
     nonfinite_names,
 )
-from lightning_mp.settings import COUNTER_NAMES, FP32_MAX, SETTING_NAMES
+from lightning_mp.scaler import rules
+from lightning_mp.scaler import settings as checks
+from lightning_mp.scaler.device import DeviceState
+from lightning_mp.scaler.rules import GROW, Rules, ScalerState
+from lightning_mp.scaler.settings import COUNTER_NAMES, FP32_MAX, SETTING_NAMES
 
 
 class DynamicLossScaler:
@@ -69,7 +72,7 @@ class DynamicLossScaler:
         enabled: bool = True,
         max_consecutive_skips: Optional[int] = 100,
     ) -> None:
-        settings = rules.validated_settings(
+        settings = checks.validated_settings(
             init_scale=init_scale,
             growth_factor=growth_factor,
             backoff_factor=backoff_factor,
@@ -90,13 +93,8 @@ class DynamicLossScaler:
         self.max_consecutive_skips: Optional[int] = settings["max_consecutive_skips"]
         self.dynamic = True
         self.check_only = False
-        self._scale_value: float = settings["init_scale"]
-        self._growth_tracker = 0
-        self._hysteresis_tracker = self.hysteresis
-        self._steps = 0
-        self._skipped_steps = 0
-        self._consecutive_skips = 0
-        # the counters above are the host's copy, exact as of the last read; updates on the device since then live here
+        # the counters: the host's copy, exact as of the last read; updates on the device since then live in _device
+        self._state = ScalerState(scale=settings["init_scale"], hysteresis_tracker=self.hysteresis)
         self._device = DeviceState()
         self._scale_tensor: Optional[Tensor] = None
         # (a scale tensor, its reciprocal): unscaling multiplies by the inverse of the scale the gradients carry; the
@@ -115,7 +113,7 @@ class DynamicLossScaler:
     def static(cls, scale: float, max_consecutive_skips: Optional[int] = 100) -> DynamicLossScaler:
         """A scaler whose scale never changes; non-finite steps are still reported (and skipped by the caller),
         and ``max_consecutive_skips`` of them in a row raise."""
-        rules.check_number("scale", scale, low=0.0, high=FP32_MAX)
+        checks.check_number("scale", scale, low=0.0, high=FP32_MAX)
         scaler = cls(
             init_scale=scale,
             min_scale=min(1.0, scale),
@@ -135,32 +133,32 @@ class DynamicLossScaler:
     @classmethod
     def for_precision(cls, precision: str, scaler: Any) -> Optional[DynamicLossScaler]:
         """What ``MixedPrecisionPlugin(precision, scaler=...)`` means: a scaler (or ``None`` for no check); see
-        :func:`lightning_mp.settings.scaler_for_precision` for each accepted form per precision."""
-        return rules.scaler_for_precision(cls, precision, scaler)
+        :func:`lightning_mp.scaler.settings.scaler_for_precision` for each accepted form per precision."""
+        return checks.scaler_for_precision(cls, precision, scaler)
 
     # ------------------------------------------------------------------ read-only state
     @property
     def scale(self) -> float:
         """The current loss scale (a Python float). A dynamic scaler reads its state when updates on the device are
         pending (one host synchronisation for the whole state); a static or check-only one never does."""
-        return self._read(self.dynamic)._scale_value if self.enabled else 1.0
+        return self._read(self.dynamic).scale if self.enabled else 1.0
 
     @property
     def skipped_steps(self) -> int:
         """Total optimizer steps reported as non-finite to :meth:`update` (the steps the caller skipped). Reads the
         state when updates on the device are pending (one host synchronisation)."""
-        return self._read()._skipped_steps
+        return self._read().skipped_steps
 
     @property
     def consecutive_skips(self) -> int:
         """Non-finite optimizer steps in a row, up to the latest one (0 after a finite step). Reads the state when
         updates on the device are pending (one host synchronisation)."""
-        return self._read()._consecutive_skips
+        return self._read().consecutive_skips
 
     @property
     def steps(self) -> int:
         """Total optimizer steps seen by :meth:`update`, finite or not (known on the host: never synchronises)."""
-        return self._steps
+        return self._state.steps
 
     @property
     def pending_updates(self) -> int:
@@ -177,7 +175,7 @@ class DynamicLossScaler:
         if not self.enabled or self.check_only:
             return loss
         if self._scale_tensor is None:
-            self._scale_tensor = torch.full((), self._scale_value, dtype=torch.float32, device=loss.device)
+            self._scale_tensor = torch.full((), self._state.scale, dtype=torch.float32, device=loss.device)
         elif self._scale_tensor.device != loss.device:  # (the host's copy of the scale may be behind: move it)
             self._scale_tensor = self._scale_tensor.to(loss.device)
         self._scale_in_grads = self._scale_tensor
@@ -189,7 +187,7 @@ class DynamicLossScaler:
         or, without one, the current scale (made on ``device``)."""
         current = self._scale_in_grads if self._scale_in_grads is not None else self._scale_tensor
         if current is None or not self.enabled or self.check_only:
-            return torch.full((), self._scale_value if self.enabled else 1.0, dtype=torch.float32, device=device)
+            return torch.full((), self._state.scale if self.enabled else 1.0, dtype=torch.float32, device=device)
         return current if device is None or self._scale_in_grads is not None else current.to(device)
 
     def unscale_(self, params: Union[NamedOrPlainParams, GradientGroups]) -> Tensor:
@@ -197,7 +195,7 @@ class DynamicLossScaler:
 
         Accepts fp32, fp16 and bf16 gradients (dense or sparse), on any mix of devices. ``params`` holds tensors or
         ``(name, tensor)`` pairs (names for the errors of :meth:`update`), or is a
-        :class:`~lightning_mp.scaler_device.GradientGroups` of them, built once by a caller that checks the same
+        :class:`~lightning_mp.grads.GradientGroups` of them, built once by a caller that checks the same
         parameters every step. Returns a 0-dim fp32 tensor on the device of the first gradient, exactly 1.0 if a
         non-finite gradient was found and 0.0 if not (the form torch's fused optimizers take as ``found_inf``); it
         does not synchronise.
@@ -248,7 +246,8 @@ class DynamicLossScaler:
         since the last read (one host synchronisation in all)."""
         if not self._device.pending:
             return bool(found_inf.item() > 0)
-        return self._device.pull(self, found_inf) > 0
+        self._state, found = self._device.pull(self._state, found_inf)
+        return found > 0
 
     def update(self, found_inf: Union[bool, Tensor]) -> None:
         """Adapt the scale after an optimizer step.
@@ -268,11 +267,12 @@ class DynamicLossScaler:
             return
         try:  # the gradients checked by the last `unscale_` are kept until here, to name the non-finite ones
             if isinstance(found_inf, Tensor):
-                if self._device.pending + 1 < self._device.due(self):
-                    made = self._device.update(found_inf, self)
+                settings = self._rules()
+                if self._device.pending + 1 < self._device.due(self._state, settings):
+                    self._state, made = self._device.update(found_inf, self._state, settings)
                     if made is not None:  # a dynamic scaler's new scale and its inverse
                         self._scale_tensor, self._inverse = made[0], made
-                    self._steps += 1
+                    self._state.steps += 1
                     return
                 found_inf = self.read_found_inf(found_inf)  # an error may be due at this step: decide it here
             self._update_on_host(found_inf)
@@ -280,48 +280,35 @@ class DynamicLossScaler:
             self._last_unscaled = []
 
     def _update_on_host(self, found_inf: bool) -> None:
-        if self._device.pending:
-            self._device.pull(self)
+        state = self._read()
         self._device.forget()  # the host's copy is ahead from here on; the device's is rebuilt when needed
-        self._steps += 1
-        if not found_inf:
-            self._hysteresis_tracker = self.hysteresis
-            self._consecutive_skips = 0
-            if not self.dynamic:
-                return
-            self._growth_tracker += 1
-            if self._growth_tracker >= self.growth_interval:
-                self._growth_tracker = 0
-                self._set_scale(min(self._scale_value * self.growth_factor, self.max_scale))
-            return
-        self._skipped_steps += 1
-        self._consecutive_skips += 1
-        if self.max_consecutive_skips is not None and self._consecutive_skips >= self.max_consecutive_skips:
-            self._raise(
-                f"{self._consecutive_skips} optimizer steps in a row had non-finite gradients and were skipped "
-                f"(max_consecutive_skips={self.max_consecutive_skips}, scale {self._scale_value:g}"
-                f"{', static' if not self.dynamic else ''}): training is not progressing."
-            )
-        if not self.dynamic:
-            return
-        self._growth_tracker = 0
-        self._hysteresis_tracker = max(self._hysteresis_tracker - 1, 0)  # once used up, every skip backs off
-        if self._hysteresis_tracker > 0:
-            return
-        new_scale = self._scale_value * self.backoff_factor
-        if new_scale < self.min_scale:
-            self._raise(
-                f"Loss scale {self._scale_value:g} cannot back off below min_scale={self.min_scale:g} "
-                f"(backoff_factor={self.backoff_factor:g}): gradients are non-finite even at the minimum scale."
-            )
-        self._set_scale(new_scale)
+        settings = self._rules()
+        which = rules.case(state, found_inf, settings)
+        self._state, error = rules.update(state, found_inf, settings)
+        if error is not None:
+            self._raise(error)
+        if which in (GROW, rules.BACKOFF):
+            self._set_scale(self._state.scale)
+
+    def _rules(self) -> Rules:
+        """The settings the rules read, as they are now (:mod:`lightning_mp.scaler.rules`)."""
+        return Rules(
+            self.dynamic,
+            self.growth_factor,
+            self.backoff_factor,
+            self.growth_interval,
+            self.hysteresis,
+            self.min_scale,
+            self.max_scale,
+            self.max_consecutive_skips,
+        )
 
     # ------------------------------------------------------------------ the state on the device
-    def _read(self, needed: bool = True) -> DynamicLossScaler:
-        """Bring the host's copy of the state up to date if updates on the device are pending (one transfer)."""
+    def _read(self, needed: bool = True) -> ScalerState:
+        """The host's copy of the state, brought up to date if updates on the device are pending (one transfer)."""
         if needed and self._device.pending:
-            self._device.pull(self)
-        return self
+            self._state, _ = self._device.pull(self._state)
+        return self._state
 
     def _raise(self, reason: str) -> None:
         raise nonfinite_error(reason, self.gather_names(self.nonfinite_grad_names()))
@@ -332,7 +319,7 @@ class DynamicLossScaler:
 
     def _set_scale(self, value: float) -> None:
         # a new tensor, not an in-place fill: `_scale_in_grads` must keep the scale the grads were made with
-        self._scale_value = value
+        self._state.scale = value
         self._device.forget()
         if self._scale_tensor is not None:
             self._scale_tensor = torch.full((), value, dtype=torch.float32, device=self._scale_tensor.device)
@@ -341,10 +328,10 @@ class DynamicLossScaler:
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to continue bit-exactly: scale, trackers, counters and the settings. Reads the state when
         updates on the device are pending (one host synchronisation)."""
-        self._read()
+        state = self._read()
         return {
-            "scale": self._scale_value,
-            **{name: getattr(self, f"_{name}") for name in COUNTER_NAMES},
+            "scale": state.scale,
+            **{name: getattr(state, name) for name in COUNTER_NAMES},
             **{name: getattr(self, name) for name in SETTING_NAMES},
         }
 
@@ -359,12 +346,34 @@ class DynamicLossScaler:
             ValueError: a value is out of range or of the wrong type (the error names the key, the value and
                 ``source``).
         """
-        settings, counters = rules.validated_state(state_dict, defaults=self.state_dict(), source=source)
+        settings, counters = checks.validated_state(state_dict, defaults=self.state_dict(), source=source)
         for name in SETTING_NAMES:
             setattr(self, name, settings[name])
-        for name in COUNTER_NAMES:
-            setattr(self, f"_{name}", counters[name])
+        self._state = ScalerState(scale=settings["init_scale"], **counters)
         self._scale_in_grads = None
         self._set_scale(settings["init_scale"])
 
-    __repr__ = rules.describe_scaler
+    def __repr__(self) -> str:
+        """How it was made (disabled, check-only, static) or its settings."""
+        name = type(self).__name__
+        if not self.enabled:
+            return f"{name}(enabled=False)"
+        if self.check_only:
+            return f"{name}.check_only(max_consecutive_skips={self.max_consecutive_skips})"
+        if not self.dynamic:
+            return f"{name}.static({self._state.scale:g})"
+        return (
+            f"{name}(scale={self.scale:g}, growth_factor={self.growth_factor:g}, "
+            f"backoff_factor={self.backoff_factor:g}, growth_interval={self.growth_interval}, "
+            f"hysteresis={self.hysteresis}, min_scale={self.min_scale:g}, max_scale={self.max_scale:g})"
+        )
+
+
+def nonfinite_error(reason: str, names: list[str]) -> FloatingPointError:
+    """The scaler's error at ``min_scale`` or ``max_consecutive_skips``: ``reason``, then the culprits by name."""
+    shown = ", ".join(names[:20]) + (f", ... ({len(names)} in all)" if len(names) > 20 else "")
+    return FloatingPointError(
+        f"{reason} Non-finite gradients in: {shown or 'unknown parameters (pass (name, param) pairs to unscale_)'}. "
+        "Look for an overflow in the forward pass of these parameters' modules (run them in fp32), "
+        "a too-large learning rate, or bad input data."
+    )
