@@ -11,7 +11,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from lightning_mp.diagnostics.history import OverflowRecord
-from lightning_mp.diagnostics.monitor import _merged_across_ranks
+from lightning_mp.diagnostics.monitor import merged_across_ranks
 from lightning_mp.diagnostics.underflow import read_rows, reduce_rows
 from tests.distributed.common import load_ranks
 from tests.distributed.launch import launch
@@ -40,7 +40,7 @@ def _rank(rank: int, port: int, results) -> None:
             cause="half_precision",
         )
         record = located if rank == 1 else OverflowRecord(step=7, scale_before=8.0)  # only rank 1 overflowed
-        merged = _merged_across_ranks(record)
+        merged = merged_across_ranks(record)
         results[rank] = (row, merged.module, merged.ranks, merged.cause)
     finally:
         dist.destroy_process_group()

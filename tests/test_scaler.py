@@ -193,6 +193,50 @@ def test_state_dict_round_trip_continues_bit_exactly():
     assert resumed.skipped_steps == uninterrupted.skipped_steps == pattern.count(True)
 
 
+#: A scaler checkpoint as the layout before issue 45 (``scaler.py`` with ``scaler_device.py``) wrote it, after the
+#: first five steps of the pattern above with these settings: its keys, their order and their types are the format
+#: every resume reads, and a checkpoint written before must load unchanged.
+WRITTEN_BEFORE = {
+    "scale": 1024.0,
+    "growth_tracker": 0,
+    "hysteresis_tracker": 1,
+    "steps": 5,
+    "skipped_steps": 2,
+    "consecutive_skips": 1,
+    "growth_factor": 4.0,
+    "backoff_factor": 0.25,
+    "growth_interval": 3,
+    "hysteresis": 2,
+    "min_scale": 1.0,
+    "max_scale": 16777216.0,
+    "dynamic": True,
+    "check_only": False,
+    "enabled": True,
+    "max_consecutive_skips": 100,
+}
+
+
+@pytest.mark.parametrize("flags", ["bool", "tensor"], ids=["host", "device"])
+def test_a_checkpoint_written_before_loads_unchanged_and_continues(flags):
+    pattern = [False, False, True, False, True, True, False, False, False, False, True, False, False, False]
+    settings = dict(init_scale=2.0**10, growth_interval=3, hysteresis=2, backoff_factor=0.25, growth_factor=4.0)
+    as_flag = (lambda found: found) if flags == "bool" else (lambda found: torch.tensor(float(found)))
+    uninterrupted = DynamicLossScaler(**settings)
+    for found in pattern[:5]:
+        uninterrupted.update(as_flag(found))
+    written = uninterrupted.state_dict()
+    assert list(written.items()) == list(WRITTEN_BEFORE.items())  # the same keys, order, values and types
+    assert [type(value) for value in written.values()] == [type(value) for value in WRITTEN_BEFORE.values()]
+
+    resumed = DynamicLossScaler()
+    resumed.load_state_dict(dict(WRITTEN_BEFORE))
+    assert list(resumed.state_dict().items()) == list(WRITTEN_BEFORE.items())
+    for found in pattern[5:]:
+        uninterrupted.update(as_flag(found))
+        resumed.update(as_flag(found))
+        assert resumed.state_dict() == uninterrupted.state_dict()
+
+
 def test_load_state_dict_names_missing_keys():
     with pytest.raises(KeyError, match="growth_tracker"):
         DynamicLossScaler().load_state_dict({"scale": 2.0})

@@ -34,7 +34,7 @@ from lightning_mp.diagnostics.history import LayerSample, OverflowRecord, RunHis
 from lightning_mp.diagnostics.monitor import (
     REPORT_SCALER_KEYS,
     PrecisionMonitor,
-    _merged_across_ranks,
+    merged_across_ranks,
     with_skips_in_backward,
 )
 from lightning_mp.diagnostics.overflow import nonfinite_params
@@ -105,8 +105,7 @@ class FabricPrecisionMonitor:
         monitor = self.monitor
         dtype = getattr(plugin, "dtype", torch.float32)
         precision = {torch.float16: "fp16", torch.bfloat16: "bf16"}.get(dtype, "fp32")
-        monitor.history = RunHistory(precision=precision, sample_every=monitor._every)
-        monitor._names = names_of_params(inner, getattr(plugin, "masters", None))
+        monitor.begin(precision, names_of_params(inner, getattr(plugin, "masters", None)))
         scaler = getattr(plugin, "scaler", None)
         if scaler is not None:
             state = scaler.state_dict()
@@ -123,21 +122,21 @@ class FabricPrecisionMonitor:
         if scaler is not None and not scaler.check_only:
             self.history.record_scale(self.step, float(scaler.scale))
         if self._plugin is not None and self.monitor.localise_overflows:
-            self.monitor._localiser.remember(batch, batch_idx, self._device)
-        every = self.monitor._every  # sample_every=None: 100 (a Fabric loop's length is not known here)
+            self.monitor.remember_batch(batch, batch_idx, self._device)
+        every = self.monitor.every  # sample_every=None: 100 (a Fabric loop's length is not known here)
         self._sampling = bool(every) and self.step // every != self._bucket
 
     def on_after_optimizer_step(self, strategy: Any, optimizer: Any) -> None:
         """Fabric calls this after each ``optimizer.step()``: sample (before ``zero_grad``), count the step."""
         self.history.steps += 1
-        self.monitor._localiser.step_decided()
+        self.monitor.step_decided()
         if self._sampling:
-            self._bucket = self.step // self.monitor._every
+            self._bucket = self.step // self.monitor.every
             self._sample(optimizer)
             self._sampling = False
         scaler = getattr(self._plugin, "scaler", None)
         if scaler is not None:
-            self.monitor._fill_scale_after(float(scaler.scale))
+            self.monitor.fill_scale_after(float(scaler.scale))
         self.step += 1
 
     def on_train_end(self) -> None:
@@ -156,7 +155,7 @@ class FabricPrecisionMonitor:
     # ------------------------------------------------------------------ what they do
     def _sample(self, optimizer: Any) -> None:
         scaler = getattr(self._plugin, "scaler", None)
-        names = self.monitor._names
+        names = self.monitor.param_names
         layers, rows = grouped_stats(param_groups_grads(optimizer, names), scale_tensor(scaler))
         if not layers:  # no gradient to sample (optimizer_in_backward=True frees them inside backward)
             return
@@ -167,10 +166,10 @@ class FabricPrecisionMonitor:
     def _on_skip(self, plugin: Any, optimizer: Any, model: Any) -> None:
         """The plugin calls this on a skipped step, before the scaler updates."""
         self.history.skipped.append(self.step)
-        self.monitor._fill_scale_after(float(plugin.scaler.scale))
-        names = self.monitor._names
+        self.monitor.fill_scale_after(float(plugin.scaler.scale))
+        names = self.monitor.param_names
         try:
-            record = self.monitor._localiser.localise(plugin, optimizer, self._step_module, self.step, names)
+            record = self.monitor.localise(plugin, optimizer, self._step_module, self.step)
         except Exception as error:  # a diagnostic must not end the run: the failure is reported, not hidden
             record = OverflowRecord(
                 step=self.step,
@@ -179,4 +178,4 @@ class FabricPrecisionMonitor:
                 note=repr(error),
                 nonfinite_params=nonfinite_params(optimizer, names),
             )
-        self.history.overflows.append(_merged_across_ranks(with_skips_in_backward(record, plugin)))
+        self.history.overflows.append(merged_across_ranks(with_skips_in_backward(record, plugin)))

@@ -193,7 +193,7 @@ class PrecisionMonitor(L.Callback):
         scaler = _our_scaler(trainer)
         values: dict[str, tuple[float, bool]] = {}
         if scaler is not None:
-            self._fill_scale_after(float(scaler.scale))
+            self.fill_scale_after(float(scaler.scale))
             if not scaler.check_only:  # bf16 checks for inf/NaN but scales nothing: no loss_scale to show
                 values["loss_scale"] = (float(scaler.scale), self.prog_bar)
             values["skipped_steps"] = (float(scaler.skipped_steps), self.prog_bar)
@@ -254,7 +254,7 @@ class PrecisionMonitor(L.Callback):
         trainer = model.trainer
         step = trainer.global_step
         self.history.skipped.append(step)
-        self._fill_scale_after(float(plugin.scaler.scale))
+        self.fill_scale_after(float(plugin.scaler.scale))
         try:
             record = self._localiser.localise(plugin, optimizer, model, step, self._names)
         except Exception as error:  # a diagnostic must not end the run: the failure is reported, not hidden
@@ -266,7 +266,7 @@ class PrecisionMonitor(L.Callback):
                 note=repr(error),
                 nonfinite_params=nonfinite_params(optimizer, self._names),
             )
-        record = _merged_across_ranks(with_skips_in_backward(record, plugin))
+        record = merged_across_ranks(with_skips_in_backward(record, plugin))
         self.history.overflows.append(record)
         if record.located:
             self._overflow_counts[record.module] = self._overflow_counts.get(record.module, 0) + 1
@@ -277,11 +277,42 @@ class PrecisionMonitor(L.Callback):
                         {f"overflows/{name or '(training_step)'}": float(count) for name, count in top}, step=step
                     )
 
-    def _fill_scale_after(self, scale: float) -> None:
+    def fill_scale_after(self, scale: float) -> None:
+        """The scale after the latest skipped steps (``scale``, read after the scaler updated) into their records."""
         for record in reversed(self.history.overflows):
             if record.scale_after is not None:
                 break
             record.scale_after = scale
+
+    # ------------------------------------------------------------------ for a loop of its own (the Fabric monitor)
+    @property
+    def every(self) -> int:
+        """The sampling interval in use, in optimizer steps (``0``: off): ``sample_every``, or its default."""
+        return self._every
+
+    @property
+    def param_names(self) -> dict[int, str]:
+        """``id(parameter) -> name`` for the run's parameters, as set at the start of a fit (or by :meth:`begin`)."""
+        return self._names
+
+    def begin(self, precision: str, names: dict[int, str]) -> None:
+        """A fresh history for a run in ``precision`` (``"fp16"``, ``"bf16"``, ``"fp32"``) whose parameters are named
+        by ``names``: what ``setup`` and ``on_fit_start`` do for a Trainer."""
+        self.history = RunHistory(precision=precision, sample_every=self._every)
+        self._names = names
+
+    def remember_batch(self, batch: Any, batch_idx: int, device: torch.device) -> None:
+        """Keep ``batch`` (a reference) and the RNG state, to replay the step if it is skipped (:meth:`localise`)."""
+        self._localiser.remember(batch, batch_idx, device)
+
+    def step_decided(self) -> None:
+        """The optimizer step of the remembered batches ran (or was skipped): the next batch starts a new window."""
+        self._localiser.step_decided()
+
+    def localise(self, plugin: Any, optimizer: Any, model: Any, step: int) -> OverflowRecord:
+        """Replay the remembered batches of skipped step ``step`` on ``model`` to find the module, phase and op where
+        the inf/NaN was born (:class:`~lightning_mp.diagnostics.overflow.OverflowLocaliser`)."""
+        return self._localiser.localise(plugin, optimizer, model, step, self._names)
 
     # ------------------------------------------------------------------ the end of fit
     @override
@@ -297,7 +328,7 @@ class PrecisionMonitor(L.Callback):
     def _finish(self, trainer: L.Trainer) -> None:
         scaler = _our_scaler(trainer)
         if scaler is not None:
-            self._fill_scale_after(float(scaler.scale))
+            self.fill_scale_after(float(scaler.scale))
         if not (self.write_report and trainer.is_global_zero and self.log_dir is not None):
             return
         if self._suffix is None:  # chosen once per fit: a second write of this run replaces its own files only
@@ -354,7 +385,7 @@ def with_skips_in_backward(record: OverflowRecord, plugin: Any) -> OverflowRecor
     return record
 
 
-def _merged_across_ranks(record: OverflowRecord) -> OverflowRecord:
+def merged_across_ranks(record: OverflowRecord) -> OverflowRecord:
     """Every rank skips the same step (the decision is agreed), but only the ranks whose micro-batch overflowed can
     reproduce it: gather every rank's record and keep the first that located the origin, naming the ranks that found
     the same place; otherwise rank 0's. Every rank ends with the same record. The non-finite gradients are the union
