@@ -31,7 +31,7 @@ from lightning_mp.grads import (
 from lightning_mp.scaler import rules
 from lightning_mp.scaler import settings as checks
 from lightning_mp.scaler.device import DeviceState
-from lightning_mp.scaler.rules import GROW, Rules, ScalerState
+from lightning_mp.scaler.rules import BACKOFF, GROW, Rules, ScalerState
 from lightning_mp.scaler.settings import COUNTER_NAMES, FP32_MAX, SETTING_NAMES
 
 
@@ -282,12 +282,11 @@ class DynamicLossScaler:
     def _update_on_host(self, found_inf: bool) -> None:
         state = self._read()
         self._device.forget()  # the host's copy is ahead from here on; the device's is rebuilt when needed
-        settings = self._rules()
-        which = rules.case(state, found_inf, settings)
-        self._state, error = rules.update(state, found_inf, settings)
-        if error is not None:
-            self._raise(error)
-        if which in (GROW, rules.BACKOFF):
+        step = rules.update(state, found_inf, self._rules())
+        self._state = step.state
+        if step.error is not None:
+            self._raise(step.error)
+        if step.case in (GROW, BACKOFF):  # a new scale tensor (at the cap too, as the value may not change)
             self._set_scale(self._state.scale)
 
     def _rules(self) -> Rules:

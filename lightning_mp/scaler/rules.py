@@ -105,8 +105,17 @@ def apply(which: int, state: ScalerState, rules: Rules) -> ScalerState:
     return ScalerState(steps=state.steps + 1, **new)
 
 
-def update(state: ScalerState, found_inf: bool, rules: Rules) -> tuple[ScalerState, Optional[str]]:
-    """One step of the rules on the host: the new state, and the reason of an error when the step raises one.
+class Step(NamedTuple):
+    """One step of the rules on the host: the new state, the step's case, the reason of its error (``None``: none)."""
+
+    state: ScalerState
+    case: int
+    error: Optional[str]
+
+
+def update(state: ScalerState, found_inf: bool, rules: Rules) -> Step:
+    """One step of the rules on the host: the new state, the step's case, and the reason of an error when the step
+    raises one.
 
     A growth is capped at ``max_scale``. ``max_consecutive_skips`` non-finite steps in a row are an error (the skip is
     counted, nothing else changes); so is a backoff that would take the scale below ``min_scale`` (the step is counted
@@ -115,22 +124,22 @@ def update(state: ScalerState, found_inf: bool, rules: Rules) -> tuple[ScalerSta
     new = apply(which, state, rules)
     limit = rules.max_consecutive_skips
     if found_inf and limit is not None and new.consecutive_skips >= limit:
-        counted = replace(
-            state, steps=new.steps, skipped_steps=new.skipped_steps, consecutive_skips=new.consecutive_skips
-        )
-        return counted, (
+        reason = (
             f"{new.consecutive_skips} optimizer steps in a row had non-finite gradients and were skipped "
             f"(max_consecutive_skips={limit}, scale {state.scale:g}{', static' if not rules.dynamic else ''}): "
             "training is not progressing."
         )
+        counts = {name: getattr(new, name) for name in ("steps", "skipped_steps", "consecutive_skips")}
+        return Step(replace(state, **counts), which, reason)
     if which == BACKOFF and new.scale < rules.min_scale:
-        return replace(new, scale=state.scale), (
+        reason = (
             f"Loss scale {state.scale:g} cannot back off below min_scale={rules.min_scale:g} "
             f"(backoff_factor={rules.backoff_factor:g}): gradients are non-finite even at the minimum scale."
         )
+        return Step(replace(new, scale=state.scale), which, reason)
     if which == GROW:
         new.scale = min(new.scale, rules.max_scale)
-    return new, None
+    return Step(new, which, None)
 
 
 def steps_before_an_error_may_be_due(state: ScalerState, rules: Rules, limit: int = 1000) -> int:
