@@ -180,6 +180,24 @@ def test_the_floor_imports_nothing_above_it():
     assert "lightning_mp.grads" in _imports(MODULES["lightning_mp.master.in_backward.flags"], module_level_only=False)
 
 
+def test_no_module_reaches_into_the_scaler_or_the_monitor():
+    """The scaler's counters are its own (``scaler/device.py`` takes and returns its state: ``scaler_device.py`` read
+    and wrote them 16 times, the repr once) and so are ``PrecisionMonitor``'s fields (the Fabric monitor read them 11
+    times): no module names a private attribute through a ``scaler`` or ``monitor``, nor imports the monitor module's
+    private names (issue 45)."""
+    found = []
+    for name, path in MODULES.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
+                owner = node.value
+                last = owner.id if isinstance(owner, ast.Name) else getattr(owner, "attr", None)
+                if last in ("scaler", "monitor"):
+                    found.append(f"{name}:{node.lineno}: {last}.{node.attr}")
+            elif isinstance(node, ast.ImportFrom) and node.module == "lightning_mp.diagnostics.monitor":
+                found += [f"{name}:{node.lineno}: {a.name}" for a in node.names if a.name.startswith("_")]
+    assert not found, found
+
+
 def _modules_after(statement: str) -> set[str]:
     code = f"import json, sys; {statement}; print(json.dumps(sorted(sys.modules)))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
