@@ -347,3 +347,25 @@ def test_no_module_reads_another_modules_private_attributes():
 def test_private_api_of_torch_and_lightning_is_read_only_where_listed():
     _, theirs = _cross_module_private_reads()
     assert theirs <= TORCH_AND_LIGHTNING_PRIVATE_API, sorted(theirs - TORCH_AND_LIGHTNING_PRIVATE_API)
+
+
+def test_the_plugins_protocols_name_members_the_plugin_has_with_their_signatures():
+    """Where the plugin's own class would be an import cycle, its parts take a Protocol naming what they use of it:
+    each member is the plugin's, a method with the plugin's parameters, so the Protocol cannot drift from it."""
+    import inspect
+
+    from typing_extensions import get_protocol_members
+
+    from lightning_mp import MixedPrecisionPlugin
+    from lightning_mp.distributed.sync import PluginDtypes, StrategyPlugin
+    from lightning_mp.fabric.driver import DrivenPlugin
+    from lightning_mp.fp8.convert import PolicySource
+
+    plugin = MixedPrecisionPlugin("bf16-mixed", master_weights="remainder")
+    for protocol in (PluginDtypes, StrategyPlugin, DrivenPlugin, PolicySource):
+        for name in sorted(get_protocol_members(protocol)):
+            assert hasattr(plugin, name), (protocol.__name__, name)
+            wanted = getattr(protocol, name, None)
+            if inspect.isfunction(wanted):
+                have = inspect.signature(getattr(MixedPrecisionPlugin, name)).parameters
+                assert list(inspect.signature(wanted).parameters) == list(have), (protocol.__name__, name)
