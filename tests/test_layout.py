@@ -369,3 +369,23 @@ def test_the_plugins_protocols_name_members_the_plugin_has_with_their_signatures
             if inspect.isfunction(wanted):
                 have = inspect.signature(getattr(MixedPrecisionPlugin, name)).parameters
                 assert list(inspect.signature(wanted).parameters) == list(have), (protocol.__name__, name)
+
+
+# owned by another branch of issue 45; emptied at merge
+OTHER_BRANCHES_PRIVATE_IMPORTS = {
+    "lightning_mp.diagnostics.fabric_monitor": {"_merged_across_ranks"},  # scaler: monitor.py's helper
+    "lightning_mp.master.plan": {"_state_for"},  # lean: master/step.py's helper
+    # needs public names in lean's master/generic.py (the generic step's slice and placeholder)
+    "lightning_mp.distributed.fsdp2_generic": {"_Slice", "_placeholder"},
+}
+
+
+def test_no_module_imports_another_modules_private_names():
+    """``from lightning_mp.x import _name`` is a read of another module's private attribute too."""
+    found: dict[str, set[str]] = {}
+    for module, path in MODULES.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").startswith("lightning_mp")):
+                found.setdefault(module, set()).update(a.name for a in node.names if _private(a.name))
+    found = {module: names for module, names in found.items() if names}
+    assert found == OTHER_BRANCHES_PRIVATE_IMPORTS, found
