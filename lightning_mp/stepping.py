@@ -64,7 +64,8 @@ class OptimizerStep:
     Args:
         scaler: the loss scaler (``None``: no scaling and no check).
         masters: the master weights (``None``: the model's own parameters are updated).
-        plugin: what skip observers receive as ``plugin=`` (the precision plugin that owns this step).
+        plugin: what skip observers receive as ``plugin=`` (the precision plugin that owns this step); opaque here,
+            so typed ``object``: the step uses nothing of it.
         follow_writes: called before every update: writes into the model since the last step reach the masters.
         sync: what the strategy needs at each step (:mod:`lightning_mp.distributed`; the plugin replaces it when it
             learns the strategy): the agreement on the flag across ranks.
@@ -81,7 +82,7 @@ class OptimizerStep:
         self,
         scaler: Optional[DynamicLossScaler],
         masters: Optional[PlainWeights],
-        plugin: Any,
+        plugin: object,
         follow_writes: Callable[[], None],
         sync: Any,
     ) -> None:

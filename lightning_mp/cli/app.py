@@ -31,13 +31,13 @@ from lightning_mp.cli.checks import (
     class_spec,
 )
 from lightning_mp.cli.choice import (
-    _OURS,
-    _PLUGIN_DEFAULTS,
-    _PLUGIN_OPTIONS,
+    OUR_PRECISIONS,
+    PLUGIN_DEFAULTS,
+    PLUGIN_OPTIONS,
     PrecisionChoice,
-    _has_our_plugin,
-    _plain,
     choose_precision,
+    has_our_plugin,
+    plain_arguments,
 )
 from lightning_mp.cli.errors import explain_parse_error, missing_extra, one_line
 from lightning_mp.cli.report import StepsThisRun, effective_config_yaml, fit_summary, pop_print_config
@@ -132,7 +132,7 @@ class MixedPrecisionCLI(LightningCLI):
         choice = self.precision_choice = choose_precision(
             trainer.get("precision"), trainer.get("accelerator"), trainer.get("plugins"), self._plugin_options()
         )
-        if choice.plugin is not None or _has_our_plugin(trainer.get("plugins")):
+        if choice.plugin is not None or has_our_plugin(trainer.get("plugins")):
             asked = f"trainer.precision={choice.requested!r}" if choice.plugin is not None else "trainer.plugins"
             check_strategy(trainer.get("strategy"), asked)
         check_monitor_options({k: v for k, v in self._monitor_options().items() if k != "enabled"})
@@ -152,7 +152,7 @@ class MixedPrecisionCLI(LightningCLI):
                     dumped,
                     self.subcommand,
                     self.precision_choice,
-                    _PLUGIN_DEFAULTS,
+                    PLUGIN_DEFAULTS,
                     skip_none="skip_null" in print_flags,
                 )
             )
@@ -181,11 +181,11 @@ class MixedPrecisionCLI(LightningCLI):
         )
 
     def _monitor_options(self) -> dict[str, Any]:
-        return dict(_plain(self._get(self.config, "precision_monitor") or {}))
+        return dict(plain_arguments(self._get(self.config, "precision_monitor") or {}))
 
     def _plugin_options(self) -> dict[str, Any]:
         section = self._get(self.config, "mixed_precision") or {}
-        return {key: _plain(section[key]) for key in _PLUGIN_OPTIONS if key in section}
+        return {key: plain_arguments(section[key]) for key in PLUGIN_OPTIONS if key in section}
 
     def _check_ckpt_path(self) -> None:
         # after the model is built, before the Trainer does any work with the checkpoint
@@ -247,7 +247,7 @@ class MixedPrecisionCLI(LightningCLI):
             config.get("precision"), config.get("accelerator"), config.get("plugins"), self._plugin_options()
         )
         config = dict(config)
-        if str(config.get("precision")) in _OURS:
+        if str(config.get("precision")) in OUR_PRECISIONS:
             config["precision"] = None  # replaced by our plugin, or fp32 where the CPU fallback chose it
         if choice.warning:
             rank_zero_warn(choice.warning)

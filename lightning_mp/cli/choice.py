@@ -56,8 +56,10 @@ class PrecisionChoice:
         return f"{self.what(verb)}: {self.reason}"
 
 
-_OURS = {"16-mixed": "16-mixed", "16": "16-mixed", "bf16-mixed": "bf16-mixed", "bf16": "bf16-mixed"}
-_PLUGIN_OPTIONS = (
+#: ``trainer.precision`` values this plugin trains with, and the precision each means
+OUR_PRECISIONS = {"16-mixed": "16-mixed", "16": "16-mixed", "bf16-mixed": "bf16-mixed", "bf16": "bf16-mixed"}
+#: the ``mixed_precision`` options the CLI hands to the plugin, and their defaults
+PLUGIN_OPTIONS = (
     "scaler",
     "master_weights",
     "keep_norm_fp32",
@@ -66,7 +68,7 @@ _PLUGIN_OPTIONS = (
     "fp8",
     "optimizer_in_backward",
 )
-_PLUGIN_DEFAULTS = {
+PLUGIN_DEFAULTS = {
     "scaler": None,
     "master_weights": False,
     "keep_norm_fp32": True,
@@ -92,9 +94,9 @@ def choose_precision(
             that ``MixedPrecisionPlugin`` refuses (the message is the plugin's own).
     """
     precision = None if precision is None else str(precision)
-    changed = sorted(key for key, value in options.items() if value != _PLUGIN_DEFAULTS.get(key))
+    changed = sorted(key for key, value in options.items() if value != PLUGIN_DEFAULTS.get(key))
     given = _precision_plugins(plugins)
-    requested = _OURS.get(precision or "")
+    requested = OUR_PRECISIONS.get(precision or "")
     _validate_options(requested or "16-mixed", options, precision)
     if len(given) > 1:
         raise CLIConfigError(
@@ -150,12 +152,16 @@ def _validate_options(precision: str, options: dict[str, Any], flag: Optional[st
     try:
         MixedPrecisionPlugin(precision, **options)
     except (ValueError, TypeError) as err:
-        given = f"trainer.precision={flag!r}" if flag in _OURS else f"MixedPrecisionPlugin(precision={precision!r})"
-        changed = {key: value for key, value in options.items() if value != _PLUGIN_DEFAULTS.get(key)}
+        given = (
+            f"trainer.precision={flag!r}"
+            if flag in OUR_PRECISIONS
+            else f"MixedPrecisionPlugin(precision={precision!r})"
+        )
+        changed = {key: value for key, value in options.items() if value != PLUGIN_DEFAULTS.get(key)}
         raise CLIConfigError(f"mixed_precision options {changed} are refused with {given}: {err}") from err
 
 
-def _has_our_plugin(plugins: Any) -> bool:
+def has_our_plugin(plugins: Any) -> bool:
     """Whether ``trainer.plugins`` holds a MixedPrecisionPlugin (an instance, or a class spec of it or a subclass)."""
     for value in as_list(plugins):
         cls = type(value) if isinstance(value, Precision) else import_class((class_spec(value) or ("",))[0])
@@ -217,7 +223,7 @@ def cpu_has_native_bf16() -> bool:
 # ------------------------------------------------------------------------------------------ helpers
 
 
-def _plain(value: Any) -> Any:
+def plain_arguments(value: Any) -> Any:
     """jsonargparse hands a scaler mapping over as a class spec Namespace: back to a plain dict of arguments."""
     init_args = getattr(value, "init_args", None)
     if init_args is not None:

@@ -78,7 +78,7 @@ def _sentence(text: str) -> str:
     return text if text.endswith((".", "!", "?")) else text + "."
 
 
-def _numerics(plugin: Any, steps: int) -> str:
+def _numerics(plugin: object, steps: int) -> str:
     if not isinstance(plugin, MixedPrecisionPlugin):
         return "No MixedPrecisionPlugin: no loss scaling, no master weights."
     masters = "on (fp32 masters, half-precision model)" if plugin.master_weights else "off"

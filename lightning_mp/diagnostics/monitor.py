@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import TYPE_CHECKING, Any, Optional, Union
 
 import lightning as L
 import torch
@@ -36,6 +36,9 @@ from lightning_mp.diagnostics.underflow import (
 )
 from lightning_mp.fp8.stats import Fp8Sampler, sample_record
 from lightning_mp.scaler.settings import SETTING_NAMES
+
+if TYPE_CHECKING:  # observed, never imported at run time (the plugin hands itself to its skip observers)
+    from lightning_mp.plugin import MixedPrecisionPlugin
 
 #: ``sample_every=None``: sample every this many optimizer steps, lowered so a run of known length gets MIN_SAMPLES
 DEFAULT_SAMPLE_EVERY = 100
@@ -249,7 +252,7 @@ class PrecisionMonitor(L.Callback):
             logger.log_metrics(metrics, step=sample.step)
 
     # ------------------------------------------------------------------ skipped steps
-    def _on_skip(self, plugin: Any, optimizer: Any, model: Any) -> None:
+    def _on_skip(self, plugin: MixedPrecisionPlugin, optimizer: Any, model: Any) -> None:
         """Called by the plugin on a skipped step, before the scaler updates (see ``skip_observers``)."""
         trainer = model.trainer
         step = trainer.global_step
@@ -372,7 +375,7 @@ def _precision_of(trainer: L.Trainer) -> str:
     return "fp32"
 
 
-def with_skips_in_backward(record: OverflowRecord, plugin: Any) -> OverflowRecord:
+def with_skips_in_backward(record: OverflowRecord, plugin: MixedPrecisionPlugin) -> OverflowRecord:
     """``record`` naming the parameters whose update was skipped inside backward (``optimizer_in_backward=True``:
     their gradients are freed by then, so only the step's own report names them)."""
     steps = getattr(plugin, "steps", None)  # a MixedPrecisionPlugin's step owner

@@ -41,13 +41,16 @@ import contextlib
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 from torch import Tensor, nn
 
 from lightning_mp.diagnostics.history import OverflowRecord
 from lightning_mp.diagnostics.nonfinite import NonFiniteTrace, Origin
+
+if TYPE_CHECKING:  # observed, never imported at run time (the plugin's skip observers hand it over)
+    from lightning_mp.plugin import MixedPrecisionPlugin
 
 
 @dataclass
@@ -81,7 +84,9 @@ class OverflowLocaliser:
     def forget(self) -> None:
         self.window, self._window_closed = [], False
 
-    def localise(self, plugin: Any, optimizer: Any, model: Any, step: int, names: dict[int, str]) -> OverflowRecord:
+    def localise(
+        self, plugin: MixedPrecisionPlugin, optimizer: Any, model: Any, step: int, names: dict[int, str]
+    ) -> OverflowRecord:
         """Find where the skipped step's inf/NaN came from; see the module docstring.
 
         Every rank of a process group calls this on the same skipped step (the skip is agreed). The ranks replay in
@@ -183,7 +188,7 @@ def nonfinite_params(optimizer: Any, names: dict[int, str]) -> list[str]:
 class _Replay:
     """One micro-batch's forward and backward, run again with every side effect undone."""
 
-    def __init__(self, plugin: Any, model: Any, micro: MicroBatch, accumulate: int) -> None:
+    def __init__(self, plugin: MixedPrecisionPlugin, model: Any, micro: MicroBatch, accumulate: int) -> None:
         self.plugin, self.model, self.micro, self.accumulate = plugin, model, micro, accumulate
         self.device = _device_of(model)
 
@@ -225,7 +230,7 @@ def _loss_of(output: Any) -> Optional[Tensor]:
     return output if isinstance(output, Tensor) else None
 
 
-def _precision_context(plugin: Any, fp32: bool) -> contextlib.AbstractContextManager:
+def _precision_context(plugin: MixedPrecisionPlugin, fp32: bool) -> contextlib.AbstractContextManager:
     if fp32:
         return torch.autocast(plugin.device_type, enabled=False)
     return plugin.train_step_context()
@@ -245,7 +250,7 @@ def _exact_pairs(masters: Any) -> Any:
 
 
 @contextlib.contextmanager
-def _fp32_weights(model: nn.Module, plugin: Any) -> Iterator[list[Tensor]]:
+def _fp32_weights(model: nn.Module, plugin: MixedPrecisionPlugin) -> Iterator[list[Tensor]]:
     """A half model (master weights) runs with its fp32 values; yields the tensors to differentiate.
 
     The fp32 masters are put in the modules' parameter slots (``module._parameters[name]``, a tied parameter in

@@ -47,7 +47,7 @@ from torch.nn import Module
 from torch.nn.parallel import DistributedDataParallel
 
 from lightning_mp.distributed import ddp_in_backward
-from lightning_mp.distributed.sync import ProcessGroupSync, world_size
+from lightning_mp.distributed.sync import ProcessGroupSync, StrategyPlugin, world_size
 
 
 class DDPSync(ProcessGroupSync):
@@ -68,7 +68,7 @@ class DDPSync(ProcessGroupSync):
         self._lean: Optional[_LeanSums] = None
         self._updates: Optional[ddp_in_backward.BucketUpdates] = None  # optimizer_in_backward: the comm hook's state
 
-    def connect(self, model: Module, plugin: Any) -> None:
+    def connect(self, model: Module, plugin: StrategyPlugin) -> None:
         if not isinstance(model, DistributedDataParallel):
             return  # validate / test / predict: Lightning does not wrap, there are no gradients to reduce
         self.group = model.process_group

@@ -92,7 +92,7 @@ def hand_over(state: BucketUpdates, in_backward: Any) -> None:
     held = {id(p) for group in in_backward.optimizer.param_groups for p in group["params"]}
     left_out = [p for p in managed if p.requires_grad and id(p) not in held]
     if left_out:  # a gradient nobody frees would make DDP write its bucket back over the updated ones' (measured)
-        names = ", ".join(in_backward._name(p) for p in left_out[:5])
+        names = ", ".join(in_backward.names.get(id(p), f"parameter {tuple(p.shape)}") for p in left_out[:5])
         raise ValueError(
             f"MixedPrecisionPlugin(optimizer_in_backward=True) under DDP needs every parameter DDP reduces in the "
             f"optimizer, but {len(left_out)} that require grad are not ({names}{', ...' if len(left_out) > 5 else ''})"

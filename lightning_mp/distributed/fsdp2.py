@@ -26,10 +26,10 @@ from torch.nn import Module
 from lightning_mp.distributed import fsdp2_in_backward
 from lightning_mp.distributed.fsdp2_lean import ShardedRemainderMasters
 from lightning_mp.distributed.shard import fsdp_param_groups
-from lightning_mp.distributed.sync import ProcessGroupSync
+from lightning_mp.distributed.sync import PluginDtypes, ProcessGroupSync, StrategyPlugin
 
 
-def mixed_precision_policy(plugin: Any, name: str = "", module: Optional[Module] = None) -> Any:
+def mixed_precision_policy(plugin: PluginDtypes, name: str = "", module: Optional[Module] = None) -> Any:
     """The ``torch.distributed.fsdp.MixedPrecisionPolicy`` that matches ``plugin``, for ``fully_shard``.
 
     - ``master_weights=True`` or ``"remainder"``: ``param_dtype`` is the plugin's half dtype (compute in half; fp32
@@ -90,7 +90,7 @@ class FSDP2Sync(ProcessGroupSync):
         # a step inside backward made after connect (an optimizer swapped mid-fit): its skips agreed per shard too
         fsdp2_in_backward.register(in_backward, self.device, self.group)
 
-    def connect(self, model: Module, plugin: Any) -> None:
+    def connect(self, model: Module, plugin: StrategyPlugin) -> None:
         if not plugin.master_weights:
             return
         if plugin.steps.in_backward is not None:  # the step inside backward: skips agreed per shard

@@ -20,13 +20,16 @@ torch.Tensor and DTensor``.
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Optional
+from typing import TYPE_CHECKING, Any, Iterable, Optional
 
 from torch.nn import Module
 
+if TYPE_CHECKING:
+    from lightning_mp.distributed.sync import PluginDtypes, StrategyPlugin
+
 
 def fsdp2_shard(
-    plugin: Any,
+    plugin: StrategyPlugin,
     module: Module,
     blocks: Iterable[Module] = (),
     root: Optional[Module] = None,
@@ -86,7 +89,7 @@ def fsdp2_shard(
     return module
 
 
-def _outermost(root: Module, prefix: str, plugin: Any) -> list[tuple[str, Module]]:
+def _outermost(root: Module, prefix: str, plugin: PluginDtypes) -> list[tuple[str, Module]]:
     """Submodules of ``root`` with parameters that the plugin keeps in fp32, not inside another one, innermost
     first; names qualified with ``prefix`` (the root's name in the LightningModule)."""
     kept: list[tuple[str, Module]] = []

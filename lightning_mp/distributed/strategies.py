@@ -33,7 +33,7 @@ from lightning_mp.distributed.ddp import DDPSync
 from lightning_mp.distributed.deepspeed import refuse_deepspeed
 from lightning_mp.distributed.fsdp1 import refuse_fsdp1
 from lightning_mp.distributed.fsdp2 import FSDP2Sync
-from lightning_mp.distributed.sync import GradientSync, ProcessGroupSync
+from lightning_mp.distributed.sync import GradientSync, ProcessGroupSync, StrategyPlugin
 from lightning_mp.standalone import lightning_isinstance
 
 #: Strategies under which ``master_weights=True`` is supported.
@@ -46,7 +46,7 @@ _FSDP2 = (ModelParallelStrategy, fabric.ModelParallelStrategy)
 _KNOWN = _SINGLE + _DDP + _FSDP2
 
 
-def sync_for(strategy: Any, plugin: Any) -> GradientSync:
+def sync_for(strategy: Any, plugin: StrategyPlugin) -> GradientSync:
     """The :class:`GradientSync` for ``strategy``, a Trainer's or a Fabric's (``None``: the plugin is used alone).
 
     Raises:

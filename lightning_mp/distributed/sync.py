@@ -11,11 +11,51 @@ and holds the same scale, even when a user hook wrote an inf into one rank's alr
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional, Protocol
 
 import torch
 from torch import Tensor
 from torch.nn import Module
+
+if TYPE_CHECKING:  # the plugin imports this package: its parts are named here only for type checking
+    from lightning_mp.fp8.convert import Fp8Training
+    from lightning_mp.master import MasterWeights
+    from lightning_mp.stepping import OptimizerStep
+
+
+class PluginDtypes(Protocol):
+    """What the FSDP2 policy reads of :class:`~lightning_mp.MixedPrecisionPlugin` (which imports this package, so
+    it is named by what it offers): its dtypes and which modules keep fp32 parameters."""
+
+    dtype: torch.dtype
+    reduce_dtype: torch.dtype
+
+    @property
+    def master_weights(self) -> bool: ...
+
+    def params_stay_fp32(self, name: str, module: Module) -> bool: ...
+
+
+class StrategyPlugin(PluginDtypes, Protocol):
+    """What the strategies' parts (:class:`GradientSync` ``connect``, :func:`~lightning_mp.distributed.sync_for`,
+    :func:`~lightning_mp.distributed.shard.fsdp2_shard`) use of :class:`~lightning_mp.MixedPrecisionPlugin`: its
+    dtypes, its parts (step owner, masters, fp8) and the policy's entry points."""
+
+    precision: str
+    optimizer_in_backward: bool
+    steps: OptimizerStep
+    fp8: Optional[Fp8Training]
+
+    @property
+    def masters(self) -> Optional[MasterWeights]: ...
+
+    def keeps_fp32(self, name: str, module: Module) -> bool: ...
+
+    def resolve_policy(self, module: Module) -> None: ...
+
+    def fp8_convert(self, module: Module) -> Module: ...
+
+    def fsdp2_policy(self, name: str = "", module: Optional[Module] = None) -> Any: ...
 
 
 class GradientSync:
@@ -33,7 +73,7 @@ class GradientSync:
         sharded; here: the plugin's own, or the one a sharded store was made from)."""
         return getattr(masters, "single_device", masters)
 
-    def connect(self, model: Module, plugin: Any) -> None:
+    def connect(self, model: Module, plugin: StrategyPlugin) -> None:
         """Called from the plugin's ``connect`` with what the strategy hands it (a wrapper, for DDP)."""
 
     def before_backward(self) -> None:

@@ -3,13 +3,38 @@ See :mod:`lightning_mp.fabric`."""
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional, Protocol
 
 from torch import Tensor
 from torch.nn import Module
 from torch.optim import Optimizer
 
 from lightning_mp.schedulers import guard_scheduler
+
+if TYPE_CHECKING:
+    from lightning_mp.fp8.convert import Fp8Training
+    from lightning_mp.master import MasterWeights
+    from lightning_mp.stepping import OptimizerStep
+
+
+class DrivenPlugin(Protocol):
+    """What a :class:`FabricDriver` uses of :class:`~lightning_mp.MixedPrecisionPlugin` (which imports this module,
+    so it is named by what it offers): its parts (step owner, masters, fp8) and the calls the Trainer would make
+    (``connect``, following the model's writes, the checkpoint state)."""
+
+    optimizer_in_backward: bool
+    steps: OptimizerStep
+    fp8: Optional[Fp8Training]
+
+    @property
+    def masters(self) -> Optional[MasterWeights]: ...
+
+    def connect(self, model: Module, optimizers: list[Optimizer], lr_schedulers: list[Any]) -> Any: ...
+
+    def start_following_writes(self, model: Optional[Module] = None) -> None: ...
+
+    def load_state_dict(self, state_dict: dict[str, Any], source: Optional[str] = None) -> None: ...
+
 
 #: The strategy methods a Fabric-driven plugin wraps (on the strategy object, never on its class).
 WRAPPED = (
@@ -33,7 +58,7 @@ class FabricDriver:
             attributes, removed by :meth:`release`).
     """
 
-    def __init__(self, plugin: Any, strategy: Any) -> None:  # the plugin: not imported here (it imports this)
+    def __init__(self, plugin: DrivenPlugin, strategy: Any) -> None:
         self.plugin = plugin
         self.strategy = strategy
         self.module: Optional[Module] = None  # what the strategy's setup_module returned (a DDP wrapper, ...)

@@ -13,12 +13,12 @@ from torch import Tensor
 from torch.nn import Module
 from torch.optim import Optimizer
 
-from lightning_mp.fabric.driver import FabricDriver
+from lightning_mp.fabric.driver import DrivenPlugin, FabricDriver
 from lightning_mp.standalone import lightning_isinstance
 from lightning_mp.stepping import OptimizerStep, has_grads
 
 
-def fabric_calling(plugin: Any, frames: int = 8) -> Any:
+def fabric_calling(plugin: object, frames: int = 8) -> Any:
     """The ``lightning.fabric.Fabric`` (or ``lightning_fabric.Fabric``) whose method called into ``plugin`` (searched
     ``frames`` frames up) and whose precision plugin ``plugin`` is; ``None`` when there is none (a Trainer, or a hook
     called by hand)."""
@@ -127,7 +127,7 @@ LEAN_FSDP2_ORDER = (
 )
 
 
-def refuse_lean_fsdp2_before_sharding(plugin: Any, strategy: Any, module: Module) -> None:
+def refuse_lean_fsdp2_before_sharding(plugin: DrivenPlugin, strategy: Any, module: Module) -> None:
     """Raise :data:`LEAN_FSDP2_ORDER` for lean masters under Fabric's FSDP2 when ``module`` has no FSDP2 module."""
     from lightning.fabric.strategies import ModelParallelStrategy
     from torch.distributed.fsdp import FSDPModule

@@ -15,13 +15,26 @@ model computes with: bf16 with ``master_weights`` (the masters stay exact), fp32
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional, Protocol
 
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 
 from lightning_mp.fp8.config import Fp8Spec, fp8_mode, import_float8, linear_config, recipe_of, validate_fp8
+
+if TYPE_CHECKING:
+    from lightning_mp.policy import CastPolicy
+
+
+class PolicySource(Protocol):
+    """What :meth:`Fp8Training.convert` reads of :class:`~lightning_mp.MixedPrecisionPlugin` (which imports this
+    module, so it is named by what it offers): the cast policy in effect and which modules it keeps in fp32."""
+
+    @property
+    def effective_policy(self) -> CastPolicy: ...
+
+    def keeps_fp32(self, name: str, module: nn.Module) -> bool: ...
 
 
 @dataclass(frozen=True)
@@ -67,7 +80,7 @@ class Fp8Training:
         return [layer.name for layer in self.layers if layer.converted]
 
     # ------------------------------------------------------------------ setup
-    def convert(self, module: nn.Module, plugin: Any, strategy: Any = None) -> nn.Module:
+    def convert(self, module: nn.Module, plugin: PolicySource, strategy: Any = None) -> nn.Module:
         """Convert the eligible layers of ``module`` in place (layers converted before stay so), log the table.
 
         Raises:
