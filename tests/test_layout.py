@@ -327,16 +327,6 @@ def _cross_module_private_reads() -> tuple[dict[str, set[str]], set[str]]:
 
 # owned by another branch of issue 45; emptied at merge
 OTHER_BRANCHES_PRIVATE_READS = {
-    # scaler: the scaler's counters written by its device side and settings; the monitor's fields read by Fabric's
-    "lightning_mp.scaler_device": {
-        "_consecutive_skips",
-        "_growth_tracker",
-        "_hysteresis_tracker",
-        "_scale_value",
-        "_skipped_steps",
-    },
-    "lightning_mp.settings": {"_scale_value"},
-    "lightning_mp.diagnostics.fabric_monitor": {"_every", "_fill_scale_after", "_localiser", "_names"},
     # lean: the store's staging and generic steps read by the lean update's callers
     "lightning_mp.master.generic": {"_staging"},
     "lightning_mp.master.in_backward.hooks": {"_generic", "_staging"},
@@ -408,7 +398,6 @@ def test_the_plugins_protocols_name_members_the_plugin_has_with_their_signatures
 
 # owned by another branch of issue 45; emptied at merge
 OTHER_BRANCHES_PRIVATE_IMPORTS = {
-    "lightning_mp.diagnostics.fabric_monitor": {"_merged_across_ranks"},  # scaler: monitor.py's helper
     "lightning_mp.master.plan": {"_state_for"},  # lean: master/step.py's helper
     # needs public names in lean's master/generic.py (the generic step's slice and placeholder)
     "lightning_mp.distributed.fsdp2_generic": {"_Slice", "_placeholder"},
@@ -426,12 +415,8 @@ def test_no_module_imports_another_modules_private_names():
     assert found == OTHER_BRANCHES_PRIVATE_IMPORTS, found
 
 
-# owned by another branch of issue 45 (scaler: the monitors' Fabric interface); emptied at merge
-OTHER_BRANCHES_PLUGIN_ANY = {"lightning_mp.diagnostics.monitor": 1, "lightning_mp.diagnostics.fabric_monitor": 2}
-
-
 def test_the_plugin_is_never_typed_any():
     """The parts handed the plugin name it: its class, ``object`` where they only pass it on, or a Protocol of what
     they use where its class would be an import cycle."""
     found = {name: path.read_text().count("plugin: Any") for name, path in MODULES.items()}
-    assert {name: count for name, count in found.items() if count} == OTHER_BRANCHES_PLUGIN_ANY
+    assert {name: count for name, count in found.items() if count} == {}

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any, Callable, Optional, Union
+from typing import TYPE_CHECKING, Any, Callable, Optional, Union
 
 import torch
 from torch import nn
@@ -38,6 +38,9 @@ from lightning_mp.diagnostics.monitor import (
     with_skips_in_backward,
 )
 from lightning_mp.diagnostics.overflow import nonfinite_params
+
+if TYPE_CHECKING:  # observed, never imported at run time
+    from lightning_mp.plugin import MixedPrecisionPlugin
 from lightning_mp.diagnostics.underflow import (
     grouped_stats,
     names_of_params,
@@ -86,7 +89,7 @@ class FabricPrecisionMonitor:
         self._suffix: Optional[str] = None
         self.step = 0
         self.report_files: Any = None
-        self._plugin: Any = None
+        self._plugin: Optional[MixedPrecisionPlugin] = None
         self._step_module: Optional[_FabricStep] = None
         self._device = torch.device("cpu")
         self._rank_zero = True
@@ -163,7 +166,7 @@ class FabricPrecisionMonitor:
         scale = float(scaler.scale) if scaler is not None and not scaler.check_only else 1.0
         self.history.samples.append(LayerSample(self.step, scale, "param_grads", layers, param_rows))
 
-    def _on_skip(self, plugin: Any, optimizer: Any, model: Any) -> None:
+    def _on_skip(self, plugin: MixedPrecisionPlugin, optimizer: Any, model: Any) -> None:
         """The plugin calls this on a skipped step, before the scaler updates."""
         self.history.skipped.append(self.step)
         self.monitor.fill_scale_after(float(plugin.scaler.scale))

@@ -106,7 +106,7 @@ class PrecisionMonitor(L.Callback):
         self._activations = ActivationGradStats()
         self._fp8 = Fp8Sampler()  # --- fp8 casts of converted layers, on sampled steps (lightning_mp.fp8.stats)
         self._names: dict[int, str] = {}
-        self._plugin: Any = None
+        self._plugin: Optional[MixedPrecisionPlugin] = None
         self._sampling = False
         self._sampled_bucket = -1
         self._overflow_counts: dict[str, int] = {}
@@ -312,7 +312,7 @@ class PrecisionMonitor(L.Callback):
         """The optimizer step of the remembered batches ran (or was skipped): the next batch starts a new window."""
         self._localiser.step_decided()
 
-    def localise(self, plugin: Any, optimizer: Any, model: Any, step: int) -> OverflowRecord:
+    def localise(self, plugin: MixedPrecisionPlugin, optimizer: Any, model: Any, step: int) -> OverflowRecord:
         """Replay the remembered batches of skipped step ``step`` on ``model`` to find the module, phase and op where
         the inf/NaN was born (:class:`~lightning_mp.diagnostics.overflow.OverflowLocaliser`)."""
         return self._localiser.localise(plugin, optimizer, model, step, self._names)
