@@ -4,7 +4,7 @@
     python benchmarks/lean_generic_skip.py --params 1 --record   # 1M parameters; append the table to HISTORY.md
 
 ``master_weights="remainder"`` with an optimizer that is not torch's AdamW/Adam/SGD runs its ``step()`` on fp32
-slices, chunk by chunk (:mod:`lightning_mp.master.generic`). With a found-inf flag it either reads the flag on the
+slices, chunk by chunk (:mod:`lightning_mp.master.lean.generic`). With a found-inf flag it either reads the flag on the
 host (one synchronisation, then the plain step: ``host``), or masks each chunk's write-back on the device (copies of
 the chunk's optimizer state and fp32 values before, ``torch.where`` after: ``device``, finite flag; ``device, skip``,
 a nonzero flag). Options are interleaved round by round (every option once per round, the median over rounds is

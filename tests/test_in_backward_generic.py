@@ -1,5 +1,5 @@
 """``optimizer_in_backward=True`` with any optimizer: its own ``step()`` on each parameter's fp32 slices inside
-backward (:meth:`GenericChunkedStep.step_params <lightning_mp.master.generic.GenericChunkedStep.step_params>`).
+backward (:meth:`GenericChunkedStep.step_params <lightning_mp.master.lean.generic.GenericChunkedStep.step_params>`).
 
 The reference of every run is the normal lean step (``optimizer_in_backward=False``) with the same optimizer, model,
 data and seed: the fp32 weights a checkpoint holds and the optimizer's ``state_dict()`` (tensor subclasses: their
@@ -21,7 +21,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_mp import MixedPrecisionPlugin
-from lightning_mp.master.skip_mask import leaves_of
+from lightning_mp.master.lean.generic import leaves_of
 from tests.helpers import make_trainer, seeded
 
 

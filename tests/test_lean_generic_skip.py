@@ -1,4 +1,4 @@
-"""The generic lean-masters path (any optimizer, :mod:`lightning_mp.master.generic`) skips a non-finite step on the
+"""The generic lean-masters path (any optimizer, :mod:`lightning_mp.master.lean.generic`) skips a non-finite step on the
 device by a masked write-back: no host synchronisation, and every bit (weights, remainders, fp32 parameters,
 optimizer state, group counters) as a skip decided on the host leaves it; finite steps bitwise the optimizer's own.
 
@@ -18,7 +18,7 @@ from torch import nn
 from torch.overrides import _pop_mode_temporarily
 
 from lightning_mp.master import RemainderMasters
-from lightning_mp.master.skip_mask import leaves_of as _leaves
+from lightning_mp.master.lean.generic import leaves_of as _leaves
 from tests.helpers import HostSyncCounter, seeded
 
 FLAGS = [1, 0, 0, 1, 0, 0, 1, 0]  # a skip before any state exists, then finite and skipped steps

@@ -166,7 +166,7 @@ def test_a_released_block_is_freed_though_step_plans_gave_its_addresses_to_the_k
     import weakref
 
     from lightning_mp.kernels import native
-    from lightning_mp.master import onepass
+    from lightning_mp.master.lean import onepass
 
     if native.cpu_kernel() is None:
         pytest.skip("the step plans need the compiled CPU kernel (no C compiler here)")

@@ -13,7 +13,8 @@ from torch import nn
 
 from lightning_mp.kernels import contract, native
 from lightning_mp.kernels.bits import join_fp32, split_fp32
-from lightning_mp.master import RemainderMasters, onepass
+from lightning_mp.master import RemainderMasters
+from lightning_mp.master.lean import onepass
 
 # tensor sizes: vector body only, tail only (< 8), body + tail, several threads' units (> native.GRAIN)
 SIZES = [64, 7, 1003, native.GRAIN * 2 + 13]

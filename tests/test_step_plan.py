@@ -1,4 +1,4 @@
-"""The step plan of the one-pass lean update (lightning_mp.master.plan): made once, replayed each step with nothing
+"""The step plan of the one-pass lean update (lightning_mp.master.lean.plan): made once, replayed each step with nothing
 but the gradients' addresses, rebuilt when what it recorded changes, and bitwise torch's fused optimizer throughout.
 
 Reference: torch's own ``fused=True`` optimizer on fp32 parameters holding the exact values, given the same
@@ -14,7 +14,8 @@ import torch
 from torch import nn
 
 from lightning_mp.kernels import native
-from lightning_mp.master import RemainderMasters, onepass
+from lightning_mp.master import RemainderMasters
+from lightning_mp.master.lean import onepass
 from tests.helpers import AtenOps, seeded
 
 
@@ -180,7 +181,7 @@ def test_the_cuda_plan_launches_what_a_fresh_table_would_under_tritons_interpret
 
 def _fresh_step(store, optimizer, update):
     """What the CUDA one-pass update did before plans: every row and step list made again for this step."""
-    from lightning_mp.master.step import _state_for
+    from lightning_mp.master.lean.chunked import _state_for
 
     group = optimizer.param_groups[0]
     params = [p for p in group["params"] if p.grad is not None]

@@ -1,6 +1,6 @@
 """Any optimizer on lean master weights under FSDP2: the generic chunked path on whole local shards.
 
-:class:`~lightning_mp.master.generic.GenericChunkedStep` runs the optimizer's own ``step()`` on fp32 *proxy*
+:class:`~lightning_mp.master.lean.generic.GenericChunkedStep` runs the optimizer's own ``step()`` on fp32 *proxy*
 parameters. Under FSDP2 (:class:`~lightning_mp.distributed.fsdp2_lean.ShardedRemainderMasters`) each proxy is one
 whole parameter, a ``DTensor`` sharded like it (same mesh, placements, global shape and stride) whose local tensor
 is, during a step, this rank's exact fp32 shard (bf16 shard joined with its remainder in the staging buffer; for a
@@ -17,7 +17,7 @@ parameter kept in fp32, the parameter's own local shard) and, between steps, a z
   empty optimizer before a distributed checkpoint is loaded into it, with zero gradients and ``lr`` 0) goes through
   the same proxies, so that state is made as the plugin's steps make it, not on the bf16 parameters.
 
-Exactness: as :mod:`lightning_mp.master.generic` (the optimizer's own update of fp32 shards holding the exact
+Exactness: as :mod:`lightning_mp.master.lean.generic` (the optimizer's own update of fp32 shards holding the exact
 values; an optimizer that treats elements independently gives what it gives on FSDP2's fp32 shards). Transient
 memory: a proxy is a whole local shard, so a step stages ``max(chunk_size, largest local shard)`` fp32 values and
 gradients (8 bytes each), not more.
@@ -30,8 +30,8 @@ from typing import Any, Optional
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from lightning_mp.master.generic import GenericChunkedStep, _placeholder, _Slice
-from lightning_mp.master.step import local_of
+from lightning_mp.master.lean.generic import GenericChunkedStep, _placeholder, _Slice
+from lightning_mp.master.lean.chunked import local_of
 
 
 class _ShardSlice(_Slice):
@@ -66,7 +66,7 @@ def _like(param: Tensor, local: Tensor) -> Tensor:
 
 
 class ShardedGenericStep(GenericChunkedStep):
-    """:class:`~lightning_mp.master.generic.GenericChunkedStep` with one ``DTensor`` proxy per sharded parameter
+    """:class:`~lightning_mp.master.lean.generic.GenericChunkedStep` with one ``DTensor`` proxy per sharded parameter
     (see module doc)."""
 
     def __init__(self, optimizer: Optimizer, store: Any, chunk_size: int) -> None:

@@ -4,7 +4,7 @@
 :mod:`lightning_mp.master.blocks`); a parallel int16 buffer holds, per element, the low 16 bits that the bf16
 rounding dropped (see :mod:`lightning_mp.kernels.bits`: every non-NaN fp32 value is its bf16 half plus this
 remainder, bit for bit). No fp32 copy of the model exists between steps; the step (:meth:`~RemainderMasters.step`)
-joins them in one pass (:mod:`~lightning_mp.master.onepass`) or one chunk at a time.
+joins them in one pass (:mod:`~lightning_mp.master.lean.onepass`) or one chunk at a time.
 
 Memory at rest per trained bf16 parameter with AdamW: 2 (bf16 weight) + 2 (remainder) + 2 (bf16 gradient, between
 a backward and the step) + 8 (two fp32 moments) = 14 bytes, against 16 for an fp32 model and 18 for
@@ -28,15 +28,15 @@ from torch.optim import Optimizer
 
 from lightning_mp.kernels import native
 from lightning_mp.kernels.bits import JoinSplit
-from lightning_mp.master import onepass
+from lightning_mp.master.lean import onepass
 from lightning_mp.master.blocks import Blocks, join_by_chunks, split_by_chunks
 from lightning_mp.master.clipping import norm_and_factor
 from lightning_mp.master.flat import MasterWeights, is_norm
-from lightning_mp.master.generic import GenericChunkedStep
+from lightning_mp.master.lean.generic import GenericChunkedStep
 from lightning_mp.master.model_sync import materialise
 from lightning_mp.master.optimizer_state import check_params_belong, keep_fp32_state
-from lightning_mp.master.plan import Plans
-from lightning_mp.master.step import (
+from lightning_mp.master.lean.plan import Plans
+from lightning_mp.master.lean.chunked import (
     FUSED_UNIT,
     Staging,
     apply_grad_ops_in_place,
@@ -61,7 +61,7 @@ class RemainderMasters(MasterWeights):
         keep_fp32: ``keep_fp32(qualified_name, module)`` is true for modules whose own parameters and buffers stay
             fp32 (default: :func:`~lightning_mp.master.is_norm`). They are trained in fp32, without remainder.
         chunk_size: elements per chunk of the update (a multiple of 32768; default ``None``: 2**18 on CPU, 2**25
-            on a GPU): the step's transient memory is about 12 bytes x ``chunk_size`` (:mod:`lightning_mp.master.step`).
+            on a GPU): the step's transient memory is about 12 bytes x ``chunk_size`` (:mod:`lightning_mp.master.lean.chunked`).
         accumulate_grads_in: dtype in which gradients of several backwards before one step add up:
             ``torch.float32`` (default, exact, 4 bytes per parameter while accumulating) or ``torch.bfloat16``
             (2 bytes, each sum rounded to bf16).
@@ -72,7 +72,7 @@ class RemainderMasters(MasterWeights):
 
     ``torch.optim.AdamW``, ``Adam`` and ``SGD`` are updated by torch's fused kernels on the lean state, bitwise as
     ``torch.optim.AdamW(..., fused=True)`` (etc.) would update fp32 parameters holding the exact values. Any other
-    optimizer runs on fp32 slices of the parameters, chunk by chunk (:mod:`lightning_mp.master.generic`).
+    optimizer runs on fp32 slices of the parameters, chunk by chunk (:mod:`lightning_mp.master.lean.generic`).
     """
 
     kind = option = "remainder"
@@ -309,7 +309,7 @@ class RemainderMasters(MasterWeights):
 
         ``found_inf``: a 0-dim float tensor on the device, nonzero when the step must be skipped (weights,
         remainders, optimizer state and step counters stay unchanged; without any host synchronisation for
-        AdamW/Adam/SGD, and for other optimizers where :mod:`~lightning_mp.master.generic` can mask the step);
+        AdamW/Adam/SGD, and for other optimizers where :mod:`~lightning_mp.master.lean.generic` can mask the step);
         ``None`` steps unconditionally. Clipping requested since the last step is applied here.
         """
         self.follow_groups()  # a group added after backward (on_before_optimizer_step)

@@ -26,7 +26,7 @@ import torch
 from lightning.pytorch.strategies import ModelParallelStrategy
 
 from lightning_mp import MixedPrecisionPlugin
-from lightning_mp.master.step import local_of
+from lightning_mp.master.lean.chunked import local_of
 from tests.distributed.common import GLOBAL_BATCH, Net, _full, finish, fit, loader, save, shard_net
 from tests.distributed.fsdp2_checks import POLICY, shard_net_whole, shard_with_fp32_head
 

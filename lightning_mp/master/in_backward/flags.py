@@ -27,7 +27,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from lightning_mp.master.step import local_of
+from lightning_mp.master.lean.chunked import local_of
 from lightning_mp.scaler_device import non_finite_check_and_unscale_
 
 #: ``agree(flag)``: the flag summed over the ranks (:func:`lightning_mp.distributed.sync.agree_found_inf`)

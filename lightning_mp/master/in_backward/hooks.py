@@ -4,10 +4,10 @@
 :class:`StepInBackward` registers ``Tensor.register_post_accumulate_grad_hook`` on every parameter of the one
 optimizer. During backward, once autograd has accumulated a parameter's gradient, its hook runs the lean update of
 that one parameter and sets ``param.grad = None``: for ``torch.optim.AdamW``, ``Adam`` and ``SGD``
-the one-parameter replay of the step plan (:mod:`lightning_mp.master.plan`; the same kernel, the same bits as the normal
+the one-parameter replay of the step plan (:mod:`lightning_mp.master.lean.plan`; the same kernel, the same bits as the normal
 step, which updates each tensor independently); for any other optimizer (torchao's ``AdamW8bit``, ...) its own
 ``step()`` on that parameter's fp32 slices (:meth:`GenericChunkedStep.step_params
-<lightning_mp.master.generic.GenericChunkedStep.step_params>`, per-group counters advanced once per step). An
+<lightning_mp.master.lean.generic.GenericChunkedStep.step_params>`, per-group counters advanced once per step). An
 optimizer whose ``step()`` needs a closure (``LBFGS``) is refused. No gradient outlives its update: at rest a bf16
 parameter costs 2 (weight) + 2 (remainder) + the optimizer state, 12 bytes with AdamW, about 6 with ``AdamW8bit``.
 Under DDP the gradient is final only after its bucket's all-reduce: the hooks are handed over to DDP's communication
@@ -20,7 +20,7 @@ non-finite loss skips every update of the step); each hook adds its own gradient
 gradient skips that parameter's update only). :meth:`StepInBackward.finish` reads nothing: the flags are read on the
 host only where the step's decision is needed there (:class:`lightning_mp.stepping.OptimizerStep`). Any
 other optimizer (the generic path) reads its parameter's flag on the host on a CPU (free); on a GPU it skips on the
-device by a masked write-back where :mod:`~lightning_mp.master.generic` can, else reads it: a synchronisation per
+device by a masked write-back where :mod:`~lightning_mp.master.lean.generic` can, else reads it: a synchronisation per
 parameter.
 
 A parameter's bf16 value is rewritten while backward still runs. Autograd has used it by then in every node that
@@ -39,14 +39,14 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_mp.kernels import native
-from lightning_mp.master import onepass
+from lightning_mp.master.lean import onepass
 from lightning_mp.master.in_backward.changes import UNDER_REDUCTION, GroupOptions, later_hooks, one_groups
 from lightning_mp.master.in_backward.flags import StepFlags
 from lightning_mp.master.in_backward.regions import PARTIAL, Regions
 from lightning_mp.master.in_backward.settings import OPTION, accumulation_schedule, refusal, trainer_grad_ops
 from lightning_mp.master.in_backward.zero_grads import ZeroGrads
-from lightning_mp.master.plan import StateSeen
-from lightning_mp.master.step import apply_grad_ops_in_place, check_states, fused_update, plan_chunks
+from lightning_mp.master.lean.plan import StateSeen
+from lightning_mp.master.lean.chunked import apply_grad_ops_in_place, check_states, fused_update, plan_chunks
 from lightning_mp.master.watched import GroupsSeen
 
 

@@ -44,7 +44,7 @@ from torch import Tensor
 from torch.optim import Adam, Optimizer
 
 from lightning_mp.kernels import native
-from lightning_mp.master.step import _state_for, check_state_tensor, fp32_zeros_like, local_of
+from lightning_mp.master.lean.chunked import _state_for, check_state_tensor, fp32_zeros_like, local_of
 
 _FP32 = torch.float32
 _GRAD_DTYPES = (torch.bfloat16, torch.float32)
@@ -81,7 +81,7 @@ class StateSeen:
     A :class:`StepPlan` keeps one over its stepped parameters (what it hands the kernel). The step inside backward,
     which lays out one plan per parameter in its hook, keeps one over all its parameters and asks :meth:`changed`
     before each backward: where anything changed, every state is checked first
-    (:func:`~lightning_mp.master.step.check_states`), so a refusal comes before any update of that backward."""
+    (:func:`~lightning_mp.master.lean.chunked.check_states`), so a refusal comes before any update of that backward."""
 
     def __init__(self) -> None:
         self.state: Any = None

@@ -1,12 +1,12 @@
 """The one-pass update of lean master weights: join, the optimizer's arithmetic and split in one compiled loop.
 
-For ``torch.optim.AdamW``, ``Adam`` and ``SGD`` (the optimizers :func:`~lightning_mp.master.step.uses_fused_kernel`
+For ``torch.optim.AdamW``, ``Adam`` and ``SGD`` (the optimizers :func:`~lightning_mp.master.lean.chunked.uses_fused_kernel`
 accepts), each element's bf16 weight, int16 remainder, gradient and optimizer state are read once and written once,
 by one kernel call per param group: on the CPU the C kernel of :mod:`lightning_mp.kernels.native` (compiled on first
 use, spread over ``torch.get_num_threads()`` threads), on CUDA the Triton kernel of
 :mod:`lightning_mp.kernels.cuda` (one launch per gradient dtype). What a group's call reads is laid out once, in
-its step plan (:mod:`lightning_mp.master.plan`), and replayed each step; the step inside backward replays one plan
-per parameter. The chunked path of :mod:`lightning_mp.master.step` (join into an fp32
+its step plan (:mod:`lightning_mp.master.lean.plan`), and replayed each step; the step inside backward replays one plan
+per parameter. The chunked path of :mod:`lightning_mp.master.lean.chunked` (join into an fp32
 buffer, torch's fused kernel, split back: about ten passes) remains the fallback, taken when the kernel cannot be
 built (one warning), on other devices, and for deferred clipping it does not express (see :func:`plan_grad_ops`).
 
@@ -35,8 +35,8 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_mp.kernels import native
-from lightning_mp.master.plan import Plans, Stale, StepPlan
-from lightning_mp.master.step import local_of
+from lightning_mp.master.lean.plan import Plans, Stale, StepPlan
+from lightning_mp.master.lean.chunked import local_of
 
 
 def plan_grad_ops(
@@ -68,9 +68,9 @@ def ready(
     optimizer: Optimizer, group: dict[str, Any], store: Any, grad_ops: list[tuple[str, Any]], param: Any = None
 ) -> Any:
     """The plan that :func:`step` will replay for ``group`` (or, with ``param``, that parameter's), when it exists,
-    still fits (:meth:`~lightning_mp.master.plan.StepPlan.fits`), no parameter of it gained a gradient and the
+    still fits (:meth:`~lightning_mp.master.lean.plan.StepPlan.fits`), no parameter of it gained a gradient and the
     kernel takes the clipping; else ``None``: that step lays out a plan (or takes the chunked path) and may refuse
-    state it meets, so a caller checks every state first (:func:`~lightning_mp.master.step.check_states`) to refuse
+    state it meets, so a caller checks every state first (:func:`~lightning_mp.master.lean.chunked.check_states`) to refuse
     before any update. Pass what it returns to :func:`step` as ``ready``: the plan is not checked twice."""
     plans = store.__dict__.get("step_plans")
     key, owner, params = (id(group), group, group["params"]) if param is None else (id(param), param, [param])
@@ -112,7 +112,7 @@ def step(
     ready: Any = None,
 ) -> bool:
     """One step of ``group`` (or, with ``param``, of that one parameter of it: the step inside backward) on the lean
-    state, in one pass, by its :class:`~lightning_mp.master.plan.StepPlan` (made on the first step and whenever it
+    state, in one pass, by its :class:`~lightning_mp.master.lean.plan.StepPlan` (made on the first step and whenever it
     no longer fits); fp32 parameters (no remainder) go through torch's own fused kernel in place. ``found``: a 0-dim
     fp32 tensor on the parameters' device, or ``None``. ``False`` (nothing done): the chunked path must take it (no
     kernel for these parameters, clipping the kernel does not express, gradients neither bf16 nor fp32)."""
