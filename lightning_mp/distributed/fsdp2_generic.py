@@ -30,8 +30,8 @@ from typing import Any, Optional
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from lightning_mp.master.lean.generic import GenericChunkedStep, _placeholder, _Slice
 from lightning_mp.master.lean.chunked import local_of
+from lightning_mp.master.lean.generic import GenericChunkedStep, _placeholder, _Slice
 
 
 class _ShardSlice(_Slice):

@@ -28,14 +28,10 @@ from torch.optim import Optimizer
 
 from lightning_mp.kernels import native
 from lightning_mp.kernels.bits import JoinSplit
-from lightning_mp.master.lean import onepass
 from lightning_mp.master.blocks import Blocks, join_by_chunks, split_by_chunks
 from lightning_mp.master.clipping import norm_and_factor
 from lightning_mp.master.flat import MasterWeights, is_norm
-from lightning_mp.master.lean.generic import GenericChunkedStep
-from lightning_mp.master.model_sync import materialise
-from lightning_mp.master.optimizer_state import check_params_belong, keep_fp32_state
-from lightning_mp.master.lean.plan import Plans
+from lightning_mp.master.lean import onepass
 from lightning_mp.master.lean.chunked import (
     FUSED_UNIT,
     Staging,
@@ -45,6 +41,10 @@ from lightning_mp.master.lean.chunked import (
     plan_chunks,
     uses_fused_kernel,
 )
+from lightning_mp.master.lean.generic import GenericChunkedStep
+from lightning_mp.master.lean.plan import Plans
+from lightning_mp.master.model_sync import materialise
+from lightning_mp.master.optimizer_state import check_params_belong, keep_fp32_state
 
 #: Default chunk per device type: 2**18 elements on CPU (3 MiB of fp32 transients per step: the eager join and split
 #: stay in cache; measured in benchmarks/lean_step.py), 2**25 on GPUs (384 MiB: a chunk's dozen kernel launches must

@@ -39,14 +39,14 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_mp.kernels import native
-from lightning_mp.master.lean import onepass
 from lightning_mp.master.in_backward.changes import UNDER_REDUCTION, GroupOptions, later_hooks, one_groups
 from lightning_mp.master.in_backward.flags import StepFlags
 from lightning_mp.master.in_backward.regions import PARTIAL, Regions
 from lightning_mp.master.in_backward.settings import OPTION, accumulation_schedule, refusal, trainer_grad_ops
 from lightning_mp.master.in_backward.zero_grads import ZeroGrads
-from lightning_mp.master.lean.plan import StateSeen
+from lightning_mp.master.lean import onepass
 from lightning_mp.master.lean.chunked import apply_grad_ops_in_place, check_states, fused_update, plan_chunks
+from lightning_mp.master.lean.plan import StateSeen
 from lightning_mp.master.watched import GroupsSeen
 
 

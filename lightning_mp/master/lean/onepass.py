@@ -35,8 +35,8 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_mp.kernels import native
-from lightning_mp.master.lean.plan import Plans, Stale, StepPlan
 from lightning_mp.master.lean.chunked import local_of
+from lightning_mp.master.lean.plan import Plans, Stale, StepPlan
 
 
 def plan_grad_ops(
