@@ -16,6 +16,7 @@ from torch import nn
 from lightning_mp.kernels import native
 from lightning_mp.master import RemainderMasters
 from lightning_mp.master.lean import onepass
+from lightning_mp.master.lean.optimizers import entry_for
 from tests.helpers import AtenOps, seeded
 
 
@@ -137,10 +138,10 @@ def test_a_replayed_step_issues_no_op_but_the_fp32_parameters_kernel(optimizer_c
     lean, fp32 = model[0].weight, model[1].weight
     for param in (lean, fp32):  # the step inside backward: one-parameter groups, a plan per parameter
         one = {**group, "params": [param]}
-        assert onepass.step(optimizer, one, store, [], found, param)
+        assert onepass.run(optimizer, entry_for(optimizer), one, store.step_plans, store, [], found, param)
         param.grad = torch.randn(param.shape, generator=generator).to(param.dtype)
         with AtenOps() as counted:
-            assert onepass.step(optimizer, one, store, [], found, param)
+            assert onepass.run(optimizer, entry_for(optimizer), one, store.step_plans, store, [], found, param)
         assert counted.ops == ([] if param is lean else [kernel])
 
 
@@ -181,11 +182,11 @@ def test_the_cuda_plan_launches_what_a_fresh_table_would_under_tritons_interpret
 
 def _fresh_step(store, optimizer, update):
     """What the CUDA one-pass update did before plans: every row and step list made again for this step."""
-    from lightning_mp.master.lean.chunked import _state_for
+    from lightning_mp.master.lean.optimizers import ADAM, state_for
 
     group = optimizer.param_groups[0]
     params = [p for p in group["params"] if p.grad is not None]
-    states = [_state_for(optimizer, p, ("exp_avg", "exp_avg_sq")) for p in params]
+    states = [state_for(ADAM, optimizer, p, group) for p in params]
     torch._foreach_add_([s["step"] for s in states], 1)
     options = dict(kind=native.ADAMW, amsgrad=False, maximize=False, lr=1e-2, beta1=0.9, beta2=0.999,
                    weight_decay=0.1, eps=1e-8, clamped=False, clamp=-1.0)  # fmt: skip

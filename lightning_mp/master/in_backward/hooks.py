@@ -44,8 +44,6 @@ from lightning_mp.master.in_backward.flags import StepFlags
 from lightning_mp.master.in_backward.regions import PARTIAL, Regions
 from lightning_mp.master.in_backward.settings import OPTION, accumulation_schedule, refusal, trainer_grad_ops
 from lightning_mp.master.in_backward.zero_grads import ZeroGrads
-from lightning_mp.master.lean import onepass
-from lightning_mp.master.lean.chunked import apply_grad_ops_in_place, check_states, fused_update, plan_chunks
 from lightning_mp.master.lean.plan import StateSeen
 from lightning_mp.master.watched import GroupsSeen
 
@@ -183,9 +181,9 @@ class StepInBackward:
         self._flags = StepFlags(self._name)  # one slot per parameter, made once (in_backward_flags)
         self._finished: Optional[StepFlags] = None  # the last finished step's flags, until the next begin()
         self._one_groups: dict[int, tuple[int, dict[str, Any]]] = {}  # id(param) -> (its group's index, its group)
-        self._chunks: dict[int, list[Any]] = {}
         self._hooks: dict[int, Any] = {}  # id(parameter) -> its post-accumulate-grad hook
-        self._generic = getattr(store, "_generic", {}).get(id(optimizer))  # not AdamW/Adam/SGD: the generic path
+        #: the optimizer's update on the store (master/lean/update.py): one-pass, chunked or generic, chosen once
+        self.update = store.updates.of(optimizer)
         self._params: list[Tensor] = []  # every parameter of the optimizer; hooked while it requires grad
         self._handed_over: set[int] = set()  # ids of parameters whose updates someone else drives (DDP)
         #: under FSDP2: the loss flag (once, before backward) and each shard's flag (in its hook) summed over the ranks
@@ -236,9 +234,9 @@ class StepInBackward:
         later_hooks(self._params, self._hooks, self._name, OPTION)
         if self._groups_seen.changed():
             self._follow_groups()
-        if self._generic is None and self._states_seen.changed(self.optimizer, self._params):
+        if self.update.generic is None and self._states_seen.changed(self.optimizer, self._params):
             # a state edited since the last backward (or made by its updates): every state checked before any update
-            check_states(self.optimizer, self.optimizer.param_groups, _requires_grad)
+            self.update.check(_requires_grad)
             self._states_seen.record(self.optimizer, self._params)
         reduced = self.driven_by_strategy  # regions refused: walked every backward
         if self._regions.arm(loss, self._run_waiting, walk=reduced) and reduced:
@@ -257,8 +255,7 @@ class StepInBackward:
         self._finished = None
         if len(self._hooks) + len(self._handed_over) < len(self._params):
             self._hook_trainable()
-        if self._generic is not None:
-            self._generic.begin_params()  # the group options advance once in this backward's updates
+        self.update.begin_params()  # the generic path's group options advance once in this backward's updates
         self._options.refresh()  # what a scheduler (or a resume) changed since the last step, group by group
         if self.check:
             self._flags.begin(loss, self.agree_each)
@@ -271,8 +268,7 @@ class StepInBackward:
         ones, params = one_groups(self.optimizer, self._one_groups)
         if self.driven_by_strategy and ones.keys() != self._one_groups.keys():
             raise RuntimeError(f"MixedPrecisionPlugin({OPTION}) {UNDER_REDUCTION}")
-        if self._generic is not None:
-            self._generic.follow_groups()  # the new groups' slices (the store's before_backward may have made them)
+        self.update.follow_groups()  # the generic path slices the new groups (the store's before_backward may have)
         self._one_groups, self._params = ones, params
         self._options = GroupOptions(self.optimizer, self._one_groups)
         self._flags.plan(self._params)
@@ -325,9 +321,9 @@ class StepInBackward:
         with native.single_threaded():  # see native.single_threaded: faster inside backward
             if torch.is_grad_enabled():  # a backward with create_graph=True (autograd runs the others without grad)
                 with torch.no_grad():
-                    self._step(one, param, self._flag_for(param))
+                    self.update.run_param(param, one, self._flag_for(param), self.grad_ops)
             else:
-                self._step(one, param, self._flag_for(param))
+                self.update.run_param(param, one, self._flag_for(param), self.grad_ops)
         if not self._zero.keeps(param):
             param.grad = None  # the gradient is used: free it now (all but the probe's: in_backward_zero_grads)
 
@@ -335,21 +331,6 @@ class StepInBackward:
         # its slot of the step's flags, set to 1 where the gradient holds inf/NaN (read only; no transient the size
         # of the gradient on the CPU; by its inf-norm for bf16 on CUDA): the update's `found`
         return self._flags.check(param, self.agree_each) if self.check else None
-
-    def _step(self, one: dict[str, Any], param: Tensor, found: Optional[Tensor]) -> None:
-        if self._generic is not None:  # any other optimizer: its own step() on this parameter's fp32 slices
-            self._generic.step_params([param], found, self.grad_ops)
-            return
-        # the body of RemainderMasters.fused_step for one parameter: fp32 ones clipped in place, then one pass
-        if self.grad_ops and self.store.offset_of(param) is None:
-            apply_grad_ops_in_place([param], self.grad_ops)
-        if onepass.step(self.optimizer, one, self.store, self.grad_ops, found, param):  # its plan, made once
-            return
-        chunks = self._chunks.get(id(param))
-        if chunks is None:  # the chunked fallback (no kernel built): this parameter's pieces, planned once
-            offsets = {id(param): self.store.offset_of(param)}
-            chunks = self._chunks[id(param)] = plan_chunks([param], offsets, self.store.chunk_size_for(param.device))
-        fused_update(self.optimizer, one, chunks, self.store, self.store._staging, self.grad_ops, found)
 
     def finish(self) -> Optional[StepFlags]:
         """After backward: disarm the hooks; the step's flags (``None`` without a check), not read: their

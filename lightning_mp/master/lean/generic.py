@@ -368,7 +368,7 @@ class GenericChunkedStep:
                 s.point(value, grad)
             return None
         device = local_of(first).device
-        values, grads = self.store._staging.buffers(device)
+        values, grads = self.store.updates.staging.buffers(device)
         total = sum(s.numel for s in chunk)
         if total > values.numel():  # a chunk of one slice longer than chunk_size (one row, or a whole local shard)
             values, grads = torch.empty(total, device=device), torch.empty(total, device=device)

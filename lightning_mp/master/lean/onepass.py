@@ -35,7 +35,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_mp.kernels import native
-from lightning_mp.master.lean.chunked import local_of
+from lightning_mp.master.lean.optimizers import Entry, local_of
 from lightning_mp.master.lean.plan import Plans, Stale, StepPlan
 
 
@@ -65,16 +65,20 @@ def expressible(grad_ops: list[tuple[str, Any]]) -> bool:
 
 
 def ready(
-    optimizer: Optimizer, group: dict[str, Any], store: Any, grad_ops: list[tuple[str, Any]], param: Any = None
+    optimizer: Optimizer,
+    group: dict[str, Any],
+    plans: Plans,
+    store: Any,
+    grad_ops: list[tuple[str, Any]],
+    param: Any = None,
 ) -> Any:
-    """The plan that :func:`step` will replay for ``group`` (or, with ``param``, that parameter's), when it exists,
+    """The plan among ``plans`` (the store's) that :func:`run` will replay for ``group`` (or, with ``param``, that parameter's), when it exists,
     still fits (:meth:`~lightning_mp.master.lean.plan.StepPlan.fits`), no parameter of it gained a gradient and the
     kernel takes the clipping; else ``None``: that step lays out a plan (or takes the chunked path) and may refuse
     state it meets, so a caller checks every state first (:func:`~lightning_mp.master.lean.chunked.check_states`) to refuse
-    before any update. Pass what it returns to :func:`step` as ``ready``: the plan is not checked twice."""
-    plans = store.__dict__.get("step_plans")
+    before any update. Pass what it returns to :func:`run` as ``ready``: the plan is not checked twice."""
     key, owner, params = (id(group), group, group["params"]) if param is None else (id(param), param, [param])
-    made = plans.get(key) if plans else None
+    made = plans.get(key)
     if (
         made is None
         or made.owner_object is not owner
@@ -102,9 +106,11 @@ def plan(params: list[Tensor], grad_ops: list[tuple[str, Any]]) -> Optional[tupl
     return plan_grad_ops(grad_ops, device) if built else None
 
 
-def step(
+def run(
     optimizer: Optimizer,
+    entry: Entry,
     group: dict[str, Any],
+    plans: Plans,
     store: Any,
     grad_ops: list[tuple[str, Any]],
     found: Optional[Tensor],
@@ -116,29 +122,33 @@ def step(
     no longer fits); fp32 parameters (no remainder) go through torch's own fused kernel in place. ``found``: a 0-dim
     fp32 tensor on the parameters' device, or ``None``. ``False`` (nothing done): the chunked path must take it (no
     kernel for these parameters, clipping the kernel does not express, gradients neither bf16 nor fp32)."""
-    plans = store.__dict__.get("step_plans")
-    if plans is None:
-        plans = store.__dict__["step_plans"] = Plans()
     key, params, owner = (id(group), group["params"], group) if param is None else (id(param), [param], param)
     made = ready
     if made is None:
         made = plans.get(key)
         if made is None or made.owner_object is not owner or not made.fits(optimizer, group, store, params):
-            made = _replan(plans, optimizer, group, params, store, key, owner)
+            made = _replan(plans, optimizer, entry, group, params, store, key, owner)
     if made.kernel is None:
         return False
     clipping = plan_grad_ops(grad_ops, made.device) if grad_ops else (None, None)
     if clipping is None:
         return False
     try:
-        return made.step(group, clipping[0], clipping[1], found)
+        return made.run(group, clipping[0], clipping[1], found)
     except Stale:  # a gradient appeared or went away since the plan was made
-        made = _replan(plans, optimizer, group, params, store, key, owner)
-        return made.step(group, clipping[0], clipping[1], found)
+        made = _replan(plans, optimizer, entry, group, params, store, key, owner)
+        return made.run(group, clipping[0], clipping[1], found)
 
 
 def _replan(
-    plans: Plans, optimizer: Optimizer, group: dict[str, Any], params: list[Tensor], store: Any, key: int, owner: Any
+    plans: Plans,
+    optimizer: Optimizer,
+    entry: Entry,
+    group: dict[str, Any],
+    params: list[Tensor],
+    store: Any,
+    key: int,
+    owner: Any,
 ) -> StepPlan:
     """A new plan under ``key``; plans that describe nothing any more are released with their tensors: those of a
     dead optimizer, of one whose state was replaced (a resume), of a group no longer in its ``param_groups``."""
@@ -146,15 +156,9 @@ def _replan(
     groups = optimizer.param_groups
     for old in [k for k, p in plans.items() if not p.current(optimizer, groups)]:
         del plans[old]
-    made = plans[key] = _new_plan(optimizer, group, params, store, key, owner)
+    # the plan of ``params``: with the compiled kernel of their device where :func:`plan` finds one
+    made = plans[key] = StepPlan(optimizer, entry, group, list(params), store, _kernel_for(params), key, owner)
     return made
-
-
-def _new_plan(
-    optimizer: Optimizer, group: dict[str, Any], params: list[Tensor], store: Any, key: int, owner: Any
-) -> StepPlan:
-    """The plan of ``params``: with the compiled kernel of their device where :func:`plan` finds one."""
-    return StepPlan(optimizer, group, list(params), store, _kernel_for(params), key, owner)
 
 
 def _kernel_for(params: list[Tensor]) -> Optional[str]:

@@ -41,10 +41,10 @@ from typing import Any, Optional
 
 import torch
 from torch import Tensor
-from torch.optim import Adam, Optimizer
+from torch.optim import Optimizer
 
 from lightning_mp.kernels import native
-from lightning_mp.master.lean.chunked import _state_for, check_state_tensor, fp32_zeros_like, local_of
+from lightning_mp.master.lean.optimizers import Entry, local_of, state_for
 
 _FP32 = torch.float32
 _GRAD_DTYPES = (torch.bfloat16, torch.float32)
@@ -62,11 +62,10 @@ class Stale(Exception):
     """The parameters that have a gradient are no longer the plan's: build a new one."""
 
 
-def switches(optimizer: Optimizer, group: dict[str, Any]) -> tuple[bool, bool]:
-    """``(Adam, amsgrad)`` or ``(SGD, momentum on)``: the options that change what state a plan lays out."""
-    if isinstance(optimizer, Adam):
-        return True, bool(group["amsgrad"])
-    return False, group["momentum"] != 0
+def switches(entry: Entry, group: dict[str, Any]) -> tuple[Entry, bool]:
+    """The optimizer's table entry and its group options that change what state a plan lays out (``amsgrad``, SGD's
+    momentum on)."""
+    return entry, entry.layout(group)
 
 
 _EMPTY: dict[str, Any] = {}
@@ -81,7 +80,7 @@ class StateSeen:
     A :class:`StepPlan` keeps one over its stepped parameters (what it hands the kernel). The step inside backward,
     which lays out one plan per parameter in its hook, keeps one over all its parameters and asks :meth:`changed`
     before each backward: where anything changed, every state is checked first
-    (:func:`~lightning_mp.master.lean.chunked.check_states`), so a refusal comes before any update of that backward."""
+    (:func:`~lightning_mp.master.lean.optimizers.check_states`), so a refusal comes before any update of that backward."""
 
     def __init__(self) -> None:
         self.state: Any = None
@@ -121,6 +120,7 @@ class StepPlan:
     """The one-pass update of ``params`` (a group's, or one parameter's) of ``optimizer`` on ``store``'s lean state.
 
     Args:
+        entry: the optimizer's entry in the table (:mod:`.optimizers`): its state keys and kernel options.
         kernel: ``"cpu"`` (the C kernel), ``"cuda"`` (the Triton kernel) or ``None`` (no kernel for these
             parameters: the caller takes the chunked path).
         key: what the CUDA update's caches are kept under (the group's or the parameter's id).
@@ -131,6 +131,7 @@ class StepPlan:
     def __init__(
         self,
         optimizer: Optimizer,
+        entry: Entry,
         group: dict[str, Any],
         params: list[Tensor],
         store: Any,
@@ -138,6 +139,7 @@ class StepPlan:
         key: int,
         owner: Any,
     ) -> None:
+        self.entry = entry
         self.kernel = kernel
         self.key = key
         self.owner_object = owner
@@ -145,7 +147,7 @@ class StepPlan:
         self.optimizer = weakref.ref(optimizer)
         self.owner = store  # the CUDA update's caches are the store's
         self.layout_version = getattr(store, "layout_version", 0)
-        self.switches = switches(optimizer, group)
+        self.switches = switches(entry, group)
         self.params = list(params)  # compared element by element with the group's list at every step
         self.device = local_of(params[0]).device if params else torch.device("cpu")
         self.sharded = any(local_of(p) is not p for p in params)  # DTensors: the local shards are read
@@ -161,7 +163,7 @@ class StepPlan:
         if (
             state is not self.state
             or store.layout_version != self.layout_version
-            or switches(optimizer, group) != self.switches
+            or switches(self.entry, group) != self.switches
             or len(params) != len(self.params)
             or not all(map(is_, params, self.params))
         ):
@@ -187,25 +189,11 @@ class StepPlan:
         check = getattr(store, "check_trained", None)
         if check is not None:
             check(stepped)  # a parameter put in the group by hand must be one the store holds
-        adam, on = self.switches
-        if adam:
-            keys = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq") if on else ("exp_avg", "exp_avg_sq")
-            states = [_state_for(optimizer, p, keys) for p in stepped]
-            self.first_step = False
-        else:  # as torch.optim.SGD(fused=True), whose first step (no momentum buffers yet) copies the gradient in
-            keys = ("momentum_buffer",) if on else ()
-            self.first_step = on and all(optimizer.state[p].get("momentum_buffer") is None for p in stepped)
-            states = []
-            for param in stepped:
-                state = optimizer.state[param] if on else {}
-                if on and state.get("momentum_buffer") is None:
-                    # zeros, not torch's empty_like: a first step skipped by found leaves defined values behind
-                    state["momentum_buffer"] = fp32_zeros_like(param)
-                states.append(state)
-        if not adam:
-            for param, state in zip(stepped, states):
-                for key in keys:
-                    check_state_tensor(optimizer, param, key, state[key])
+        entry = self.entry
+        adam = entry.counts_steps  # step counts advanced around the kernel (Adam's), or none (SGD's)
+        keys = entry.keys(group)
+        self.first_step = entry.first_step(optimizer, group, stepped)
+        states = [state_for(entry, optimizer, p, group) for p in stepped]
         self.seen = StateSeen()
         self.seen.record(optimizer, stepped)  # after the states were made: what the kernel is handed
         lean = [i for i, p in enumerate(stepped) if store.offset_of(p) is not None]
@@ -253,7 +241,7 @@ class StepPlan:
             self.foreach_steps = self.plain_steps if self.on_device else self.steps  # the rest: the bias kernel's
 
     # ------------------------------------------------------------------ each step
-    def step(self, group: dict[str, Any], factor: Optional[Tensor], clamp: Optional[float], found: Any) -> bool:
+    def run(self, group: dict[str, Any], factor: Optional[Tensor], clamp: Optional[float], found: Any) -> bool:
         """One update of the planned parameters; ``False`` (nothing done) where a gradient's dtype is neither bf16
         nor fp32 (the chunked path takes it). Raises :class:`Stale` when the plan no longer fits."""
         for param in self.idle:
@@ -283,7 +271,7 @@ class StepPlan:
         if not all(map(Tensor.is_contiguous, grads)):  # read by address: a contiguous copy for this step
             grads = [g if g.is_contiguous() else g.contiguous() for g in grads]
             pointers = [g.data_ptr() for g in grads]
-        adam = self.switches[0]
+        adam = self.entry.counts_steps
         if adam and self.foreach_steps:  # step counts no kernel advances (fp32 parameters on a GPU, odd counts)
             torch._foreach_add_(self.foreach_steps, 1)
         if self.kernel == "cpu":
@@ -300,19 +288,8 @@ class StepPlan:
         self.first_step = False
         return True
 
-    def _values(self, group: dict[str, Any]) -> tuple[Any, ...]:
-        """The optimizer's options this step, in :class:`~lightning_mp.kernels.native.Options` order."""
-        if self.switches[0]:
-            kind = native.ADAMW if group.get("decoupled_weight_decay", False) else native.ADAM
-            betas = group["betas"]
-            return (kind, self.switches[1], bool(group["maximize"]), False, False, float(group["lr"]),
-                    float(betas[0]), float(betas[1]), float(group["weight_decay"]), float(group["eps"]), 0.0, 0.0)  # fmt: skip
-        return (native.SGD, False, bool(group["maximize"]), bool(group["nesterov"]), bool(self.first_step),
-                float(group["lr"]), 0.0, 0.0, float(group["weight_decay"]), 0.0, float(group["momentum"]),
-                float(group["dampening"]))  # fmt: skip
-
     def _run_cpu(self, group: dict[str, Any], pointers: list[int], factor: Any, clamp: Any, found: Any) -> None:
-        values = (*self._values(group), factor.data_ptr() if factor is not None else None, clamp)
+        values = (*self.entry.kernel(group, self.first_step), factor.data_ptr() if factor is not None else None, clamp)
         if values != self._options[0]:
             names = ("kind", "amsgrad", "maximize", "nesterov", "first_step", "lr", "beta1", "beta2", "weight_decay",
                      "eps", "momentum", "dampening", "grad_mul")  # fmt: skip
@@ -337,7 +314,7 @@ class StepPlan:
             self.table, self.pointers = table, pointers
         names = ("kind", "amsgrad", "maximize", "nesterov", "first_step", "lr", "beta1", "beta2", "weight_decay",
                  "eps", "momentum", "dampening")  # fmt: skip
-        options = dict(zip(names, self._values(group)), clamped=clamp is not None)
+        options = dict(zip(names, self.entry.kernel(group, self.first_step)), clamped=clamp is not None)
         options["clamp"] = clamp if clamp is not None else -1.0
         update = native.cuda_update(self.owner)
         for fp32 in (False, True):
@@ -362,19 +339,6 @@ class StepPlan:
             self._fused(group, params, grads, found)
 
     def _fused(self, group: dict[str, Any], params: list[Tensor], grads: list[Tensor], found: Any) -> None:
-        if self.switches[0]:
-            kernel = torch._fused_adamw_ if group.get("decoupled_weight_decay", False) else torch._fused_adam_
-            states = self.plain_states
-            kernel(
-                params, grads, states[0], states[1], states[2] if self.switches[1] else [], self.plain_steps,
-                amsgrad=self.switches[1], lr=float(group["lr"]), beta1=float(group["betas"][0]),
-                beta2=float(group["betas"][1]), weight_decay=group["weight_decay"], eps=group["eps"],
-                maximize=group["maximize"], grad_scale=None, found_inf=found,
-            )  # fmt: skip
-            return
-        torch._fused_sgd_(
-            params, grads, self.plain_states[0] if self.switches[1] else [], weight_decay=group["weight_decay"],
-            momentum=group["momentum"], lr=float(group["lr"]), dampening=group["dampening"],
-            nesterov=group["nesterov"], maximize=group["maximize"], is_first_step=self.first_step,
-            grad_scale=None, found_inf=found,
-        )  # fmt: skip
+        """torch's fused function of the entry on the fp32 parameters (their step counts advanced around it)."""
+        scalars = [self.plain_steps] if self.entry.counts_steps else []
+        self.entry.run(group, params, grads, self.plain_states, scalars, float(group["lr"]), found, self.first_step)
