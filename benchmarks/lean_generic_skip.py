@@ -103,7 +103,7 @@ def main() -> None:
         one = torch.ones((), device=args.device)
         store.fused_step(optimizer, None)  # the state exists
         store.fused_step(optimizer, zero)  # the host reads the flag once more and learns whether it can mask
-        masked = "yes" if store._generic[id(optimizer)].masks_on_device else "no (host read)"
+        masked = "yes" if store.updates.of(optimizer).generic.masks_on_device else "no (host read)"
         options = _options(store, optimizer, zero, one)
         times: dict[str, list[float]] = {option: [] for option in options}
         for round_ in range(args.warmup + args.rounds):

@@ -247,7 +247,7 @@ def test_a_masked_skip_of_one_parameter_keeps_the_others_and_the_group_options_e
         store.convert(model)
         optimizer = TensorCounterSGD(model.parameters())
         store.attach([optimizer])
-        generic = store._generic[id(optimizer)]
+        generic = store.updates.of(optimizer).generic
         for step in range(3):
             if step == 2:  # before step 3: the values and momenta a skipped parameter must keep
                 before = _values_and_momenta(store, model, optimizer)
@@ -316,7 +316,7 @@ def _at_rest(in_backward: bool) -> tuple[float, float, bool]:
             store.fused_step(optimizer, torch.zeros(()))
         del x, loss
     params = sum(p.numel() for p in model.parameters())
-    staging = sum(t.untyped_storage().nbytes() for pair in store._staging._buffers.values() for t in pair)
+    staging = sum(t.untyped_storage().nbytes() for pair in store.updates.staging._buffers.values() for t in pair)
     live = _live_cpu_bytes() - base
     probe = min(model.parameters(), key=torch.Tensor.numel)  # its gradient kept: the probe of zero_grad
     held = any(p.grad is not None for p in model.parameters() if p is not probe)

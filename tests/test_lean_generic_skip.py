@@ -164,7 +164,7 @@ def test_generic_path_skips_on_the_device_bitwise_as_the_host_skip(case, monkeyp
             ref_store.fused_step(ref_optimizer, None)
         _assert_same(store, model, ref_store, reference, optimizer, ref_optimizer, step)
     assert syncs == expected_syncs
-    assert store._generic[id(optimizer)].masks_on_device == (expected_syncs == DEVICE_SYNCS)
+    assert store.updates.of(optimizer).generic.masks_on_device == (expected_syncs == DEVICE_SYNCS)
     assert any(FLAGS[step] for step, count in enumerate(syncs) if count == 0) == (expected_syncs == DEVICE_SYNCS)
 
 
@@ -207,4 +207,4 @@ def test_state_added_after_the_first_steps_is_undone_on_a_skip_and_the_host_deci
         if not now:
             ref_store.fused_step(ref_optimizer, None)
         _assert_same(store, model, ref_store, reference, optimizer, ref_optimizer, step)
-    assert store._generic[id(optimizer)].masks_on_device is False
+    assert store.updates.of(optimizer).generic.masks_on_device is False

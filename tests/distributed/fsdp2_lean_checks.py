@@ -320,7 +320,7 @@ def _storage_bytes(tensors: Any) -> int:
 
 
 def _staging(masters: Any) -> list[torch.Tensor]:
-    return [t for pair in masters._staging._buffers.values() for t in pair]
+    return [t for pair in masters.updates.staging._buffers.values() for t in pair]
 
 
 def main() -> None:
