@@ -1,5 +1,5 @@
 """``optimizer_in_backward=True`` with any optimizer: its own ``step()`` on each parameter's fp32 slices inside
-backward (:meth:`GenericChunkedStep.step_params <lightning_mp.master.lean.generic.GenericChunkedStep.step_params>`).
+backward (:meth:`GenericChunkedStep.run_params <lightning_mp.master.lean.generic.GenericChunkedStep.run_params>`).
 
 The reference of every run is the normal lean step (``optimizer_in_backward=False``) with the same optimizer, model,
 data and seed: the fp32 weights a checkpoint holds and the optimizer's ``state_dict()`` (tensor subclasses: their
@@ -225,7 +225,7 @@ def test_checkpoints_move_between_in_backward_and_the_normal_step(tmp_path, case
 
 
 def test_a_masked_skip_of_one_parameter_keeps_the_others_and_the_group_options_exact():
-    """The GPU's way (a device flag, no host read) on the CPU: ``step_params(..., on_host=False)``. torchao's lr and
+    """The GPU's way (a device flag, no host read) on the CPU: ``run_params(..., on_host=False)``. torchao's lr and
     torch-optimi's counter are tensors in the param group; here a tensor counter stands for them."""
     from lightning_mp.master import RemainderMasters
 
@@ -255,7 +255,7 @@ def test_a_masked_skip_of_one_parameter_keeps_the_others_and_the_group_options_e
             model(x).float().pow(2).mean().backward()
             generic.begin_params()
             for param, flag in zip(model.parameters(), flags if step == 2 else (0, 0, 0, 0)):
-                generic.step_params([param], torch.tensor(float(flag)), [], on_host=False)
+                generic.run_params([param], torch.tensor(float(flag)), [], on_host=False)
                 param.grad = None
         assert generic.masks_on_device  # learnt on the steps before: the third is masked, no host read
         runs[flags] = (before, _values_and_momenta(store, model, optimizer), float(optimizer.param_groups[0]["count"]))

@@ -123,10 +123,10 @@ class ShardedGenericStep(GenericChunkedStep):
     def _values_of(self, s: _Slice) -> Tensor:
         return local_of(s.proxy)
 
-    def step(self, found_inf: Optional[Tensor], grad_ops: list[tuple[str, Any]]) -> None:
+    def run(self, found_inf: Optional[Tensor], grad_ops: list[tuple[str, Any]]) -> None:
         self._inside = True
         try:
-            super().step(found_inf, grad_ops)
+            super().run(found_inf, grad_ops)
         finally:
             self._inside = False
         if not self._checked and self.optimizer.state:
@@ -134,7 +134,7 @@ class ShardedGenericStep(GenericChunkedStep):
             self._check_state()
 
     def _outside_step(self, optimizer: Optimizer, args: Any, kwargs: Any) -> None:
-        """``optimizer.step()`` called by someone else than :meth:`step` (torch's ``_init_optim_state`` before a
+        """``optimizer.step()`` called by someone else than :meth:`run` (torch's ``_init_optim_state`` before a
         distributed-checkpoint load): run it on the proxies with the model's gradients as they are, then let the
         optimizer's own call step nothing (its groups are empty until the post-hook)."""
         if self._inside:

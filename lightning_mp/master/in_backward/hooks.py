@@ -6,8 +6,8 @@ optimizer. During backward, once autograd has accumulated a parameter's gradient
 that one parameter and sets ``param.grad = None``: for ``torch.optim.AdamW``, ``Adam`` and ``SGD``
 the one-parameter replay of the step plan (:mod:`lightning_mp.master.lean.plan`; the same kernel, the same bits as the normal
 step, which updates each tensor independently); for any other optimizer (torchao's ``AdamW8bit``, ...) its own
-``step()`` on that parameter's fp32 slices (:meth:`GenericChunkedStep.step_params
-<lightning_mp.master.lean.generic.GenericChunkedStep.step_params>`, per-group counters advanced once per step). An
+``step()`` on that parameter's fp32 slices (:meth:`GenericChunkedStep.run_params
+<lightning_mp.master.lean.generic.GenericChunkedStep.run_params>`, per-group counters advanced once per step). An
 optimizer whose ``step()`` needs a closure (``LBFGS``) is refused. No gradient outlives its update: at rest a bf16
 parameter costs 2 (weight) + 2 (remainder) + the optimizer state, 12 bytes with AdamW, about 6 with ``AdamW8bit``.
 Under DDP the gradient is final only after its bucket's all-reduce: the hooks are handed over to DDP's communication

@@ -13,7 +13,7 @@ these proxies in their group's ``params`` (the other groups empty) and call the 
 the staging values back into weights and remainders. The group's options (``lr``, and any counter the optimizer
 keeps in the group) are put back as they were before each chunk but the first, so a per-group counter advances
 once per step. Parameters kept in fp32 are sliced the same way, their proxies pointing at the parameter itself.
-:meth:`GenericChunkedStep.step_params` runs one part of a step (the step inside backward: one parameter per call),
+:meth:`GenericChunkedStep.run_params` runs one part of a step (the step inside backward: one parameter per call),
 with the same rule across calls: the options are put back before every call but the first of the step.
 
 Exactness: for an optimizer that treats elements independently (Adam family, SGD, Lion, torch-optimi, torchao's
@@ -226,7 +226,7 @@ class GenericChunkedStep:
         for index, slices in enumerate(self.slices):
             for s in slices:
                 self._by_param.setdefault(id(s.param), (index, []))[1].append(s)
-        self._options = StepOptions()  # the group options across the chunks (and step_params calls) of a step
+        self._options = StepOptions()  # the group options across the chunks (and run_params calls) of a step
         self._hooks = [
             optimizer.register_state_dict_pre_hook(lambda opt: self._swap_in_proxies()),
             optimizer.register_state_dict_post_hook(lambda opt, state: self._swap_out_proxies()),
@@ -260,7 +260,7 @@ class GenericChunkedStep:
         for group, params in zip(self.optimizer.param_groups, self._model_params):
             group["params"] = list(params)
 
-    def step(self, found_inf: Optional[Tensor], grad_ops: list[tuple[str, Any]]) -> None:
+    def run(self, found_inf: Optional[Tensor], grad_ops: list[tuple[str, Any]]) -> None:
         """One step of the optimizer over every chunk; where ``found_inf`` is nonzero, none: skipped on the device
         by a masked write-back, or decided on the host where masking cannot be exact (see the module doc)."""
         chunks = [(index, chunk) for index, slices in enumerate(self.slices) for chunk in self._chunks(slices)]
@@ -269,10 +269,10 @@ class GenericChunkedStep:
         self._run(chunks, fp32, found_inf, grad_ops, on_host=False)
 
     def begin_params(self) -> None:
-        """Before the first :meth:`step_params` of an optimizer step (the step inside backward: at ``begin``)."""
+        """Before the first :meth:`run_params` of an optimizer step (the step inside backward: at ``begin``)."""
         self._options.begin()
 
-    def step_params(
+    def run_params(
         self, params: list[Tensor], found_inf: Optional[Tensor], grad_ops: list[Any], on_host: Any = None
     ) -> None:
         """The optimizer's step on ``params``' slices only: one part of an optimizer step whose other parts are other

@@ -53,7 +53,7 @@ class LeanUpdate:
     def run(self, found_inf: Optional[Tensor], grad_ops: list[tuple[str, Any]]) -> None:
         """One step of every group: ``found_inf`` a flag on the device (nonzero: nothing changes) or ``None``."""
         if self.generic is not None:
-            self.generic.step(found_inf, grad_ops)
+            self.generic.run(found_inf, grad_ops)
             return
         found = found_inf
         if found is not None and (found.dtype != torch.float32 or found.dim()):
@@ -101,7 +101,7 @@ class LeanUpdate:
     def run_param(self, param: Tensor, group: dict[str, Any], found: Optional[Tensor], grad_ops: list[Any]) -> None:
         """The update of ``param`` alone, with ``group`` (its one-parameter group: its group's options)."""
         if self.generic is not None:  # any other optimizer: its own step() on this parameter's fp32 slices
-            self.generic.step_params([param], found, grad_ops)
+            self.generic.run_params([param], found, grad_ops)
             return
         entry, store = self.entry, self.store
         assert entry is not None
