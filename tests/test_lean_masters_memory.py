@@ -161,7 +161,7 @@ def test_blocks_follow_the_model_to_cuda_with_exact_values():
 
 @pytest.mark.parametrize("in_backward", [False, True])
 def test_a_released_block_is_freed_though_step_plans_gave_its_addresses_to_the_kernel(in_backward, monkeypatch):
-    # the step plans (master/plan.py) hold views of the blocks they read; a release must drop them, or restore keeps
+    # the step plans (master/lean/plan.py) hold views of the blocks they read; a release must drop them, or restore keeps
     # every block alive until the end (4 bytes per parameter more than the fp32 model at teardown)
     import weakref
 

@@ -1,7 +1,7 @@
 """The one-pass update of lean master weights: join, the optimizer's arithmetic and split in one compiled loop.
 
-For ``torch.optim.AdamW``, ``Adam`` and ``SGD`` (the optimizers :func:`~lightning_mp.master.lean.chunked.uses_fused_kernel`
-accepts), each element's bf16 weight, int16 remainder, gradient and optimizer state are read once and written once,
+For ``torch.optim.AdamW``, ``Adam`` and ``SGD`` (the entries of :mod:`~lightning_mp.master.lean.optimizers` that have
+a kernel), each element's bf16 weight, int16 remainder, gradient and optimizer state are read once and written once,
 by one kernel call per param group: on the CPU the C kernel of :mod:`lightning_mp.kernels.native` (compiled on first
 use, spread over ``torch.get_num_threads()`` threads), on CUDA the Triton kernel of
 :mod:`lightning_mp.kernels.cuda` (one launch per gradient dtype). What a group's call reads is laid out once, in
