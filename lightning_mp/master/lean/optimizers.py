@@ -21,7 +21,7 @@ from typing import Any, Callable, Optional
 
 import torch
 from torch import Tensor
-from torch.optim import SGD, Adam, AdamW, Optimizer
+from torch.optim import SGD, Adam, AdamW, NAdam, Optimizer
 
 from lightning_mp.kernels import native
 
@@ -179,8 +179,38 @@ SGD_ENTRY = Entry(
 )
 
 
+# ---------------------------------------------------------------------- NAdam: torch.optim.nadam's foreach function
+def _nadam_run(group: dict[str, Any], params: list[Tensor], grads: list[Tensor], tensors: list[list[Tensor]],
+               scalars: list[list[Tensor]], lr: Any, found: Any, first_step: bool) -> None:  # fmt: skip
+    """``torch.optim.nadam._multi_tensor_nadam``, as ``torch.optim.NAdam(foreach=True)`` calls it."""
+    from torch.optim.nadam import _multi_tensor_nadam
+
+    _multi_tensor_nadam(
+        params, grads, tensors[0], tensors[1], scalars[1], scalars[0], beta1=_float(group["betas"][0]),
+        beta2=_float(group["betas"][1]), lr=lr, weight_decay=group["weight_decay"],
+        momentum_decay=group["momentum_decay"], eps=group["eps"],
+        decoupled_weight_decay=group["decoupled_weight_decay"], maximize=group["maximize"], capturable=False,
+        differentiable=False, has_complex=False,
+    )  # fmt: skip
+
+
+NADAM = Entry(
+    keys=lambda group: ("exp_avg", "exp_avg_sq"),
+    scalars=(("step", 0.0), ("mu_product", 1.0)),
+    scalars_on_param_device=False,
+    lazy=False,
+    layout=lambda group: False,
+    kernel=None,
+    run=_nadam_run,
+    counts_steps=False,
+    skips_on_host=True,
+    first_step=_not_first,
+    sharded_refusal=_never,
+)
+
+
 #: Optimizer class (exact type) -> its entry. Anything else goes to the generic path (:mod:`.generic`).
-TABLE: dict[type, Entry] = {AdamW: ADAM, Adam: ADAM, SGD: SGD_ENTRY}
+TABLE: dict[type, Entry] = {AdamW: ADAM, Adam: ADAM, SGD: SGD_ENTRY, NAdam: NADAM}
 
 
 def entry_for(optimizer: Optimizer) -> Optional[Entry]:
