@@ -139,7 +139,7 @@ class ShardedGenericStep(GenericChunkedStep):
         optimizer's own call step nothing (its groups are empty until the post-hook)."""
         if self._inside:
             return
-        self.step(None, [])
+        self.run(None, [])
         for group in optimizer.param_groups:
             group["params"] = []
         self._outside = True
