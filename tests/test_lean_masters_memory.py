@@ -166,7 +166,7 @@ def test_a_released_block_is_freed_though_step_plans_gave_its_addresses_to_the_k
     import weakref
 
     from lightning_mp.kernels import native
-    from lightning_mp.master.lean import onepass
+    from lightning_mp.master.lean import plan
     from lightning_mp.master.lean.optimizers import entry_for
 
     if native.cpu_kernel() is None:
@@ -183,7 +183,7 @@ def test_a_released_block_is_freed_though_step_plans_gave_its_addresses_to_the_k
         group = optimizer.param_groups[0]
         for param in model.parameters():
             one = {**group, "params": [param]}
-            assert onepass.run(optimizer, entry_for(optimizer), one, store.step_plans, store, [], None, param)
+            assert plan.run(optimizer, entry_for(optimizer), one, store.step_plans, store, [], None, param)
     else:
         store.fused_step(optimizer, None)
     assert len(store.step_plans) == (len(list(model.parameters())) if in_backward else 1)

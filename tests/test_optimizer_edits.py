@@ -59,7 +59,7 @@ REFERENCE_OF = {
     "True": "bf16-mixed",
 }
 #: refused, but after some update of the step: none. The normal step checks every state before any update where a
-#: group's plan does not fit (RemainderMasters.fused_step, onepass.ready); the step inside backward where the state
+#: group's plan does not fit (RemainderMasters.fused_step, plan.ready); the step inside backward where the state
 #: changed since the last backward (plan.StateSeen, checked in StepInBackward.begin).
 LATE: dict[tuple[str, str], str] = {}
 CASES = [

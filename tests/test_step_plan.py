@@ -15,7 +15,7 @@ from torch import nn
 
 from lightning_mp.kernels import native
 from lightning_mp.master import RemainderMasters
-from lightning_mp.master.lean import onepass
+from lightning_mp.master.lean import plan
 from lightning_mp.master.lean.optimizers import entry_for
 from tests.helpers import AtenOps, seeded
 
@@ -138,10 +138,10 @@ def test_a_replayed_step_issues_no_op_but_the_fp32_parameters_kernel(optimizer_c
     lean, fp32 = model[0].weight, model[1].weight
     for param in (lean, fp32):  # the step inside backward: one-parameter groups, a plan per parameter
         one = {**group, "params": [param]}
-        assert onepass.run(optimizer, entry_for(optimizer), one, store.step_plans, store, [], found, param)
+        assert plan.run(optimizer, entry_for(optimizer), one, store.step_plans, store, [], found, param)
         param.grad = torch.randn(param.shape, generator=generator).to(param.dtype)
         with AtenOps() as counted:
-            assert onepass.run(optimizer, entry_for(optimizer), one, store.step_plans, store, [], found, param)
+            assert plan.run(optimizer, entry_for(optimizer), one, store.step_plans, store, [], found, param)
         assert counted.ops == ([] if param is lean else [kernel])
 
 
@@ -156,7 +156,7 @@ def test_the_cuda_plan_launches_what_a_fresh_table_would_under_tritons_interpret
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     monkeypatch.setattr(cuda, "_kernels", {})
     assert native.cuda_kernel() is not None
-    monkeypatch.setattr(onepass, "_kernel_for", lambda params: "cuda")
+    monkeypatch.setattr(plan, "_kernel_for", lambda params: "cuda")
     planned, fresh = _model(), _model()
     stores = []
     for model in (planned, fresh):

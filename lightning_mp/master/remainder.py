@@ -4,7 +4,7 @@
 :mod:`lightning_mp.master.blocks`); a parallel int16 buffer holds, per element, the low 16 bits that the bf16
 rounding dropped (see :mod:`lightning_mp.kernels.bits`: every non-NaN fp32 value is its bf16 half plus this
 remainder, bit for bit). No fp32 copy of the model exists between steps; the step (:meth:`~RemainderMasters.step`)
-joins them in one pass (:mod:`~lightning_mp.master.lean.onepass`) or one chunk at a time.
+joins them in one pass (:mod:`~lightning_mp.master.lean.plan`) or one chunk at a time.
 
 Memory at rest per trained bf16 parameter with AdamW: 2 (bf16 weight) + 2 (remainder) + 2 (bf16 gradient, between
 a backward and the step) + 8 (two fp32 moments) = 14 bytes, against 16 for an fp32 model and 18 for

@@ -81,10 +81,6 @@ def _not_first(optimizer: Optimizer, group: dict[str, Any], stepped: list[Tensor
     return False
 
 
-def _float(value: Any) -> float:
-    return float(value) if isinstance(value, Tensor) else value
-
-
 # ---------------------------------------------------------------------- Adam, AdamW: torch._fused_adam(w)_
 def _adam_keys(group: dict[str, Any]) -> tuple[str, ...]:
     return ("exp_avg", "exp_avg_sq", "max_exp_avg_sq") if group["amsgrad"] else ("exp_avg", "exp_avg_sq")
@@ -108,7 +104,7 @@ def _adam_run(group: dict[str, Any], params: list[Tensor], grads: list[Tensor], 
     amsgrad = group["amsgrad"]
     fused(
         params, grads, tensors[0], tensors[1], tensors[2] if amsgrad else [], scalars[0], amsgrad=amsgrad, lr=lr,
-        beta1=_float(group["betas"][0]), beta2=_float(group["betas"][1]), weight_decay=group["weight_decay"],
+        beta1=float(group["betas"][0]), beta2=float(group["betas"][1]), weight_decay=group["weight_decay"],
         eps=group["eps"], maximize=group["maximize"], grad_scale=None, found_inf=found,
     )  # fmt: skip
 
@@ -186,8 +182,8 @@ def _nadam_run(group: dict[str, Any], params: list[Tensor], grads: list[Tensor],
     from torch.optim.nadam import _multi_tensor_nadam
 
     _multi_tensor_nadam(
-        params, grads, tensors[0], tensors[1], scalars[1], scalars[0], beta1=_float(group["betas"][0]),
-        beta2=_float(group["betas"][1]), lr=lr, weight_decay=group["weight_decay"],
+        params, grads, tensors[0], tensors[1], scalars[1], scalars[0], beta1=float(group["betas"][0]),
+        beta2=float(group["betas"][1]), lr=lr, weight_decay=group["weight_decay"],
         momentum_decay=group["momentum_decay"], eps=group["eps"],
         decoupled_weight_decay=group["decoupled_weight_decay"], maximize=group["maximize"], capturable=False,
         differentiable=False, has_complex=False,

@@ -6,7 +6,7 @@ the normal step and the step inside backward.
 :class:`LeanUpdate` holds the optimizer's entry in the table (:mod:`.optimizers`) or, for a class the table does not
 know, its generic step (:mod:`.generic`), and per group (or, inside backward, per parameter):
 
-- one-pass: the group's step plan (:mod:`.plan`), replayed by :mod:`.onepass` where the entry has a kernel and the
+- one-pass: the group's step plan, replayed by :mod:`.plan` where the entry has a kernel and the
   device's kernel is built;
 - chunked: torch's own function of the entry on fp32 chunks (:mod:`.chunked`), the pieces planned once;
 - generic: the optimizer's own ``step()`` on fp32 slices.
@@ -24,7 +24,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_mp.kernels import native
-from lightning_mp.master.lean import chunked, onepass
+from lightning_mp.master.lean import chunked, plan
 from lightning_mp.master.lean.chunked import Piece, Staging, apply_grad_ops_in_place, plan_chunks
 from lightning_mp.master.lean.optimizers import Entry, check_states, entry_for
 
@@ -65,7 +65,7 @@ class LeanUpdate:
         # the plans each group replays, where they fit; where one does not (a first step, an edit since the last one)
         # or a group takes the chunked path, every group's state is checked first: a refusal comes before any update
         ready = (
-            [onepass.ready(optimizer, group, plans, store, grad_ops) for group in groups]
+            [plan.ready(optimizer, group, plans, store, grad_ops) for group in groups]
             if entry.kernel is not None and native.enabled()
             else []
         )
@@ -76,7 +76,7 @@ class LeanUpdate:
                 apply_grad_ops_in_place([p for p in group["params"] if store.offset_of(p) is None], grad_ops)
             if entry.kernel is not None:
                 made = ready[index] if ready else None
-                if onepass.run(optimizer, entry, group, plans, store, grad_ops, found, ready=made):  # the group's plan
+                if plan.run(optimizer, entry, group, plans, store, grad_ops, found, ready=made):  # the group's plan
                     continue
             pieces = self._pieces(group["params"], (index, 0))
             chunked.update(entry, optimizer, group, pieces, store, self.staging, grad_ops, found)
@@ -108,7 +108,7 @@ class LeanUpdate:
         # the body of run() for one parameter: an fp32 one clipped in place, then one pass
         if grad_ops and store.offset_of(param) is None:
             apply_grad_ops_in_place([param], grad_ops)
-        if entry.kernel is not None and onepass.run(
+        if entry.kernel is not None and plan.run(
             self.optimizer, entry, group, store.step_plans, store, grad_ops, found, param
         ):
             return
