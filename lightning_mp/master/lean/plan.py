@@ -90,12 +90,6 @@ class Stale(Exception):
     """The parameters that have a gradient are no longer the plan's: build a new one."""
 
 
-def switches(entry: Entry, group: dict[str, Any]) -> tuple[Entry, bool]:
-    """The optimizer's table entry and its group options that change what state a plan lays out (``amsgrad``, SGD's
-    momentum on)."""
-    return entry, entry.layout(group)
-
-
 _EMPTY: dict[str, Any] = {}
 
 
@@ -175,7 +169,7 @@ class StepPlan:
         self.optimizer = weakref.ref(optimizer)
         self.owner = store  # the CUDA update's caches are the store's
         self.layout_version = getattr(store, "layout_version", 0)
-        self.switches = switches(entry, group)
+        self.layout = entry.layout(group)  # the options that change what state is laid out (amsgrad, momentum)
         self.params = list(params)  # compared element by element with the group's list at every step
         self.device = local_of(params[0]).device if params else torch.device("cpu")
         self.sharded = any(local_of(p) is not p for p in params)  # DTensors: the local shards are read
@@ -191,7 +185,7 @@ class StepPlan:
         if (
             state is not self.state
             or store.layout_version != self.layout_version
-            or switches(self.entry, group) != self.switches
+            or self.entry.layout(group) != self.layout
             or len(params) != len(self.params)
             or not all(map(is_, params, self.params))
         ):
