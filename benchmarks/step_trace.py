@@ -3,7 +3,7 @@
     python benchmarks/step_trace.py            # the table, printed
     python benchmarks/step_trace.py --json     # the same as JSON
 
-A real ``lightning.Trainer`` trains a small MLP (4 bf16 Linear layers and a LayerNorm) with
+A real ``lightning.Trainer`` trains a small MLP (3 bf16 Linear layers and a LayerNorm kept fp32) with
 ``MixedPrecisionPlugin("bf16-mixed", master_weights="remainder")`` and ``torch.optim.AdamW`` on the CPU. On the
 fourth batch (after three of warm-up: the step plans exist) a profile function records every Python call made in
 ``lightning_mp/`` between ``on_after_backward`` and ``on_train_batch_end``: the step after backward (the gradient
