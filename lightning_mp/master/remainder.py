@@ -61,9 +61,10 @@ class RemainderMasters(MasterWeights):
             The update's arithmetic is torch's fused kernel either way, so the results are the same bits. Default
             ``False``.
 
-    ``torch.optim.AdamW``, ``Adam`` and ``SGD`` are updated by torch's fused kernels on the lean state, bitwise as
-    ``torch.optim.AdamW(..., fused=True)`` (etc.) would update fp32 parameters holding the exact values. Any other
-    optimizer runs on fp32 slices of the parameters, chunk by chunk (:mod:`lightning_mp.master.lean.generic`).
+    The optimizers of the table (:mod:`lightning_mp.master.lean.optimizers`: ``torch.optim.AdamW``, ``Adam``, ``SGD``,
+    ``NAdam``) are updated on the lean state bitwise as torch's fused (or foreach) optimizer would update fp32
+    parameters holding the exact values. Any other optimizer runs on fp32 slices of the parameters, chunk by chunk
+    (:mod:`lightning_mp.master.lean.generic`); :mod:`lightning_mp.master.lean.update` chooses.
     """
 
     kind = option = "remainder"

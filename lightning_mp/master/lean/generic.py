@@ -47,6 +47,10 @@ cannot keep the step exact:
   (and, when it must be skipped, removes what it added and puts the rest back), and later ones are decided on the
   host.
 
+The masked skip and the group options are plain functions on tensors at the top of this module (:func:`leaves_of`,
+:func:`mask`, :func:`mask_options`, :func:`snapshot`, :func:`put_back`) and :class:`StepOptions`, which keeps the
+options of one optimizer step across its chunks and calls.
+
 ``optimizer.state_dict()`` and ``load_state_dict()`` see the proxies (hooks swap them into ``param_groups`` for the
 call), so a checkpoint holds the per-slice state and resumes exactly into the same model and ``chunk_size``.
 """
