@@ -52,7 +52,8 @@ class RemainderMasters(MasterWeights):
         keep_fp32: ``keep_fp32(qualified_name, module)`` is true for modules whose own parameters and buffers stay
             fp32 (default: :func:`~lightning_mp.master.is_norm`). They are trained in fp32, without remainder.
         chunk_size: elements per chunk of the update (a multiple of 32768; default ``None``: 2**18 on CPU, 2**25
-            on a GPU): the step's transient memory is about 12 bytes x ``chunk_size`` (:mod:`lightning_mp.master.lean.chunked`).
+            on a GPU): the step's transient memory is about 12 bytes x ``chunk_size``
+            (:mod:`lightning_mp.master.lean.chunked`).
         accumulate_grads_in: dtype in which gradients of several backwards before one step add up:
             ``torch.float32`` (default, exact, 4 bytes per parameter while accumulating) or ``torch.bfloat16``
             (2 bytes, each sum rounded to bf16).

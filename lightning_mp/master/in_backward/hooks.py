@@ -3,11 +3,12 @@
 ``MixedPrecisionPlugin("bf16-mixed", master_weights="remainder", optimizer_in_backward=True)``. At setup,
 :class:`StepInBackward` registers ``Tensor.register_post_accumulate_grad_hook`` on every parameter of the one
 optimizer. During backward, once autograd has accumulated a parameter's gradient, its hook runs the lean update of
-that one parameter and sets ``param.grad = None``, through the optimizer's :class:`~lightning_mp.master.lean.update.LeanUpdate`
-(the normal step's): for ``torch.optim.AdamW``, ``Adam`` and ``SGD`` the one-parameter replay of the step plan
-(:mod:`lightning_mp.master.lean.plan`; the same kernel, the same bits as the normal step, which updates each tensor
-independently), for the table's other optimizers (``NAdam``) the chunked update of that parameter; for any other optimizer (torchao's ``AdamW8bit``, ...) its own
-``step()`` on that parameter's fp32 slices (:meth:`GenericChunkedStep.run_params
+that one parameter and sets ``param.grad = None``, through the optimizer's
+:class:`~lightning_mp.master.lean.update.LeanUpdate` (the normal step's): for ``torch.optim.AdamW``, ``Adam`` and
+``SGD`` the one-parameter replay of the step plan (:mod:`lightning_mp.master.lean.plan`; the same kernel, the same bits
+as the normal step, which updates each tensor independently), for the table's other optimizers (``NAdam``) the
+chunked update of that parameter; for any other optimizer (torchao's ``AdamW8bit``, ...) its own ``step()`` on that
+parameter's fp32 slices (:meth:`GenericChunkedStep.run_params
 <lightning_mp.master.lean.generic.GenericChunkedStep.run_params>`, per-group counters advanced once per step). An
 optimizer whose ``step()`` needs a closure (``LBFGS``) is refused. No gradient outlives its update: at rest a bf16
 parameter costs 2 (weight) + 2 (remainder) + the optimizer state, 12 bytes with AdamW, about 6 with ``AdamW8bit``.

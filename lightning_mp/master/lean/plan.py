@@ -102,7 +102,8 @@ class StateSeen:
     A :class:`StepPlan` keeps one over its stepped parameters (what it hands the kernel). The step inside backward,
     which lays out one plan per parameter in its hook, keeps one over all its parameters and asks :meth:`changed`
     before each backward: where anything changed, every state is checked first
-    (:func:`~lightning_mp.master.lean.optimizers.check_states`), so a refusal comes before any update of that backward."""
+    (:func:`~lightning_mp.master.lean.optimizers.check_states`), so a refusal comes before any update of that
+    backward."""
 
     def __init__(self) -> None:
         self.state: Any = None
@@ -400,11 +401,11 @@ def ready(
     grad_ops: list[tuple[str, Any]],
     param: Any = None,
 ) -> Any:
-    """The plan among ``plans`` (the store's) that :func:`run` will replay for ``group`` (or, with ``param``, that parameter's), when it exists,
-    still fits (:meth:`StepPlan.fits`), no parameter of it gained a gradient and the
+    """The plan among ``plans`` (the store's) that :func:`run` will replay for ``group`` (or, with ``param``, that
+    parameter's), when it exists, still fits (:meth:`StepPlan.fits`), no parameter of it gained a gradient and the
     kernel takes the clipping; else ``None``: that step lays out a plan (or takes the chunked path) and may refuse
-    state it meets, so a caller checks every state first (:func:`~lightning_mp.master.lean.chunked.check_states`) to refuse
-    before any update. Pass what it returns to :func:`run` as ``ready``: the plan is not checked twice."""
+    state it meets, so a caller checks every state first (:func:`~lightning_mp.master.lean.optimizers.check_states`)
+    to refuse before any update. Pass what it returns to :func:`run` as ``ready``: the plan is not checked twice."""
     key, owner, params = (id(group), group, group["params"]) if param is None else (id(param), param, [param])
     made = plans.get(key)
     if (
