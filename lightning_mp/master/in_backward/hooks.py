@@ -202,7 +202,7 @@ class StepInBackward:
         self._zero.plan(self._params, self._handed_over)
         self._groups_seen = GroupsSeen()  # compared before each backward: any edit of the param groups shows
         self._groups_seen.record([optimizer])
-        self._states_seen = StateSeen()  # the optimizer state as last checked (plan.StateSeen)
+        self._states_seen = StateSeen(self.update.layout)  # the optimizer state as last checked (plan.StateSeen)
         self._hook_trainable()
 
     @property

@@ -65,7 +65,7 @@ import ctypes
 import weakref
 from itertools import chain, repeat
 from operator import is_
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from torch import Tensor
@@ -96,7 +96,8 @@ _EMPTY: dict[str, Any] = {}
 class StateSeen:
     """The optimizer state of some parameters as last read, compared in C-level passes (``map``, no Python loop per
     parameter): the ``state`` object, the parameters, each one's state dict, every value in them (by identity), every
-    tensor's address, and each group's ``amsgrad`` / ``momentum``. It holds those tensors and their storages, so an
+    tensor's address, and each group's options that change the state's layout (the entry's ``layout``: ``amsgrad``,
+    SGD's momentum on). It holds those tensors and their storages, so an
     address it recorded cannot be freed memory while it lives.
 
     A :class:`StepPlan` keeps one over its stepped parameters (what it hands the kernel). The step inside backward,
@@ -105,13 +106,14 @@ class StateSeen:
     (:func:`~lightning_mp.master.lean.optimizers.check_states`), so a refusal comes before any update of that
     backward."""
 
-    def __init__(self) -> None:
+    def __init__(self, layout: Callable[[dict[str, Any]], Any]) -> None:
+        self.layout = layout
         self.state: Any = None
 
     def record(self, optimizer: Optimizer, params: list[Tensor]) -> None:
         self.state = optimizer.state
         self.params = list(params)
-        self.switches = [(g.get("amsgrad"), g.get("momentum")) for g in optimizer.param_groups]
+        self.switches = list(map(self.layout, optimizer.param_groups))
         self.dicts = list(map(optimizer.state.get, self.params, repeat(_EMPTY)))
         self.values = list(chain.from_iterable(map(dict.values, self.dicts)))
         self.tensors = [v for v in self.values if isinstance(v, Tensor)]
@@ -126,7 +128,7 @@ class StateSeen:
             state is not self.state
             or len(params) != len(self.params)
             or not all(map(is_, params, self.params))
-            or [(g.get("amsgrad"), g.get("momentum")) for g in optimizer.param_groups] != self.switches
+            or list(map(self.layout, optimizer.param_groups)) != self.switches
         ):
             return True
         dicts = list(map(state.get, params, repeat(_EMPTY)))
@@ -217,7 +219,7 @@ class StepPlan:
         keys = entry.keys(group)
         self.first_step = entry.first_step(optimizer, group, stepped)
         states = [state_for(entry, optimizer, p, group) for p in stepped]
-        self.seen = StateSeen()
+        self.seen = StateSeen(entry.layout)
         self.seen.record(optimizer, stepped)  # after the states were made: what the kernel is handed
         lean = [i for i, p in enumerate(stepped) if store.offset_of(p) is not None]
         plain = [i for i, p in enumerate(stepped) if store.offset_of(p) is None]

@@ -33,6 +33,10 @@ def _has_grad(param: Tensor) -> bool:
     return param.grad is not None
 
 
+def _no_layout(group: dict[str, Any]) -> None:
+    return None
+
+
 class LeanUpdate:
     """The update of one optimizer's parameters on ``store``'s lean state; its path chosen at construction: by the
     table entry ``entry`` (one-pass where a plan has a kernel, else chunked) or, ``entry`` ``None``, by ``generic``
@@ -46,6 +50,8 @@ class LeanUpdate:
         self.staging = staging
         self.entry = entry
         self.generic = generic  # None for an optimizer of the table
+        #: the group options that change which state exists (the entry's; none on the generic path)
+        self.layout: Callable[[dict[str, Any]], Any] = entry.layout if entry is not None else _no_layout
         # the chunked path's pieces by (group index, 0), or inside backward (id(param), 1)
         self.chunks: dict[tuple[int, int], tuple[tuple[int, ...], list[list[Piece]]]] = {}
 
