@@ -5,8 +5,9 @@
 bf16-mixed, ``master_weights="remainder"``, ModelParallelStrategy + fully_shard (the norm on its own in fp32): the
 uninterrupted run (inf in rank 0's shard at step INJECT_AT, norm clipping, a distributed checkpoint after epoch 0),
 the run resumed from it, the same from a full single-file checkpoint, gradient accumulation (fp32 sums, then bf16),
-a casting-policy fp32 head, the norm left in the bf16 group, fp32 masters (``True``) for comparison, AdamW and SGD
-runs whose steps are replayed on fp32 shards with torch's fused optimizers, the live tensors at rest, and the same
+a casting-policy fp32 head, the norm left in the bf16 group, fp32 masters (``True``) for comparison, AdamW, SGD and
+NAdam runs whose steps are replayed on fp32 shards with torch's fused (NAdam: foreach) optimizers, the live tensors at
+rest, and the same
 for optimizers on the generic path (torchao AdamW8bit, RMSprop: ``generic_runs``). Each rank
 saves what it saw to OUT/rank<r>.pt.
 """
@@ -69,6 +70,13 @@ class ReplayAdamW(Unclipped, AdamWNet):
 
 class ReplaySGD(Unclipped, Net):
     pass
+
+
+class ReplayNAdam(Unclipped, Net):
+    """NAdam: the table's entry without a one-pass kernel (torch's foreach function on the fp32 shards, chunked)."""
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.NAdam(self.parameters(), lr=1e-2, weight_decay=0.1)
 
 
 class Probe(L.Callback):
@@ -350,7 +358,7 @@ def main() -> None:
     probe = dict(extra_callbacks=[Probe()])
     results["policy"] = fit("bf16-mixed", "remainder", policy=POLICY, strategy=strategy(), shard=shard_with_fp32_head)
     results["norm_in_half"] = fit("bf16-mixed", "remainder", strategy=strategy(), shard=shard_net_whole, **probe)
-    for name, model_class in (("replay_adamw", ReplayAdamW), ("replay_sgd", ReplaySGD)):
+    for name, model_class in (("replay_adamw", ReplayAdamW), ("replay_sgd", ReplaySGD), ("replay_nadam", ReplayNAdam)):
         results[name] = fit(
             "bf16-mixed",
             "remainder",
