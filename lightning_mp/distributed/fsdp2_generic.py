@@ -31,17 +31,17 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from lightning_mp.master.lean.chunked import local_of
-from lightning_mp.master.lean.generic import GenericChunkedStep, _placeholder, _Slice
+from lightning_mp.master.lean.generic import GenericChunkedStep, Slice, placeholder
 
 
-class _ShardSlice(_Slice):
+class _ShardSlice(Slice):
     """This rank's whole local shard of ``param``; the proxy is a ``DTensor`` sharded like ``param``."""
 
     def __init__(self, param: Tensor) -> None:
         local = local_of(param)
         self.param, self.start, self.end, self.shape = param, 0, local.numel(), tuple(local.shape)
         self.proxy = nn.Parameter(
-            _like(param, _placeholder(self.shape, local.device)), requires_grad=param.requires_grad
+            _like(param, placeholder(self.shape, local.device)), requires_grad=param.requires_grad
         )
 
     def point(self, values: Tensor, grad: Optional[Tensor] = None) -> None:
@@ -53,7 +53,7 @@ class _ShardSlice(_Slice):
             self.proxy.grad = _like(self.param, grad)
 
     def rest(self) -> None:
-        self.point(_placeholder(self.shape, local_of(self.param).device))
+        self.point(placeholder(self.shape, local_of(self.param).device))
         self.proxy.grad = None
 
 
@@ -117,10 +117,10 @@ class ShardedGenericStep(GenericChunkedStep):
                         "weights file of them), or use an optimizer whose state is plain tensors."
                     )
 
-    def _slices_for(self, param: Tensor) -> list[_Slice]:
+    def _slices_for(self, param: Tensor) -> list[Slice]:
         return [_ShardSlice(param)]
 
-    def _values_of(self, s: _Slice) -> Tensor:
+    def _values_of(self, s: Slice) -> Tensor:
         return local_of(s.proxy)
 
     def run(self, found_inf: Optional[Tensor], grad_ops: list[tuple[str, Any]]) -> None:

@@ -160,12 +160,12 @@ class StepOptions:
 # ---------------------------------------------------------------------- the slices and the step
 
 
-class _Slice:
+class Slice:
     """Rows ``[row_start, row_end)`` of ``param`` (elements ``[start, end)`` of its flattening) and its proxy."""
 
     def __init__(self, param: Tensor, start: int, end: int, shape: tuple[int, ...]) -> None:
         self.param, self.start, self.end, self.shape = param, start, end, shape
-        self.proxy = nn.Parameter(_placeholder(shape, param.device), requires_grad=param.requires_grad)
+        self.proxy = nn.Parameter(placeholder(shape, param.device), requires_grad=param.requires_grad)
 
     @property
     def numel(self) -> int:
@@ -176,11 +176,11 @@ class _Slice:
         self.proxy.data, self.proxy.grad = values, grad
 
     def rest(self) -> None:
-        self.proxy.data = _placeholder(self.shape, self.param.device)
+        self.proxy.data = placeholder(self.shape, self.param.device)
         self.proxy.grad = None
 
 
-def _placeholder(shape: tuple[int, ...], device: torch.device) -> Tensor:
+def placeholder(shape: tuple[int, ...], device: torch.device) -> Tensor:
     return torch.zeros((), dtype=torch.float32, device=device).expand(shape)
 
 
@@ -191,10 +191,10 @@ def _placeholder(shape: tuple[int, ...], device: torch.device) -> Tensor:
 QUANTUM = 256
 
 
-def _slices_of(param: Tensor, chunk_size: int) -> list[_Slice]:
+def _slices_of(param: Tensor, chunk_size: int) -> list[Slice]:
     numel = param.numel()
     if numel <= chunk_size or param.dim() < 1:
-        return [_Slice(param, 0, numel, tuple(param.shape))]
+        return [Slice(param, 0, numel, tuple(param.shape))]
     row = numel // param.shape[0]
     rows_per_slice = max(1, chunk_size // row)
     aligned = QUANTUM // math.gcd(row, QUANTUM)  # rows per multiple of QUANTUM elements
@@ -203,7 +203,7 @@ def _slices_of(param: Tensor, chunk_size: int) -> list[_Slice]:
     slices = []
     for first in range(0, param.shape[0], rows_per_slice):
         last = min(first + rows_per_slice, param.shape[0])
-        slices.append(_Slice(param, first * row, last * row, (last - first, *param.shape[1:])))
+        slices.append(Slice(param, first * row, last * row, (last - first, *param.shape[1:])))
     return slices
 
 
@@ -220,13 +220,13 @@ class GenericChunkedStep:
         self.optimizer = optimizer
         self.store = store
         self.chunk_size = chunk_size
-        self.slices: list[list[_Slice]] = [
+        self.slices: list[list[Slice]] = [
             [s for p in group["params"] for s in self._slices_for(p)] for group in optimizer.param_groups
         ]
         self._model_params: list[list[Tensor]] = [list(g["params"]) for g in optimizer.param_groups]
         self.masks_on_device: Optional[bool] = None  # learnt on the first step with a flag (see the module doc)
         self._plain: dict[tuple[int, str], Any] = {}
-        self._by_param: dict[int, tuple[int, list[_Slice]]] = {}  # id(parameter) -> (its group, its slices)
+        self._by_param: dict[int, tuple[int, list[Slice]]] = {}  # id(parameter) -> (its group, its slices)
         for index, slices in enumerate(self.slices):
             for s in slices:
                 self._by_param.setdefault(id(s.param), (index, []))[1].append(s)
@@ -253,7 +253,7 @@ class GenericChunkedStep:
             for s in self.slices[-1]:
                 self._by_param.setdefault(id(s.param), (index, []))[1].append(s)
 
-    def _slices_for(self, param: Tensor) -> list[_Slice]:
+    def _slices_for(self, param: Tensor) -> list[Slice]:
         return _slices_of(param, self.chunk_size)
 
     def _swap_in_proxies(self) -> None:
@@ -340,9 +340,9 @@ class GenericChunkedStep:
                     s.rest()
             self._swap_out_proxies()
 
-    def _chunks(self, slices: list[_Slice]) -> list[list[_Slice]]:
-        chunks: list[list[_Slice]] = []
-        current: list[_Slice] = []
+    def _chunks(self, slices: list[Slice]) -> list[list[Slice]]:
+        chunks: list[list[Slice]] = []
+        current: list[Slice] = []
         filled = 0
         for s in slices:
             if s.param.grad is None:
@@ -361,7 +361,7 @@ class GenericChunkedStep:
             chunks.append(current)
         return chunks
 
-    def _stage(self, chunk: list[_Slice]) -> Optional[Tensor]:
+    def _stage(self, chunk: list[Slice]) -> Optional[Tensor]:
         """Point the chunk's proxies at fp32 values and gradients; the staged fp32 gradients (for clipping)."""
         first = chunk[0].param
         if self.store.offset_of(first) is None:  # fp32 parameters: the proxies are views of the parameters
@@ -387,7 +387,7 @@ class GenericChunkedStep:
             position += s.numel
         return grads[:position]
 
-    def _unstage(self, chunk: list[_Slice], skip: Optional[Tensor] = None) -> None:
+    def _unstage(self, chunk: list[Slice], skip: Optional[Tensor] = None) -> None:
         for s in chunk:
             offset = self.store.offset_of(s.param)
             if offset is None:
@@ -401,11 +401,11 @@ class GenericChunkedStep:
             torch.where(skip, high, new_high, out=high)
             torch.where(skip, low, new_low, out=low)
 
-    def _values_of(self, s: _Slice) -> Tensor:
+    def _values_of(self, s: Slice) -> Tensor:
         """The values a slice's proxy points at (a plain tensor)."""
         return s.proxy.data
 
-    def _tensors(self, chunk: list[_Slice]) -> dict[tuple[int, str], list[Tensor]]:
+    def _tensors(self, chunk: list[Slice]) -> dict[tuple[int, str], list[Tensor]]:
         """The tensors a step of ``chunk`` may change, by (slice, key): the values of its fp32 parameters (key
         ``""``; the lean ones are masked at the write-back) and every state tensor of its proxies (subclasses: their
         inner tensors)."""
@@ -417,7 +417,7 @@ class GenericChunkedStep:
                 tensors[(index, key)] = leaves_of(value) if isinstance(value, Tensor) else []  # None: unused buffer
         return tensors
 
-    def _save(self, chunk: list[_Slice]) -> dict[tuple[int, str], list[Tensor]]:
+    def _save(self, chunk: list[Slice]) -> dict[tuple[int, str], list[Tensor]]:
         self._plain = {  # what is not a tensor (None, ...), to put back if a skipped step changes it
             (index, key): copy.copy(value)
             for index, s in enumerate(chunk)
@@ -426,7 +426,7 @@ class GenericChunkedStep:
         }
         return {place: [t.clone() for t in leaves] for place, leaves in self._tensors(chunk).items()}
 
-    def _plain_changed(self, chunk: list[_Slice]) -> bool:
+    def _plain_changed(self, chunk: list[Slice]) -> bool:
         plain = {
             (index, key): value
             for index, s in enumerate(chunk)
@@ -435,7 +435,7 @@ class GenericChunkedStep:
         }
         return plain.keys() != self._plain.keys() or not all(same_option(plain[k], self._plain[k]) for k in plain)
 
-    def _state_changed(self, chunk: list[_Slice], before: dict[tuple[int, str], list[Tensor]], skip: Tensor) -> bool:
+    def _state_changed(self, chunk: list[Slice], before: dict[tuple[int, str], list[Tensor]], skip: Tensor) -> bool:
         """The step added (or reshaped) state: no mask can undo that. From now on this optimizer's skips are decided
         on the host; this one is read now (a host synchronisation) and, if skipped, the chunk's state is put back.
         Whether the step is skipped."""
