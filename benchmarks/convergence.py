@@ -159,7 +159,7 @@ def fixed_buffers() -> int:
     """Bytes of the lean step's staging buffers: a fixed size (two fp32 chunks), not per parameter, so on a model
     this small they would swamp the per-parameter figure; counted apart (0 where the step keeps none)."""
     try:
-        from lightning_mp.master.step import Staging
+        from lightning_mp.master.lean.chunked import Staging
     except ImportError:
         return 0
     staged = [o for o in gc.get_objects() if isinstance(o, Staging)]

@@ -4,7 +4,7 @@
     python benchmarks/lean_generic_skip.py --params 1 --record   # 1M parameters; append the table to HISTORY.md
 
 ``master_weights="remainder"`` with an optimizer that is not torch's AdamW/Adam/SGD runs its ``step()`` on fp32
-slices, chunk by chunk (:mod:`lightning_mp.master.generic`). With a found-inf flag it either reads the flag on the
+slices, chunk by chunk (:mod:`lightning_mp.master.lean.generic`). With a found-inf flag it either reads the flag on the
 host (one synchronisation, then the plain step: ``host``), or masks each chunk's write-back on the device (copies of
 the chunk's optimizer state and fp32 values before, ``torch.where`` after: ``device``, finite flag; ``device, skip``,
 a nonzero flag). Options are interleaved round by round (every option once per round, the median over rounds is
@@ -103,7 +103,7 @@ def main() -> None:
         one = torch.ones((), device=args.device)
         store.fused_step(optimizer, None)  # the state exists
         store.fused_step(optimizer, zero)  # the host reads the flag once more and learns whether it can mask
-        masked = "yes" if store._generic[id(optimizer)].masks_on_device else "no (host read)"
+        masked = "yes" if store.updates.of(optimizer).generic.masks_on_device else "no (host read)"
         options = _options(store, optimizer, zero, one)
         times: dict[str, list[float]] = {option: [] for option in options}
         for round_ in range(args.warmup + args.rounds):

@@ -11,7 +11,7 @@ Options timed, interleaved round by round (each round runs every option once; th
 - ``flat fp32 masters``: ours with ``master_weights=True``: AdamW (foreach) on the flat fp32 masters, then the
   copy into the bf16 model;
 - ``remainder, one pass``: ours with ``master_weights="remainder"``: the one-pass update (a compiled C
-  kernel on CPU, the Triton kernel on CUDA, the default on both: :mod:`lightning_mp.master.onepass`);
+  kernel on CPU, the Triton kernel on CUDA, the default on both: :mod:`lightning_mp.master.lean.plan`);
 - ``remainder, chunk N``: the chunked path it replaced (``LIGHTNING_MP_NATIVE=0``): join bf16 + remainder into an fp32 chunk,
   torch's fused AdamW kernel on it, split back (eager ops), for chunk sizes N;
 - ``remainder, chunk N, compile=True``: the same with the split compiled by ``torch.compile`` (one loop; the

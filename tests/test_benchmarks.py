@@ -265,3 +265,21 @@ def test_kernel_contract_benchmark_measures_both_kernels_against_float64_on_ever
     saved = json.loads((tmp_path / "k.json").read_text())["contract"]
     assert [r["case"] for r in saved] == [contract.case_name(k, f) for k, f in contract.CASES] * 2
     assert all(r["C kernel"] == r["torch"] for r in saved)  # bitwise, so the same distance
+
+
+def test_step_trace_names_the_files_and_functions_one_lean_step_executes():
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "step_trace.py"), "--json"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout)
+    by_file = result["by_file"]
+    assert result["files"] == len(by_file)
+    assert result["functions"] == sum(len(functions) for functions in by_file.values())
+    assert result["calls"] == sum(sum(functions.values()) for functions in by_file.values())
+    # the step goes through the dispatch, chosen by the table
+    assert "Updates.of" in by_file["lightning_mp/master/lean/update.py"]
+    assert "entry_for" in by_file["lightning_mp/master/lean/optimizers.py"]

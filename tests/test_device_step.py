@@ -165,7 +165,7 @@ LEAN_MATRIX = [
 def test_lean_masters_skip_on_the_device_in_both_paths(optimizer, manual, accumulate, step_syncs):
     # master_weights="remainder": Adam through torch's fused kernel, RMSprop through the generic chunked path, whose
     # first steps read the flag (the state is made, then the path learns that it can mask it: see
-    # lightning_mp.master.generic); then no step syncs, the non-finite one (step 2) included
+    # lightning_mp.master.lean.generic); then no step syncs, the non-finite one (step 2) included
     run = dict(kind="bf16-check", masters="remainder", manual=manual, accumulate=accumulate, inject=(2,), steps=4)
     model, plugin = _run(**run, optimizer=optimizer, fused=False)
     assert step_syncs == ([0, 0, 0, 0] if optimizer == "adam" else [1, 1, 0, 0])

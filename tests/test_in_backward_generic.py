@@ -1,5 +1,5 @@
 """``optimizer_in_backward=True`` with any optimizer: its own ``step()`` on each parameter's fp32 slices inside
-backward (:meth:`GenericChunkedStep.step_params <lightning_mp.master.generic.GenericChunkedStep.step_params>`).
+backward (:meth:`GenericChunkedStep.run_params <lightning_mp.master.lean.generic.GenericChunkedStep.run_params>`).
 
 The reference of every run is the normal lean step (``optimizer_in_backward=False``) with the same optimizer, model,
 data and seed: the fp32 weights a checkpoint holds and the optimizer's ``state_dict()`` (tensor subclasses: their
@@ -21,7 +21,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_mp import MixedPrecisionPlugin
-from lightning_mp.master.skip_mask import leaves_of
+from lightning_mp.master.lean.generic import leaves_of
 from tests.helpers import make_trainer, seeded
 
 
@@ -225,7 +225,7 @@ def test_checkpoints_move_between_in_backward_and_the_normal_step(tmp_path, case
 
 
 def test_a_masked_skip_of_one_parameter_keeps_the_others_and_the_group_options_exact():
-    """The GPU's way (a device flag, no host read) on the CPU: ``step_params(..., on_host=False)``. torchao's lr and
+    """The GPU's way (a device flag, no host read) on the CPU: ``run_params(..., on_host=False)``. torchao's lr and
     torch-optimi's counter are tensors in the param group; here a tensor counter stands for them."""
     from lightning_mp.master import RemainderMasters
 
@@ -247,7 +247,7 @@ def test_a_masked_skip_of_one_parameter_keeps_the_others_and_the_group_options_e
         store.convert(model)
         optimizer = TensorCounterSGD(model.parameters())
         store.attach([optimizer])
-        generic = store._generic[id(optimizer)]
+        generic = store.updates.of(optimizer).generic
         for step in range(3):
             if step == 2:  # before step 3: the values and momenta a skipped parameter must keep
                 before = _values_and_momenta(store, model, optimizer)
@@ -255,7 +255,7 @@ def test_a_masked_skip_of_one_parameter_keeps_the_others_and_the_group_options_e
             model(x).float().pow(2).mean().backward()
             generic.begin_params()
             for param, flag in zip(model.parameters(), flags if step == 2 else (0, 0, 0, 0)):
-                generic.step_params([param], torch.tensor(float(flag)), [], on_host=False)
+                generic.run_params([param], torch.tensor(float(flag)), [], on_host=False)
                 param.grad = None
         assert generic.masks_on_device  # learnt on the steps before: the third is masked, no host read
         runs[flags] = (before, _values_and_momenta(store, model, optimizer), float(optimizer.param_groups[0]["count"]))
@@ -316,7 +316,7 @@ def _at_rest(in_backward: bool) -> tuple[float, float, bool]:
             store.fused_step(optimizer, torch.zeros(()))
         del x, loss
     params = sum(p.numel() for p in model.parameters())
-    staging = sum(t.untyped_storage().nbytes() for pair in store._staging._buffers.values() for t in pair)
+    staging = sum(t.untyped_storage().nbytes() for pair in store.updates.staging._buffers.values() for t in pair)
     live = _live_cpu_bytes() - base
     probe = min(model.parameters(), key=torch.Tensor.numel)  # its gradient kept: the probe of zero_grad
     held = any(p.grad is not None for p in model.parameters() if p is not probe)

@@ -325,15 +325,6 @@ def _cross_module_private_reads() -> tuple[dict[str, set[str]], set[str]]:
     return ours, theirs
 
 
-# owned by another branch of issue 45; emptied at merge
-OTHER_BRANCHES_PRIVATE_READS = {
-    # lean: the store's staging and generic steps read by the lean update's callers
-    "lightning_mp.master.generic": {"_staging"},
-    "lightning_mp.master.in_backward.hooks": {"_generic", "_staging"},
-    # needs a public member on StepInBackward (lean's master/in_backward/hooks.py): whether it steps generically
-    "lightning_mp.distributed.fsdp2_in_backward": {"_generic"},
-}
-
 #: Private API of torch, Lightning and torchao the library reads on purpose (each read where its public API has no
 #: equivalent); a new one is added here knowingly.
 TORCH_AND_LIGHTNING_PRIVATE_API = {
@@ -355,18 +346,7 @@ def test_no_module_reads_another_modules_private_attributes():
     "_name")``) on an object whose class is ours and defined in another module. Names also found on torch's or
     Lightning's objects are theirs (``module._buffers``), listed below."""
     ours, _ = _cross_module_private_reads()
-    unexpected = {
-        module: sorted(names - OTHER_BRANCHES_PRIVATE_READS.get(module, set()))
-        for module, names in ours.items()
-        if names - OTHER_BRANCHES_PRIVATE_READS.get(module, set())
-    }
-    assert not unexpected, f"private attributes read across modules: {unexpected}"
-    stale = {
-        module: sorted(names - ours.get(module, set()))
-        for module, names in OTHER_BRANCHES_PRIVATE_READS.items()
-        if names - ours.get(module, set())
-    }
-    assert not stale, f"no longer read, drop them from OTHER_BRANCHES_PRIVATE_READS: {stale}"
+    assert not ours, f"private attributes read across modules: {ours}"
 
 
 def test_private_api_of_torch_and_lightning_is_read_only_where_listed():
@@ -396,14 +376,6 @@ def test_the_plugins_protocols_name_members_the_plugin_has_with_their_signatures
                 assert list(inspect.signature(wanted).parameters) == list(have), (protocol.__name__, name)
 
 
-# owned by another branch of issue 45; emptied at merge
-OTHER_BRANCHES_PRIVATE_IMPORTS = {
-    "lightning_mp.master.plan": {"_state_for"},  # lean: master/step.py's helper
-    # needs public names in lean's master/generic.py (the generic step's slice and placeholder)
-    "lightning_mp.distributed.fsdp2_generic": {"_Slice", "_placeholder"},
-}
-
-
 def test_no_module_imports_another_modules_private_names():
     """``from lightning_mp.x import _name`` is a read of another module's private attribute too."""
     found: dict[str, set[str]] = {}
@@ -412,7 +384,7 @@ def test_no_module_imports_another_modules_private_names():
             if isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").startswith("lightning_mp")):
                 found.setdefault(module, set()).update(a.name for a in node.names if _private(a.name))
     found = {module: names for module, names in found.items() if names}
-    assert found == OTHER_BRANCHES_PRIVATE_IMPORTS, found
+    assert not found, found
 
 
 def test_the_plugin_is_never_typed_any():

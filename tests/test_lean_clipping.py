@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from lightning_mp.master import RemainderMasters
-from lightning_mp.master.step import apply_grad_ops_in_place
+from lightning_mp.master.lean.chunked import apply_grad_ops_in_place
 from tests.helpers import AtenOps
 
 

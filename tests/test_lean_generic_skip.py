@@ -1,4 +1,4 @@
-"""The generic lean-masters path (any optimizer, :mod:`lightning_mp.master.generic`) skips a non-finite step on the
+"""The generic lean-masters path (any optimizer, :mod:`lightning_mp.master.lean.generic`) skips a non-finite step on the
 device by a masked write-back: no host synchronisation, and every bit (weights, remainders, fp32 parameters,
 optimizer state, group counters) as a skip decided on the host leaves it; finite steps bitwise the optimizer's own.
 
@@ -18,7 +18,7 @@ from torch import nn
 from torch.overrides import _pop_mode_temporarily
 
 from lightning_mp.master import RemainderMasters
-from lightning_mp.master.skip_mask import leaves_of as _leaves
+from lightning_mp.master.lean.generic import leaves_of as _leaves
 from tests.helpers import HostSyncCounter, seeded
 
 FLAGS = [1, 0, 0, 1, 0, 0, 1, 0]  # a skip before any state exists, then finite and skipped steps
@@ -164,7 +164,7 @@ def test_generic_path_skips_on_the_device_bitwise_as_the_host_skip(case, monkeyp
             ref_store.fused_step(ref_optimizer, None)
         _assert_same(store, model, ref_store, reference, optimizer, ref_optimizer, step)
     assert syncs == expected_syncs
-    assert store._generic[id(optimizer)].masks_on_device == (expected_syncs == DEVICE_SYNCS)
+    assert store.updates.of(optimizer).generic.masks_on_device == (expected_syncs == DEVICE_SYNCS)
     assert any(FLAGS[step] for step, count in enumerate(syncs) if count == 0) == (expected_syncs == DEVICE_SYNCS)
 
 
@@ -207,4 +207,4 @@ def test_state_added_after_the_first_steps_is_undone_on_a_skip_and_the_host_deci
         if not now:
             ref_store.fused_step(ref_optimizer, None)
         _assert_same(store, model, ref_store, reference, optimizer, ref_optimizer, step)
-    assert store._generic[id(optimizer)].masks_on_device is False
+    assert store.updates.of(optimizer).generic.masks_on_device is False

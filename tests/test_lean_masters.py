@@ -203,7 +203,7 @@ def test_generic_path_on_sliced_parameters_equals_the_optimizer_on_fp32(foreach)
     store, model, reference, optimizer = _generic_case(
         lambda ps: SubclassedAdamW(ps, lr=1e-2, weight_decay=0.1, foreach=foreach), chunk_size=32768
     )
-    assert len(store._generic[id(optimizer)].slices[0][0:4]) == 4  # the 300x333 weight is cut into row blocks
+    assert len(store.updates.of(optimizer).generic.slices[0][0:4]) == 4  # the 300x333 weight is cut into row blocks
     for param, ref in zip(model.parameters(), reference.parameters()):
         assert torch.equal(_exact(store, param), ref)
     assert all(p.dtype == torch.bfloat16 or p.dim() == 1 for p in optimizer.param_groups[0]["params"])
@@ -242,7 +242,7 @@ def test_torchao_8bit_state_stays_8bit_and_exact_on_sliced_parameters(monkeypatc
         _same_grads(model, reference, generator)
         store.fused_step(optimizer, None)
         ref_optimizer.step()
-    slices = store._generic[id(optimizer)].slices[0]
+    slices = store.updates.of(optimizer).generic.slices[0]
     weight_slices = [s for s in slices if s.param is model[0].weight]
     assert [s.shape for s in weight_slices] == [(128, 172)] * 4
     for s in weight_slices:
@@ -264,7 +264,7 @@ def test_torch_optimi_adamw_runs_exactly_on_slices(kahan_sum):
 def test_generic_optimizer_state_dict_round_trips_through_the_proxies():
     store, model, _, optimizer = _generic_case(lambda ps: SubclassedAdamW(ps, lr=1e-2), chunk_size=32768, steps=1)
     saved = optimizer.state_dict()
-    assert len(saved["state"]) == sum(len(s) for s in store._generic[id(optimizer)].slices)
+    assert len(saved["state"]) == sum(len(s) for s in store.updates.of(optimizer).generic.slices)
     assert optimizer.param_groups[0]["params"][0] is next(model.parameters())  # model params back after the call
     first = saved["state"][0]["exp_avg"].clone()
     optimizer.load_state_dict(saved)

@@ -119,7 +119,7 @@ def test_validate_after_fit_splits_again_and_leaves_the_exact_weights(ranks):
     assert ranks[0][0]["validated"]["val_loss"] == ranks[0][1]["validated"]["val_loss"]
 
 
-@pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
+@pytest.mark.parametrize("optimizer", ["adamw", "sgd", "nadam"])
 def test_each_ranks_steps_equal_torchs_fused_optimizer_on_fp32_shards_bitwise(ranks, optimizer):
     """The gradients each rank's step saw (bf16 shards; fp32 for the norm, kept fp32 without remainder), replayed on
     fp32 copies of the exact initial shards with torch's fused optimizer, give the exact final shards bit for bit."""
@@ -131,6 +131,8 @@ def test_each_ranks_steps_equal_torchs_fused_optimizer_on_fp32_shards_bitwise(ra
         params = [torch.nn.Parameter(value.clone()) for value in record["initial"]]
         if optimizer == "adamw":
             reference = torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1, fused=True)
+        elif optimizer == "nadam":  # no fused NAdam in torch: its foreach implementation, as on one device
+            reference = torch.optim.NAdam(params, lr=1e-2, weight_decay=0.1, foreach=True)
         else:
             reference = torch.optim.SGD(params, lr=0.1, momentum=0.9, fused=True)
         for grads in record["seen"]:

@@ -161,12 +161,13 @@ def test_blocks_follow_the_model_to_cuda_with_exact_values():
 
 @pytest.mark.parametrize("in_backward", [False, True])
 def test_a_released_block_is_freed_though_step_plans_gave_its_addresses_to_the_kernel(in_backward, monkeypatch):
-    # the step plans (master/plan.py) hold views of the blocks they read; a release must drop them, or restore keeps
+    # the step plans (master/lean/plan.py) hold views of the blocks they read; a release must drop them, or restore keeps
     # every block alive until the end (4 bytes per parameter more than the fp32 model at teardown)
     import weakref
 
     from lightning_mp.kernels import native
-    from lightning_mp.master import onepass
+    from lightning_mp.master.lean import plan
+    from lightning_mp.master.lean.optimizers import entry_for
 
     if native.cpu_kernel() is None:
         pytest.skip("the step plans need the compiled CPU kernel (no C compiler here)")
@@ -182,7 +183,7 @@ def test_a_released_block_is_freed_though_step_plans_gave_its_addresses_to_the_k
         group = optimizer.param_groups[0]
         for param in model.parameters():
             one = {**group, "params": [param]}
-            assert onepass.step(optimizer, one, store, [], None, param)
+            assert plan.run(optimizer, entry_for(optimizer), one, store.step_plans, store, [], None, param)
     else:
         store.fused_step(optimizer, None)
     assert len(store.step_plans) == (len(list(model.parameters())) if in_backward else 1)

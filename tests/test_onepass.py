@@ -13,7 +13,8 @@ from torch import nn
 
 from lightning_mp.kernels import contract, native
 from lightning_mp.kernels.bits import join_fp32, split_fp32
-from lightning_mp.master import RemainderMasters, onepass
+from lightning_mp.master import RemainderMasters
+from lightning_mp.master.lean import plan
 
 # tensor sizes: vector body only, tail only (< 8), body + tail, several threads' units (> native.GRAIN)
 SIZES = [64, 7, 1003, native.GRAIN * 2 + 13]
@@ -248,7 +249,7 @@ def test_one_pass_and_chunked_paths_give_the_same_bits(monkeypatch, optimizer_cl
     chunked_model = copy.deepcopy(model)
     one_pass = _train(model, optimizer_cls, kwargs, clip)
     monkeypatch.setenv("LIGHTNING_MP_NATIVE", "0")
-    assert onepass.plan(list(chunked_model.parameters()), []) is None
+    assert plan.clipping_for(list(chunked_model.parameters()), []) is None
     chunked = _train(chunked_model, optimizer_cls, kwargs, clip)
     for a, b in zip(one_pass, chunked):
         assert torch.equal(a.view(torch.int32), b.view(torch.int32))

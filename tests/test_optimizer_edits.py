@@ -13,7 +13,7 @@ child process (below): without a plan that keeps what it reads alive or checks i
 
 References, and why:
 
-- lean (``master_weights="remainder"``, the step plan of master/plan.py), the step inside backward and the chunked
+- lean (``master_weights="remainder"``, the step plan of master/lean/plan.py), the step inside backward and the chunked
   step inside backward: against the chunked path (``LIGHTNING_MP_NATIVE=0``), which reads the groups and the state
   afresh at each step (torch's fused kernel on joined chunks, bitwise the plan's kernel: tests/test_lean_masters.py;
   the step inside backward is bitwise the normal lean step: tests/test_in_backward.py), and the lean modes also
@@ -59,7 +59,7 @@ REFERENCE_OF = {
     "True": "bf16-mixed",
 }
 #: refused, but after some update of the step: none. The normal step checks every state before any update where a
-#: group's plan does not fit (RemainderMasters.fused_step, onepass.ready); the step inside backward where the state
+#: group's plan does not fit (RemainderMasters.fused_step, plan.ready); the step inside backward where the state
 #: changed since the last backward (plan.StateSeen, checked in StepInBackward.begin).
 LATE: dict[tuple[str, str], str] = {}
 CASES = [

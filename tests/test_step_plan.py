@@ -1,4 +1,4 @@
-"""The step plan of the one-pass lean update (lightning_mp.master.plan): made once, replayed each step with nothing
+"""The step plan of the one-pass lean update (lightning_mp.master.lean.plan): made once, replayed each step with nothing
 but the gradients' addresses, rebuilt when what it recorded changes, and bitwise torch's fused optimizer throughout.
 
 Reference: torch's own ``fused=True`` optimizer on fp32 parameters holding the exact values, given the same
@@ -14,7 +14,9 @@ import torch
 from torch import nn
 
 from lightning_mp.kernels import native
-from lightning_mp.master import RemainderMasters, onepass
+from lightning_mp.master import RemainderMasters
+from lightning_mp.master.lean import plan
+from lightning_mp.master.lean.optimizers import entry_for
 from tests.helpers import AtenOps, seeded
 
 
@@ -136,10 +138,10 @@ def test_a_replayed_step_issues_no_op_but_the_fp32_parameters_kernel(optimizer_c
     lean, fp32 = model[0].weight, model[1].weight
     for param in (lean, fp32):  # the step inside backward: one-parameter groups, a plan per parameter
         one = {**group, "params": [param]}
-        assert onepass.step(optimizer, one, store, [], found, param)
+        assert plan.run(optimizer, entry_for(optimizer), one, store.step_plans, store, [], found, param)
         param.grad = torch.randn(param.shape, generator=generator).to(param.dtype)
         with AtenOps() as counted:
-            assert onepass.step(optimizer, one, store, [], found, param)
+            assert plan.run(optimizer, entry_for(optimizer), one, store.step_plans, store, [], found, param)
         assert counted.ops == ([] if param is lean else [kernel])
 
 
@@ -154,7 +156,7 @@ def test_the_cuda_plan_launches_what_a_fresh_table_would_under_tritons_interpret
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     monkeypatch.setattr(cuda, "_kernels", {})
     assert native.cuda_kernel() is not None
-    monkeypatch.setattr(onepass, "_kernel_for", lambda params: "cuda")
+    monkeypatch.setattr(plan, "_kernel_for", lambda params: "cuda")
     planned, fresh = _model(), _model()
     stores = []
     for model in (planned, fresh):
@@ -180,11 +182,11 @@ def test_the_cuda_plan_launches_what_a_fresh_table_would_under_tritons_interpret
 
 def _fresh_step(store, optimizer, update):
     """What the CUDA one-pass update did before plans: every row and step list made again for this step."""
-    from lightning_mp.master.step import _state_for
+    from lightning_mp.master.lean.optimizers import ADAM, state_for
 
     group = optimizer.param_groups[0]
     params = [p for p in group["params"] if p.grad is not None]
-    states = [_state_for(optimizer, p, ("exp_avg", "exp_avg_sq")) for p in params]
+    states = [state_for(ADAM, optimizer, p, group) for p in params]
     torch._foreach_add_([s["step"] for s in states], 1)
     options = dict(kind=native.ADAMW, amsgrad=False, maximize=False, lr=1e-2, beta1=0.9, beta2=0.999,
                    weight_decay=0.1, eps=1e-8, clamped=False, clamp=-1.0)  # fmt: skip

@@ -1,6 +1,6 @@
 """Any optimizer on lean master weights under FSDP2: the generic chunked path on whole local shards.
 
-:class:`~lightning_mp.master.generic.GenericChunkedStep` runs the optimizer's own ``step()`` on fp32 *proxy*
+:class:`~lightning_mp.master.lean.generic.GenericChunkedStep` runs the optimizer's own ``step()`` on fp32 *proxy*
 parameters. Under FSDP2 (:class:`~lightning_mp.distributed.fsdp2_lean.ShardedRemainderMasters`) each proxy is one
 whole parameter, a ``DTensor`` sharded like it (same mesh, placements, global shape and stride) whose local tensor
 is, during a step, this rank's exact fp32 shard (bf16 shard joined with its remainder in the staging buffer; for a
@@ -17,7 +17,7 @@ parameter kept in fp32, the parameter's own local shard) and, between steps, a z
   empty optimizer before a distributed checkpoint is loaded into it, with zero gradients and ``lr`` 0) goes through
   the same proxies, so that state is made as the plugin's steps make it, not on the bf16 parameters.
 
-Exactness: as :mod:`lightning_mp.master.generic` (the optimizer's own update of fp32 shards holding the exact
+Exactness: as :mod:`lightning_mp.master.lean.generic` (the optimizer's own update of fp32 shards holding the exact
 values; an optimizer that treats elements independently gives what it gives on FSDP2's fp32 shards). Transient
 memory: a proxy is a whole local shard, so a step stages ``max(chunk_size, largest local shard)`` fp32 values and
 gradients (8 bytes each), not more.
@@ -30,18 +30,18 @@ from typing import Any, Optional
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from lightning_mp.master.generic import GenericChunkedStep, _placeholder, _Slice
-from lightning_mp.master.step import local_of
+from lightning_mp.master.lean.chunked import local_of
+from lightning_mp.master.lean.generic import GenericChunkedStep, Slice, placeholder
 
 
-class _ShardSlice(_Slice):
+class _ShardSlice(Slice):
     """This rank's whole local shard of ``param``; the proxy is a ``DTensor`` sharded like ``param``."""
 
     def __init__(self, param: Tensor) -> None:
         local = local_of(param)
         self.param, self.start, self.end, self.shape = param, 0, local.numel(), tuple(local.shape)
         self.proxy = nn.Parameter(
-            _like(param, _placeholder(self.shape, local.device)), requires_grad=param.requires_grad
+            _like(param, placeholder(self.shape, local.device)), requires_grad=param.requires_grad
         )
 
     def point(self, values: Tensor, grad: Optional[Tensor] = None) -> None:
@@ -53,7 +53,7 @@ class _ShardSlice(_Slice):
             self.proxy.grad = _like(self.param, grad)
 
     def rest(self) -> None:
-        self.point(_placeholder(self.shape, local_of(self.param).device))
+        self.point(placeholder(self.shape, local_of(self.param).device))
         self.proxy.grad = None
 
 
@@ -66,7 +66,7 @@ def _like(param: Tensor, local: Tensor) -> Tensor:
 
 
 class ShardedGenericStep(GenericChunkedStep):
-    """:class:`~lightning_mp.master.generic.GenericChunkedStep` with one ``DTensor`` proxy per sharded parameter
+    """:class:`~lightning_mp.master.lean.generic.GenericChunkedStep` with one ``DTensor`` proxy per sharded parameter
     (see module doc)."""
 
     def __init__(self, optimizer: Optimizer, store: Any, chunk_size: int) -> None:
@@ -117,16 +117,16 @@ class ShardedGenericStep(GenericChunkedStep):
                         "weights file of them), or use an optimizer whose state is plain tensors."
                     )
 
-    def _slices_for(self, param: Tensor) -> list[_Slice]:
+    def _slices_for(self, param: Tensor) -> list[Slice]:
         return [_ShardSlice(param)]
 
-    def _values_of(self, s: _Slice) -> Tensor:
+    def _values_of(self, s: Slice) -> Tensor:
         return local_of(s.proxy)
 
-    def step(self, found_inf: Optional[Tensor], grad_ops: list[tuple[str, Any]]) -> None:
+    def run(self, found_inf: Optional[Tensor], grad_ops: list[tuple[str, Any]]) -> None:
         self._inside = True
         try:
-            super().step(found_inf, grad_ops)
+            super().run(found_inf, grad_ops)
         finally:
             self._inside = False
         if not self._checked and self.optimizer.state:
@@ -134,12 +134,12 @@ class ShardedGenericStep(GenericChunkedStep):
             self._check_state()
 
     def _outside_step(self, optimizer: Optimizer, args: Any, kwargs: Any) -> None:
-        """``optimizer.step()`` called by someone else than :meth:`step` (torch's ``_init_optim_state`` before a
+        """``optimizer.step()`` called by someone else than :meth:`run` (torch's ``_init_optim_state`` before a
         distributed-checkpoint load): run it on the proxies with the model's gradients as they are, then let the
         optimizer's own call step nothing (its groups are empty until the post-hook)."""
         if self._inside:
             return
-        self.step(None, [])
+        self.run(None, [])
         for group in optimizer.param_groups:
             group["params"] = []
         self._outside = True

@@ -39,7 +39,7 @@ def register(in_backward: Any, device: torch.device, group: Optional[Any] = None
     Raises:
         ValueError: an optimizer other than torch's AdamW/Adam/SGD (the generic path is not wired on shards here).
     """
-    if in_backward._generic is not None:
+    if in_backward.update.generic is not None:
         optimizer = in_backward.optimizer
         raise refusal(
             f"under FSDP2 steps torch's AdamW, Adam and SGD only, not {type(optimizer).__module__}."

@@ -46,10 +46,10 @@ from torch.optim import Optimizer
 from lightning_mp.distributed.fsdp2_generic import ShardedGenericStep
 from lightning_mp.distributed.shard import fsdp_param_groups
 from lightning_mp.kernels.bits import join_fp32, split_fp32_into
+from lightning_mp.master.lean.optimizers import entry_for, initial_state, local_of
 from lightning_mp.master.model_sync import ModelSync, materialise
 from lightning_mp.master.optimizer_state import check_params_belong, keep_fp32_state
 from lightning_mp.master.remainder import RemainderMasters
-from lightning_mp.master.step import fp32_zeros_like, local_of, uses_fused_kernel
 
 
 def fsdp_params(module: nn.Module) -> list[Any]:
@@ -179,19 +179,22 @@ class ShardedRemainderMasters(RemainderMasters):
         self._optimizers = list(optimizers)
         module_params = {id(p) for p in self._module.parameters()}
         for index, optimizer in enumerate(self._optimizers):
-            dampened = [g for g, group in enumerate(optimizer.param_groups) if group.get("dampening", 0) != 0]
-            if isinstance(optimizer, torch.optim.SGD) and dampened:
+            entry = entry_for(optimizer)
+            refused = (
+                [(g, entry.sharded_refusal(group)) for g, group in enumerate(optimizer.param_groups)] if entry else []
+            )
+            refused = [(g, why) for g, why in refused if why is not None]
+            if refused:
                 raise ValueError(
-                    f"master_weights='remainder' under FSDP2 does not support SGD with dampening (optimizer {index}, "
-                    f"param_groups {dampened}): its state is made before the first step, for distributed "
-                    "checkpoints, and a zero momentum buffer matches torch's first step only without dampening. Use "
-                    "dampening=0, or master_weights=True under FSDP2."
+                    f"master_weights='remainder' under FSDP2 does not support {refused[0][1]} (optimizer {index}, "
+                    f"param_groups {[g for g, _ in refused]}): its state is made before the first step, for "
+                    "distributed checkpoints, and a zero momentum buffer matches torch's first step only without "
+                    "dampening. Use dampening=0, or master_weights=True under FSDP2."
                 )
             check_params_belong(index, optimizer, module_params)
-            if not uses_fused_kernel(optimizer):  # any other optimizer: on DTensor proxies of the shards
-                self._generic[id(optimizer)] = ShardedGenericStep(optimizer, self, self._chunk_of(optimizer))
+            if self.updates.of(optimizer).generic is not None:  # any other optimizer: on DTensor proxies of the shards
                 continue
-            _initial_state(optimizer)
+            initial_state(optimizer)
             self._optimizer_hooks[id(optimizer)] = keep_fp32_state(optimizer)
 
     # ------------------------------------------------------------------ the layout the chunked step reads
@@ -212,10 +215,8 @@ class ShardedRemainderMasters(RemainderMasters):
         """``id(sharded parameter) -> int16 remainder of this rank's local shard``."""
         return {key: low for key, (_, _, low) in self._shards.items()}
 
-    def fused_step(self, optimizer: Optimizer, found_inf: Optional[Tensor] = None) -> None:
-        if not uses_fused_kernel(optimizer) and id(optimizer) not in self._generic:  # one attach() did not see
-            self._generic[id(optimizer)] = ShardedGenericStep(optimizer, self, self._chunk_of(optimizer))
-        super().fused_step(optimizer, found_inf)
+    #: the generic path's step: on DTensor proxies of the local shards
+    generic_step = ShardedGenericStep
 
     @staticmethod
     def _widen_grad(grad: Tensor) -> None:
@@ -276,11 +277,9 @@ class ShardedRemainderMasters(RemainderMasters):
                 if param.grad is not None and param.grad.dtype != torch.float32:  # a gradient left by the last step
                     _retype_dtensor(param.grad, local_of(param.grad).float())
             _retype_groups([group for _, group, _ in self._shards.values()])
-        for generic in self._generic.values():
-            generic.restore()
+        self.updates.release()  # the generic path's state back to whole shards, the staging buffers freed
         for hook in [h for hooks in self._optimizer_hooks.values() for h in hooks] + self._forward_hooks:
             hook.remove()
-        self._staging.release()
         self._reset()
         if error is not None:
             raise error
@@ -345,23 +344,3 @@ def _local_shard_of(value: Tensor, param: Tensor) -> Tensor:
 
     whole = value.detach().to(local_of(param).device, torch.float32)
     return local_of(distribute_tensor(whole, param.device_mesh, param.placements, src_data_rank=None)).clone()
-
-
-def _initial_state(optimizer: Optimizer) -> None:
-    """Create AdamW/Adam's state as torch's fused optimizers would on their first step (fp32, sharded like each
-    parameter, step 0), and an entry for SGD, so that a distributed-checkpoint load finds the optimizer initialised
-    (torch's ``_init_optim_state`` would otherwise run a step on the bf16 parameters and make bf16 state). SGD's
-    momentum buffer starts at zero: its first step, ``0 * momentum + grad``, is the gradient bit for bit, as torch's
-    first step (a copy of the gradient) makes it, so dampening, which would scale it, is refused at setup."""
-    for group in optimizer.param_groups:
-        for param in group["params"]:
-            if not param.requires_grad or optimizer.state.get(param):
-                continue
-            state = optimizer.state[param]
-            if isinstance(optimizer, torch.optim.Adam):  # AdamW is a subclass
-                state["step"] = torch.tensor(0.0, dtype=torch.float32, device=param.device)
-                keys = ("exp_avg", "exp_avg_sq") + (("max_exp_avg_sq",) if group["amsgrad"] else ())
-                for key in keys:
-                    state[key] = fp32_zeros_like(param)
-            elif group["momentum"] != 0:  # SGD without dampening (checked): buffer 0 * momentum + grad is the grad
-                state["momentum_buffer"] = fp32_zeros_like(param)

@@ -1,6 +1,6 @@
 """The lean update's contract on every device, and the float64 evaluation it is measured against.
 
-The one-pass update (:mod:`lightning_mp.master.onepass`) promises, on any device and whatever its compiler does:
+The one-pass update (:mod:`lightning_mp.master.lean.plan`) promises, on any device and whatever its compiler does:
 
 (a) the store is lossless: ``join(split(x)) == x`` bit for bit for every fp32 pattern, inf and NaN included
     (``tests/test_onepass.py`` checks every pattern class on each path);

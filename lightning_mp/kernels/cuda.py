@@ -6,7 +6,7 @@ and int16 remainders into fp32, applies the optimizer's arithmetic and splits th
 each byte once. Which tensor and where: a table of ``(tensor, start)`` per program, built once per set of tensor
 sizes; the tensors' addresses: a small int64 table, copied to the device (pinned, asynchronously) only when an
 address changed. Adam's bias terms are formed per tensor from its step count on the device by a second, tiny
-kernel (one launch), which also advances the counts for a step plan (:mod:`lightning_mp.master.plan`). :data:`CONFIG` holds the launch shape (``BLOCK``, ``CHUNK``, warps) and the arithmetic, chosen
+kernel (one launch), which also advances the counts for a step plan (:mod:`lightning_mp.master.lean.plan`). :data:`CONFIG` holds the launch shape (``BLOCK``, ``CHUNK``, warps) and the arithmetic, chosen
 on an H100 by ``benchmarks/kernel_contract.py --tune``; ``LIGHTNING_MP_TRITON_CONFIG=BLOCK,CHUNK,WARPS[,PRECISE]``
 overrides it.
 
@@ -281,7 +281,7 @@ class CudaLeanUpdate:
         count: bool = False,
     ) -> None:
         """:meth:`run` with the address table already flat (8 per tensor: the row, then its step count's address,
-        0 where ``on_device`` is false) and the tensors' sizes: what a step plan (:mod:`lightning_mp.master.plan`)
+        0 where ``on_device`` is false) and the tensors' sizes: what a step plan (:mod:`lightning_mp.master.lean.plan`)
         keeps between steps. The table goes to the device only when it changed (a new list that differs). ``count``
         (with ``on_device``): the step counts advance in the bias kernel (``step += 1``, then ``step -= found``)."""
         config = launch_config()

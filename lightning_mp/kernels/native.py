@@ -4,7 +4,7 @@ On the CPU, ``lean_update.c`` (plain C, no torch headers) is compiled with the s
 process needs it (about a second), into a cache keyed by the source, the compiler and the CPU's flags
 (``$LIGHTNING_MP_CACHE``, default ``~/.cache/lightning_mp``), and loaded with :mod:`ctypes`. Where it cannot be
 built (no C compiler, a compiler error) or loaded, :func:`cpu_kernel` returns ``None`` after one warning that says
-why, and the step falls back to the chunked path (:mod:`lightning_mp.master.step`): slower, the same bits.
+why, and the step falls back to the chunked path (:mod:`lightning_mp.master.lean.chunked`): slower, the same bits.
 ``LIGHTNING_MP_NATIVE=0`` turns the compiled kernels off (the fallback on purpose).
 """
 

@@ -3,8 +3,9 @@
 - :mod:`lightning_mp.master.flat`: :class:`MasterWeights`, fp32 masters in one flat buffer per device
   (``master_weights=True`` or ``"fp32"``).
 - :mod:`lightning_mp.master.remainder`: :class:`RemainderMasters`, a bf16 model plus a 16-bit remainder per
-  element, exact fp32 masters without an fp32 copy (``master_weights="remainder"``); its update runs chunk by chunk
-  (:mod:`~lightning_mp.master.step` for AdamW/Adam/SGD, :mod:`~lightning_mp.master.generic` for any optimizer);
+  element, exact fp32 masters without an fp32 copy (``master_weights="remainder"``); its update is
+  :mod:`lightning_mp.master.lean`'s (the optimizers of its table in one pass or chunk by chunk, any other on fp32
+  slices);
   the weights and remainders live in blocks built and released one at a time (:mod:`~lightning_mp.master.blocks`).
 - :mod:`lightning_mp.master.exact`: the exact fp32 weights for code that reads or writes the model between steps
   (EMA teachers, weight averaging; :mod:`lightning_mp.callbacks.averaging` adapts Lightning's callbacks).

@@ -8,7 +8,7 @@ it and their fp32 storage is released, then the next block (and the reverse at r
 (4 bytes x its elements), or the largest parameter's, whatever the model size.
 
 Offsets are global: ``block number * BLOCK_STRIDE + offset in the block``. Two blocks are never contiguous, so a
-chunk of the step (``lightning_mp.master.step.plan_chunks`` joins pieces that are contiguous) stays in one block.
+chunk of the step (``lightning_mp.master.lean.chunked.plan_chunks`` joins pieces that are contiguous) stays in one block.
 """
 
 from __future__ import annotations

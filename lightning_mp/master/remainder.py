@@ -4,7 +4,7 @@
 :mod:`lightning_mp.master.blocks`); a parallel int16 buffer holds, per element, the low 16 bits that the bf16
 rounding dropped (see :mod:`lightning_mp.kernels.bits`: every non-NaN fp32 value is its bf16 half plus this
 remainder, bit for bit). No fp32 copy of the model exists between steps; the step (:meth:`~RemainderMasters.step`)
-joins them in one pass (:mod:`~lightning_mp.master.onepass`) or one chunk at a time.
+joins them in one pass (:mod:`~lightning_mp.master.lean.plan`) or one chunk at a time.
 
 Memory at rest per trained bf16 parameter with AdamW: 2 (bf16 weight) + 2 (remainder) + 2 (bf16 gradient, between
 a backward and the step) + 8 (two fp32 moments) = 14 bytes, against 16 for an fp32 model and 18 for
@@ -26,25 +26,16 @@ import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from lightning_mp.kernels import native
 from lightning_mp.kernels.bits import JoinSplit
-from lightning_mp.master import onepass
 from lightning_mp.master.blocks import Blocks, join_by_chunks, split_by_chunks
 from lightning_mp.master.clipping import norm_and_factor
 from lightning_mp.master.flat import MasterWeights, is_norm
-from lightning_mp.master.generic import GenericChunkedStep
+from lightning_mp.master.lean.chunked import FUSED_UNIT
+from lightning_mp.master.lean.generic import GenericChunkedStep
+from lightning_mp.master.lean.plan import Plans
+from lightning_mp.master.lean.update import Updates
 from lightning_mp.master.model_sync import materialise
 from lightning_mp.master.optimizer_state import check_params_belong, keep_fp32_state
-from lightning_mp.master.plan import Plans
-from lightning_mp.master.step import (
-    FUSED_UNIT,
-    Staging,
-    apply_grad_ops_in_place,
-    check_states,
-    fused_update,
-    plan_chunks,
-    uses_fused_kernel,
-)
 
 #: Default chunk per device type: 2**18 elements on CPU (3 MiB of fp32 transients per step: the eager join and split
 #: stay in cache; measured in benchmarks/lean_step.py), 2**25 on GPUs (384 MiB: a chunk's dozen kernel launches must
@@ -61,7 +52,8 @@ class RemainderMasters(MasterWeights):
         keep_fp32: ``keep_fp32(qualified_name, module)`` is true for modules whose own parameters and buffers stay
             fp32 (default: :func:`~lightning_mp.master.is_norm`). They are trained in fp32, without remainder.
         chunk_size: elements per chunk of the update (a multiple of 32768; default ``None``: 2**18 on CPU, 2**25
-            on a GPU): the step's transient memory is about 12 bytes x ``chunk_size`` (:mod:`lightning_mp.master.step`).
+            on a GPU): the step's transient memory is about 12 bytes x ``chunk_size``
+            (:mod:`lightning_mp.master.lean.chunked`).
         accumulate_grads_in: dtype in which gradients of several backwards before one step add up:
             ``torch.float32`` (default, exact, 4 bytes per parameter while accumulating) or ``torch.bfloat16``
             (2 bytes, each sum rounded to bf16).
@@ -70,9 +62,10 @@ class RemainderMasters(MasterWeights):
             The update's arithmetic is torch's fused kernel either way, so the results are the same bits. Default
             ``False``.
 
-    ``torch.optim.AdamW``, ``Adam`` and ``SGD`` are updated by torch's fused kernels on the lean state, bitwise as
-    ``torch.optim.AdamW(..., fused=True)`` (etc.) would update fp32 parameters holding the exact values. Any other
-    optimizer runs on fp32 slices of the parameters, chunk by chunk (:mod:`lightning_mp.master.generic`).
+    The optimizers of the table (:mod:`lightning_mp.master.lean.optimizers`: ``torch.optim.AdamW``, ``Adam``, ``SGD``,
+    ``NAdam``) are updated on the lean state bitwise as torch's fused (or foreach) optimizer would update fp32
+    parameters holding the exact values. Any other optimizer runs on fp32 slices of the parameters, chunk by chunk
+    (:mod:`lightning_mp.master.lean.generic`); :mod:`lightning_mp.master.lean.update` chooses.
     """
 
     kind = option = "remainder"
@@ -107,15 +100,13 @@ class RemainderMasters(MasterWeights):
 
     def _reset(self) -> None:
         super()._reset()
-        self.step_plans = Plans()  # the one-pass update's plans (master/plan.py), made at the first step
+        self.step_plans = Plans()  # the one-pass update's plans (master/lean/plan.py), made at the first step
         self._blocks = Blocks(self.chunk_size_for, on_release=self._drop_plans)  # the bf16 weights and remainders
         self._layout = self._blocks.layout  # id(param) -> (device, offset in the flat buffers)
         self._pending: list[nn.Parameter] = []  # converted parameters not yet in a block
-        self._plans: dict[tuple[int, int], tuple[tuple[int, ...], list[Any]]] = {}
         self._grad_ops: dict[int, list[tuple[str, Any]]] = {}  # id(optimizer) -> clipping to apply at the step
-        self._generic: dict[int, GenericChunkedStep] = {}
+        self.updates = Updates(self)  # each optimizer's update, its path chosen once (master/lean/update.py)
         self._optimizer_hooks: dict[int, list[Any]] = {}  # id(optimizer) -> its load_state_dict hooks
-        self._staging = Staging(self.chunk_size_for)
 
     # ------------------------------------------------------------------ setup
     def convert(self, module: nn.Module) -> nn.Module:
@@ -154,11 +145,8 @@ class RemainderMasters(MasterWeights):
         if self.model_sync is not None:
             self.model_sync.record_storage()  # the plugin's own move: not a write
         for optimizer in self._optimizers:
-            if uses_fused_kernel(optimizer):
-                if id(optimizer) not in self._optimizer_hooks:  # attach() again (Fabric): registered once
-                    self._optimizer_hooks[id(optimizer)] = keep_fp32_state(optimizer)
-            elif id(optimizer) not in self._generic:
-                self._generic[id(optimizer)] = GenericChunkedStep(optimizer, self, self._chunk_of(optimizer))
+            if self.updates.of(optimizer).generic is None and id(optimizer) not in self._optimizer_hooks:
+                self._optimizer_hooks[id(optimizer)] = keep_fp32_state(optimizer)  # attach() again: registered once
         self._groups_seen.record(self._optimizers)
 
     def follow_optimizers(self, optimizers: Iterable[Optimizer]) -> None:
@@ -166,12 +154,10 @@ class RemainderMasters(MasterWeights):
         state back to whole parameters, load hooks removed), the step plans made again, ``optimizers`` attached."""
         optimizers, kept = list(optimizers), {id(optimizer) for optimizer in optimizers}
         for optimizer in [o for o in self._optimizers if id(o) not in kept]:
-            generic = self._generic.pop(id(optimizer), None)
-            if generic is not None:
-                generic.restore()
+            self.updates.forget(optimizer)
             for hook in self._optimizer_hooks.pop(id(optimizer), []):
                 hook.remove()
-        self._plans.clear()
+        self.updates.replan()
         self.step_plans.clear()  # plans hold the old groups' and state's addresses: made again, never patched
         self.attach(optimizers)
 
@@ -184,9 +170,9 @@ class RemainderMasters(MasterWeights):
         module_params = self._held_ids()
         for index, optimizer in enumerate(self._optimizers):
             check_params_belong(index, optimizer, module_params, during_fit=True)
-            generic = self._generic.get(id(optimizer))
-            if generic is not None:
-                generic.follow_groups()
+            update = self.updates.get(optimizer)
+            if update is not None:
+                update.follow_groups()
         self._groups_seen.record(self._optimizers)
 
     def _held_ids(self) -> set[int]:
@@ -216,9 +202,8 @@ class RemainderMasters(MasterWeights):
         """The chunk size on ``device``: the one given, or the device type's default."""
         return self.chunk_size or DEFAULT_CHUNK_SIZES.get(device.type, DEFAULT_CHUNK_SIZES["cuda"])
 
-    def _chunk_of(self, optimizer: Optimizer) -> int:
-        first = next((p for g in optimizer.param_groups for p in g["params"]), None)
-        return self.chunk_size_for(first.device if first is not None else torch.device("cpu"))
+    #: the generic path's step (any optimizer the table of master/lean/optimizers.py does not know)
+    generic_step = GenericChunkedStep
 
     # ------------------------------------------------------------------ per step
     def pairs(self) -> Iterator[tuple[nn.Parameter, nn.Parameter]]:
@@ -309,45 +294,14 @@ class RemainderMasters(MasterWeights):
 
         ``found_inf``: a 0-dim float tensor on the device, nonzero when the step must be skipped (weights,
         remainders, optimizer state and step counters stay unchanged; without any host synchronisation for
-        AdamW/Adam/SGD, and for other optimizers where :mod:`~lightning_mp.master.generic` can mask the step);
+        AdamW/Adam/SGD, and for other optimizers where :mod:`~lightning_mp.master.lean.generic` can mask the step);
         ``None`` steps unconditionally. Clipping requested since the last step is applied here.
         """
         self.follow_groups()  # a group added after backward (on_before_optimizer_step)
         grad_ops = self._grad_ops.pop(id(optimizer), [])
         # what torch's optimizer.step() records for LR schedulers, which warn on their first step without it
         optimizer._opt_called = True  # type: ignore[attr-defined]
-        if not uses_fused_kernel(optimizer) and id(optimizer) not in self._generic:  # not seen by attach()
-            self._generic[id(optimizer)] = GenericChunkedStep(optimizer, self, self._chunk_of(optimizer))
-        generic = self._generic.get(id(optimizer))
-        if generic is not None:
-            generic.step(found_inf, grad_ops)
-            return
-        found = found_inf
-        if found is not None and (found.dtype != torch.float32 or found.dim()):
-            found = found.to(torch.float32).reshape(())  # 0-dim, as torch's
-        groups = optimizer.param_groups
-        # the plans each group replays, where they fit; where one does not (a first step, an edit since the last one)
-        # or a group takes the chunked path, every group's state is checked first: a refusal comes before any update
-        ready = [onepass.ready(optimizer, group, self, grad_ops) for group in groups] if native.enabled() else []
-        if not ready or None in ready:
-            check_states(optimizer, groups, lambda param: param.grad is not None)
-        for index, group in enumerate(groups):
-            if grad_ops:
-                apply_grad_ops_in_place([p for p in group["params"] if id(p) not in self._layout], grad_ops)
-            made = ready[index] if ready else None
-            if onepass.step(optimizer, group, self, grad_ops, found, ready=made):  # by the group's plan
-                continue
-            fused_update(optimizer, group, self._plan(optimizer, index, group), self, self._staging, grad_ops, found)
-
-    def _plan(self, optimizer: Optimizer, index: int, group: dict[str, Any]) -> list[Any]:
-        key = tuple(id(p) for p in group["params"])
-        cached = self._plans.get((id(optimizer), index))
-        if cached is None or cached[0] != key:
-            offsets = {id(p): self.offset_of(p) for p in group["params"]}
-            device = group["params"][0].device if group["params"] else torch.device("cpu")
-            cached = (key, plan_chunks(list(group["params"]), offsets, self.chunk_size_for(device)))
-            self._plans[(id(optimizer), index)] = cached
-        return cached[1]
+        self.updates.of(optimizer).run(found_inf, grad_ops)  # one-pass, chunked or generic (master/lean/update.py)
 
     # ------------------------------------------------------------------ checkpoint and teardown
     def fp32_value(self, param: Tensor) -> Tensor:
@@ -394,12 +348,10 @@ class RemainderMasters(MasterWeights):
         state of AdamW/Adam/SGD stays keyed by the same parameters; see :meth:`GenericChunkedStep.restore` for
         others."""
         error = self.stop_following()  # while the blocks still hold the weights; raised once the model is fp32
-        for generic in self._generic.values():
-            generic.restore()
+        self.updates.release()  # the generic path's state back to whole parameters, the staging buffers freed
         for hooks in self._optimizer_hooks.values():
             for hook in hooks:
                 hook.remove()
-        self._staging.release()
         with torch.no_grad():
             for index, members in enumerate(self._blocks.members):
                 for param in members:

@@ -23,7 +23,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from lightning_mp import MixedPrecisionPlugin, stepping
-from lightning_mp.master.step import local_of
+from lightning_mp.master.lean.chunked import local_of
 from tests.distributed.common import _full, finish, save, sum_loader
 
 BAD_AT = 2  # the step with a NaN loss on rank 1, or an inf in rank 0's gradient shard

@@ -5,8 +5,9 @@
 bf16-mixed, ``master_weights="remainder"``, ModelParallelStrategy + fully_shard (the norm on its own in fp32): the
 uninterrupted run (inf in rank 0's shard at step INJECT_AT, norm clipping, a distributed checkpoint after epoch 0),
 the run resumed from it, the same from a full single-file checkpoint, gradient accumulation (fp32 sums, then bf16),
-a casting-policy fp32 head, the norm left in the bf16 group, fp32 masters (``True``) for comparison, AdamW and SGD
-runs whose steps are replayed on fp32 shards with torch's fused optimizers, the live tensors at rest, and the same
+a casting-policy fp32 head, the norm left in the bf16 group, fp32 masters (``True``) for comparison, AdamW, SGD and
+NAdam runs whose steps are replayed on fp32 shards with torch's fused (NAdam: foreach) optimizers, the live tensors at
+rest, and the same
 for optimizers on the generic path (torchao AdamW8bit, RMSprop: ``generic_runs``). Each rank
 saves what it saw to OUT/rank<r>.pt.
 """
@@ -26,7 +27,7 @@ import torch
 from lightning.pytorch.strategies import ModelParallelStrategy
 
 from lightning_mp import MixedPrecisionPlugin
-from lightning_mp.master.step import local_of
+from lightning_mp.master.lean.chunked import local_of
 from tests.distributed.common import GLOBAL_BATCH, Net, _full, finish, fit, loader, save, shard_net
 from tests.distributed.fsdp2_checks import POLICY, shard_net_whole, shard_with_fp32_head
 
@@ -69,6 +70,13 @@ class ReplayAdamW(Unclipped, AdamWNet):
 
 class ReplaySGD(Unclipped, Net):
     pass
+
+
+class ReplayNAdam(Unclipped, Net):
+    """NAdam: the table's entry without a one-pass kernel (torch's foreach function on the fp32 shards, chunked)."""
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.NAdam(self.parameters(), lr=1e-2, weight_decay=0.1)
 
 
 class Probe(L.Callback):
@@ -320,7 +328,7 @@ def _storage_bytes(tensors: Any) -> int:
 
 
 def _staging(masters: Any) -> list[torch.Tensor]:
-    return [t for pair in masters._staging._buffers.values() for t in pair]
+    return [t for pair in masters.updates.staging._buffers.values() for t in pair]
 
 
 def main() -> None:
@@ -350,7 +358,7 @@ def main() -> None:
     probe = dict(extra_callbacks=[Probe()])
     results["policy"] = fit("bf16-mixed", "remainder", policy=POLICY, strategy=strategy(), shard=shard_with_fp32_head)
     results["norm_in_half"] = fit("bf16-mixed", "remainder", strategy=strategy(), shard=shard_net_whole, **probe)
-    for name, model_class in (("replay_adamw", ReplayAdamW), ("replay_sgd", ReplaySGD)):
+    for name, model_class in (("replay_adamw", ReplayAdamW), ("replay_sgd", ReplaySGD), ("replay_nadam", ReplayNAdam)):
         results[name] = fit(
             "bf16-mixed",
             "remainder",

@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 
 from lightning_mp.grads import non_finite_check_and_unscale_
-from lightning_mp.master.step import local_of
+from lightning_mp.master.lean.chunked import local_of
 
 #: ``agree(flag)``: the flag summed over the ranks (:func:`lightning_mp.distributed.sync.agree_found_inf`)
 Agree = Callable[[Tensor], Tensor]

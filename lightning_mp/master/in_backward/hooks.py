@@ -3,11 +3,13 @@
 ``MixedPrecisionPlugin("bf16-mixed", master_weights="remainder", optimizer_in_backward=True)``. At setup,
 :class:`StepInBackward` registers ``Tensor.register_post_accumulate_grad_hook`` on every parameter of the one
 optimizer. During backward, once autograd has accumulated a parameter's gradient, its hook runs the lean update of
-that one parameter and sets ``param.grad = None``: for ``torch.optim.AdamW``, ``Adam`` and ``SGD``
-the one-parameter replay of the step plan (:mod:`lightning_mp.master.plan`; the same kernel, the same bits as the normal
-step, which updates each tensor independently); for any other optimizer (torchao's ``AdamW8bit``, ...) its own
-``step()`` on that parameter's fp32 slices (:meth:`GenericChunkedStep.step_params
-<lightning_mp.master.generic.GenericChunkedStep.step_params>`, per-group counters advanced once per step). An
+that one parameter and sets ``param.grad = None``, through the optimizer's
+:class:`~lightning_mp.master.lean.update.LeanUpdate` (the normal step's): for ``torch.optim.AdamW``, ``Adam`` and
+``SGD`` the one-parameter replay of the step plan (:mod:`lightning_mp.master.lean.plan`; the same kernel, the same bits
+as the normal step, which updates each tensor independently), for the table's other optimizers (``NAdam``) the
+chunked update of that parameter; for any other optimizer (torchao's ``AdamW8bit``, ...) its own ``step()`` on that
+parameter's fp32 slices (:meth:`GenericChunkedStep.run_params
+<lightning_mp.master.lean.generic.GenericChunkedStep.run_params>`, per-group counters advanced once per step). An
 optimizer whose ``step()`` needs a closure (``LBFGS``) is refused. No gradient outlives its update: at rest a bf16
 parameter costs 2 (weight) + 2 (remainder) + the optimizer state, 12 bytes with AdamW, about 6 with ``AdamW8bit``.
 Under DDP the gradient is final only after its bucket's all-reduce: the hooks are handed over to DDP's communication
@@ -20,7 +22,7 @@ non-finite loss skips every update of the step); each hook adds its own gradient
 gradient skips that parameter's update only). :meth:`StepInBackward.finish` reads nothing: the flags are read on the
 host only where the step's decision is needed there (:class:`lightning_mp.stepping.OptimizerStep`). Any
 other optimizer (the generic path) reads its parameter's flag on the host on a CPU (free); on a GPU it skips on the
-device by a masked write-back where :mod:`~lightning_mp.master.generic` can, else reads it: a synchronisation per
+device by a masked write-back where :mod:`~lightning_mp.master.lean.generic` can, else reads it: a synchronisation per
 parameter.
 
 A parameter's bf16 value is rewritten while backward still runs. Autograd has used it by then in every node that
@@ -39,14 +41,12 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_mp.kernels import native
-from lightning_mp.master import onepass
 from lightning_mp.master.in_backward.changes import UNDER_REDUCTION, GroupOptions, later_hooks, one_groups
 from lightning_mp.master.in_backward.flags import StepFlags
 from lightning_mp.master.in_backward.regions import PARTIAL, Regions
 from lightning_mp.master.in_backward.settings import OPTION, accumulation_schedule, refusal, trainer_grad_ops
 from lightning_mp.master.in_backward.zero_grads import ZeroGrads
-from lightning_mp.master.plan import StateSeen
-from lightning_mp.master.step import apply_grad_ops_in_place, check_states, fused_update, plan_chunks
+from lightning_mp.master.lean.plan import StateSeen
 from lightning_mp.master.watched import GroupsSeen
 
 
@@ -183,9 +183,9 @@ class StepInBackward:
         self._flags = StepFlags(self._name)  # one slot per parameter, made once (in_backward_flags)
         self._finished: Optional[StepFlags] = None  # the last finished step's flags, until the next begin()
         self._one_groups: dict[int, tuple[int, dict[str, Any]]] = {}  # id(param) -> (its group's index, its group)
-        self._chunks: dict[int, list[Any]] = {}
         self._hooks: dict[int, Any] = {}  # id(parameter) -> its post-accumulate-grad hook
-        self._generic = getattr(store, "_generic", {}).get(id(optimizer))  # not AdamW/Adam/SGD: the generic path
+        #: the optimizer's update on the store (master/lean/update.py): one-pass, chunked or generic, chosen once
+        self.update = store.updates.of(optimizer)
         self._params: list[Tensor] = []  # every parameter of the optimizer; hooked while it requires grad
         self._handed_over: set[int] = set()  # ids of parameters whose updates someone else drives (DDP)
         #: under FSDP2: the loss flag (once, before backward) and each shard's flag (in its hook) summed over the ranks
@@ -202,7 +202,7 @@ class StepInBackward:
         self._zero.plan(self._params, self._handed_over)
         self._groups_seen = GroupsSeen()  # compared before each backward: any edit of the param groups shows
         self._groups_seen.record([optimizer])
-        self._states_seen = StateSeen()  # the optimizer state as last checked (plan.StateSeen)
+        self._states_seen = StateSeen(self.update.layout)  # the optimizer state as last checked (plan.StateSeen)
         self._hook_trainable()
 
     @property
@@ -236,9 +236,9 @@ class StepInBackward:
         later_hooks(self._params, self._hooks, self._name, OPTION)
         if self._groups_seen.changed():
             self._follow_groups()
-        if self._generic is None and self._states_seen.changed(self.optimizer, self._params):
+        if self.update.generic is None and self._states_seen.changed(self.optimizer, self._params):
             # a state edited since the last backward (or made by its updates): every state checked before any update
-            check_states(self.optimizer, self.optimizer.param_groups, _requires_grad)
+            self.update.check(_requires_grad)
             self._states_seen.record(self.optimizer, self._params)
         reduced = self.driven_by_strategy  # regions refused: walked every backward
         if self._regions.arm(loss, self._run_waiting, walk=reduced) and reduced:
@@ -257,8 +257,7 @@ class StepInBackward:
         self._finished = None
         if len(self._hooks) + len(self._handed_over) < len(self._params):
             self._hook_trainable()
-        if self._generic is not None:
-            self._generic.begin_params()  # the group options advance once in this backward's updates
+        self.update.begin_params()  # the generic path's group options advance once in this backward's updates
         self._options.refresh()  # what a scheduler (or a resume) changed since the last step, group by group
         if self.check:
             self._flags.begin(loss, self.agree_each)
@@ -271,8 +270,7 @@ class StepInBackward:
         ones, params = one_groups(self.optimizer, self._one_groups)
         if self.driven_by_strategy and ones.keys() != self._one_groups.keys():
             raise RuntimeError(f"MixedPrecisionPlugin({OPTION}) {UNDER_REDUCTION}")
-        if self._generic is not None:
-            self._generic.follow_groups()  # the new groups' slices (the store's before_backward may have made them)
+        self.update.follow_groups()  # the generic path slices the new groups (the store's before_backward may have)
         self._one_groups, self._params = ones, params
         self._options = GroupOptions(self.optimizer, self._one_groups)
         self._flags.plan(self._params)
@@ -325,9 +323,9 @@ class StepInBackward:
         with native.single_threaded():  # see native.single_threaded: faster inside backward
             if torch.is_grad_enabled():  # a backward with create_graph=True (autograd runs the others without grad)
                 with torch.no_grad():
-                    self._step(one, param, self._flag_for(param))
+                    self.update.run_param(param, one, self._flag_for(param), self.grad_ops)
             else:
-                self._step(one, param, self._flag_for(param))
+                self.update.run_param(param, one, self._flag_for(param), self.grad_ops)
         if not self._zero.keeps(param):
             param.grad = None  # the gradient is used: free it now (all but the probe's: in_backward_zero_grads)
 
@@ -335,21 +333,6 @@ class StepInBackward:
         # its slot of the step's flags, set to 1 where the gradient holds inf/NaN (read only; no transient the size
         # of the gradient on the CPU; by its inf-norm for bf16 on CUDA): the update's `found`
         return self._flags.check(param, self.agree_each) if self.check else None
-
-    def _step(self, one: dict[str, Any], param: Tensor, found: Optional[Tensor]) -> None:
-        if self._generic is not None:  # any other optimizer: its own step() on this parameter's fp32 slices
-            self._generic.step_params([param], found, self.grad_ops)
-            return
-        # the body of RemainderMasters.fused_step for one parameter: fp32 ones clipped in place, then one pass
-        if self.grad_ops and self.store.offset_of(param) is None:
-            apply_grad_ops_in_place([param], self.grad_ops)
-        if onepass.step(self.optimizer, one, self.store, self.grad_ops, found, param):  # its plan, made once
-            return
-        chunks = self._chunks.get(id(param))
-        if chunks is None:  # the chunked fallback (no kernel built): this parameter's pieces, planned once
-            offsets = {id(param): self.store.offset_of(param)}
-            chunks = self._chunks[id(param)] = plan_chunks([param], offsets, self.store.chunk_size_for(param.device))
-        fused_update(self.optimizer, one, chunks, self.store, self.store._staging, self.grad_ops, found)
 
     def finish(self) -> Optional[StepFlags]:
         """After backward: disarm the hooks; the step's flags (``None`` without a check), not read: their

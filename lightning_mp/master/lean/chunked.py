@@ -1,8 +1,8 @@
 """The chunked update of lean master weights: reconstruct an fp32 chunk, run torch's fused kernel on it, split back.
 
 The weights live as a bf16 high half (the model's parameter, a view into a flat block) and an int16 remainder (a
-parallel flat buffer: :mod:`lightning_mp.master.blocks`); see :mod:`lightning_mp.kernels.bits`. A step walks each param group in chunks of
-at most ``chunk_size`` elements. Per chunk:
+parallel flat buffer: :mod:`lightning_mp.master.blocks`); see :mod:`lightning_mp.kernels.bits`. A step walks each
+param group in chunks of at most ``chunk_size`` elements. Per chunk:
 
 1. join: the chunk's bf16 weights and remainders become exact fp32 values in a staging buffer (one pass over a
    contiguous range of the flat buffers);
@@ -32,26 +32,13 @@ from typing import Any, Callable, Optional
 
 import torch
 from torch import Tensor
-from torch.optim import SGD, Adam, AdamW, Optimizer
+from torch.optim import Optimizer
 from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype
+
+from lightning_mp.master.lean.optimizers import Entry, local_of, state_for
 
 #: torch's fused CPU kernels split each tensor into units of this many elements (FusedAdamKernel.cpp, grain size).
 FUSED_UNIT = 32768
-#: Optimizer classes whose update is done by torch's fused kernels on the lean state (exact subclasses only).
-FUSED_TYPES = (AdamW, Adam, SGD)
-
-
-def local_of(tensor: Tensor) -> Tensor:
-    """This rank's shard of a sharded (``DTensor``) tensor, the same storage; any other tensor as it is. The update
-    runs on local shards: a DTensor op here would be a collective or a reshard."""
-    return getattr(tensor, "_local_tensor", tensor)
-
-
-def uses_fused_kernel(optimizer: Optimizer) -> bool:
-    """Whether ``optimizer``'s update runs through torch's fused kernel here (else: the generic chunked path)."""
-    if type(optimizer) not in FUSED_TYPES:
-        return False
-    return not any(group.get("differentiable") or group.get("capturable") for group in optimizer.param_groups)
 
 
 @dataclass
@@ -191,89 +178,8 @@ def apply_grad_ops_in_place(params: list[Tensor], grad_ops: list[tuple[str, Any]
                 torch._foreach_clamp_max_(group, value)
 
 
-def fp32_zeros_like(param: Tensor) -> Tensor:
-    """fp32 zeros shaped (and, for a DTensor, sharded) like ``param``: a new optimizer state tensor."""
-    return torch.zeros_like(param, dtype=torch.float32, memory_format=torch.contiguous_format)
-
-
-def check_state_tensor(optimizer: Optimizer, param: Tensor, key: str, value: Any) -> None:
-    """Refuse, by name, optimizer state that the update cannot read as torch's fused kernel reads fp32 state: a
-    tensor that is not fp32, not shaped like the parameter, on another device, or not contiguous (a user's
-    ``state[p]["exp_avg"] = torch.zeros_like(p)`` makes a bf16 one: lean masters keep fp32 state)."""
-    local, target = local_of(value) if isinstance(value, Tensor) else value, local_of(param)
-    if (
-        isinstance(local, Tensor)
-        and local.dtype == torch.float32
-        and local.shape == target.shape
-        and local.device == target.device
-        and local.is_contiguous()
-    ):
-        return
-    what = (
-        f"{local.dtype} tensor of shape {tuple(local.shape)} on {local.device}"
-        + ("" if local.is_contiguous() else ", not contiguous")
-        if isinstance(local, Tensor)
-        else repr(type(value).__name__)
-    )
-    index = next((i for i, g in enumerate(optimizer.param_groups) if any(p is param for p in g["params"])), "?")
-    raise ValueError(
-        f"master_weights='remainder': {type(optimizer).__name__}.state[param][{key!r}] of a parameter of shape "
-        f"{tuple(param.shape)} in param_groups[{index}] is a {what}; the lean update keeps optimizer state in fp32, "
-        f"contiguous, shaped and placed like the parameter ({tuple(target.shape)} on {target.device}), as torch's "
-        f"fused optimizer reads it. Nothing was updated. Assign fp32 state, e.g. "
-        f"torch.zeros_like(state[{key!r}]) or torch.zeros_like(param, dtype=torch.float32), not "
-        "torch.zeros_like(param) (bf16)."
-    )
-
-
-def _state_for(optimizer: Optimizer, param: Tensor, keys: tuple[str, ...]) -> dict[str, Any]:
-    """``optimizer.state[param]``, made as torch's Adam makes it where it is empty; each of ``keys`` checked
-    (:func:`check_state_tensor`)."""
-    state = optimizer.state[param]
-    if not state:
-        # as torch.optim.Adam/SGD initialise with fused=True: fp32 zeros shaped like the parameter (sharded like it,
-        # for a DTensor), fp32 step
-        state["step"] = torch.tensor(0.0, dtype=torch.float32, device=param.device)
-        for key in keys:
-            state[key] = fp32_zeros_like(param)
-    check_state(optimizer, param, state, keys)
-    return state
-
-
-def check_state(optimizer: Optimizer, param: Tensor, state: dict[str, Any], keys: tuple[str, ...]) -> None:
-    """Refuse, by name, an Adam state that holds some of ``keys`` and ``step`` but not all (torch's Adam raises
-    ``KeyError`` there too), and state tensors :func:`check_state_tensor` refuses."""
-    for key in (*keys, "step"):
-        if key not in state:
-            raise KeyError(
-                f"{type(optimizer).__name__}.state[param] of a parameter of shape {tuple(param.shape)} holds "
-                f"{sorted(state)} but not {key!r}: torch's {type(optimizer).__name__} makes a parameter's state only "
-                "where it is empty, so a partly cleared state stops its step too. Nothing was updated. Clear the "
-                "whole state (optimizer.state[param].clear()) or give it every key."
-            )
-        if key != "step":
-            check_state_tensor(optimizer, param, key, state[key])
-
-
-def check_states(optimizer: Optimizer, groups: list[dict[str, Any]], stepped: Callable[[Tensor], bool]) -> None:
-    """:func:`check_state` for every parameter of ``groups`` that ``stepped`` and has state (an empty one is made at
-    its update), before any of them is updated: the chunked path updates group by group (and, inside backward,
-    parameter by parameter), so a state met later would stop the step half-way."""
-    for group in groups:
-        if isinstance(optimizer, Adam):
-            keys = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq") if group["amsgrad"] else ("exp_avg", "exp_avg_sq")
-            for param in group["params"]:
-                state = optimizer.state.get(param)
-                if state and stepped(param):
-                    check_state(optimizer, param, state, keys)
-        elif group["momentum"] != 0:  # SGD: a buffer missing or None is made from the gradient
-            for param in group["params"]:
-                buffer = optimizer.state.get(param, {}).get("momentum_buffer")
-                if buffer is not None and stepped(param):
-                    check_state_tensor(optimizer, param, "momentum_buffer", buffer)
-
-
-def fused_update(
+def update(
+    entry: Entry,
     optimizer: Optimizer,
     group: dict[str, Any],
     chunks: list[list[Piece]],
@@ -282,96 +188,54 @@ def fused_update(
     grad_ops: list[tuple[str, Any]],
     found_inf: Optional[Tensor],
 ) -> None:
-    """One step of ``group`` (of a ``torch.optim.Adam``/``AdamW``/``SGD``) on the lean state, chunk by chunk."""
+    """One update of ``group`` on the lean state, chunk by chunk, by the function of ``optimizer``'s table entry
+    (:mod:`.optimizers`): its state made and checked for every stepped parameter first, then per chunk the fp32
+    values joined, the function run on the pieces with their state slices, the values split back."""
     # every parameter with a gradient, also one whose (local) shard is empty: its state and step exist on every rank
     stepped = {id(p): p for p in group["params"] if p.grad is not None}
     if not stepped:
         return
     found = found_inf.to(torch.float32).reshape(()) if found_inf is not None else None  # 0-dim, as torch's
-    if isinstance(optimizer, Adam):
-        keys = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq") if group["amsgrad"] else ("exp_avg", "exp_avg_sq")
-        states = {key: _state_for(optimizer, p, keys) for key, p in stepped.items()}
+    if entry.skips_on_host and found is not None and bool(found):
+        return  # torch's function takes no found_inf: skipped as GradScaler.step skips the optimizer's step()
+    first_step = entry.first_step(optimizer, group, list(stepped.values()))
+    states = {key: state_for(entry, optimizer, p, group) for key, p in stepped.items()}
+    names = [name for name, _ in entry.scalars]
+    if entry.counts_steps:
         steps = [states[key]["step"] for key in stepped]
         torch._foreach_add_(steps, 1)
-        kernel = torch._fused_adamw_ if group.get("decoupled_weight_decay", False) else torch._fused_adam_
-        beta1, beta2 = (float(b) if isinstance(b, Tensor) else b for b in group["betas"])
-        lr = group["lr"]
-        for chunk in chunks:
-            view = ChunkView(chunk, store, staging, grad_ops)
-            values, grads, exp_avgs, exp_avg_sqs, max_sqs, piece_steps = [], [], [], [], [], []
-            device = chunk[0].param.device
-            for piece, value, grad in zip(chunk, view.value_pieces, view.grad_pieces):
-                if grad is None:
-                    continue
-                state = states[id(piece.param)]
-                values.append(value)
-                grads.append(grad)
-                exp_avgs.append(local_of(state["exp_avg"]).view(-1)[piece.start : piece.end])
-                exp_avg_sqs.append(local_of(state["exp_avg_sq"]).view(-1)[piece.start : piece.end])
-                if group["amsgrad"]:
-                    max_sqs.append(local_of(state["max_exp_avg_sq"]).view(-1)[piece.start : piece.end])
-                piece_steps.append(state["step"])
-            if values:
-                kernel(
-                    values,
-                    grads,
-                    exp_avgs,
-                    exp_avg_sqs,
-                    max_sqs,
-                    piece_steps,
-                    amsgrad=group["amsgrad"],
-                    lr=_on(lr, device),
-                    beta1=beta1,
-                    beta2=beta2,
-                    weight_decay=group["weight_decay"],
-                    eps=group["eps"],
-                    maximize=group["maximize"],
-                    grad_scale=None,
-                    found_inf=_on(found, device),
-                )
-            view.write_back()
-        if found is not None:
-            torch._foreach_sub_(steps, [_on(found, s.device) for s in steps])
-        return
-    # SGD: as torch.optim.SGD(fused=True), whose first step (no momentum buffers yet) copies the gradient in
-    momentum = group["momentum"]
-    buffers: dict[int, Tensor] = {}
-    first_step = momentum != 0 and all(optimizer.state[p].get("momentum_buffer") is None for p in stepped.values())
-    if momentum != 0:
-        for key, param in stepped.items():
-            state = optimizer.state[param]
-            if state.get("momentum_buffer") is None:
-                # zeros, not torch's empty_like: a first step skipped by found_inf leaves defined values behind
-                state["momentum_buffer"] = fp32_zeros_like(param)
-            check_state_tensor(optimizer, param, "momentum_buffer", state["momentum_buffer"])
-            buffers[key] = state["momentum_buffer"]
+    # the function advances its scalars itself: each piece of a parameter gets a copy of the values before this
+    # update, and the parameter's state the advanced copy (a parameter cut into pieces advances once)
+    before = {} if entry.counts_steps else {k: [s[n].clone() for n in names] for k, s in states.items()}
+    advanced: dict[int, list[Tensor]] = {}
+    keys = entry.keys(group)
     for chunk in chunks:
         view = ChunkView(chunk, store, staging, grad_ops)
-        values, grads, bufs = [], [], []
+        values, grads = [], []
+        tensors: list[list[Tensor]] = [[] for _ in keys]
+        scalars: list[list[Tensor]] = [[] for _ in names]
         device = chunk[0].param.device
         for piece, value, grad in zip(chunk, view.value_pieces, view.grad_pieces):
             if grad is None:
                 continue
+            state = states[id(piece.param)]
             values.append(value)
             grads.append(grad)
-            if momentum != 0:
-                bufs.append(local_of(buffers[id(piece.param)]).view(-1)[piece.start : piece.end])
+            for listed, key in zip(tensors, keys):
+                listed.append(local_of(state[key]).view(-1)[piece.start : piece.end])
+            own = [state[n] for n in names] if entry.counts_steps else [t.clone() for t in before[id(piece.param)]]
+            advanced[id(piece.param)] = own
+            for listed, tensor in zip(scalars, own):
+                listed.append(tensor)
         if values:
-            torch._fused_sgd_(
-                values,
-                grads,
-                bufs,
-                weight_decay=group["weight_decay"],
-                momentum=momentum,
-                lr=_on(group["lr"], device),
-                dampening=group["dampening"],
-                nesterov=group["nesterov"],
-                maximize=group["maximize"],
-                is_first_step=first_step,
-                grad_scale=None,
-                found_inf=_on(found, device),
-            )
+            entry.run(group, values, grads, tensors, scalars, _on(group["lr"], device), _on(found, device), first_step)
         view.write_back()
+    if entry.counts_steps and found is not None:
+        torch._foreach_sub_(steps, [_on(found, s.device) for s in steps])
+    if not entry.counts_steps:
+        for key, own in advanced.items():
+            for name, tensor in zip(names, own):
+                states[key][name].copy_(tensor)
 
 
 def _on(value: Any, device: torch.device) -> Any:

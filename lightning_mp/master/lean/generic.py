@@ -13,7 +13,7 @@ these proxies in their group's ``params`` (the other groups empty) and call the 
 the staging values back into weights and remainders. The group's options (``lr``, and any counter the optimizer
 keeps in the group) are put back as they were before each chunk but the first, so a per-group counter advances
 once per step. Parameters kept in fp32 are sliced the same way, their proxies pointing at the parameter itself.
-:meth:`GenericChunkedStep.step_params` runs one part of a step (the step inside backward: one parameter per call),
+:meth:`GenericChunkedStep.run_params` runs one part of a step (the step inside backward: one parameter per call),
 with the same rule across calls: the options are put back before every call but the first of the step.
 
 Exactness: for an optimizer that treats elements independently (Adam family, SGD, Lion, torch-optimi, torchao's
@@ -47,6 +47,10 @@ cannot keep the step exact:
   (and, when it must be skipped, removes what it added and puts the rest back), and later ones are decided on the
   host.
 
+The masked skip and the group options are plain functions on tensors at the top of this module (:func:`leaves_of`,
+:func:`mask`, :func:`mask_options`, :func:`snapshot`, :func:`put_back`) and :class:`StepOptions`, which keeps the
+options of one optimizer step across its chunks and calls.
+
 ``optimizer.state_dict()`` and ``load_state_dict()`` see the proxies (hooks swap them into ``param_groups`` for the
 call), so a checkpoint holds the per-slice state and resumes exactly into the same model and ``chunk_size``.
 """
@@ -55,22 +59,113 @@ from __future__ import annotations
 
 import copy
 import math
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from lightning_mp.master.skip_mask import StepOptions, leaves_of, mask, same_option
-from lightning_mp.master.step import apply_grad_ops, apply_grad_ops_in_place, local_of
+from lightning_mp.master.lean.chunked import apply_grad_ops, apply_grad_ops_in_place, local_of
 
 
-class _Slice:
+# ---------------------------------------------------------------------- the masked skip and the group options
+def leaves_of(value: Tensor) -> list[Tensor]:
+    """A plain tensor, or the plain inner tensors of a wrapper subclass (``__tensor_flatten__``), recursively."""
+    flatten = getattr(value, "__tensor_flatten__", None)
+    if type(value) is Tensor or flatten is None:
+        return [value]
+    return [leaf for name in flatten()[0] for leaf in leaves_of(getattr(value, name))]
+
+
+def mask(skip: Tensor, before: dict[Any, list[Tensor]], after: dict[Any, list[Tensor]]) -> bool:
+    """``after = where(skip, before, after)``, in place (no host synchronisation); ``False`` (nothing masked) when
+    the step added or reshaped state."""
+    if before.keys() != after.keys() or any(
+        [t.shape for t in before[place]] != [t.shape for t in after[place]] for place in before
+    ):
+        return False
+    for place, old_leaves in before.items():
+        for old, new in zip(old_leaves, after[place]):
+            torch.where(skip, old, new, out=new)
+    return True
+
+
+def mask_options(skip: Tensor, group: dict[str, Any], saved: dict[str, Any]) -> None:
+    for key, value in saved.items():
+        current = group.get(key)
+        if isinstance(value, Tensor) and isinstance(current, Tensor) and current.shape == value.shape:
+            torch.where(skip, value, current, out=current)
+
+
+def same_option(current: Any, saved: Any) -> bool:
+    try:
+        return bool(current == saved)
+    except (RuntimeError, TypeError, ValueError):  # containers of tensors and the like: not comparable here
+        return False
+
+
+def snapshot(group: dict[str, Any]) -> dict[str, Any]:
+    return {k: (v.clone() if isinstance(v, Tensor) else copy.copy(v)) for k, v in group.items() if k != "params"}
+
+
+def put_back(group: dict[str, Any], saved: dict[str, Any]) -> None:
+    for key, value in saved.items():
+        current = group.get(key)
+        if isinstance(value, Tensor) and isinstance(current, Tensor) and current.shape == value.shape:
+            current.copy_(value)
+        else:
+            group[key] = copy.copy(value)
+
+
+class StepOptions:
+    """The param groups' options of one optimizer step that runs in several parts (chunks, and calls: the step inside
+    backward steps one parameter per call). Saved at the step's first part and put back before every later one, so a
+    per-group counter (or a tensor ``lr``) advances once per step; where parts are skipped on the device, the options
+    are masked back to the saved ones while no part of the step has stepped."""
+
+    def __init__(self) -> None:
+        self.saved: Optional[list[dict[str, Any]]] = None  # the options before the step's first part
+        self._none_stepped: Union[bool, Tensor] = True  # no part stepped: True, False, or a device flag
+
+    def begin(self) -> None:
+        """A new optimizer step: the next part's options are its start."""
+        self.saved = None
+
+    def start_part(self, groups: list[dict[str, Any]]) -> bool:
+        """Before a part: whether it is the step's first (then its options are saved, else nothing happens)."""
+        if self.saved is not None:
+            return False
+        self.saved, self._none_stepped = [snapshot(group) for group in groups], True
+        return True
+
+    def put_back(self, groups: list[dict[str, Any]]) -> None:
+        """The options as they were before the step's first part (before every chunk or call but the first)."""
+        assert self.saved is not None
+        for group, saved in zip(groups, self.saved):
+            put_back(group, saved)
+
+    def part_done(self, groups: list[dict[str, Any]], skip: Optional[Tensor]) -> bool:
+        """After a part; ``skip``: its device flag (``None``: it stepped, or was decided on the host). The options stay
+        as stepped unless no part of the step stepped: then they are masked back on the device. ``True`` when masked."""
+        none = self._none_stepped
+        self._none_stepped = False if skip is None or none is False else skip if none is True else none & skip
+        if not isinstance(self._none_stepped, Tensor):
+            return False
+        assert self.saved is not None
+        for group, saved in zip(groups, self.saved):
+            mask_options(self._none_stepped, group, saved)
+        return True
+
+
+# ---------------------------------------------------------------------- the slices and the step
+
+
+class Slice:
     """Rows ``[row_start, row_end)`` of ``param`` (elements ``[start, end)`` of its flattening) and its proxy."""
 
     def __init__(self, param: Tensor, start: int, end: int, shape: tuple[int, ...]) -> None:
         self.param, self.start, self.end, self.shape = param, start, end, shape
-        self.proxy = nn.Parameter(_placeholder(shape, param.device), requires_grad=param.requires_grad)
+        self.proxy = nn.Parameter(placeholder(shape, param.device), requires_grad=param.requires_grad)
 
     @property
     def numel(self) -> int:
@@ -81,11 +176,11 @@ class _Slice:
         self.proxy.data, self.proxy.grad = values, grad
 
     def rest(self) -> None:
-        self.proxy.data = _placeholder(self.shape, self.param.device)
+        self.proxy.data = placeholder(self.shape, self.param.device)
         self.proxy.grad = None
 
 
-def _placeholder(shape: tuple[int, ...], device: torch.device) -> Tensor:
+def placeholder(shape: tuple[int, ...], device: torch.device) -> Tensor:
     return torch.zeros((), dtype=torch.float32, device=device).expand(shape)
 
 
@@ -96,10 +191,10 @@ def _placeholder(shape: tuple[int, ...], device: torch.device) -> Tensor:
 QUANTUM = 256
 
 
-def _slices_of(param: Tensor, chunk_size: int) -> list[_Slice]:
+def _slices_of(param: Tensor, chunk_size: int) -> list[Slice]:
     numel = param.numel()
     if numel <= chunk_size or param.dim() < 1:
-        return [_Slice(param, 0, numel, tuple(param.shape))]
+        return [Slice(param, 0, numel, tuple(param.shape))]
     row = numel // param.shape[0]
     rows_per_slice = max(1, chunk_size // row)
     aligned = QUANTUM // math.gcd(row, QUANTUM)  # rows per multiple of QUANTUM elements
@@ -108,7 +203,7 @@ def _slices_of(param: Tensor, chunk_size: int) -> list[_Slice]:
     slices = []
     for first in range(0, param.shape[0], rows_per_slice):
         last = min(first + rows_per_slice, param.shape[0])
-        slices.append(_Slice(param, first * row, last * row, (last - first, *param.shape[1:])))
+        slices.append(Slice(param, first * row, last * row, (last - first, *param.shape[1:])))
     return slices
 
 
@@ -125,17 +220,17 @@ class GenericChunkedStep:
         self.optimizer = optimizer
         self.store = store
         self.chunk_size = chunk_size
-        self.slices: list[list[_Slice]] = [
+        self.slices: list[list[Slice]] = [
             [s for p in group["params"] for s in self._slices_for(p)] for group in optimizer.param_groups
         ]
         self._model_params: list[list[Tensor]] = [list(g["params"]) for g in optimizer.param_groups]
         self.masks_on_device: Optional[bool] = None  # learnt on the first step with a flag (see the module doc)
         self._plain: dict[tuple[int, str], Any] = {}
-        self._by_param: dict[int, tuple[int, list[_Slice]]] = {}  # id(parameter) -> (its group, its slices)
+        self._by_param: dict[int, tuple[int, list[Slice]]] = {}  # id(parameter) -> (its group, its slices)
         for index, slices in enumerate(self.slices):
             for s in slices:
                 self._by_param.setdefault(id(s.param), (index, []))[1].append(s)
-        self._options = StepOptions()  # the group options across the chunks (and step_params calls) of a step
+        self._options = StepOptions()  # the group options across the chunks (and run_params calls) of a step
         self._hooks = [
             optimizer.register_state_dict_pre_hook(lambda opt: self._swap_in_proxies()),
             optimizer.register_state_dict_post_hook(lambda opt, state: self._swap_out_proxies()),
@@ -158,7 +253,7 @@ class GenericChunkedStep:
             for s in self.slices[-1]:
                 self._by_param.setdefault(id(s.param), (index, []))[1].append(s)
 
-    def _slices_for(self, param: Tensor) -> list[_Slice]:
+    def _slices_for(self, param: Tensor) -> list[Slice]:
         return _slices_of(param, self.chunk_size)
 
     def _swap_in_proxies(self) -> None:
@@ -169,7 +264,7 @@ class GenericChunkedStep:
         for group, params in zip(self.optimizer.param_groups, self._model_params):
             group["params"] = list(params)
 
-    def step(self, found_inf: Optional[Tensor], grad_ops: list[tuple[str, Any]]) -> None:
+    def run(self, found_inf: Optional[Tensor], grad_ops: list[tuple[str, Any]]) -> None:
         """One step of the optimizer over every chunk; where ``found_inf`` is nonzero, none: skipped on the device
         by a masked write-back, or decided on the host where masking cannot be exact (see the module doc)."""
         chunks = [(index, chunk) for index, slices in enumerate(self.slices) for chunk in self._chunks(slices)]
@@ -178,10 +273,10 @@ class GenericChunkedStep:
         self._run(chunks, fp32, found_inf, grad_ops, on_host=False)
 
     def begin_params(self) -> None:
-        """Before the first :meth:`step_params` of an optimizer step (the step inside backward: at ``begin``)."""
+        """Before the first :meth:`run_params` of an optimizer step (the step inside backward: at ``begin``)."""
         self._options.begin()
 
-    def step_params(
+    def run_params(
         self, params: list[Tensor], found_inf: Optional[Tensor], grad_ops: list[Any], on_host: Any = None
     ) -> None:
         """The optimizer's step on ``params``' slices only: one part of an optimizer step whose other parts are other
@@ -245,9 +340,9 @@ class GenericChunkedStep:
                     s.rest()
             self._swap_out_proxies()
 
-    def _chunks(self, slices: list[_Slice]) -> list[list[_Slice]]:
-        chunks: list[list[_Slice]] = []
-        current: list[_Slice] = []
+    def _chunks(self, slices: list[Slice]) -> list[list[Slice]]:
+        chunks: list[list[Slice]] = []
+        current: list[Slice] = []
         filled = 0
         for s in slices:
             if s.param.grad is None:
@@ -266,7 +361,7 @@ class GenericChunkedStep:
             chunks.append(current)
         return chunks
 
-    def _stage(self, chunk: list[_Slice]) -> Optional[Tensor]:
+    def _stage(self, chunk: list[Slice]) -> Optional[Tensor]:
         """Point the chunk's proxies at fp32 values and gradients; the staged fp32 gradients (for clipping)."""
         first = chunk[0].param
         if self.store.offset_of(first) is None:  # fp32 parameters: the proxies are views of the parameters
@@ -277,7 +372,7 @@ class GenericChunkedStep:
                 s.point(value, grad)
             return None
         device = local_of(first).device
-        values, grads = self.store._staging.buffers(device)
+        values, grads = self.store.updates.staging.buffers(device)
         total = sum(s.numel for s in chunk)
         if total > values.numel():  # a chunk of one slice longer than chunk_size (one row, or a whole local shard)
             values, grads = torch.empty(total, device=device), torch.empty(total, device=device)
@@ -292,7 +387,7 @@ class GenericChunkedStep:
             position += s.numel
         return grads[:position]
 
-    def _unstage(self, chunk: list[_Slice], skip: Optional[Tensor] = None) -> None:
+    def _unstage(self, chunk: list[Slice], skip: Optional[Tensor] = None) -> None:
         for s in chunk:
             offset = self.store.offset_of(s.param)
             if offset is None:
@@ -306,11 +401,11 @@ class GenericChunkedStep:
             torch.where(skip, high, new_high, out=high)
             torch.where(skip, low, new_low, out=low)
 
-    def _values_of(self, s: _Slice) -> Tensor:
+    def _values_of(self, s: Slice) -> Tensor:
         """The values a slice's proxy points at (a plain tensor)."""
         return s.proxy.data
 
-    def _tensors(self, chunk: list[_Slice]) -> dict[tuple[int, str], list[Tensor]]:
+    def _tensors(self, chunk: list[Slice]) -> dict[tuple[int, str], list[Tensor]]:
         """The tensors a step of ``chunk`` may change, by (slice, key): the values of its fp32 parameters (key
         ``""``; the lean ones are masked at the write-back) and every state tensor of its proxies (subclasses: their
         inner tensors)."""
@@ -322,7 +417,7 @@ class GenericChunkedStep:
                 tensors[(index, key)] = leaves_of(value) if isinstance(value, Tensor) else []  # None: unused buffer
         return tensors
 
-    def _save(self, chunk: list[_Slice]) -> dict[tuple[int, str], list[Tensor]]:
+    def _save(self, chunk: list[Slice]) -> dict[tuple[int, str], list[Tensor]]:
         self._plain = {  # what is not a tensor (None, ...), to put back if a skipped step changes it
             (index, key): copy.copy(value)
             for index, s in enumerate(chunk)
@@ -331,7 +426,7 @@ class GenericChunkedStep:
         }
         return {place: [t.clone() for t in leaves] for place, leaves in self._tensors(chunk).items()}
 
-    def _plain_changed(self, chunk: list[_Slice]) -> bool:
+    def _plain_changed(self, chunk: list[Slice]) -> bool:
         plain = {
             (index, key): value
             for index, s in enumerate(chunk)
@@ -340,7 +435,7 @@ class GenericChunkedStep:
         }
         return plain.keys() != self._plain.keys() or not all(same_option(plain[k], self._plain[k]) for k in plain)
 
-    def _state_changed(self, chunk: list[_Slice], before: dict[tuple[int, str], list[Tensor]], skip: Tensor) -> bool:
+    def _state_changed(self, chunk: list[Slice], before: dict[tuple[int, str], list[Tensor]], skip: Tensor) -> bool:
         """The step added (or reshaped) state: no mask can undo that. From now on this optimizer's skips are decided
         on the host; this one is read now (a host synchronisation) and, if skipped, the chunk's state is put back.
         Whether the step is skipped."""

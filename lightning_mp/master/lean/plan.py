@@ -1,4 +1,32 @@
-"""The step plan of the one-pass lean update: what a param group's update reads, laid out once and replayed each step.
+"""The one-pass update of lean master weights: join, the optimizer's arithmetic and split in one compiled loop, by a
+step plan per param group (:func:`run`).
+
+For ``torch.optim.AdamW``, ``Adam`` and ``SGD`` (the entries of :mod:`~lightning_mp.master.lean.optimizers` that have
+a kernel), each element's bf16 weight, int16 remainder, gradient and optimizer state are read once and written once,
+by one kernel call per param group: on the CPU the C kernel of :mod:`lightning_mp.kernels.native` (compiled on first
+use, spread over ``torch.get_num_threads()`` threads), on CUDA the Triton kernel of
+:mod:`lightning_mp.kernels.cuda` (one launch per gradient dtype). What a group's call reads is laid out once, in
+its step plan (below), and replayed each step; the step inside backward replays one plan
+per parameter. The chunked path of :mod:`lightning_mp.master.lean.chunked` (join into an fp32
+buffer, torch's fused kernel, split back: about ten passes) remains the fallback, taken when the kernel cannot be
+built (one warning), on other devices, and for deferred clipping it does not express (see :func:`plan_grad_ops`).
+
+Exactness, on every device (:mod:`lightning_mp.kernels.contract`): the fp32 master values stay exact (the join
+and split are lossless), and each value the update writes is as close to a float64 evaluation of the optimizer's
+formula as torch's own fused kernel's on the same device.
+
+- CPU: each element's update is the IEEE operations of torch's fused CPU kernel in its order, including the fused
+  multiply-adds that torch's compiler formed (in the vector body and in the scalar tail of each tensor, the last
+  ``numel % 8`` elements, which differ), so the result is bitwise ``torch.optim.AdamW/Adam/SGD(fused=True)`` on the
+  joined fp32 values, for every flag (tests/test_onepass.py checks each against torch's kernel).
+- CUDA (the default there; ``LIGHTNING_MP_CUDA_ONE_PASS=0`` turns it off): the Triton kernel keeps every
+  intermediate in fp64 and rounds each stored value once, so each value is the float64 evaluation correctly rounded,
+  where torch's CUDA kernel can be hundreds of ulp away on the same inputs (cancellation in its fp32 variables;
+  measured in benchmarks/RESULTS.md). Its results are therefore not bitwise torch's; torch's CUDA
+  kernel's are not bitwise its own CPU kernel's either. The chunked path (torch's CUDA kernel on joined fp32 chunks)
+  stays the fallback where Triton is missing.
+
+The step plan: what a param group's update reads, laid out once and replayed each step.
 
 Between two steps almost nothing the update reads moves: the bf16 weights and remainders sit in the store's blocks,
 the optimizer's state tensors stay where the first step made them, the group's parameters are the same. A
@@ -37,14 +65,14 @@ import ctypes
 import weakref
 from itertools import chain, repeat
 from operator import is_
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from torch import Tensor
-from torch.optim import Adam, Optimizer
+from torch.optim import Optimizer
 
 from lightning_mp.kernels import native
-from lightning_mp.master.step import _state_for, check_state_tensor, fp32_zeros_like, local_of
+from lightning_mp.master.lean.optimizers import Entry, local_of, state_for
 
 _FP32 = torch.float32
 _GRAD_DTYPES = (torch.bfloat16, torch.float32)
@@ -62,34 +90,30 @@ class Stale(Exception):
     """The parameters that have a gradient are no longer the plan's: build a new one."""
 
 
-def switches(optimizer: Optimizer, group: dict[str, Any]) -> tuple[bool, bool]:
-    """``(Adam, amsgrad)`` or ``(SGD, momentum on)``: the options that change what state a plan lays out."""
-    if isinstance(optimizer, Adam):
-        return True, bool(group["amsgrad"])
-    return False, group["momentum"] != 0
-
-
 _EMPTY: dict[str, Any] = {}
 
 
 class StateSeen:
     """The optimizer state of some parameters as last read, compared in C-level passes (``map``, no Python loop per
     parameter): the ``state`` object, the parameters, each one's state dict, every value in them (by identity), every
-    tensor's address, and each group's ``amsgrad`` / ``momentum``. It holds those tensors and their storages, so an
+    tensor's address, and each group's options that change the state's layout (the entry's ``layout``: ``amsgrad``,
+    SGD's momentum on). It holds those tensors and their storages, so an
     address it recorded cannot be freed memory while it lives.
 
     A :class:`StepPlan` keeps one over its stepped parameters (what it hands the kernel). The step inside backward,
     which lays out one plan per parameter in its hook, keeps one over all its parameters and asks :meth:`changed`
     before each backward: where anything changed, every state is checked first
-    (:func:`~lightning_mp.master.step.check_states`), so a refusal comes before any update of that backward."""
+    (:func:`~lightning_mp.master.lean.optimizers.check_states`), so a refusal comes before any update of that
+    backward."""
 
-    def __init__(self) -> None:
+    def __init__(self, layout: Callable[[dict[str, Any]], Any]) -> None:
+        self.layout = layout
         self.state: Any = None
 
     def record(self, optimizer: Optimizer, params: list[Tensor]) -> None:
         self.state = optimizer.state
         self.params = list(params)
-        self.switches = [(g.get("amsgrad"), g.get("momentum")) for g in optimizer.param_groups]
+        self.switches = list(map(self.layout, optimizer.param_groups))
         self.dicts = list(map(optimizer.state.get, self.params, repeat(_EMPTY)))
         self.values = list(chain.from_iterable(map(dict.values, self.dicts)))
         self.tensors = [v for v in self.values if isinstance(v, Tensor)]
@@ -104,7 +128,7 @@ class StateSeen:
             state is not self.state
             or len(params) != len(self.params)
             or not all(map(is_, params, self.params))
-            or [(g.get("amsgrad"), g.get("momentum")) for g in optimizer.param_groups] != self.switches
+            or list(map(self.layout, optimizer.param_groups)) != self.switches
         ):
             return True
         dicts = list(map(state.get, params, repeat(_EMPTY)))
@@ -121,6 +145,7 @@ class StepPlan:
     """The one-pass update of ``params`` (a group's, or one parameter's) of ``optimizer`` on ``store``'s lean state.
 
     Args:
+        entry: the optimizer's entry in the table (:mod:`.optimizers`): its state keys and kernel options.
         kernel: ``"cpu"`` (the C kernel), ``"cuda"`` (the Triton kernel) or ``None`` (no kernel for these
             parameters: the caller takes the chunked path).
         key: what the CUDA update's caches are kept under (the group's or the parameter's id).
@@ -131,6 +156,7 @@ class StepPlan:
     def __init__(
         self,
         optimizer: Optimizer,
+        entry: Entry,
         group: dict[str, Any],
         params: list[Tensor],
         store: Any,
@@ -138,6 +164,7 @@ class StepPlan:
         key: int,
         owner: Any,
     ) -> None:
+        self.entry = entry
         self.kernel = kernel
         self.key = key
         self.owner_object = owner
@@ -145,7 +172,7 @@ class StepPlan:
         self.optimizer = weakref.ref(optimizer)
         self.owner = store  # the CUDA update's caches are the store's
         self.layout_version = getattr(store, "layout_version", 0)
-        self.switches = switches(optimizer, group)
+        self.layout = entry.layout(group)  # the options that change what state is laid out (amsgrad, momentum)
         self.params = list(params)  # compared element by element with the group's list at every step
         self.device = local_of(params[0]).device if params else torch.device("cpu")
         self.sharded = any(local_of(p) is not p for p in params)  # DTensors: the local shards are read
@@ -161,7 +188,7 @@ class StepPlan:
         if (
             state is not self.state
             or store.layout_version != self.layout_version
-            or switches(optimizer, group) != self.switches
+            or self.entry.layout(group) != self.layout
             or len(params) != len(self.params)
             or not all(map(is_, params, self.params))
         ):
@@ -187,26 +214,12 @@ class StepPlan:
         check = getattr(store, "check_trained", None)
         if check is not None:
             check(stepped)  # a parameter put in the group by hand must be one the store holds
-        adam, on = self.switches
-        if adam:
-            keys = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq") if on else ("exp_avg", "exp_avg_sq")
-            states = [_state_for(optimizer, p, keys) for p in stepped]
-            self.first_step = False
-        else:  # as torch.optim.SGD(fused=True), whose first step (no momentum buffers yet) copies the gradient in
-            keys = ("momentum_buffer",) if on else ()
-            self.first_step = on and all(optimizer.state[p].get("momentum_buffer") is None for p in stepped)
-            states = []
-            for param in stepped:
-                state = optimizer.state[param] if on else {}
-                if on and state.get("momentum_buffer") is None:
-                    # zeros, not torch's empty_like: a first step skipped by found leaves defined values behind
-                    state["momentum_buffer"] = fp32_zeros_like(param)
-                states.append(state)
-        if not adam:
-            for param, state in zip(stepped, states):
-                for key in keys:
-                    check_state_tensor(optimizer, param, key, state[key])
-        self.seen = StateSeen()
+        entry = self.entry
+        adam = entry.counts_steps  # step counts advanced around the kernel (Adam's), or none (SGD's)
+        keys = entry.keys(group)
+        self.first_step = entry.first_step(optimizer, group, stepped)
+        states = [state_for(entry, optimizer, p, group) for p in stepped]
+        self.seen = StateSeen(entry.layout)
         self.seen.record(optimizer, stepped)  # after the states were made: what the kernel is handed
         lean = [i for i, p in enumerate(stepped) if store.offset_of(p) is not None]
         plain = [i for i, p in enumerate(stepped) if store.offset_of(p) is None]
@@ -253,7 +266,7 @@ class StepPlan:
             self.foreach_steps = self.plain_steps if self.on_device else self.steps  # the rest: the bias kernel's
 
     # ------------------------------------------------------------------ each step
-    def step(self, group: dict[str, Any], factor: Optional[Tensor], clamp: Optional[float], found: Any) -> bool:
+    def run(self, group: dict[str, Any], factor: Optional[Tensor], clamp: Optional[float], found: Any) -> bool:
         """One update of the planned parameters; ``False`` (nothing done) where a gradient's dtype is neither bf16
         nor fp32 (the chunked path takes it). Raises :class:`Stale` when the plan no longer fits."""
         for param in self.idle:
@@ -283,7 +296,7 @@ class StepPlan:
         if not all(map(Tensor.is_contiguous, grads)):  # read by address: a contiguous copy for this step
             grads = [g if g.is_contiguous() else g.contiguous() for g in grads]
             pointers = [g.data_ptr() for g in grads]
-        adam = self.switches[0]
+        adam = self.entry.counts_steps
         if adam and self.foreach_steps:  # step counts no kernel advances (fp32 parameters on a GPU, odd counts)
             torch._foreach_add_(self.foreach_steps, 1)
         if self.kernel == "cpu":
@@ -300,19 +313,8 @@ class StepPlan:
         self.first_step = False
         return True
 
-    def _values(self, group: dict[str, Any]) -> tuple[Any, ...]:
-        """The optimizer's options this step, in :class:`~lightning_mp.kernels.native.Options` order."""
-        if self.switches[0]:
-            kind = native.ADAMW if group.get("decoupled_weight_decay", False) else native.ADAM
-            betas = group["betas"]
-            return (kind, self.switches[1], bool(group["maximize"]), False, False, float(group["lr"]),
-                    float(betas[0]), float(betas[1]), float(group["weight_decay"]), float(group["eps"]), 0.0, 0.0)  # fmt: skip
-        return (native.SGD, False, bool(group["maximize"]), bool(group["nesterov"]), bool(self.first_step),
-                float(group["lr"]), 0.0, 0.0, float(group["weight_decay"]), 0.0, float(group["momentum"]),
-                float(group["dampening"]))  # fmt: skip
-
     def _run_cpu(self, group: dict[str, Any], pointers: list[int], factor: Any, clamp: Any, found: Any) -> None:
-        values = (*self._values(group), factor.data_ptr() if factor is not None else None, clamp)
+        values = (*self.entry.kernel(group, self.first_step), factor.data_ptr() if factor is not None else None, clamp)
         if values != self._options[0]:
             names = ("kind", "amsgrad", "maximize", "nesterov", "first_step", "lr", "beta1", "beta2", "weight_decay",
                      "eps", "momentum", "dampening", "grad_mul")  # fmt: skip
@@ -337,7 +339,7 @@ class StepPlan:
             self.table, self.pointers = table, pointers
         names = ("kind", "amsgrad", "maximize", "nesterov", "first_step", "lr", "beta1", "beta2", "weight_decay",
                  "eps", "momentum", "dampening")  # fmt: skip
-        options = dict(zip(names, self._values(group)), clamped=clamp is not None)
+        options = dict(zip(names, self.entry.kernel(group, self.first_step)), clamped=clamp is not None)
         options["clamp"] = clamp if clamp is not None else -1.0
         update = native.cuda_update(self.owner)
         for fp32 in (False, True):
@@ -362,19 +364,138 @@ class StepPlan:
             self._fused(group, params, grads, found)
 
     def _fused(self, group: dict[str, Any], params: list[Tensor], grads: list[Tensor], found: Any) -> None:
-        if self.switches[0]:
-            kernel = torch._fused_adamw_ if group.get("decoupled_weight_decay", False) else torch._fused_adam_
-            states = self.plain_states
-            kernel(
-                params, grads, states[0], states[1], states[2] if self.switches[1] else [], self.plain_steps,
-                amsgrad=self.switches[1], lr=float(group["lr"]), beta1=float(group["betas"][0]),
-                beta2=float(group["betas"][1]), weight_decay=group["weight_decay"], eps=group["eps"],
-                maximize=group["maximize"], grad_scale=None, found_inf=found,
-            )  # fmt: skip
-            return
-        torch._fused_sgd_(
-            params, grads, self.plain_states[0] if self.switches[1] else [], weight_decay=group["weight_decay"],
-            momentum=group["momentum"], lr=float(group["lr"]), dampening=group["dampening"],
-            nesterov=group["nesterov"], maximize=group["maximize"], is_first_step=self.first_step,
-            grad_scale=None, found_inf=found,
-        )  # fmt: skip
+        """torch's fused function of the entry on the fp32 parameters (their step counts advanced around it)."""
+        scalars = [self.plain_steps] if self.entry.counts_steps else []
+        self.entry.run(group, params, grads, self.plain_states, scalars, float(group["lr"]), found, self.first_step)
+
+
+# ---------------------------------------------------------------------- the one-pass update by the plans
+def plan_grad_ops(
+    grad_ops: list[tuple[str, Any]], device: torch.device
+) -> Optional[tuple[Optional[Tensor], Optional[float]]]:
+    """``(factor, clamp)`` for the kernel: at most one clip-by-norm factor (a 0-dim fp32 tensor on ``device``), then
+    at most one clip-by-value bound (the order Lightning applies them); ``None`` for anything else (the chunked path
+    applies it)."""
+    factor: Optional[Tensor] = None
+    clamp: Optional[float] = None
+    for kind, value in grad_ops:
+        if kind == "mul" and factor is None and clamp is None:
+            factor = value.detach().to(device, torch.float32).reshape(()).contiguous()
+        elif kind == "clamp" and clamp is None:
+            clamp = float(value)
+        else:
+            return None
+    return factor, clamp
+
+
+def expressible(grad_ops: list[tuple[str, Any]]) -> bool:
+    """Whether the kernel applies ``grad_ops`` itself (:func:`plan_grad_ops` gives a plan), without making any
+    tensor: at most one clip-by-norm factor, then at most one clip-by-value bound."""
+    kinds = [kind for kind, _ in grad_ops]
+    return kinds in ([], ["mul"], ["clamp"], ["mul", "clamp"])
+
+
+def ready(
+    optimizer: Optimizer,
+    group: dict[str, Any],
+    plans: Plans,
+    store: Any,
+    grad_ops: list[tuple[str, Any]],
+    param: Any = None,
+) -> Any:
+    """The plan among ``plans`` (the store's) that :func:`run` will replay for ``group`` (or, with ``param``, that
+    parameter's), when it exists, still fits (:meth:`StepPlan.fits`), no parameter of it gained a gradient and the
+    kernel takes the clipping; else ``None``: that step lays out a plan (or takes the chunked path) and may refuse
+    state it meets, so a caller checks every state first (:func:`~lightning_mp.master.lean.optimizers.check_states`)
+    to refuse before any update. Pass what it returns to :func:`run` as ``ready``: the plan is not checked twice."""
+    key, owner, params = (id(group), group, group["params"]) if param is None else (id(param), param, [param])
+    made = plans.get(key)
+    if (
+        made is None
+        or made.owner_object is not owner
+        or made.kernel is None
+        or not made.fits(optimizer, group, store, params)
+        or any(p.grad is not None for p in made.idle)
+        or (grad_ops and not expressible(grad_ops))
+    ):
+        return None
+    return made
+
+
+def clipping_for(
+    params: list[Tensor], grad_ops: list[tuple[str, Any]]
+) -> Optional[tuple[Optional[Tensor], Optional[float]]]:
+    """The clipping the one-pass kernel applies to a group of ``params`` (:func:`plan_grad_ops`), or ``None`` when
+    the kernel cannot update it (the chunked path does)."""
+    if not params or not native.enabled():
+        return None
+    device = local_of(params[0]).device
+    if any(local_of(p).device != device for p in params):
+        return None
+    if device.type == "cpu":
+        built = native.cpu_kernel() is not None
+    else:  # CUDA: the Triton kernel, unless LIGHTNING_MP_CUDA_ONE_PASS=0 (module doc)
+        built = device.type == "cuda" and native.cuda_one_pass() and native.cuda_kernel() is not None
+    return plan_grad_ops(grad_ops, device) if built else None
+
+
+def run(
+    optimizer: Optimizer,
+    entry: Entry,
+    group: dict[str, Any],
+    plans: Plans,
+    store: Any,
+    grad_ops: list[tuple[str, Any]],
+    found: Optional[Tensor],
+    param: Optional[Tensor] = None,
+    ready: Any = None,
+) -> bool:
+    """One step of ``group`` (or, with ``param``, of that one parameter of it: the step inside backward) on the lean
+    state, in one pass, by its :class:`StepPlan` (made on the first step and whenever it
+    no longer fits); fp32 parameters (no remainder) go through torch's own fused kernel in place. ``found``: a 0-dim
+    fp32 tensor on the parameters' device, or ``None``. ``False`` (nothing done): the chunked path must take it (no
+    kernel for these parameters, clipping the kernel does not express, gradients neither bf16 nor fp32)."""
+    key, params, owner = (id(group), group["params"], group) if param is None else (id(param), [param], param)
+    made = ready
+    if made is None:
+        made = plans.get(key)
+        if made is None or made.owner_object is not owner or not made.fits(optimizer, group, store, params):
+            made = _replan(plans, optimizer, entry, group, params, store, key, owner)
+    if made.kernel is None:
+        return False
+    clipping = plan_grad_ops(grad_ops, made.device) if grad_ops else (None, None)
+    if clipping is None:
+        return False
+    try:
+        return made.run(group, clipping[0], clipping[1], found)
+    except Stale:  # a gradient appeared or went away since the plan was made
+        made = _replan(plans, optimizer, entry, group, params, store, key, owner)
+        return made.run(group, clipping[0], clipping[1], found)
+
+
+def _replan(
+    plans: Plans,
+    optimizer: Optimizer,
+    entry: Entry,
+    group: dict[str, Any],
+    params: list[Tensor],
+    store: Any,
+    key: int,
+    owner: Any,
+) -> StepPlan:
+    """A new plan under ``key``; plans that describe nothing any more are released with their tensors: those of a
+    dead optimizer, of one whose state was replaced (a resume), of a group no longer in its ``param_groups``."""
+    plans.pop(key, None)
+    groups = optimizer.param_groups
+    for old in [k for k, p in plans.items() if not p.current(optimizer, groups)]:
+        del plans[old]
+    # the plan of ``params``: with the compiled kernel of their device where :func:`clipping_for` finds one
+    made = plans[key] = StepPlan(optimizer, entry, group, list(params), store, _kernel_for(params), key, owner)
+    return made
+
+
+def _kernel_for(params: list[Tensor]) -> Optional[str]:
+    """``"cpu"`` (the C kernel), ``"cuda"`` (the Triton kernel) or ``None`` (the chunked path) for ``params``."""
+    if clipping_for(params, []) is None:
+        return None
+    return "cpu" if local_of(params[0]).device.type == "cpu" else "cuda"
