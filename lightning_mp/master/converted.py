@@ -10,6 +10,7 @@ master holds, the buffers' values at teardown, the refused callbacks and the mod
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterable, Iterator
 from typing import Any, Callable, Optional
 
@@ -146,7 +147,7 @@ class ConvertedModel(PlainWeights):
         param.data = value.detach().to(self.dtype, copy=True)  # a copy: no storage shared with the tensor written
 
     # ------------------------------------------------------------------ the code around the step
-    def exact_weights(self, module: nn.Module, write: bool = True) -> Any:
+    def exact_weights(self, module: nn.Module, write: bool = True) -> contextlib.AbstractContextManager[nn.Module]:
         """:func:`lightning_mp.master.exact_weights` over these masters (``module`` must be one they hold)."""
         return exact.exact_weights(module, store=self, write=write)
 
@@ -168,6 +169,7 @@ class ConvertedModel(PlainWeights):
             owner._buffers[name] = self.buffer_value(owner, name, original, half)
 
     def stop_following(self) -> Optional[ModelWriteError]:
-        """Follow the writes since the last step, then remove the hooks (:func:`~lightning_mp.master.model_sync.stop`)."""
+        """Follow the writes since the last step, then remove the hooks
+        (:func:`~lightning_mp.master.model_sync.stop`)."""
         sync, self.model_sync = self.model_sync, None
         return stop(sync)
