@@ -212,8 +212,6 @@ class MixedPrecisionPlugin(FabricHooks, Precision):  # FabricHooks: the hooks as
         self.masters = self.steps.sync.adopt(self.masters)  # FSDP2: lean masters on the local shards
         if self.fp8 is not None:  # before the masters: Float8Linear keeps the parameters, the masters see them
             self.fp8.convert(module, self, strategy)
-        if self.steps.sync.owns_masters:  # FSDP2's sharded fp32 parameters are the masters: nothing to convert
-            return module
         return self.steps.weights.convert(module)
 
     @override
@@ -236,8 +234,7 @@ class MixedPrecisionPlugin(FabricHooks, Precision):  # FabricHooks: the hooks as
             self.scaler.gather_names = self.steps.sync.gather_names  # culprits at min_scale, from every rank
         self.steps.unscaled.clear()
         self.start_following_writes(model)  # setup is over: every later write into the model reaches the masters
-        if not self.steps.sync.owns_masters:  # Lightning's SWA and EMA callbacks average the exact weights
-            self._averaging = adapt_averaging_callbacks(inner, self.steps.weights)
+        self._averaging = adapt_averaging_callbacks(inner, self.steps.weights)  # SWA, EMA over the exact weights
         warn_at_connect(self._effective_policy, inner, self._device_type, self.dtype)  # rules matching nothing, fp16
         guard_step_schedulers(lr_schedulers)  # they do not advance on a skipped step
         return model, optimizers, lr_schedulers

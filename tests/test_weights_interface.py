@@ -12,7 +12,7 @@ from torch import nn
 
 from lightning_mp import MixedPrecisionPlugin
 from lightning_mp.master import MasterWeights, PlainWeights, RemainderMasters
-from lightning_mp.master.plain import PLAIN
+from lightning_mp.master.plain import PLAIN, StrategyMasters
 
 ROOT = Path(__file__).resolve().parent.parent
 INTERFACE = sorted(name for name in vars(PlainWeights) if not name.startswith("_"))
@@ -60,9 +60,30 @@ def test_without_masters_every_lifecycle_call_leaves_the_model_and_optimizer_as_
 def test_the_plugin_asks_the_interface_not_whether_masters_exist():
     for path in ("lightning_mp/plugin.py", "lightning_mp/fabric/driver.py", "lightning_mp/master/held_optimizers.py"):
         source = (ROOT / path).read_text()
-        for question in ("masters is None", "masters is not None", "isinstance(self.masters"):
+        for question in ("masters is None", "masters is not None", "isinstance(self.masters", "owns_masters"):
             assert question not in source, (path, question)
     for option, holds in ((False, False), (True, True), ("remainder", True)):
         plugin = MixedPrecisionPlugin("bf16-mixed", master_weights=option)
         assert plugin.master_weights is holds and plugin.steps.weights.holds_masters is holds
         assert (plugin.masters is None) is not holds  # the public attribute: None without master weights
+
+
+def test_under_fsdp2_with_fp32_masters_the_strategys_shards_answer_the_lifecycle():
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    from lightning_mp.distributed import sync_for
+
+    plugin = MixedPrecisionPlugin("bf16-mixed", master_weights=True)
+    strategy = ModelParallelStrategy()
+    strategy.parallel_devices = [torch.device("cpu")]
+    own = plugin.masters
+    adopted = sync_for(strategy, plugin).adopt(own)
+    assert isinstance(adopted, StrategyMasters) and sync_for(strategy, plugin).adopt(adopted) is adopted
+    assert adopted.holds_masters and adopted.option is True and not adopted.groups_hold_masters
+    net = nn.Linear(4, 3)
+    before = net.weight.detach().clone()
+    assert adopted.convert(net) is net and net.weight.dtype == torch.float32 and torch.equal(net.weight, before)
+    plugin.masters = adopted
+    assert plugin.master_weights and repr(plugin).count("master_weights=True") == 1
+    assert sync_for(None, plugin).adopt(adopted) is own  # one device again: the plugin's own store
+    assert sync_for(strategy, MixedPrecisionPlugin("bf16-mixed")).adopt(None) is None

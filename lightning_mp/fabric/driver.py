@@ -96,10 +96,9 @@ class FabricDriver:
         # an optimizer set up after the module connected (setup_module, then setup_optimizers one by one)
         plugin, steps = self.plugin, self.plugin.steps
         self.optimizers.append(optimizer)
-        if not steps.sync.owns_masters:  # FSDP2's sharded fp32 parameters are the masters: nothing to attach
-            steps.weights.attach(self.optimizers)
-            for param, master in steps.weights.pairs():
-                steps.names[id(master)] = steps.names.get(id(param), "")
+        steps.weights.attach(self.optimizers)
+        for param, master in steps.weights.pairs():
+            steps.names[id(master)] = steps.names.get(id(param), "")
         if plugin.fp8 is not None:
             inner = getattr(self.module, "module", self.module)
             plugin.fp8.connect(inner, [optimizer])

@@ -49,12 +49,11 @@ class HeldOptimizers:
         steps, weights = self.steps, self.steps.weights
         if in_backward:
             check_setup(trainer, module, optimizers)
-        if not steps.sync.owns_masters:  # FSDP2's sharded fp32 parameters are the masters: nothing to attach
-            weights.check_callbacks(getattr(trainer, "callbacks", None) or [])
-            weights.attach(optimizers)
-            self._name_masters()
-            if weights.groups_hold_masters:  # toggle_optimizer must switch the model's parameters, not the masters
-                follow_toggles(module, weights)
+        weights.check_callbacks(getattr(trainer, "callbacks", None) or [])
+        weights.attach(optimizers)
+        self._name_masters()
+        if weights.groups_hold_masters:  # toggle_optimizer must switch the model's parameters, not the masters
+            follow_toggles(module, weights)
         steps.in_backward = install(
             steps.in_backward, in_backward, steps.masters, module, optimizers, steps.checking, steps.names
         )
@@ -76,9 +75,8 @@ class HeldOptimizers:
         module = self.module
         if self.in_backward:  # several optimizers, accumulation, clipping by norm: refused before any update
             check_setup(trainer, module, optimizers)
-        if not steps.sync.owns_masters:
-            steps.weights.follow_optimizers(optimizers)
-            self._name_masters()
+        steps.weights.follow_optimizers(optimizers)
+        self._name_masters()
         if self.in_backward:
             steps.in_backward = install(
                 steps.in_backward, True, steps.masters, module, optimizers, steps.checking, steps.names

@@ -148,3 +148,17 @@ _HONOURS_FOUND_INF: dict[type, bool] = {}  # optimizer class -> whether its step
 
 #: The step's weights without masters.
 PLAIN = PlainWeights()
+
+
+class StrategyMasters(PlainWeights):
+    """fp32 masters the strategy keeps itself: FSDP2's sharded fp32 parameters, all-gathered in a half
+    ``param_dtype`` (``master_weights=True`` under FSDP2). The plugin converts, attaches and restores nothing: the
+    optimizer steps those parameters as they are, as without masters; but the model runs in half precision, so the
+    plugin says it holds masters (``plugin.master_weights``) and what needs a whole half model is refused as with
+    masters. ``single_device``: the plugin's own store, used again on one device."""
+
+    holds_masters = True
+    option: Union[bool, str] = True
+
+    def __init__(self, single_device: PlainWeights) -> None:
+        self.single_device = single_device
