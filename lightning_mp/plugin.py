@@ -9,7 +9,7 @@ if finite, update the scale).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Generator, Mapping
+from collections.abc import Generator, Iterator, Mapping
 from typing import Any, Callable, Literal, Optional, Union
 
 import torch
@@ -33,8 +33,7 @@ from lightning_mp.fabric.hooks import FabricHooks
 from lightning_mp.forward import ModuleRules, module_policy, override_context, override_targets, warn_at_connect
 from lightning_mp.forward import module_device as _module_device
 from lightning_mp.fp8.convert import Fp8Training
-from lightning_mp.master import MasterWeights, MasterWeightsOption, is_norm, masters_for
-from lightning_mp.master.access import MasterWeightsAccess
+from lightning_mp.master import MasterWeightsOption, PlainWeights, is_norm, masters_for
 from lightning_mp.master.in_backward import check_options, check_strategy
 from lightning_mp.policy import CastPolicy
 from lightning_mp.scaler import DynamicLossScaler
@@ -47,7 +46,7 @@ PrecisionName = Literal["16-mixed", "bf16-mixed"]
 _DTYPES: dict[str, torch.dtype] = {"16-mixed": torch.float16, "bf16-mixed": torch.bfloat16}
 
 
-class MixedPrecisionPlugin(FabricHooks, MasterWeightsAccess, Precision):  # FabricHooks: the hooks as Fabric calls them
+class MixedPrecisionPlugin(FabricHooks, Precision):  # FabricHooks: the hooks as Fabric calls them
     """Mixed-precision training with a loss scaler you can tune and inspect.
 
     Args:
@@ -133,11 +132,11 @@ class MixedPrecisionPlugin(FabricHooks, MasterWeightsAccess, Precision):  # Fabr
         self.steps.scaler = scaler
 
     @property
-    def masters(self) -> Optional[MasterWeights]:  # the step's
-        return self.steps.masters  # type: ignore[return-value]
+    def masters(self) -> Optional[PlainWeights]:  # the step's (None: no master weights)
+        return self.steps.masters
 
     @masters.setter
-    def masters(self, masters: Optional[MasterWeights]) -> None:
+    def masters(self, masters: Optional[PlainWeights]) -> None:
         self.steps.masters = masters
 
     @property
@@ -156,7 +155,7 @@ class MixedPrecisionPlugin(FabricHooks, MasterWeightsAccess, Precision):  # Fabr
     @property
     def master_weights(self) -> bool:
         """Whether the model is held in half precision with fp32 master weights (flat copies or lean remainders)."""
-        return self.masters is not None
+        return self.steps.weights.holds_masters
 
     # ------------------------------------------------------------------ the casting policy
     def keeps_fp32(self, name: str, module: Module) -> bool:
@@ -213,9 +212,7 @@ class MixedPrecisionPlugin(FabricHooks, MasterWeightsAccess, Precision):  # Fabr
         self.masters = self.steps.sync.adopt(self.masters)  # FSDP2: lean masters on the local shards
         if self.fp8 is not None:  # before the masters: Float8Linear keeps the parameters, the masters see them
             self.fp8.convert(module, self, strategy)
-        if self.masters is None or self.steps.sync.owns_masters:
-            return module
-        return self.masters.convert(module)
+        return self.steps.weights.convert(module)
 
     @override
     def connect(
@@ -237,8 +234,7 @@ class MixedPrecisionPlugin(FabricHooks, MasterWeightsAccess, Precision):  # Fabr
             self.scaler.gather_names = self.steps.sync.gather_names  # culprits at min_scale, from every rank
         self.steps.unscaled.clear()
         self.start_following_writes(model)  # setup is over: every later write into the model reaches the masters
-        if not self.steps.sync.owns_masters:  # Lightning's SWA and EMA callbacks average the exact weights
-            self._averaging = adapt_averaging_callbacks(inner, self.masters)
+        self._averaging = adapt_averaging_callbacks(inner, self.steps.weights)  # SWA, EMA over the exact weights
         warn_at_connect(self._effective_policy, inner, self._device_type, self.dtype)  # rules matching nothing, fp16
         guard_step_schedulers(lr_schedulers)  # they do not advance on a skipped step
         return model, optimizers, lr_schedulers
@@ -276,8 +272,7 @@ class MixedPrecisionPlugin(FabricHooks, MasterWeightsAccess, Precision):  # Fabr
         # scale before Lightning's on_before_backward hooks, as its built-in plugin does. A new backward ends
         # every "already unscaled" record: gradients still unscaled are scaled back so the sum stays consistent
         self._follow_optimizers()
-        if self.masters is not None:
-            self.masters.before_backward()  # lean masters: gradients of earlier micro-batches add up in fp32
+        self.steps.weights.before_backward()  # lean masters: gradients of earlier micro-batches add up in fp32
         self.steps.sync.before_backward()  # DDP, lean masters: fp32 sums move aside before a synchronising backward
         if self.steps.checking:
             assert self.scaler is not None
@@ -294,8 +289,7 @@ class MixedPrecisionPlugin(FabricHooks, MasterWeightsAccess, Precision):  # Fabr
         # across accumulated micro-batches in fp32) and the half ones are freed
         self.steps.sync.backward_finished()  # DDP, lean masters: the reduced fp32 sums become the gradients
         closure_loss = super().post_backward(tensor, module)
-        if self.masters is not None:
-            self.masters.grads_to_masters()
+        self.steps.weights.grads_to_masters()
         self.steps.sync.after_backward()  # DDP with masters: reduce the fp32 master gradients once DDP would have
         return closure_loss
 
@@ -349,6 +343,33 @@ class MixedPrecisionPlugin(FabricHooks, MasterWeightsAccess, Precision):  # Fabr
     def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: Union[int, float]) -> None:
         self.steps.clip_by_norm(optimizer, clip_val)
 
+    # ------------------------------------------------------------------ the weights, for the code around the step
+    def start_following_writes(self, model: Optional[Module] = None) -> None:
+        """Setup is over: from now on every write into ``model`` reaches the masters (:meth:`follow_model_writes`)."""
+        self.steps.weights.start_following(model)
+
+    def follow_model_writes(self) -> None:
+        """Make the master weights follow every write into the model since the plugin's last step (a load into
+        any submodule, ``nn.init``, ``copy_`` under ``no_grad``, ``p.data = t``, a replaced parameter), or raise
+        :class:`~lightning_mp.master.model_sync.ModelWriteError` naming a parameter they cannot follow. Runs before
+        each optimizer step, each save and at teardown (see docs/master-weights.md, "Writes after setup")."""
+        self.steps.weights.follow_writes()
+
+    def exact_weights(self, module: Module, write: bool = True) -> contextlib.AbstractContextManager[Module]:
+        """A context inside which ``module.parameters()`` are fp32 parameters holding the exact master values, and
+        what is written into them becomes the masters on leaving (``write=False``: read only). ``module``: the model
+        or any module of it (``self.unet``); one these masters do not hold raises
+        :class:`~lightning_mp.master.exact.NotHeldError`; without master weights the parameters are given as they
+        are (they are the exact weights). See :func:`lightning_mp.master.exact_weights` and docs/master-weights.md,
+        "Weight averaging and EMA teachers"."""
+        return self.steps.weights.exact_weights(module, write=write)
+
+    def exact_parameters(self, module: Module) -> Iterator[tuple[str, Tensor]]:
+        """``(name, exact fp32 value)`` per parameter of ``module`` (the model or any module of it), one at a time (the
+        master itself with ``master_weights=True``, a joined fp32 tensor with ``"remainder"``; without master weights
+        the parameters as they are): :func:`lightning_mp.master.exact_parameters`."""
+        return self.steps.weights.exact_parameters(module)
+
     # ------------------------------------------------------------------ checkpointing
     @override
     def state_dict(self) -> dict[str, Any]:
@@ -385,8 +406,7 @@ class MixedPrecisionPlugin(FabricHooks, MasterWeightsAccess, Precision):  # Fabr
         self.steps.held.release()  # the hooks inside backward removed, no optimizer followed
         restore_averaging_callbacks(self._averaging)
         self._averaging = []
-        if self.masters is not None:
-            self.masters.restore()
+        self.steps.weights.restore()
         self._module_rules.remove()
         super().teardown()
 

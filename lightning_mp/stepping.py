@@ -160,7 +160,7 @@ class OptimizerStep:
         return self._step_or_skip(optimizer, model, found_inf, kwargs)
 
     def _refuse_lbfgs(self, optimizer: Any, error: type[Exception]) -> None:
-        if isinstance(unwrap_optimizer(optimizer), LBFGS) and (self.checking or self.masters is not None):
+        if isinstance(unwrap_optimizer(optimizer), LBFGS) and (self.checking or self.weights.holds_masters):
             raise error(LBFGS_REFUSED)
 
     def _step_or_skip(self, optimizer: Any, model: Any, found_inf: Tensor, kwargs: dict[str, Any]) -> Any:

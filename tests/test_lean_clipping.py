@@ -1,4 +1,4 @@
-"""Clipping of lean masters' gradients (``lightning_mp.master.clipping``, ``RemainderMasters.clip_grad_norm_``):
+"""Clipping of lean masters' gradients (``lightning_mp.master.lean.clipping``, ``RemainderMasters.clip_grad_norm_``):
 one ``_foreach_norm`` per (device, dtype) group, and the total norm, the clip factor and the clipped step bitwise
 ``torch.nn.utils.clip_grad_norm_`` on fp32 copies of the gradients, for the norm types Lightning passes (2 and inf),
 with bf16 and fp32 gradients interleaved (the per-gradient norms are taken in the gradients' order, as torch's on

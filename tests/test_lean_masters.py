@@ -346,7 +346,7 @@ def test_fused_step_on_cuda_equals_torchs_fused_optimizer_bitwise(optimizer_cls,
 
 
 def test_an_optimizer_parameter_outside_the_model_is_refused_naming_its_place():
-    from lightning_mp.master.remainder import RemainderMasters
+    from lightning_mp.master.lean.store import RemainderMasters
 
     masters = RemainderMasters()
     net = masters.convert(torch.nn.Sequential(torch.nn.Linear(4, 4)))

@@ -15,10 +15,10 @@ import pytest
 import torch
 from torch import nn
 
-import lightning_mp.master.blocks as blocks
-import lightning_mp.master.remainder as remainder
+import lightning_mp.master.lean.blocks as blocks
+import lightning_mp.master.lean.store as remainder
 from lightning_mp.master import RemainderMasters
-from lightning_mp.master.blocks import BLOCK_CHUNKS
+from lightning_mp.master.lean.blocks import BLOCK_CHUNKS
 from tests.helpers import seeded
 
 CHUNK = 32768

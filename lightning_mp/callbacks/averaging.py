@@ -46,11 +46,14 @@ def _averaging_classes() -> dict[str, type]:
 
 def adapt_averaging_callbacks(module: Any, store: Any) -> list[Any]:
     """Run the model-reading and -writing hooks of Lightning's averaging callbacks of the Trainer that fits
-    ``module`` over the exact weights of ``store`` (see module doc). Returns the callbacks adapted (each says so once,
-    on rank 0); none without master weights (``store`` ``None``) or a Trainer (Fabric has no such callbacks)."""
+    ``module`` over the exact weights of ``store`` (the weights interface, :mod:`lightning_mp.master.plain`; see
+    module doc). Returns the callbacks adapted (each says so once, on rank 0); none without master weights (weights
+    that hold no masters: the parameters are the exact weights) or a Trainer (Fabric has no such callbacks)."""
     adapted: list[Any] = []
-    if store is None or hasattr(store, "single_device"):  # FSDP2's sharded lean masters: Lightning's callbacks
-        return adapted  # do not support sharded models (SWA refuses FSDP1, WeightAveraging warns)
+    # a store made for FSDP2 (its sharded lean masters, or the strategy's own fp32 shards) has single_device:
+    # Lightning's callbacks do not support sharded models (SWA refuses FSDP1, WeightAveraging warns)
+    if not store.holds_masters or hasattr(store, "single_device"):
+        return adapted
     for callback in getattr(getattr(module, "_trainer", None), "callbacks", None) or ():
         for name, cls in _averaging_classes().items():
             if not isinstance(callback, cls) or getattr(callback, _MARK, None):

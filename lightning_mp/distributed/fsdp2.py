@@ -27,6 +27,7 @@ from lightning_mp.distributed import fsdp2_in_backward
 from lightning_mp.distributed.fsdp2_lean import ShardedRemainderMasters
 from lightning_mp.distributed.shard import fsdp_param_groups
 from lightning_mp.distributed.sync import PluginDtypes, ProcessGroupSync, StrategyPlugin
+from lightning_mp.master.plain import StrategyMasters
 
 
 def mixed_precision_policy(plugin: PluginDtypes, name: str = "", module: Optional[Module] = None) -> Any:
@@ -80,8 +81,10 @@ class FSDP2Sync(ProcessGroupSync):
         self.whole_checkpoints = not getattr(strategy, "_save_distributed_checkpoint", True)
 
     def adopt(self, masters: Any) -> Any:
-        if self.owns_masters or masters is None or isinstance(masters, ShardedRemainderMasters):
+        if masters is None or isinstance(masters, (ShardedRemainderMasters, StrategyMasters)):
             return masters
+        if self.owns_masters:  # the sharded fp32 parameters are the masters: the plugin holds none of its own
+            return StrategyMasters(masters)
         sharded = ShardedRemainderMasters.like(masters)
         sharded.whole_checkpoints = self.whole_checkpoints  # read by the generic path (fsdp2_generic)
         return sharded

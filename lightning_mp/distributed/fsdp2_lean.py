@@ -46,10 +46,10 @@ from torch.optim import Optimizer
 from lightning_mp.distributed.fsdp2_generic import ShardedGenericStep
 from lightning_mp.distributed.shard import fsdp_param_groups
 from lightning_mp.kernels.bits import join_fp32, split_fp32_into
+from lightning_mp.master.lean.optimizer_state import check_params_belong, keep_fp32_state
 from lightning_mp.master.lean.optimizers import entry_for, initial_state, local_of
+from lightning_mp.master.lean.store import RemainderMasters
 from lightning_mp.master.model_sync import ModelSync, materialise
-from lightning_mp.master.optimizer_state import check_params_belong, keep_fp32_state
-from lightning_mp.master.remainder import RemainderMasters
 
 
 def fsdp_params(module: nn.Module) -> list[Any]:

@@ -63,7 +63,8 @@ class GradientSync:
 
     Attributes:
         owns_masters: ``True`` when the strategy keeps the fp32 master weights itself (FSDP2's sharded fp32
-            parameters), so the plugin must not cast the model or build its own masters.
+            parameters), so the plugin must not cast the model or build its own masters: :meth:`adopt` then gives
+            :class:`~lightning_mp.master.plain.StrategyMasters`, whose lifecycle does nothing.
     """
 
     owns_masters = False

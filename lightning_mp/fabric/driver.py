@@ -121,10 +121,9 @@ class FabricDriver:
         # an optimizer set up after the module connected (setup_module, then setup_optimizers one by one)
         plugin, steps = self.plugin, self.plugin.steps
         self.optimizers.append(optimizer)
-        if plugin.masters is not None and not steps.sync.owns_masters:
-            plugin.masters.attach(self.optimizers)
-            for param, master in plugin.masters.pairs():
-                steps.names[id(master)] = steps.names.get(id(param), "")
+        steps.weights.attach(self.optimizers)
+        for param, master in steps.weights.pairs():
+            steps.names[id(master)] = steps.names.get(id(param), "")
         if plugin.fp8 is not None:
             inner = getattr(self.module, "module", self.module)
             plugin.fp8.connect(inner, [optimizer])

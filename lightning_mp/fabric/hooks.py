@@ -51,7 +51,7 @@ class FabricHooks:
         if fabric is None:
             return self._fabric.strategy if self._fabric is not None else None
         if self._fabric is not None:
-            if getattr(self, "masters", None) is not None and self._fabric.module is not None:
+            if self.steps.weights.holds_masters and self._fabric.module is not None:
                 raise ValueError(TWO_MODELS_WITH_MASTERS)
             self._fabric.release()
         refuse_lean_fsdp2_before_sharding(self, fabric.strategy, module)

@@ -2,11 +2,12 @@
 
 - :mod:`lightning_mp.master.flat`: :class:`MasterWeights`, fp32 masters in one flat buffer per device
   (``master_weights=True`` or ``"fp32"``).
-- :mod:`lightning_mp.master.remainder`: :class:`RemainderMasters`, a bf16 model plus a 16-bit remainder per
-  element, exact fp32 masters without an fp32 copy (``master_weights="remainder"``); its update is
-  :mod:`lightning_mp.master.lean`'s (the optimizers of its table in one pass or chunk by chunk, any other on fp32
-  slices);
-  the weights and remainders live in blocks built and released one at a time (:mod:`~lightning_mp.master.blocks`).
+- :mod:`lightning_mp.master.lean`: :class:`RemainderMasters`, a bf16 model plus a 16-bit remainder per
+  element, exact fp32 masters without an fp32 copy (``master_weights="remainder"``), beside :class:`MasterWeights`
+  (both implement the weights interface, :mod:`lightning_mp.master.plain`; their small common base is
+  :mod:`lightning_mp.master.converted`); its update is :mod:`lightning_mp.master.lean.update`'s (the optimizers of
+  its table, :mod:`~lightning_mp.master.lean.optimizers`, in one pass or chunk by chunk, any other on fp32 slices);
+  the weights and remainders live in blocks built and released one at a time (:mod:`~lightning_mp.master.lean.blocks`).
 - :mod:`lightning_mp.master.exact`: the exact fp32 weights for code that reads or writes the model between steps
   (EMA teachers, weight averaging; :mod:`lightning_mp.callbacks.averaging` adapts Lightning's callbacks).
 """
@@ -19,14 +20,17 @@ from typing import Any, Callable, Optional, Union
 import torch
 from torch import nn
 
+from lightning_mp.master.converted import NORM_TYPES, ConvertedModel, is_norm
 from lightning_mp.master.exact import NotHeldError, exact_parameters, exact_weights
-from lightning_mp.master.flat import NORM_TYPES, MasterWeights, is_norm
-from lightning_mp.master.remainder import RemainderMasters
+from lightning_mp.master.flat import MasterWeights
+from lightning_mp.master.lean import RemainderMasters
+from lightning_mp.master.plain import PlainWeights
 
 __all__ = [
     "MasterWeights",
     "NORM_TYPES",
     "NotHeldError",
+    "PlainWeights",
     "RemainderMasters",
     "exact_parameters",
     "exact_weights",
@@ -42,9 +46,9 @@ _DTYPE_NAMES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": tor
 
 def masters_for(
     dtype: torch.dtype,
-    master_weights: Union[MasterWeightsOption, MasterWeights],
+    master_weights: Union[MasterWeightsOption, PlainWeights],
     keep_fp32: Callable[[str, nn.Module], bool] = is_norm,
-) -> Optional[MasterWeights]:
+) -> Optional[PlainWeights]:
     """The master-weights store for the plugin's ``master_weights`` argument.
 
     ``False``/``None``: none (the model stays fp32). ``True`` or ``"fp32"``: :class:`MasterWeights` (fp32 copies).
@@ -55,7 +59,7 @@ def masters_for(
     Raises:
         ValueError: any other value, or ``"remainder"`` with fp16 (with the reason and what to use).
     """
-    if isinstance(master_weights, MasterWeights):
+    if isinstance(master_weights, ConvertedModel):
         return master_weights
     if master_weights is None or master_weights is False:
         return None

@@ -27,29 +27,13 @@ import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
+from lightning_mp.master.converted import NORM_TYPES, ConvertedModel, is_norm
 from lightning_mp.master.flat_moves import FlatMoves
-from lightning_mp.master.model_sync import ModelSync, ModelWriteError, materialise, stop
-from lightning_mp.master.optimizer_state import refuse_twice, several_processes
-from lightning_mp.master.plain import PlainWeights
-from lightning_mp.master.refused_callbacks import refuse_callbacks
-from lightning_mp.master.watched import GroupsSeen
 
-#: Module classes whose parameters and buffers stay fp32 by default (and their subclasses).
-NORM_TYPES: tuple[type[nn.Module], ...] = (
-    nn.modules.batchnorm._NormBase,
-    nn.LayerNorm,
-    nn.GroupNorm,
-    nn.LocalResponseNorm,
-    nn.RMSNorm,
-)
+__all__ = ["NORM_TYPES", "MasterWeights", "is_norm"]
 
 
-def is_norm(name: str, module: nn.Module) -> bool:
-    """The default ``keep_fp32`` rule: normalisation layers keep fp32 parameters and statistics."""
-    return isinstance(module, NORM_TYPES)
-
-
-class MasterWeights(PlainWeights):
+class MasterWeights(ConvertedModel):
     """Casts a module to ``dtype`` and keeps fp32 masters of the parameters its optimizers train.
 
     Args:
@@ -64,75 +48,23 @@ class MasterWeights(PlainWeights):
     """
 
     option: Any = True
+    groups_hold_masters = True  # attach() swaps the fp32 masters into the optimizers' groups
 
     def __init__(self, dtype: torch.dtype, keep_fp32: Callable[[str, nn.Module], bool] = is_norm) -> None:
         if dtype not in (torch.float16, torch.bfloat16):
             raise ValueError(f"dtype={dtype} is not supported for master weights: use torch.float16 or torch.bfloat16.")
-        self.dtype = dtype
-        self.keep_fp32 = keep_fp32
-        self._reset()
+        super().__init__(dtype, keep_fp32)
 
     def _reset(self) -> None:
-        self._module: Optional[nn.Module] = None
-        self.model_sync: Optional[ModelSync] = None  # hooks and check: every write to the model reaches the masters
-        self._params: dict[int, nn.Parameter] = {}  # id(half model param) -> the param, for every converted one
-        # fp32 values of the half parameters before the cast (the original tensors), until masters replace them
-        self._fp32_values: dict[int, Tensor] = {}
-        # converted buffers: (owner module, attribute name, qualified name, value before the cast, half value)
-        self._buffers: list[tuple[nn.Module, str, str, Tensor, Tensor]] = []
+        super()._reset()
         self._masters: dict[int, nn.Parameter] = {}  # id(half model param) -> its fp32 master
         self._param_of_master: dict[int, nn.Parameter] = {}  # id(master) -> half model param
         self._grad_views: dict[int, Tensor] = {}  # id(master) -> its slice of the flat grad buffer
         self._flat: list[tuple[Tensor, Tensor]] = []  # one (flat masters, flat grads) per device
         self._moves = FlatMoves()  # the per-step moves' lists, per device
-        self._optimizers: list[Optimizer] = []
         self._carried_grads: dict[int, Tensor] = {}  # id(half param) -> its released master's gradient, until remade
-        self._groups_seen = GroupsSeen()  # as last followed; none recorded: a subclass attached (FSDP2), not followed
 
     # ------------------------------------------------------------------ setup
-    def _kept_modules(self, module: nn.Module) -> dict[str, nn.Module]:
-        # a module kept in fp32 runs its whole subtree in fp32 (lightning_mp.forward.ModuleRules: autocast off,
-        # inputs upcast), so the modules inside it keep fp32 parameters too: an fp16 Linear inside an fp32 attention
-        # block would meet fp32 inputs with autocast off
-        kept: dict[str, nn.Module] = {}
-        for module_name, owner in module.named_modules():
-            inside = any(module_name.startswith(f"{name}.") or not name for name in kept)
-            if inside or self.keep_fp32(module_name, owner):
-                kept[module_name] = owner
-        return kept
-
-    def convert(self, module: nn.Module) -> nn.Module:
-        """Cast ``module``'s floating parameters and buffers to ``dtype`` in place, except ``keep_fp32`` ones.
-
-        Parameters keep their identity (only ``.data`` changes), so optimizers created afterwards see the half
-        parameters. The fp32 values are kept (no copy: the original tensors) until :meth:`attach` builds the
-        masters from them, or :meth:`restore` puts them back. A parameter shared by several modules (tied weights:
-        GPT-2's ``lm_head.weight`` is ``transformer.wte.weight``) stays fp32 under every name when any module that
-        holds it is kept in fp32.
-        """
-        if self._module is not None:
-            self.restore()
-        self._module = module
-        kept_modules = self._kept_modules(module)
-        kept = {id(param) for owner in kept_modules.values() for param in owner.parameters(recurse=False)}
-        for module_name, owner in module.named_modules():
-            if module_name in kept_modules:
-                continue
-            prefix = f"{module_name}." if module_name else ""
-            for _name, param in owner.named_parameters(recurse=False):
-                if not param.is_floating_point() or id(param) in self._params or id(param) in kept:
-                    continue
-                self._params[id(param)] = param  # a model that arrives in half precision gets masters too
-                self._cast_param(param)
-            for name, buffer in list(owner.named_buffers(recurse=False)):
-                if buffer is not None and buffer.is_floating_point() and buffer.dtype != self.dtype:
-                    half = buffer.to(self.dtype)
-                    self._buffers.append((owner, name, prefix + name, buffer, half))
-                    owner._buffers[name] = half
-        buffers = tuple((owner, name, original, half) for owner, name, _, original, half in self._buffers)
-        self.model_sync = ModelSync(self, module, self._params, buffers)
-        return module
-
     def _cast_param(self, param: nn.Parameter) -> None:
         # the model's parameter becomes half precision; its fp32 value is kept (no copy) until attach() or restore()
         if param.dtype != self.dtype:
@@ -238,12 +170,6 @@ class MasterWeights(PlainWeights):
         for master in [m for m in optimizer.state if id(m) in self._param_of_master]:
             optimizer.state[self._param_of_master[id(master)]] = optimizer.state.pop(master)
 
-    def check_callbacks(self, callbacks: Iterable[Any]) -> None:
-        """Raise, before any step, for a Trainer callback the masters cannot run with
-        (:func:`~lightning_mp.master.refused_callbacks.refuse_callbacks`: Lightning's ``BaseFinetuning``, which names
-        the optimizer's parameters, fp32 masters here; ``ModelPruning``)."""
-        refuse_callbacks(callbacks, self.option, reads_groups=not self.lean)  # lean: the model's parameters there
-
     def _build_masters(self, params: list[nn.Parameter]) -> None:
         by_device: dict[torch.device, list[nn.Parameter]] = defaultdict(list)
         for param in params:
@@ -326,19 +252,8 @@ class MasterWeights(PlainWeights):
     # ------------------------------------------------------------------ checkpoint and teardown
     def fp32_value(self, param: Tensor) -> Tensor:
         """The full-precision value of a converted parameter: its master, its pre-cast value, or an upcast."""
-        if id(param) in self._masters:
-            return self._masters[id(param)].detach()
-        if id(param) in self._fp32_values:
-            return self._fp32_values[id(param)]
-        return param.detach().float()
-
-    @staticmethod
-    def buffer_value(owner: nn.Module, name: str, original: Tensor, half: Tensor) -> Tensor:
-        """A converted buffer at full precision: its value before the cast while untouched, else an upcast."""
-        current = owner._buffers[name]
-        if current is half:  # untouched since the cast: the original is exact
-            return original.to(current.device)
-        return current.to(original.dtype)
+        master = self._masters.get(id(param))
+        return master.detach() if master is not None else self._kept_value(param)
 
     # ------------------------------------------------------------------ writes into the model (ModelSync calls these)
     def load_fp32(self, param: nn.Parameter, value: Any) -> None:
@@ -348,34 +263,20 @@ class MasterWeights(PlainWeights):
             return  # torch reports the size mismatch
         master = self._masters.get(id(param))
         if master is None:  # before attach(), or not trained: kept until attach() or restore()
-            master = self._fp32_values[id(param)] = materialise(value, param.shape, param.device)
-        else:
-            master.copy_(value)
-        if param.dtype != self.dtype:  # `param.data = fp32 tensor` before the load: half precision again
-            param.data = master.to(self.dtype)
-        else:
-            param.copy_(master)
+            return self._load_kept(param, value)
+        master.copy_(value)
+        self._round_into(param, master)
 
     def follow_write(self, param: nn.Parameter, value: Optional[Tensor]) -> None:
         """``param`` was written outside the plugin's step: the master becomes the value now in the model.
         ``value``: a new value (a replacement's, or new storage: fp32 or half, same shape and device), or ``None``
         for a write in place (the model's 16-bit value is the new value, exactly)."""
-        key = id(param)
-        source = param.detach() if value is None else value.detach()
-        master = self._masters.get(key)
-        if master is not None:
-            master.copy_(source)
-        elif value is None:
-            self._fp32_values.pop(key, None)  # fp32_value() upcasts the model's value: exact
-        else:
-            self._fp32_values[key] = source.to(torch.float32, copy=True)
+        master = self._masters.get(id(param))
+        if master is None:
+            return self._follow_kept(param, value)
+        master.copy_(param.detach() if value is None else value.detach())
         if value is not None:  # a copy: the model never shares storage with the tensor written
-            param.data = source.to(self.dtype, copy=True)
-
-    def stop_following(self) -> Optional[ModelWriteError]:
-        """Follow the writes since the last step, then remove the hooks (:func:`~lightning_mp.master.model_sync.stop`)."""
-        sync, self.model_sync = self.model_sync, None
-        return stop(sync)
+            param.data = value.detach().to(self.dtype, copy=True)
 
     def restore(self) -> None:
         """Give the model back its fp32 values and the optimizers back the model's parameters (with their
@@ -387,8 +288,7 @@ class MasterWeights(PlainWeights):
                 param.data = self._masters[key].detach().to(param.device, copy=True)
             else:
                 param.data = self.fp32_value(param).to(param.device)
-        for owner, name, _, original, half in self._buffers:
-            owner._buffers[name] = self.buffer_value(owner, name, original, half)
+        self._restore_buffers()
         for optimizer in self._optimizers:
             self._give_back(optimizer)
         self._reset()
@@ -398,3 +298,27 @@ class MasterWeights(PlainWeights):
     def __repr__(self) -> str:
         trained = sum(m.numel() for m in self._masters.values())
         return f"{type(self).__name__}(dtype={self.dtype}, masters={len(self._masters)} tensors / {trained} values)"
+
+
+def refuse_twice(optimizer: Optimizer) -> None:
+    """Raise when a master is in ``optimizer``'s groups twice (a model parameter added again after setup, while its
+    master is in the optimizer already: torch's own check compares the objects, which differ)."""
+    seen: set[int] = set()
+    for g, group in enumerate(optimizer.param_groups):
+        for i, param in enumerate(group["params"]):
+            if id(param) in seen:
+                raise ValueError(
+                    f"{type(optimizer).__name__}.param_groups[{g}]['params'][{i}] (shape {tuple(param.shape)}) is "
+                    "in the optimizer twice: it was added again after setup while master_weights=True had already "
+                    "put its fp32 master in the optimizer. Add only parameters that are not in the optimizer yet."
+                )
+            seen.add(id(param))
+
+
+def several_processes() -> bool:
+    """Whether a process group of more than one process runs (masters made after setup would differ per rank)."""
+    return (
+        torch.distributed.is_available()
+        and torch.distributed.is_initialized()
+        and torch.distributed.get_world_size() > 1
+    )

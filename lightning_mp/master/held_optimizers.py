@@ -46,17 +46,16 @@ class HeldOptimizers:
         (``in_backward``) runs on them, after the refusals of setup (:func:`~lightning_mp.master.in_backward.
         check_setup`; callbacks the masters cannot run with); the ``trainer``'s strategy is followed (:meth:`follow`)."""
         self.trainer, self.module, self.in_backward = trainer, module, in_backward
-        steps, masters = self.steps, self.steps.masters
+        steps, weights = self.steps, self.steps.weights
         if in_backward:
             check_setup(trainer, module, optimizers)
-        if masters is not None and not steps.sync.owns_masters:
-            masters.check_callbacks(getattr(trainer, "callbacks", None) or [])
-            masters.attach(optimizers)
-            self._name_masters()
-            if not masters.lean:  # the groups hold fp32 masters: toggle_optimizer must switch the model's parameters
-                follow_toggles(module, masters)
+        weights.check_callbacks(getattr(trainer, "callbacks", None) or [])
+        weights.attach(optimizers)
+        self._name_masters()
+        if weights.groups_hold_masters:  # toggle_optimizer must switch the model's parameters, not the masters
+            follow_toggles(module, weights)
         steps.in_backward = install(
-            steps.in_backward, in_backward, masters, module, optimizers, steps.checking, steps.names
+            steps.in_backward, in_backward, steps.masters, module, optimizers, steps.checking, steps.names
         )
         self.optimizers = tuple(optimizers)
 
@@ -76,13 +75,11 @@ class HeldOptimizers:
         module = self.module
         if self.in_backward:  # several optimizers, accumulation, clipping by norm: refused before any update
             check_setup(trainer, module, optimizers)
-        masters = steps.masters
-        if masters is not None and not steps.sync.owns_masters:
-            masters.follow_optimizers(optimizers)
-            self._name_masters()
+        steps.weights.follow_optimizers(optimizers)
+        self._name_masters()
         if self.in_backward:
             steps.in_backward = install(
-                steps.in_backward, True, masters, module, optimizers, steps.checking, steps.names
+                steps.in_backward, True, steps.masters, module, optimizers, steps.checking, steps.names
             )
             if steps.in_backward is not None:
                 steps.sync.hand_over(steps.in_backward)  # DDP, FSDP2: the strategy's reduction drives the new updates
@@ -111,5 +108,5 @@ class HeldOptimizers:
 
     def _name_masters(self) -> None:
         names = self.steps.names
-        for param, master in self.steps.masters.pairs():
+        for param, master in self.steps.weights.pairs():
             names[id(master)] = names.get(id(param), "")

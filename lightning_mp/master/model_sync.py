@@ -67,9 +67,10 @@ class ModelSync:
     """Hooks and per-step check that keep ``store``'s masters equal to ``module``'s parameters (see module doc).
 
     Args:
-        store: the master-weights store (:class:`~lightning_mp.master.MasterWeights` or a subclass): it provides
-            ``fp32_value(param)``, ``load_fp32(param, value)``, ``follow_write(param, value)`` and
-            ``buffer_value(owner, name, original, half)``.
+        store: the master-weights store (:class:`~lightning_mp.master.MasterWeights` or
+            :class:`~lightning_mp.master.RemainderMasters`, both on :class:`~lightning_mp.master.converted.
+            ConvertedModel`): it provides ``fp32_value(param)``, ``load_fp32(param, value)``,
+            ``follow_write(param, value)`` and ``buffer_value(owner, name, original, half)``.
         module: the converted model.
         params: ``id(parameter) -> parameter`` for every parameter that has a master.
         buffers: converted buffers ``(owner, name, value before the cast, half value)``, saved at full precision.

@@ -1,7 +1,7 @@
 """The chunked update of lean master weights: reconstruct an fp32 chunk, run torch's fused kernel on it, split back.
 
 The weights live as a bf16 high half (the model's parameter, a view into a flat block) and an int16 remainder (a
-parallel flat buffer: :mod:`lightning_mp.master.blocks`); see :mod:`lightning_mp.kernels.bits`. A step walks each
+parallel flat buffer: :mod:`lightning_mp.master.lean.blocks`); see :mod:`lightning_mp.kernels.bits`. A step walks each
 param group in chunks of at most ``chunk_size`` elements. Per chunk:
 
 1. join: the chunk's bf16 weights and remainders become exact fp32 values in a staging buffer (one pass over a

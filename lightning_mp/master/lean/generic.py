@@ -212,7 +212,7 @@ class GenericChunkedStep:
 
     Args:
         optimizer: the user's optimizer; its ``param_groups`` keep the model's parameters between steps.
-        store: the :class:`~lightning_mp.master.remainder.RemainderMasters` holding the weights and remainders.
+        store: the :class:`~lightning_mp.master.lean.store.RemainderMasters` holding the weights and remainders.
         chunk_size: at most this many elements are fp32 at once (a bigger single row is one slice on its own).
     """
 

@@ -1,6 +1,7 @@
-"""The optimizer's side of master weights: every parameter it trains belongs to the converted model, lean masters'
-fp32 state survives ``load_state_dict`` (torch would cast it to the bf16 parameters' dtype), the sizes of its groups
-(what ``add_param_group`` changes), and no master in it twice."""
+"""The optimizer's side of lean masters (the store here and its FSDP2 form, :mod:`lightning_mp.distributed.
+fsdp2_lean`): every parameter it trains belongs to the converted model, and its fp32 state survives
+``load_state_dict`` (torch would cast it to the bf16 parameters' dtype). The optimizer stays on the model's bf16
+parameters, so these are the two things it must be held to."""
 
 from __future__ import annotations
 
@@ -57,32 +58,3 @@ def check_params_belong(index: int, optimizer: Optimizer, module_params: set[int
                     f"(shape {tuple(param.shape)}, {param.dtype}) is not one of its parameters{fix}, or use "
                     "master_weights=False."
                 )
-
-
-def group_sizes(optimizers: list[Optimizer]) -> list[tuple[int, ...]]:
-    """Per optimizer, the length of each param group: what ``add_param_group`` changes (cheap to compare)."""
-    return [tuple(len(group["params"]) for group in optimizer.param_groups) for optimizer in optimizers]
-
-
-def refuse_twice(optimizer: Optimizer) -> None:
-    """Raise when a master is in ``optimizer``'s groups twice (a model parameter added again after setup, while its
-    master is in the optimizer already: torch's own check compares the objects, which differ)."""
-    seen: set[int] = set()
-    for g, group in enumerate(optimizer.param_groups):
-        for i, param in enumerate(group["params"]):
-            if id(param) in seen:
-                raise ValueError(
-                    f"{type(optimizer).__name__}.param_groups[{g}]['params'][{i}] (shape {tuple(param.shape)}) is "
-                    "in the optimizer twice: it was added again after setup while master_weights=True had already "
-                    "put its fp32 master in the optimizer. Add only parameters that are not in the optimizer yet."
-                )
-            seen.add(id(param))
-
-
-def several_processes() -> bool:
-    """Whether a process group of more than one process runs (masters made after setup would differ per rank)."""
-    return (
-        torch.distributed.is_available()
-        and torch.distributed.is_initialized()
-        and torch.distributed.get_world_size() > 1
-    )

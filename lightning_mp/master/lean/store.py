@@ -1,7 +1,7 @@
 """Lean master weights: a bf16 model plus a 16-bit remainder per element, that together are the fp32 masters exactly.
 
 ``master_weights="remainder"``. The model's parameters become bf16 views into flat blocks (what the forward uses;
-:mod:`lightning_mp.master.blocks`); a parallel int16 buffer holds, per element, the low 16 bits that the bf16
+:mod:`lightning_mp.master.lean.blocks`); a parallel int16 buffer holds, per element, the low 16 bits that the bf16
 rounding dropped (see :mod:`lightning_mp.kernels.bits`: every non-NaN fp32 value is its bf16 half plus this
 remainder, bit for bit). No fp32 copy of the model exists between steps; the step (:meth:`~RemainderMasters.step`)
 joins them in one pass (:mod:`~lightning_mp.master.lean.plan`) or one chunk at a time.
@@ -27,15 +27,15 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from lightning_mp.kernels.bits import JoinSplit
-from lightning_mp.master.blocks import Blocks, join_by_chunks, split_by_chunks
-from lightning_mp.master.clipping import norm_and_factor
-from lightning_mp.master.flat import MasterWeights, is_norm
+from lightning_mp.master.converted import ConvertedModel, is_norm
+from lightning_mp.master.lean.blocks import Blocks, join_by_chunks, split_by_chunks
 from lightning_mp.master.lean.chunked import FUSED_UNIT
+from lightning_mp.master.lean.clipping import norm_and_factor
 from lightning_mp.master.lean.generic import GenericChunkedStep
+from lightning_mp.master.lean.optimizer_state import check_params_belong, keep_fp32_state
 from lightning_mp.master.lean.plan import Plans
 from lightning_mp.master.lean.update import Updates
 from lightning_mp.master.model_sync import materialise
-from lightning_mp.master.optimizer_state import check_params_belong, keep_fp32_state
 
 #: Default chunk per device type: 2**18 elements on CPU (3 MiB of fp32 transients per step: the eager join and split
 #: stay in cache; measured in benchmarks/lean_step.py), 2**25 on GPUs (384 MiB: a chunk's dozen kernel launches must
@@ -43,8 +43,14 @@ from lightning_mp.master.optimizer_state import check_params_belong, keep_fp32_s
 DEFAULT_CHUNK_SIZES = {"cpu": 1 << 18, "cuda": 1 << 25}
 
 
-class RemainderMasters(MasterWeights):
+class RemainderMasters(ConvertedModel):
     """A bf16 model whose fp32 masters are kept as bf16 weights plus 16-bit remainders; fused, chunked updates.
+
+    Storage only, beside :class:`~lightning_mp.master.MasterWeights` (their common base:
+    :class:`~lightning_mp.master.converted.ConvertedModel`): the weights interface
+    (:class:`~lightning_mp.master.plain.PlainWeights`) over the blocks. No fp32 master tensor exists, so
+    :meth:`~lightning_mp.master.plain.PlainWeights.pairs`, ``master_of`` and ``grads_to_masters`` keep the
+    interface's answers (none, ``None``, nothing to move): the gradients stay on the parameters.
 
     Args:
         dtype: must be ``torch.bfloat16`` (bf16 is the top half of an fp32; fp16 is not, so no 16-bit remainder
@@ -111,7 +117,8 @@ class RemainderMasters(MasterWeights):
     # ------------------------------------------------------------------ setup
     def convert(self, module: nn.Module) -> nn.Module:
         """Make ``module``'s parameters bf16 views into blocks of bf16 weights and remainders, one parameter at a time,
-        releasing each fp32 value once split (so the model never exists twice); see :meth:`MasterWeights.convert`."""
+        releasing each fp32 value once split (so the model never exists twice); see :meth:`ConvertedModel.convert
+        <lightning_mp.master.converted.ConvertedModel.convert>`."""
         super().convert(module)
         pending, self._pending = self._pending, []
         self._blocks.split_in(pending)
@@ -206,10 +213,6 @@ class RemainderMasters(MasterWeights):
     generic_step = GenericChunkedStep
 
     # ------------------------------------------------------------------ per step
-    def pairs(self) -> Iterator[tuple[nn.Parameter, nn.Parameter]]:
-        """Empty: there are no fp32 master tensors (see :meth:`fp32_pairs` for the exact values)."""
-        return iter(())
-
     def fp32_pairs(self) -> Iterator[tuple[nn.Parameter, Tensor]]:
         """``(bf16 model parameter, its exact fp32 value)``; each value is a fresh fp32 tensor (materialised)."""
         for key, param in self._params.items():
@@ -254,13 +257,6 @@ class RemainderMasters(MasterWeights):
         """Make the gradient ``grad`` fp32 in place (the same tensor object: autograd keeps adding into it)."""
         grad.data = grad.data.float()
 
-    def grads_to_masters(self) -> None:  # nothing to move: the gradients stay on the parameters (bf16, or fp32)
-        return None
-
-    def master_of(self, param: Tensor) -> Optional[nn.Parameter]:
-        """``None``: lean masters have no fp32 tensor per parameter (see :meth:`fp32_value`)."""
-        return None
-
     def clip_grad_norm_(
         self,
         optimizer: Optimizer,
@@ -269,7 +265,7 @@ class RemainderMasters(MasterWeights):
         error_if_nonfinite: bool = False,
         foreach: Optional[bool] = None,
     ) -> Tensor:
-        """Clip by the total norm, computed in fp32 as torch's on fp32 masters (:mod:`~lightning_mp.master.clipping`),
+        """Clip by the total norm, computed in fp32 as torch's on fp32 masters (:mod:`~lightning_mp.master.lean.clipping`),
         applied inside the step to the gradients' fp32 values (bf16 ones are not rounded twice); the total norm."""
         total, coef = norm_and_factor(optimizer, max_norm, norm_type, error_if_nonfinite, foreach, self._total_norm)
         if coef is not None:
@@ -311,16 +307,16 @@ class RemainderMasters(MasterWeights):
             high, low = self.flat_slices(place[0], place[1], place[1] + param.numel())
             value = torch.empty(param.shape, dtype=torch.float32, device=high.device)
             return join_by_chunks(high, low, value.view(-1), self.chunk_size_for(high.device)).view(param.shape)
-        return super().fp32_value(param)
+        return self._kept_value(param)
 
     def load_fp32(self, param: nn.Parameter, value: Any) -> None:
         """A load brought ``value`` (any tensor-like) for ``param``: split it exactly into the bf16 weight and its
         remainder, chunk by chunk (after torch copied it into the bf16 weight, rounding ties its own way)."""
-        place = self._layout.get(id(param))
-        if place is None:
-            return super().load_fp32(param, value)
         if tuple(value.shape) != tuple(param.shape):
             return  # torch reports the size mismatch
+        place = self._layout.get(id(param))
+        if place is None:  # not held in a block (not converted here): kept until restore
+            return self._load_kept(param, value)
         if not isinstance(value, Tensor):  # a tensor-like (LitGPT's NotYetLoadedTensor): read it once, in fp32
             value = materialise(value, param.shape, place[0])
         high, low = self.flat_slices(place[0], place[1], place[1] + param.numel())
@@ -334,7 +330,7 @@ class RemainderMasters(MasterWeights):
         block and the parameter views the block again."""
         place = self._layout.get(id(param))
         if place is None:
-            return super().follow_write(param, value)
+            return self._follow_kept(param, value)
         high, low = self.flat_slices(place[0], place[1], place[1] + param.numel())
         if value is None:
             low.zero_()
@@ -359,7 +355,10 @@ class RemainderMasters(MasterWeights):
                     del self._layout[id(param)]  # the parameter holds its exact value now
                     param.data = value
                 self._blocks.release(index)
-        super().restore()
+            for param in self._params.values():  # any other converted parameter: its kept value (none usually)
+                param.data = self.fp32_value(param).to(param.device)
+        self._restore_buffers()
+        self._reset()
         if error is not None:
             raise error
 

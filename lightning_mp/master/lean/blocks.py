@@ -27,7 +27,7 @@ BLOCK_STRIDE = 1 << 48
 
 
 class Blocks:
-    """The blocks of one :class:`~lightning_mp.master.remainder.RemainderMasters` (see module doc).
+    """The blocks of one :class:`~lightning_mp.master.lean.store.RemainderMasters` (see module doc).
 
     Args:
         chunk_size_for: the step's chunk size on a device (a block is ``BLOCK_CHUNKS`` of them).
