@@ -17,6 +17,7 @@ be decided on the host, so that errors (and a growth the ``max_scale`` cap clips
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, replace
 from typing import NamedTuple, Optional, Union
 
@@ -98,10 +99,19 @@ def case(state: ScalerState, found_inf: bool, rules: Rules) -> int:
     return BACKOFF if rules.dynamic and state.hysteresis_tracker <= 1 else SKIP
 
 
+@functools.lru_cache(maxsize=16)
+def resolved(rules: Rules) -> dict[int, tuple[tuple[str, Union[int, float], Union[int, float]], ...]]:
+    """The table for ``rules`` with every term replaced by its number, per case ``(counter, multiplier, addend)``:
+    made once per settings, so that a step's update on the host is one pass over five numbers."""
+    return {
+        which: tuple((name, value(row[name][0], rules), value(row[name][1], rules)) for name in COUNTERS)
+        for which, row in table(rules).items()
+    }
+
+
 def apply(which: int, state: ScalerState, rules: Rules) -> ScalerState:
     """The table's row ``which`` applied to ``state`` (and ``steps`` counted): before the limits of :func:`update`."""
-    row = table(rules)[which]
-    new = {name: getattr(state, name) * value(row[name][0], rules) + value(row[name][1], rules) for name in COUNTERS}
+    new = {name: getattr(state, name) * multiplier + addend for name, multiplier, addend in resolved(rules)[which]}
     return ScalerState(steps=state.steps + 1, **new)
 
 
