@@ -455,3 +455,31 @@ void lean_check_nonfinite(const void *const *pointers, const int64_t *numels, in
     run_threads(check_worker, &work, threads, &work.queue);
     if (work.bad) *found = 1.0f;
 }
+
+/* The step inside backward's call for one parameter (lightning_mp/master/in_backward/prepared.py): everything laid
+ * out once, only `grad` written per call. With `check_width` (2 or 4: the gradient's width), the gradient's
+ * non-finite check first, as lean_check_nonfinite (sets *found_inf to 1.0f on an inf or a NaN), then its step, as
+ * lean_step (skipped where *found_inf is 1): the separate check and the step in one call. */
+typedef struct {
+    lean_piece *pieces;  /* the plan's one piece */
+    const signed char *grad_fp32;
+    const lean_options *options;
+    float *found_inf;    /* the parameter's flag slot, or NULL */
+    float *const *counts;
+    int64_t ncounts;
+    int settle, threads;
+    int64_t grain;
+    int64_t *first_unit; /* two entries */
+    const void *grad;    /* written per call */
+    int64_t numel;       /* the gradient's, for the check */
+    int check_width;     /* 0: no check */
+    uint32_t exponent_mask;
+} lean_call;
+
+int lean_step_call(lean_call *call) {
+    if (call->check_width && call->found_inf)
+        lean_check_nonfinite(&call->grad, &call->numel, 1, call->check_width, call->exponent_mask, call->found_inf,
+                             call->threads, call->grain, call->first_unit);
+    return lean_step(call->pieces, 1, &call->grad, call->grad_fp32, call->options, call->found_inf, call->counts,
+                     call->ncounts, call->settle, call->threads, call->grain, call->first_unit);
+}

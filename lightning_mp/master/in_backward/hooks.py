@@ -43,6 +43,7 @@ from torch.optim import Optimizer
 from lightning_mp.kernels import native
 from lightning_mp.master.in_backward.changes import UNDER_REDUCTION, GroupOptions, later_hooks, one_groups
 from lightning_mp.master.in_backward.flags import StepFlags
+from lightning_mp.master.in_backward.prepared import Prepared
 from lightning_mp.master.in_backward.regions import PARTIAL, Regions
 from lightning_mp.master.in_backward.settings import OPTION, accumulation_schedule, refusal, trainer_grad_ops
 from lightning_mp.master.in_backward.zero_grads import ZeroGrads
@@ -203,6 +204,8 @@ class StepInBackward:
         self._groups_seen = GroupsSeen()  # compared before each backward: any edit of the param groups shows
         self._groups_seen.record([optimizer])
         self._states_seen = StateSeen(self.update.layout)  # the optimizer state as last checked (plan.StateSeen)
+        #: each parameter's kernel call prepared once, replayed while begin() finds nothing changed (in_backward_prepared)
+        self._prepared = Prepared(self.update)
         self._hook_trainable()
 
     @property
@@ -240,6 +243,7 @@ class StepInBackward:
             # a state edited since the last backward (or made by its updates): every state checked before any update
             self.update.check(_requires_grad)
             self._states_seen.record(self.optimizer, self._params)
+            self._prepared.clear()  # prepared again from the plans the next hooks run
         reduced = self.driven_by_strategy  # regions refused: walked every backward
         if self._regions.arm(loss, self._run_waiting, walk=reduced) and reduced:
             self._regions.clear()
@@ -259,6 +263,7 @@ class StepInBackward:
             self._hook_trainable()
         self.update.begin_params()  # the generic path's group options advance once in this backward's updates
         self._options.refresh()  # what a scheduler (or a resume) changed since the last step, group by group
+        self._prepared.begin(self._one_groups, self.grad_ops, self.agree_each is not None)
         if self.check:
             self._flags.begin(loss, self.agree_each)
 
@@ -274,6 +279,7 @@ class StepInBackward:
         self._one_groups, self._params = ones, params
         self._options = GroupOptions(self.optimizer, self._one_groups)
         self._flags.plan(self._params)
+        self._prepared.forget_groups()
         self._zero.plan(self._params, self._handed_over)
         for key in [key for key in self._hooks if key not in self._one_groups]:
             self._hooks.pop(key).remove()
@@ -319,13 +325,15 @@ class StepInBackward:
                 self._apply(param)
 
     def _apply(self, param: Tensor) -> None:
-        one = self._one_groups[id(param)][1]  # its group's options as of begin() (GroupOptions.refresh)
-        with native.single_threaded():  # see native.single_threaded: faster inside backward
-            if torch.is_grad_enabled():  # a backward with create_graph=True (autograd runs the others without grad)
-                with torch.no_grad():
+        if not self._prepared.run(param):  # its check and update in one C call, laid out at its last update
+            index, one = self._one_groups[id(param)]  # its group's options as of begin() (GroupOptions.refresh)
+            with native.single_threaded():  # see native.single_threaded: faster inside backward
+                if torch.is_grad_enabled():  # a backward with create_graph=True (autograd runs the others without grad)
+                    with torch.no_grad():
+                        self.update.run_param(param, one, self._flag_for(param), self.grad_ops)
+                else:
                     self.update.run_param(param, one, self._flag_for(param), self.grad_ops)
-            else:
-                self.update.run_param(param, one, self._flag_for(param), self.grad_ops)
+            self._prepared.prepare(param, index, self._flags.slot(param) if self.check else None)
         if not self._zero.keeps(param):
             param.grad = None  # the gradient is used: free it now (all but the probe's: in_backward_zero_grads)
 
@@ -368,6 +376,7 @@ class StepInBackward:
         for hook in self._hooks.values():
             hook.remove()
         self._hooks, self._params = {}, []
+        self._prepared.forget_groups()
         self._regions.clear()
         self.armed = False
 
