@@ -20,8 +20,9 @@
 #include <string.h>
 
 typedef struct {
-    uint16_t *high;      /* bf16 weights (bit patterns), n elements */
-    int16_t *low;        /* int16 remainders, n elements */
+    uint16_t *high;      /* bf16 weights (bit patterns), n elements; with low NULL: fp32 weights (a parameter kept in
+                          * fp32, updated in place as torch's fused kernel updates it) */
+    int16_t *low;        /* int16 remainders, n elements, or NULL */
     const void *grad;    /* bf16 (uint16 bit patterns) or fp32 gradients, n elements */
     float *state1;       /* Adam: exp_avg; SGD: momentum buffer (may be NULL without momentum) */
     float *state2;       /* Adam: exp_avg_sq */
@@ -63,9 +64,13 @@ static inline void split(float value, uint16_t *high, int16_t *low) {
 /* Stage elements [begin, begin + n) of piece p: exact fp32 weights into w, fp32 gradients (clipping applied) into g.
  * Each loop is simple enough for the compiler to vectorise. */
 static inline void stage(const lean_piece *p, const lean_options *o, int64_t begin, int64_t n, float *w, float *g) {
-    const uint16_t *high = p->high + begin;
-    const int16_t *low = p->low + begin;
-    for (int64_t i = 0; i < n; i++) w[i] = join(high[i], low[i]);
+    if (p->low) {
+        const uint16_t *high = p->high + begin;
+        const int16_t *low = p->low + begin;
+        for (int64_t i = 0; i < n; i++) w[i] = join(high[i], low[i]);
+    } else {
+        memcpy(w, (const float *)(const void *)p->high + begin, (size_t)n * 4);
+    }
     if (p->grad_fp32) {
         memcpy(g, (const float *)p->grad + begin, (size_t)n * 4);
     } else {
@@ -87,6 +92,10 @@ static inline void stage(const lean_piece *p, const lean_options *o, int64_t beg
 }
 
 static inline void unstage(const lean_piece *p, int64_t begin, int64_t n, const float *w) {
+    if (!p->low) {
+        memcpy((float *)(void *)p->high + begin, w, (size_t)n * 4);
+        return;
+    }
     uint16_t *high = p->high + begin;
     int16_t *low = p->low + begin;
     for (int64_t i = 0; i < n; i++) split(w[i], &high[i], &low[i]);
@@ -208,7 +217,7 @@ static void adam_range(const lean_piece *p, const lean_options *o, int64_t begin
     k.coeff = k.small ? k.c1 : k.c1 - 1.0f;
     k.one_minus_c1 = 1.0f - k.c1;
     int decays = o->weight_decay != 0.0, adamw = o->kind == 1;
-    if (!tail && k.small && !o->amsgrad && !o->maximize && !o->clamped) {
+    if (!tail && k.small && !o->amsgrad && !o->maximize && !o->clamped && p->low) { /* lean weights */
         int which = adamw * 8 + (p->grad_fp32 != 0) * 4 + (o->grad_mul != 0) * 2 + decays;
         ADAM_FUSED_FNS[which](p, o, &k, begin, end);
         return;

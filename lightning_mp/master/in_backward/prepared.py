@@ -78,7 +78,7 @@ class Prepared:
         if not self.groups:
             for index, one in ones.values():
                 self.groups.setdefault(index, one)
-        clamp = float(grad_ops[0][1]) if grad_ops else None
+        clamp = self.clamp = float(grad_ops[0][1]) if grad_ops else None
         for index, one in self.groups.items():
             values = kernel_values(update.entry, one, False, None, clamp)
             if values == self.values.get(index):
@@ -98,13 +98,15 @@ class Prepared:
 
     def run(self, param: Tensor) -> bool:
         """``param``'s check and update by its prepared call; ``False`` (nothing done) where it has none or its
-        gradient is not what the call was prepared for (the plan's way then)."""
+        gradient (or, kept in fp32, its own storage) is not what the call was prepared for (the plan's way then)."""
         prepared = self.calls.get(id(param))
         if prepared is None:
             return False
-        call, dtype, _ = prepared
+        call, dtype, address, _ = prepared
         grad = param.grad
         if grad.dtype is not dtype or not grad.is_cpu or not grad.is_contiguous():
+            return False
+        if address is not None and param.data_ptr() != address:  # kept in fp32: its storage swapped (.data = ...)
             return False
         call.grad = grad.data_ptr()
         self.library.lean_step_call(call)
@@ -112,8 +114,8 @@ class Prepared:
 
     def prepare(self, param: Tensor, index: int, found: Optional[Tensor]) -> None:
         """After ``param``'s update went the plan's way: its call prepared from the plan it ran (``index`` its
-        group's, ``found`` its flag slot, checked by the call; ``None``: no check), where the plan is one lean
-        parameter on the CPU kernel, else none."""
+        group's, ``found`` its flag slot, checked by the call; ``None``: no check), where the plan is one parameter
+        on the CPU kernel (lean, or kept in fp32 without clipping), else none."""
         self.calls.pop(id(param), None)
         if not self.active:
             return
@@ -128,21 +130,46 @@ class Prepared:
             or plan.kernel != "cpu"
             or plan.sharded
             or plan.first_step
-            or plan.count != 1
-            or plan.plain
             or plan.idle
             or plan.foreach_steps
-            or plan.dtypes != [grad.dtype]
             or grad.dtype not in _GRAD_DTYPES
             or not grad.is_cpu
-            or plan.pieces[0].n != grad.numel()
             or (found is not None and (found.device.type != "cpu" or found.dtype != torch.float32))
         ):
             return
-        counts = plan.counts
+        check = grad.dtype if found is not None else None
+        if plan.count == 1 and not plan.plain and plan.dtypes == [grad.dtype] and plan.pieces[0].n == grad.numel():
+            call = native.prepare_call(
+                plan.pieces, plan.flags, options, found, plan.counts, len(plan.steps), plan.first_unit, grad.numel(),
+                check,
+            )  # fmt: skip
+            if call is not None:
+                self.calls[id(param)] = (call, grad.dtype, None, (plan, found, options))  # what its addresses are in
+            return
+        if plan.count == 0 and plan.plain == [param] and self.clamp is None:
+            self._prepare_fp32(param, grad, plan, options, found, check)
+
+    def _prepare_fp32(self, param: Tensor, grad: Tensor, plan: Any, options: Any, found: Any, check: Any) -> None:
+        """A parameter kept in fp32 (a norm's): the kernel updates its fp32 values in place (a piece without a
+        remainder), the arithmetic of torch's fused kernel that the plan's way runs on it, bitwise."""
+        states = [column[0] for column in plan.plain_states]
+        numel = param.numel()
+        tensors = [param, grad, *states]
+        if (
+            len(states) > 3
+            or any(t.dtype != torch.float32 or not t.is_cpu or not t.is_contiguous() for t in tensors)
+            or any(t.numel() != numel for t in tensors)
+        ):
+            return
+        steps = plan.plain_steps
+        step = steps[0].data_ptr() if steps else None
+        addresses = [t.data_ptr() for t in states] + [None] * (3 - len(states))
+        pieces = (native.Piece * 1)(native.Piece(param.data_ptr(), None, None, *addresses, step, numel, 1))
+        flags = (ctypes.c_byte * 1)(1)
+        first_unit = (ctypes.c_int64 * 2)()
         call = native.prepare_call(
-            plan.pieces, plan.flags, options, found, counts, len(plan.steps), plan.first_unit, grad.numel(),
-            grad.dtype if found is not None else None,
-        )  # fmt: skip
-        if call is not None:
-            self.calls[id(param)] = (call, grad.dtype, (plan, found, options))  # what its addresses point into
+            pieces, flags, options, found, plan.counts, len(plan.steps), first_unit, numel, check
+        )
+        if call is not None:  # held: the arrays, the plan (its state tensors), the parameter's storage
+            held = (plan, found, options, pieces, flags, first_unit, param.untyped_storage())
+            self.calls[id(param)] = (call, grad.dtype, param.data_ptr(), held)
