@@ -112,3 +112,60 @@ def test_state_edited_between_steps_drops_the_prepared_calls(tmp_path, monkeypat
         patch.setattr(prepared.Prepared, "prepare", lambda self, param, index, found: None)
         reference = fit()
     _assert_same_bits(ours, reference)
+
+
+FP32_CASES = {
+    "adamw": dict(kind="adamw", weight_decay=0.1),
+    "adam_amsgrad_maximize": dict(kind="adam", weight_decay=0.01, amsgrad=True, maximize=True),
+    "sgd_nesterov": dict(kind="sgd", momentum=0.9, nesterov=True, weight_decay=0.01),
+    "sgd_plain": dict(kind="sgd"),
+}
+
+
+@pytest.mark.parametrize("numel", [1, 7, 8, 37, 1029])  # tails of every length: the scalar tail's arithmetic too
+@pytest.mark.parametrize("case", sorted(FP32_CASES))
+def test_the_kernel_updates_fp32_weights_in_place_bitwise_torchs_fused_kernel(case, numel):
+    """The piece without a remainder (a parameter kept in fp32), 4 steps with step 3 skipped by its flag: bitwise
+    torch's fused kernel as the plan's way runs it on such a parameter (the entry's ``run``, with ``found_inf``)."""
+    from lightning_mp.kernels import native
+    from lightning_mp.master.lean.optimizers import entry_for
+    from lightning_mp.master.lean.plan import kernel_options, kernel_values
+
+    if native.cpu_kernel() is None:
+        pytest.skip("no C compiler")
+    options = dict(FP32_CASES[case])
+    make = {"adamw": torch.optim.AdamW, "adam": torch.optim.Adam, "sgd": torch.optim.SGD}[options.pop("kind")]
+    generator = torch.Generator().manual_seed(numel)
+    start = torch.randn(numel, generator=generator)
+    optimizer = make([torch.nn.Parameter(start.clone())], lr=1e-2, **options)
+    entry = entry_for(optimizer)
+    group = optimizer.param_groups[0]
+    keys = entry.keys(group)
+    sides = []  # (weight, states, step) for the kernel, then for torch's fused kernel
+    for _ in range(2):
+        states = [torch.zeros(numel) for _ in keys]
+        sides.append((start.clone(), states, torch.zeros(())))
+    (weight, states, step), (their_weight, their_states, their_step) = sides
+    for index in range(4):
+        grad = torch.randn(numel, generator=generator)
+        found = torch.tensor(float(index == 2))
+        first = index == 0
+        if entry.counts_steps:
+            step += 1
+            their_step += 1
+        made = kernel_options(kernel_values(entry, group, first, None, None))
+        made.grad_fp32 = 1  # native.run gives every piece the options' gradient dtype
+        addresses = [t.data_ptr() for t in states] + [None] * (3 - len(states))
+        piece = native.Piece(weight.data_ptr(), None, grad.data_ptr(), *addresses,
+                             step.data_ptr() if entry.counts_steps else None, numel, 1)  # fmt: skip
+        native.run([piece], made, found)
+        scalars = [[their_step]] if entry.counts_steps else []
+        tensors = [[t] for t in their_states]
+        entry.run(group, [their_weight], [grad], tensors, scalars, float(group["lr"]), found, first)
+        if entry.counts_steps:
+            step -= found
+            their_step -= found
+        assert torch.equal(weight, their_weight), index
+        for ours, theirs in zip(states, their_states):
+            assert torch.equal(ours, theirs), index
+    assert not torch.equal(weight, start)

@@ -44,7 +44,7 @@ from lightning_mp.kernels import native
 from lightning_mp.master.in_backward.changes import UNDER_REDUCTION, GroupOptions, later_hooks, one_groups
 from lightning_mp.master.in_backward.flags import StepFlags
 from lightning_mp.master.in_backward.prepared import Prepared
-from lightning_mp.master.in_backward.regions import PARTIAL, Regions
+from lightning_mp.master.in_backward.regions import PARTIAL, Regions, current_graph_task
 from lightning_mp.master.in_backward.settings import OPTION, accumulation_schedule, refusal, trainer_grad_ops
 from lightning_mp.master.in_backward.zero_grads import ZeroGrads
 from lightning_mp.master.lean.plan import StateSeen
@@ -312,7 +312,10 @@ class StepInBackward:
         if not self.armed or param.grad is None:
             return
         regions = self._regions
-        if (regions.pending or regions.waiting or regions.watching) and regions.wait(param):
+        # the usual hook in a watched backward: in the outer graph task (Regions.nested), nothing waiting; else asked
+        if (
+            regions.pending or regions.waiting or (regions.watching and current_graph_task() != regions.outer)
+        ) and regions.wait(param):
             if regions.watching and id(param) in self._zero.updated:  # updated already: a region met unwalked
                 raise RuntimeError(PARTIAL.format(name=self._name(param)))
             return  # reentrant checkpointing: the gradient may not be whole yet, updated at the end of backward

@@ -3,14 +3,19 @@
 Inside backward each hook updates one parameter by its one-parameter step plan (:mod:`lightning_mp.master.lean.plan`).
 The plan's replay re-reads, per call, what can change between steps (:meth:`StepPlan.fits
 <lightning_mp.master.lean.plan.StepPlan.fits>`: the optimizer state, the store's layout, the parameter's state dict
-and tensors), builds the kernel's options from the group and its arguments, and the flag check is a call of its own:
-about 40 us of Python per parameter, as much as the whole normal step spends per tensor several times over.
+and tensors), builds the kernel's options from the group and its arguments, and the flag check is a call of its own;
+a parameter kept in fp32 (a norm's) takes torch's fused kernel, an op of its own per parameter: together about 40 us
+of Python per parameter, several times what the normal step spends per tensor.
 
 :class:`Prepared` keeps, per parameter whose plan the CPU kernel ran, one :class:`~lightning_mp.kernels.native.Call`:
 the plan's piece, step count, the parameter's flag slot and its group's options laid out once, so that a hook writes
 the gradient's address and makes one C call, which checks the gradient for inf/NaN into the slot (as the separate
 check does) and runs the step (skipped where the slot is 1), the step count settled after it, as the plan's replay.
-The results are the plan's bit for bit: the same kernel on the same addresses with the same options.
+The results are the plan's bit for bit: the same kernel on the same addresses with the same options. A parameter
+kept in fp32 gets a piece of its own without a remainder: the kernel updates its fp32 values in place with the
+arithmetic of torch's fused CPU kernel, which the kernel reproduces bit for bit (tests/test_onepass.py), its address
+compared per call (``p.data = ...`` swaps it: the plan's way then); not under clipping, where the plan's way clips
+its gradient in place first.
 
 What :meth:`StepPlan.fits` checks per call is checked once per backward instead, before any hook runs: the
 step inside backward compares the state of all its parameters before each backward
