@@ -6,7 +6,8 @@ optimizer. During backward, once autograd has accumulated a parameter's gradient
 that one parameter and sets ``param.grad = None``, through the optimizer's
 :class:`~lightning_mp.master.lean.update.LeanUpdate` (the normal step's): for ``torch.optim.AdamW``, ``Adam`` and
 ``SGD`` the one-parameter replay of the step plan (:mod:`lightning_mp.master.lean.plan`; the same kernel, the same bits
-as the normal step, which updates each tensor independently), for the table's other optimizers (``NAdam``) the
+as the normal step, which updates each tensor independently; on the CPU, once laid out, replayed as one C call that
+also checks the gradient: :mod:`~lightning_mp.master.in_backward.prepared`), for the table's other optimizers (``NAdam``) the
 chunked update of that parameter; for any other optimizer (torchao's ``AdamW8bit``, ...) its own ``step()`` on that
 parameter's fp32 slices (:meth:`GenericChunkedStep.run_params
 <lightning_mp.master.lean.generic.GenericChunkedStep.run_params>`, per-group counters advanced once per step). An
