@@ -20,8 +20,9 @@
 #include <string.h>
 
 typedef struct {
-    uint16_t *high;      /* bf16 weights (bit patterns), n elements */
-    int16_t *low;        /* int16 remainders, n elements */
+    uint16_t *high;      /* bf16 weights (bit patterns), n elements; with low NULL: fp32 weights (a parameter kept in
+                          * fp32, updated in place as torch's fused kernel updates it) */
+    int16_t *low;        /* int16 remainders, n elements, or NULL */
     const void *grad;    /* bf16 (uint16 bit patterns) or fp32 gradients, n elements */
     float *state1;       /* Adam: exp_avg; SGD: momentum buffer (may be NULL without momentum) */
     float *state2;       /* Adam: exp_avg_sq */
@@ -63,9 +64,13 @@ static inline void split(float value, uint16_t *high, int16_t *low) {
 /* Stage elements [begin, begin + n) of piece p: exact fp32 weights into w, fp32 gradients (clipping applied) into g.
  * Each loop is simple enough for the compiler to vectorise. */
 static inline void stage(const lean_piece *p, const lean_options *o, int64_t begin, int64_t n, float *w, float *g) {
-    const uint16_t *high = p->high + begin;
-    const int16_t *low = p->low + begin;
-    for (int64_t i = 0; i < n; i++) w[i] = join(high[i], low[i]);
+    if (p->low) {
+        const uint16_t *high = p->high + begin;
+        const int16_t *low = p->low + begin;
+        for (int64_t i = 0; i < n; i++) w[i] = join(high[i], low[i]);
+    } else {
+        memcpy(w, (const float *)(const void *)p->high + begin, (size_t)n * 4);
+    }
     if (p->grad_fp32) {
         memcpy(g, (const float *)p->grad + begin, (size_t)n * 4);
     } else {
@@ -87,6 +92,10 @@ static inline void stage(const lean_piece *p, const lean_options *o, int64_t beg
 }
 
 static inline void unstage(const lean_piece *p, int64_t begin, int64_t n, const float *w) {
+    if (!p->low) {
+        memcpy((float *)(void *)p->high + begin, w, (size_t)n * 4);
+        return;
+    }
     uint16_t *high = p->high + begin;
     int16_t *low = p->low + begin;
     for (int64_t i = 0; i < n; i++) split(w[i], &high[i], &low[i]);
@@ -208,7 +217,7 @@ static void adam_range(const lean_piece *p, const lean_options *o, int64_t begin
     k.coeff = k.small ? k.c1 : k.c1 - 1.0f;
     k.one_minus_c1 = 1.0f - k.c1;
     int decays = o->weight_decay != 0.0, adamw = o->kind == 1;
-    if (!tail && k.small && !o->amsgrad && !o->maximize && !o->clamped) {
+    if (!tail && k.small && !o->amsgrad && !o->maximize && !o->clamped && p->low) { /* lean weights */
         int which = adamw * 8 + (p->grad_fp32 != 0) * 4 + (o->grad_mul != 0) * 2 + decays;
         ADAM_FUSED_FNS[which](p, o, &k, begin, end);
         return;
@@ -454,4 +463,32 @@ void lean_check_nonfinite(const void *const *pointers, const int64_t *numels, in
     for (int64_t k = 0; k < count; k++) add_units(&work.queue, k, numels[k]);
     run_threads(check_worker, &work, threads, &work.queue);
     if (work.bad) *found = 1.0f;
+}
+
+/* The step inside backward's call for one parameter (lightning_mp/master/in_backward/prepared.py): everything laid
+ * out once, only `grad` written per call. With `check_width` (2 or 4: the gradient's width), the gradient's
+ * non-finite check first, as lean_check_nonfinite (sets *found_inf to 1.0f on an inf or a NaN), then its step, as
+ * lean_step (skipped where *found_inf is 1): the separate check and the step in one call. */
+typedef struct {
+    lean_piece *pieces;  /* the plan's one piece */
+    const signed char *grad_fp32;
+    const lean_options *options;
+    float *found_inf;    /* the parameter's flag slot, or NULL */
+    float *const *counts;
+    int64_t ncounts;
+    int settle, threads;
+    int64_t grain;
+    int64_t *first_unit; /* two entries */
+    const void *grad;    /* written per call */
+    int64_t numel;       /* the gradient's, for the check */
+    int check_width;     /* 0: no check */
+    uint32_t exponent_mask;
+} lean_call;
+
+int lean_step_call(lean_call *call) {
+    if (call->check_width && call->found_inf)
+        lean_check_nonfinite(&call->grad, &call->numel, 1, call->check_width, call->exponent_mask, call->found_inf,
+                             call->threads, call->grain, call->first_unit);
+    return lean_step(call->pieces, 1, &call->grad, call->grad_fp32, call->options, call->found_inf, call->counts,
+                     call->ncounts, call->settle, call->threads, call->grain, call->first_unit);
 }

@@ -85,6 +85,28 @@ class Options(ctypes.Structure):
     ]
 
 
+class Call(ctypes.Structure):
+    """One parameter's step, laid out once (mirrors ``lean_call``): only ``grad`` is written per call
+    (:func:`prepare_call`, :func:`step_call`)."""
+
+    _fields_ = [
+        ("pieces", ctypes.POINTER(Piece)),
+        ("grad_fp32", ctypes.c_void_p),
+        ("options", ctypes.POINTER(Options)),
+        ("found_inf", ctypes.c_void_p),
+        ("counts", ctypes.c_void_p),
+        ("ncounts", ctypes.c_int64),
+        ("settle", ctypes.c_int),
+        ("threads", ctypes.c_int),
+        ("grain", ctypes.c_int64),
+        ("first_unit", ctypes.c_void_p),
+        ("grad", ctypes.c_void_p),
+        ("numel", ctypes.c_int64),
+        ("check_width", ctypes.c_int),
+        ("exponent_mask", ctypes.c_uint32),
+    ]
+
+
 ADAM, ADAMW, SGD = 0, 1, 2
 
 
@@ -177,6 +199,8 @@ def cpu_kernel() -> Optional[ctypes.CDLL]:
                 ctypes.c_int64,
                 ctypes.POINTER(ctypes.c_int64),
             ]
+            library.lean_step_call.restype = ctypes.c_int
+            library.lean_step_call.argtypes = [ctypes.POINTER(Call)]
             library.lean_settle.restype = None
             library.lean_settle.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
             library.lean_check_nonfinite.restype = None
@@ -320,6 +344,31 @@ def check_nonfinite(grads: list[torch.Tensor], found: torch.Tensor) -> bool:
         pointers, numels, len(grads), width, mask, found.data_ptr(), threads(), GRAIN, first_unit
     )
     return True
+
+
+def prepare_call(
+    pieces: Any,
+    grad_fp32: Any,
+    options: Options,
+    found: Optional[torch.Tensor],
+    counts: Any,
+    ncounts: int,
+    first_unit: Any,
+    numel: int,
+    check: Optional[torch.dtype],
+) -> Optional[Call]:
+    """The :class:`Call` of one piece's step on the calling thread (``pieces``, ``grad_fp32``, ``counts`` and
+    ``first_unit`` a plan's ctypes arrays, ``options`` held by the caller), the settle included; with ``check`` (the
+    gradient's dtype) the gradient's non-finite check into ``found`` first. ``None`` where the check cannot be made
+    by the kernel (another dtype)."""
+    width, mask = _EXPONENT_MASKS.get(check, (0, 0)) if check is not None else (0, 0)
+    if check is not None and not width:
+        return None
+    return Call(
+        pieces, ctypes.addressof(grad_fp32), ctypes.pointer(options), found.data_ptr() if found is not None else None,
+        ctypes.addressof(counts) if counts is not None else None, ncounts if counts is not None else 0, 1, 1, GRAIN,
+        ctypes.addressof(first_unit), None, numel, width, mask,
+    )  # fmt: skip
 
 
 def join(high: torch.Tensor, low: torch.Tensor, out: torch.Tensor) -> torch.Tensor:

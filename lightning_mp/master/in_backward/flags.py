@@ -118,6 +118,10 @@ class StepFlags:
             found.copy_(agreed(agree, found))
         return found
 
+    def slot(self, param: Tensor) -> Tensor:
+        """``param``'s flag: the 0-dim view of its slot (what :meth:`check` sets and returns)."""
+        return self._slots[id(param)]
+
     def loss(self) -> Tensor:
         """The loss's flag (0-dim: the first vector's slot 0), after :meth:`agree_on_loss` the agreed one."""
         return self._loss

@@ -6,7 +6,8 @@ optimizer. During backward, once autograd has accumulated a parameter's gradient
 that one parameter and sets ``param.grad = None``, through the optimizer's
 :class:`~lightning_mp.master.lean.update.LeanUpdate` (the normal step's): for ``torch.optim.AdamW``, ``Adam`` and
 ``SGD`` the one-parameter replay of the step plan (:mod:`lightning_mp.master.lean.plan`; the same kernel, the same bits
-as the normal step, which updates each tensor independently), for the table's other optimizers (``NAdam``) the
+as the normal step, which updates each tensor independently; on the CPU, once laid out, replayed as one C call that
+also checks the gradient: :mod:`~lightning_mp.master.in_backward.prepared`), for the table's other optimizers (``NAdam``) the
 chunked update of that parameter; for any other optimizer (torchao's ``AdamW8bit``, ...) its own ``step()`` on that
 parameter's fp32 slices (:meth:`GenericChunkedStep.run_params
 <lightning_mp.master.lean.generic.GenericChunkedStep.run_params>`, per-group counters advanced once per step). An
@@ -43,7 +44,8 @@ from torch.optim import Optimizer
 from lightning_mp.kernels import native
 from lightning_mp.master.in_backward.changes import UNDER_REDUCTION, GroupOptions, later_hooks, one_groups
 from lightning_mp.master.in_backward.flags import StepFlags
-from lightning_mp.master.in_backward.regions import PARTIAL, Regions
+from lightning_mp.master.in_backward.prepared import Prepared
+from lightning_mp.master.in_backward.regions import PARTIAL, Regions, current_graph_task
 from lightning_mp.master.in_backward.settings import OPTION, accumulation_schedule, refusal, trainer_grad_ops
 from lightning_mp.master.in_backward.zero_grads import ZeroGrads
 from lightning_mp.master.lean.plan import StateSeen
@@ -203,6 +205,8 @@ class StepInBackward:
         self._groups_seen = GroupsSeen()  # compared before each backward: any edit of the param groups shows
         self._groups_seen.record([optimizer])
         self._states_seen = StateSeen(self.update.layout)  # the optimizer state as last checked (plan.StateSeen)
+        #: each parameter's kernel call prepared once, replayed while begin() finds nothing changed (in_backward_prepared)
+        self._prepared = Prepared(self.update)
         self._hook_trainable()
 
     @property
@@ -240,6 +244,7 @@ class StepInBackward:
             # a state edited since the last backward (or made by its updates): every state checked before any update
             self.update.check(_requires_grad)
             self._states_seen.record(self.optimizer, self._params)
+            self._prepared.clear()  # prepared again from the plans the next hooks run
         reduced = self.driven_by_strategy  # regions refused: walked every backward
         if self._regions.arm(loss, self._run_waiting, walk=reduced) and reduced:
             self._regions.clear()
@@ -259,6 +264,7 @@ class StepInBackward:
             self._hook_trainable()
         self.update.begin_params()  # the generic path's group options advance once in this backward's updates
         self._options.refresh()  # what a scheduler (or a resume) changed since the last step, group by group
+        self._prepared.begin(self._one_groups, self.grad_ops, self.agree_each is not None)
         if self.check:
             self._flags.begin(loss, self.agree_each)
 
@@ -274,6 +280,7 @@ class StepInBackward:
         self._one_groups, self._params = ones, params
         self._options = GroupOptions(self.optimizer, self._one_groups)
         self._flags.plan(self._params)
+        self._prepared.forget_groups()
         self._zero.plan(self._params, self._handed_over)
         for key in [key for key in self._hooks if key not in self._one_groups]:
             self._hooks.pop(key).remove()
@@ -306,7 +313,10 @@ class StepInBackward:
         if not self.armed or param.grad is None:
             return
         regions = self._regions
-        if (regions.pending or regions.waiting or regions.watching) and regions.wait(param):
+        # the usual hook in a watched backward: in the outer graph task (Regions.nested), nothing waiting; else asked
+        if (
+            regions.pending or regions.waiting or (regions.watching and current_graph_task() != regions.outer)
+        ) and regions.wait(param):
             if regions.watching and id(param) in self._zero.updated:  # updated already: a region met unwalked
                 raise RuntimeError(PARTIAL.format(name=self._name(param)))
             return  # reentrant checkpointing: the gradient may not be whole yet, updated at the end of backward
@@ -319,13 +329,15 @@ class StepInBackward:
                 self._apply(param)
 
     def _apply(self, param: Tensor) -> None:
-        one = self._one_groups[id(param)][1]  # its group's options as of begin() (GroupOptions.refresh)
-        with native.single_threaded():  # see native.single_threaded: faster inside backward
-            if torch.is_grad_enabled():  # a backward with create_graph=True (autograd runs the others without grad)
-                with torch.no_grad():
+        if not self._prepared.run(param):  # its check and update in one C call, laid out at its last update
+            index, one = self._one_groups[id(param)]  # its group's options as of begin() (GroupOptions.refresh)
+            with native.single_threaded():  # see native.single_threaded: faster inside backward
+                if torch.is_grad_enabled():  # a backward with create_graph=True (autograd runs the others without grad)
+                    with torch.no_grad():
+                        self.update.run_param(param, one, self._flag_for(param), self.grad_ops)
+                else:
                     self.update.run_param(param, one, self._flag_for(param), self.grad_ops)
-            else:
-                self.update.run_param(param, one, self._flag_for(param), self.grad_ops)
+            self._prepared.prepare(param, index, self._flags.slot(param) if self.check else None)
         if not self._zero.keeps(param):
             param.grad = None  # the gradient is used: free it now (all but the probe's: in_backward_zero_grads)
 
@@ -368,6 +380,7 @@ class StepInBackward:
         for hook in self._hooks.values():
             hook.remove()
         self._hooks, self._params = {}, []
+        self._prepared.forget_groups()
         self._regions.clear()
         self.armed = False
 

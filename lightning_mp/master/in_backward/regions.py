@@ -64,6 +64,10 @@ def region_nodes(root: Any) -> list[Any]:
     return found
 
 
+#: the running backward's graph task id (torch's)
+current_graph_task = torch._C._current_graph_task_id
+
+
 class Regions:
     """The reentrant regions of one backward and the updates waiting for them (see the module doc).
 
@@ -77,7 +81,8 @@ class Regions:
         self._handles: list[Any] = []
         self.watching = False  # this backward is watched (no walk): each hook compares its graph task
         self._walk = True  # walk before the next backward: until a walk found no region, and after one was met
-        self._outer: Optional[int] = None  # the watched backward's graph task
+        #: the watched backward's graph task (a hook that runs in another is in a nested backward: :meth:`nested`)
+        self.outer: Optional[int] = None
         self._run: Callable[[], None] = _nothing
 
     def arm(self, loss: Optional[Tensor], run: Callable[[], None], walk: bool = False) -> int:
@@ -106,7 +111,7 @@ class Regions:
 
     def _enter(self, grad_outputs: Any) -> None:
         # the first node of a watched backward: its graph task, and the end of backward queued on it
-        self._outer = torch._C._current_graph_task_id()
+        self.outer = torch._C._current_graph_task_id()
         Variable._execution_engine.queue_callback(self._end)
 
     def _end(self) -> None:
@@ -119,7 +124,7 @@ class Regions:
     def nested(self) -> bool:
         """In a watched backward: whether the calling hook runs inside a nested backward (a region); the walk is made
         again from the next backward then."""
-        if torch._C._current_graph_task_id() == self._outer:
+        if torch._C._current_graph_task_id() == self.outer:
             return False
         self._walk = True
         return True
@@ -140,7 +145,7 @@ class Regions:
     def clear(self) -> None:
         for handle in self._handles:
             handle.remove()
-        self._handles, self.pending, self.waiting, self.watching, self._outer = [], 0, {}, False, None
+        self._handles, self.pending, self.waiting, self.watching, self.outer = [], 0, {}, False, None
 
 
 def _nothing() -> None:

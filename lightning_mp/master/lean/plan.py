@@ -314,13 +314,9 @@ class StepPlan:
         return True
 
     def _run_cpu(self, group: dict[str, Any], pointers: list[int], factor: Any, clamp: Any, found: Any) -> None:
-        values = (*self.entry.kernel(group, self.first_step), factor.data_ptr() if factor is not None else None, clamp)
+        values = kernel_values(self.entry, group, self.first_step, factor, clamp)
         if values != self._options[0]:
-            names = ("kind", "amsgrad", "maximize", "nesterov", "first_step", "lr", "beta1", "beta2", "weight_decay",
-                     "eps", "momentum", "dampening", "grad_mul")  # fmt: skip
-            options = native.Options(**dict(zip(names, values)), vec_size=native.vec_size())
-            options.clamped, options.clamp = (1, clamp) if clamp is not None else (0, -1.0)
-            self._options = (values, options)
+            self._options = (values, kernel_options(values))
         library = native.cpu_kernel()
         counts = self.counts
         library.lean_step(
@@ -370,6 +366,24 @@ class StepPlan:
 
 
 # ---------------------------------------------------------------------- the one-pass update by the plans
+def kernel_values(
+    entry: Entry, group: dict[str, Any], first_step: bool, factor: Optional[Tensor], clamp: Optional[float]
+) -> tuple[Any, ...]:
+    """What the CPU kernel's options are made of (:func:`kernel_options`): the entry's options of ``group``, the
+    clipping factor's address and the clamp (compared from step to step: options are made again only on a change)."""
+    return (*entry.kernel(group, first_step), factor.data_ptr() if factor is not None else None, clamp)
+
+
+def kernel_options(values: tuple[Any, ...]) -> native.Options:
+    """The CPU kernel's :class:`~lightning_mp.kernels.native.Options` of ``values`` (:func:`kernel_values`)."""
+    names = ("kind", "amsgrad", "maximize", "nesterov", "first_step", "lr", "beta1", "beta2", "weight_decay",
+             "eps", "momentum", "dampening", "grad_mul")  # fmt: skip
+    options = native.Options(**dict(zip(names, values)), vec_size=native.vec_size())
+    clamp = values[-1]
+    options.clamped, options.clamp = (1, clamp) if clamp is not None else (0, -1.0)
+    return options
+
+
 def plan_grad_ops(
     grad_ops: list[tuple[str, Any]], device: torch.device
 ) -> Optional[tuple[Optional[Tensor], Optional[float]]]:
