@@ -50,7 +50,9 @@ class Prepared:
 
     def __init__(self, update: Any) -> None:
         self.update = update
-        self.calls: dict[int, tuple[native.Call, torch.dtype, Any]] = {}  # id(param) -> (call, grad dtype, its plan)
+        #: id(param) -> (its call, the gradient dtype it was prepared for, a kept-fp32 parameter's address or None,
+        #: what the call's addresses point into: held as long as the call is)
+        self.calls: dict[int, tuple[native.Call, torch.dtype, Optional[int], Any]] = {}
         self.options: dict[int, native.Options] = {}  # group index -> the options every call of the group points at
         self.values: dict[int, tuple[Any, ...]] = {}  # group index -> what its options were made of
         self.groups: dict[int, dict[str, Any]] = {}  # group index -> one of its one-parameter groups
