@@ -40,7 +40,7 @@ from lightning_mp.scaler import DynamicLossScaler
 from lightning_mp.scaler.settings import foreign_scaler_state
 from lightning_mp.schedulers import guard_step_schedulers
 from lightning_mp.standalone import lightning_isinstance
-from lightning_mp.stepping import OptimizerStep
+from lightning_mp.stepping import OptimizerStep, check_zero_grad_after_step
 
 PrecisionName = Literal["16-mixed", "bf16-mixed"]
 _DTYPES: dict[str, torch.dtype] = {"16-mixed": torch.float16, "bf16-mixed": torch.bfloat16}
@@ -80,6 +80,14 @@ class MixedPrecisionPlugin(FabricHooks, Precision):  # FabricHooks: the hooks as
             FSDP2) and Fabric (one device or DDP), one optimizer whose ``step()`` takes no closure; the step keeps
             the books (:mod:`~lightning_mp.master.in_backward.loop`). Accumulation and clipping by norm are refused.
             Default ``False``.
+        zero_grad_after_step: free the gradients of the optimizer a Trainer step updated (or skipped) right after
+            that step, with ``optimizer.zero_grad(set_to_none=True)``: what the module's ``optimizer_zero_grad`` does
+            anyway before the next backward (Lightning calls it after the next forward), so the next forward's
+            activations and this step's gradients are never alive together (with lean masters: peak 15.1 -> 14.0
+            bytes/param on an HF Llama, ``benchmarks/RESULTS.md``). ``None`` (default): under automatic optimization,
+            unless the module overrides ``optimizer_zero_grad``; ``True``: after every step under the Trainer
+            (manual optimization too); ``False``: never (gradients stay readable in ``on_train_batch_end`` until
+            Lightning zeroes them). The weights are the same bits either way. Fabric: your loop's ``zero_grad()``.
 
     The autocast device is the device the model lives on, found when Lightning connects the plugin; ``fp16``
     is honoured on CPU too (Lightning's built-in switches to bf16 there), with a one-time warning that it is
@@ -98,6 +106,7 @@ class MixedPrecisionPlugin(FabricHooks, Precision):  # FabricHooks: the hooks as
         reduce_dtype: Union[str, torch.dtype] = "float32",
         fp8: Any = None,
         optimizer_in_backward: bool = False,
+        zero_grad_after_step: Optional[bool] = None,
     ) -> None:
         if precision not in _DTYPES:
             raise ValueError(
@@ -117,6 +126,7 @@ class MixedPrecisionPlugin(FabricHooks, Precision):  # FabricHooks: the hooks as
         self.keep_norm_fp32 = keep_norm_fp32
         # the one owner of the optimizer step and its state (scaler, masters, the strategy's sync, in-backward hooks)
         self.steps = OptimizerStep(scaler_made, None, self, self.follow_model_writes, GradientSync())
+        self.steps.zero_grad_after_step = check_zero_grad_after_step(zero_grad_after_step)
         self.masters = masters_for(self.dtype, master_weights, self.params_stay_fp32)
         self._effective_policy = self.policy
         self._overrides: tuple[Optional[CastPolicy], bool] = (None, False)  # (policy, whether it overrides any op)
@@ -305,7 +315,9 @@ class MixedPrecisionPlugin(FabricHooks, Precision):  # FabricHooks: the hooks as
         def plain_step() -> Any:  # Lightning's own, for the step without a check (made, not called, every step)
             return super(MixedPrecisionPlugin, self).optimizer_step(optimizer, model=model, closure=closure, **kwargs)
 
-        return self.steps.closure_step(optimizer, model, closure, kwargs, plain_step, self._after_closure)
+        output = self.steps.closure_step(optimizer, model, closure, kwargs, plain_step, self._after_closure)
+        self.steps.zero_grad_after(optimizer, model)  # zero_grad_after_step
+        return output
 
     @override
     def _after_closure(self, model: Any, optimizer: Any) -> None:

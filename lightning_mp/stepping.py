@@ -96,6 +96,7 @@ class OptimizerStep:
         self.in_backward: Optional[Any] = None  # a StepInBackward (master.in_backward), from connect to teardown
         self.skip_observers: list[Callable[..., None]] = []
         self.held = HeldOptimizers(self)  # the optimizers the masters and the hooks inside backward are on
+        self.zero_grad_after_step: Optional[bool] = None  # the plugin's setting (zero_grad_after)
 
     @property
     def checking(self) -> bool:
@@ -144,6 +145,19 @@ class OptimizerStep:
         after_closure(model, optimizer)
         self.unscaled.consumed(torch_optimizer)
         return self._step_or_skip(optimizer, model, found_inf, kwargs)
+
+    def zero_grad_after(self, optimizer: Any, model: Any) -> None:
+        """After a Trainer step of ``optimizer`` (taken or skipped): free its gradients where the plugin's
+        ``zero_grad_after_step`` says so. ``None``: under automatic optimization, where Lightning's own
+        ``optimizer_zero_grad`` (``optimizer.zero_grad()``, which sets them to ``None``) would free the same gradients
+        before the next backward anyway, only after the next forward: the module must not override it (it may zero
+        less, or later, on purpose). Inside backward the gradients are freed as they are used: nothing is left."""
+        setting = self.zero_grad_after_step
+        if setting is False or self.in_backward is not None:
+            return
+        if setting is None and (not getattr(model, "automatic_optimization", False) or overrides_zero_grad(model)):
+            return
+        unwrap_optimizer(optimizer).zero_grad(set_to_none=True)
 
     def step_after_backward(self, optimizer: Any, model: Any, kwargs: dict[str, Any]) -> Any:
         """The step when the backward already ran (Lightning Fabric's ``optimizer.step()``: no closure), in the order
@@ -377,6 +391,26 @@ class UnscaledGradients:
         self._records.clear()
         self._carried.clear()
         self._groups.clear()
+
+
+def check_zero_grad_after_step(value: Any) -> Optional[bool]:
+    """The plugin's ``zero_grad_after_step``, checked: ``None``, ``True`` or ``False``."""
+    if value is not None and not isinstance(value, bool):
+        raise ValueError(
+            f"MixedPrecisionPlugin(zero_grad_after_step={value!r}) is not supported: use None (free the gradients "
+            "after each step under automatic optimization unless the module overrides optimizer_zero_grad), True "
+            "(after every Trainer step) or False (keep them until Lightning's zero_grad)."
+        )
+    return value
+
+
+def overrides_zero_grad(model: Any) -> bool:
+    """Whether ``model``'s class (a LightningModule of ``lightning`` or ``pytorch_lightning``) defines its own
+    ``optimizer_zero_grad``."""
+    for cls in type(model).__mro__:
+        if "optimizer_zero_grad" in cls.__dict__:
+            return not cls.__module__.startswith(("lightning.pytorch.", "pytorch_lightning."))
+    return False
 
 
 def has_grads(optimizer: Any) -> bool:

@@ -73,7 +73,11 @@ def _data() -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 
 def _plugin(in_backward: bool) -> MixedPrecisionPlugin:
-    return MixedPrecisionPlugin("bf16-mixed", master_weights="remainder", optimizer_in_backward=in_backward)
+    # zero_grad_after_step=False: the Trainer's normal step then holds its gradients after the step, inside backward
+    # each is freed by its update all the same
+    return MixedPrecisionPlugin(
+        "bf16-mixed", master_weights="remainder", optimizer_in_backward=in_backward, zero_grad_after_step=False
+    )
 
 
 def _optimizer(params: Any) -> torch.optim.Optimizer:

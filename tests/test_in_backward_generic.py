@@ -138,7 +138,10 @@ def _fit(in_backward: bool, tmp_path: Path, name: str, case: str, resume: Option
     model_kw = {k: kw.pop(k) for k in ("bad_loss_at", "bad_grad_at") if k in kw}
     with seeded():
         model = Net(case, **model_kw)
-    plugin = MixedPrecisionPlugin("bf16-mixed", master_weights="remainder", optimizer_in_backward=in_backward)
+    # zero_grad_after_step=False: the normal step holds its gradients after the step (inside backward: freed anyway)
+    plugin = MixedPrecisionPlugin(
+        "bf16-mixed", master_weights="remainder", optimizer_in_backward=in_backward, zero_grad_after_step=False
+    )
     trainer = make_trainer(plugin, **kw)
     trainer.strategy.checkpoint_io = PlainLoad()
     trainer.fit(model, _loader(), ckpt_path=resume)

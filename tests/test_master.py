@@ -432,7 +432,8 @@ def test_bytes_per_parameter_with_adam():
     model = Mixed()
     half = sum(p.numel() for n, p in model.named_parameters() if not n.startswith("norm."))
     full = sum(p.numel() for n, p in model.named_parameters() if n.startswith("norm."))
-    make_trainer(_plugin(), max_steps=1, callbacks=[counter]).fit(model, loader)
+    # zero_grad_after_step=False: the gradients counted after the step, as they are alive during it
+    make_trainer(_plugin(zero_grad_after_step=False), max_steps=1, callbacks=[counter]).fit(model, loader)
     # half params: 2 (fp16 weight) + 4 (master) + 4 (master grad) + 8 (Adam moments) = 18 bytes
     # norm params kept fp32: 4 (weight) + 4 (grad) + 8 (Adam moments) = 16 bytes; no half grad survives
     assert counter.total == 18 * half + 16 * full

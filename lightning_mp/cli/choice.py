@@ -67,6 +67,7 @@ PLUGIN_OPTIONS = (
     "reduce_dtype",
     "fp8",
     "optimizer_in_backward",
+    "zero_grad_after_step",
 )
 PLUGIN_DEFAULTS = {
     "scaler": None,
@@ -76,6 +77,7 @@ PLUGIN_DEFAULTS = {
     "reduce_dtype": "float32",
     "fp8": None,
     "optimizer_in_backward": False,
+    "zero_grad_after_step": None,
 }
 
 
