@@ -116,14 +116,20 @@ def non_finite_check_and_unscale_(
 ) -> None:
     """Multiply ``grads`` (one device, one dtype) by ``inv_scale`` in place and set ``found_inf`` (a 1-element fp32
     tensor) to 1 if any element is inf or NaN, as ``torch._amp_foreach_non_finite_check_and_unscale_`` does.
-    ``check_only`` (``inv_scale`` is one): on the CPU, read the gradients without writing them back, through the
-    compiled check of :mod:`lightning_mp.kernels.native` where it is built."""
+    ``check_only`` (``inv_scale`` is one): read the gradients without writing them back, on the CPU through the
+    compiled check of :mod:`lightning_mp.kernels.native` where it is built, for a few bf16 gradients on CUDA through
+    :func:`lightning_mp.kernels.cuda.check_nonfinite` (one Triton launch each) where Triton is there."""
     if check_only and grads and grads[0].device.type == "cpu" and sum(g.numel() for g in grads) >= _READ_ONLY_FROM:
         from lightning_mp.kernels import native  # the kernel's module, loaded on first use
 
         if native.check_nonfinite(grads, found_inf):
             return
     if grads and grads[0].dtype == torch.bfloat16 and grads[0].device.type != "cpu":
+        if check_only and grads[0].device.type == "cuda":  # one launch per gradient where Triton is there
+            from lightning_mp.kernels import cuda  # the kernel's module, loaded on first use
+
+            if cuda.check_nonfinite(grads, found_inf):
+                return
         return check_and_unscale_by_norm_(grads, found_inf, None if check_only else inv_scale)
     torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale)
 

@@ -240,6 +240,49 @@ def _kernel() -> Any:
     return lean_update_kernel
 
 
+#: elements of a gradient one program of the non-finite check reads
+CHECK_BLOCK = 4096
+#: at most this many gradients are checked by one launch each; a longer list goes to torch's foreach ops (a few
+#: launches for the whole list)
+CHECK_MAX_TENSORS = 8
+
+
+def _check_kernel() -> Any:
+    if "check" in _kernels:
+        return _kernels["check"]
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def nonfinite_kernel(grad, n, found, BLOCK: tl.constexpr):
+        """``found`` (fp32) set to 1 where any of ``grad``'s ``n`` values is inf or NaN; read only, never reset
+        (as torch's ``_amp_foreach_non_finite_check_and_unscale_``): every program that sees one stores the same 1."""
+        offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        x = tl.load(grad + offsets, mask=offsets < n, other=0.0).to(tl.float32)
+        bad = (x != x) | (tl.abs(x) == float("inf"))
+        # no reduction: each lane that holds one stores the same 1 to the flag (none in a clean gradient)
+        tl.store(found + tl.full([BLOCK], 0, tl.int32), tl.full([BLOCK], 1.0, tl.float32), mask=bad)
+
+    _kernels["check"] = nonfinite_kernel
+    return nonfinite_kernel
+
+
+def check_nonfinite(grads: list[Tensor], found: Tensor) -> bool:
+    """Set ``found`` (a 1-element or 0-dim fp32 tensor on the gradients' device) to 1 if any of ``grads`` holds an
+    inf or NaN, reading them only, one launch per gradient (no other op): the check of one parameter's bf16 gradient
+    inside backward on CUDA, where torch's check takes no bf16 and the inf-norm way is about eight ops. ``False``
+    (nothing done) where Triton is missing or the list is long, sparse or not contiguous."""
+    if not grads or len(grads) > CHECK_MAX_TENSORS or not triton_available() or found.dtype != torch.float32:
+        return False
+    if not all(g.is_contiguous() and g.layout == torch.strided and g.device == found.device for g in grads):
+        return False
+    kernel = _check_kernel()
+    for grad in grads:
+        if grad.numel():
+            kernel[(-(-grad.numel() // CHECK_BLOCK),)](grad, grad.numel(), found, BLOCK=CHECK_BLOCK)
+    return True
+
+
 class CudaLeanUpdate:
     """The per-group caches of the CUDA one-pass update: the program table per set of sizes, the address table."""
 
