@@ -28,8 +28,15 @@ time of the steps after the first two (``on_train_batch_start`` to ``on_train_ba
 the CPU the steps are timed in a second fresh process per mode and round, without the heap poller (its
 ``mallinfo2`` calls take glibc's arena locks while autograd allocates and frees: measured 2026-11-26 on a 2-core
 AVX512-BF16 CPU, the poller made LitGPT's small model's lean step 1.3x slower, and the step inside backward 1.6x). On
-CUDA the
-peak is ``torch.cuda.max_memory_allocated`` over the one before the model is built, and at rest counts CUDA storages.
+CUDA the peak is ``torch.cuda.max_memory_allocated`` over the one before the model is built, and at rest counts CUDA
+storages.
+
+``--interleaved``: step times only, every mode in *one* process, their steps alternating (the order rotating each
+step), each mode on its own copy of the same model through Lightning Fabric with the same plugin settings (Fabric
+here, because two Trainers' loops cannot take turns): a process-wide slowdown hits every mode alike. On a shared
+virtual machine the same mode's step varies between fresh processes by more than the differences between modes
+(2026-11-28, 2-core AMD EPYC: 10.3 against 15.0 ms for the same backward in two processes), so a ratio of modes
+taken across processes needs many rounds, and this one does not. ``torch.compile`` modes are not offered there.
 """
 
 from __future__ import annotations
@@ -236,6 +243,71 @@ def _worker(args: argparse.Namespace) -> dict:
     }
 
 
+INTERLEAVED = [m for m in MODES if "compile" not in m]
+
+
+def _interleaved(args: argparse.Namespace) -> dict[str, list[float]]:
+    """Step times of ``args.modes`` taken in turns in this process (module doc): mode -> seconds per step."""
+    import lightning as L
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from lightning_mp import MixedPrecisionPlugin
+
+    device = args.device
+    runs = {}
+    for mode in args.modes:
+        if mode.startswith("builtin"):
+            precision = "bf16-true" if mode == "builtin-bf16-true" else "bf16-mixed"
+            fabric = L.Fabric(accelerator=device, devices=1, precision=precision)
+        else:
+            masters = True if mode == "ours+masters" else "remainder"
+            in_backward = mode.endswith("inbackward")
+            plugin = MixedPrecisionPlugin("bf16-mixed", master_weights=masters, optimizer_in_backward=in_backward)
+            fabric = L.Fabric(accelerator=device, devices=1, plugins=[plugin])
+        torch.manual_seed(0)
+        config = LlamaConfig(**SIZES[args.size], max_position_embeddings=args.seq, tie_word_embeddings=False)
+        model = LlamaForCausalLM(config)
+        if "8bit" in mode:
+            from torchao.optim import AdamW8bit
+
+            optimizer = AdamW8bit(model.parameters(), lr=1e-4, weight_decay=0.01)
+        else:
+            fused = True if mode == "builtin-bf16-fused" else None
+            optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01, fused=fused)
+        model, optimizer = fabric.setup(model, optimizer)
+        runs[mode] = (fabric, model, optimizer, [])
+    ids = torch.randint(0, SIZES[args.size]["vocab_size"], (args.batch, args.seq), device=device)
+    modes = list(runs)
+    for step in range(args.steps):
+        for mode in modes[step % len(modes) :] + modes[: step % len(modes)]:  # the order rotates every step
+            fabric, model, optimizer, times = runs[mode]
+            if device == "cuda":
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            fabric.backward(model(input_ids=ids, labels=ids).loss.float())
+            optimizer.step()
+            optimizer.zero_grad()
+            if device == "cuda":
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - start)
+    return {mode: run[3] for mode, run in runs.items()}
+
+
+def main_interleaved(args: argparse.Namespace) -> None:
+    skip = max(2, args.steps // 10)  # the first steps (kernel builds, allocator warm-up) are not timed
+    times = _interleaved(args)
+    base = statistics.median(times[args.modes[0]][skip:])
+    lines = [f"| mode | median step (ms) | vs {args.modes[0]} | steps timed |", "|---|---:|---:|---:|"]
+    for mode, each in times.items():
+        step = statistics.median(each[skip:])
+        lines.append(f"| {mode} | {step * 1e3:.2f} | {step / base:.3f}x | {len(each) - skip} |")
+    title = (
+        f"Step times taken in turns in one process (Fabric), HF Llama {args.size}, batch {args.batch} x {args.seq}, "
+        f"{args.steps} steps each"
+    )
+    report(title, "\n".join(lines), args.device, args.record)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
@@ -246,12 +318,20 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--modes", nargs="+", choices=MODES, default=MODES)
     parser.add_argument("--record", action="store_true")
+    parser.add_argument(
+        "--interleaved", action="store_true", help="step times only: the modes take turns in one process (Fabric)"
+    )
     parser.add_argument("--worker", choices=MODES, help=argparse.SUPPRESS)
     parser.add_argument("--time_only", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         print("RESULT " + json.dumps(_worker(args)))
         return
+    if args.interleaved:
+        unknown = [mode for mode in args.modes if mode not in INTERLEAVED]
+        if unknown:
+            parser.error(f"--interleaved takes the modes {INTERLEAVED}, not {unknown}")
+        return main_interleaved(args)
     runs: dict[str, list[dict]] = {mode: [] for mode in args.modes}
     for _ in range(args.rounds):
         for mode in args.modes:

@@ -284,3 +284,16 @@ def test_step_trace_names_the_files_and_functions_one_lean_step_executes():
     # the step goes through the dispatch, chosen by the table
     assert "Updates.of" in by_file["lightning_mp/master/lean/update.py"]
     assert "entry_for" in by_file["lightning_mp/master/lean/optimizers.py"]
+
+
+def test_decoder_benchmark_times_the_modes_in_turns_in_one_process():
+    """``decoder.py --interleaved``: every mode's steps taken in turns in one process, a row per mode."""
+    modes = ["ours+remainder", "ours+remainder+inbackward", "builtin-bf16-fused"]
+    command = [sys.executable, str(ROOT / "benchmarks" / "decoder.py"), "--interleaved", "--steps", "3", "--seq", "16"]
+    done = subprocess.run([*command, "--modes", *modes], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [line.split(" | ") for line in done.stdout.splitlines() if line.startswith("| ours") or "| builtin" in line]
+    assert [row[0].strip("| ") for row in rows] == modes
+    assert rows[0][2] == "1.000x" and all(row[3].strip(" |") == "1" for row in rows)  # 3 steps, the first 2 not timed
+    refused = subprocess.run([*command, "--modes", "ours+remainder+compile"], capture_output=True, text=True)
+    assert refused.returncode == 2 and "--interleaved takes the modes" in refused.stderr
