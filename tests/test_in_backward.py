@@ -356,17 +356,20 @@ def test_the_cli_passes_the_option_and_refuses_what_the_plugin_refuses():
         choose_precision("bf16-mixed", "cpu", None, {"optimizer_in_backward": True})
 
 
-def test_a_large_parameter_updated_single_threaded_inside_backward_equals_the_threaded_step(monkeypatch):
-    """Without a Trainer: the kernel runs on one thread inside backward (native.single_threaded), on two after it
-    (512 x 512 values: four units of native.GRAIN, shared by the threads): the same bits."""
+def test_a_large_parameter_updated_inside_backward_on_one_or_two_threads_equals_the_threaded_step(monkeypatch):
+    """Without a Trainer: the kernel inside backward on native.backward_threads threads (torch's two on the OpenMP
+    build), on one thread (the build without OpenMP), and the normal step on two after backward (512 x 512 values:
+    four units of native.GRAIN, shared by the threads): the same bits."""
     from lightning_mp.kernels import native
     from lightning_mp.master import RemainderMasters
     from lightning_mp.master.in_backward import StepInBackward
 
-    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)  # what the kernel reads outside single_threaded
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)  # what the kernel reads
     assert 2 * native.GRAIN <= 512 * 512
     results = []
-    for in_backward in (True, False):
+    backward_threads = native.backward_threads
+    for in_backward, threads in ((True, None), (True, 1), (False, None)):
+        monkeypatch.setattr(native, "backward_threads", (lambda n=threads: n) if threads else backward_threads)
         with seeded():
             model = nn.Sequential(nn.Linear(512, 512), nn.Linear(512, 1))
         store = RemainderMasters()
@@ -387,8 +390,9 @@ def test_a_large_parameter_updated_single_threaded_inside_backward_equals_the_th
                 optimizer.zero_grad()
         states = [optimizer.state[p][key] for p in model.parameters() for key in sorted(optimizer.state[p])]
         results.append([store.fp32_value(p) for p in model.parameters()] + states)
-    assert len(results[0]) == len(results[1]) == 4 + 4 * 3  # weights, biases; step, exp_avg, exp_avg_sq
-    assert all(torch.equal(a, b) for a, b in zip(*results))
+    assert len(results[0]) == len(results[1]) == len(results[2]) == 4 + 4 * 3  # weights, biases; step, moments
+    for result in results[1:]:
+        assert all(torch.equal(a, b) for a, b in zip(results[0], result))
 
 
 def test_a_training_step_that_returns_none_updates_nothing():

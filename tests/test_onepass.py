@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import copy
 import itertools
+import os
+import subprocess
+import sys
 import warnings
 
 import pytest
@@ -290,6 +293,42 @@ def test_the_kernel_is_built_once_and_then_loaded_from_the_cache(monkeypatch, tm
     assert native.cpu_kernel() is not None
     assert [p.stat().st_mtime_ns for p in tmp_path.glob("lean_update-*.so")] == [stamp]
     monkeypatch.setattr(native, "_state", {})
+
+
+def test_the_kernel_runs_on_torchs_own_openmp_threads_where_torch_has_them(monkeypatch, tmp_path):
+    """The OpenMP build shares the one OpenMP runtime torch loaded (its pool of threads), never a second one."""
+    runtimes = native.openmp_runtimes()
+    if "ATen parallel backend: OpenMP" not in torch.__config__.parallel_info() or not runtimes:
+        pytest.skip("torch runs no OpenMP runtime here: the kernel is built with threads of its own")
+    monkeypatch.setattr(native, "_state", {})
+    monkeypatch.setenv("LIGHTNING_MP_CACHE", str(tmp_path))
+    assert native.threading_model() == "openmp" and native.backward_threads() == torch.get_num_threads()
+    assert native.openmp_runtimes() == runtimes  # no second runtime: torch's pool runs the kernel's units
+    monkeypatch.setenv("LIGHTNING_MP_OPENMP", "0")  # the build without OpenMP, on purpose
+    monkeypatch.setattr(native, "_state", {})
+    assert native.threading_model() == "pthreads" and native.backward_threads() == 1
+    monkeypatch.setattr(native, "_state", {})
+
+
+def test_both_builds_are_bitwise_torchs_kernel_with_the_work_shared_by_two_threads():
+    """Threads never change a result: each build, in a fresh process, with tensors of several units of GRAIN shared
+    by two threads, gives torch's fused kernel's bits on every configuration of the contract."""
+    script = (
+        "import torch; torch.set_num_threads(2)\n"
+        "from lightning_mp.kernels import contract, native\n"
+        "assert native.threads() == 2, native.threads()\n"
+        "for kind, flags in contract.CASES:\n"
+        "    found = contract.measure(kind, flags, torch.device('cpu'), 'cpu', sizes=(5 * native.GRAIN + 3, 7), seeds=1)\n"
+        "    assert found['differ'] == 0 and found['ours'] == found['torch'], (kind, flags, found)\n"
+        "print(native.threading_model())\n"
+    )
+    models = []
+    for openmp in ("1", "0"):
+        env = {**os.environ, "LIGHTNING_MP_OPENMP": openmp}
+        done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
+        assert done.returncode == 0, done.stderr[-3000:]
+        models.append(done.stdout.strip().splitlines()[-1])
+    assert models[1] == "pthreads" and models[0] in ("openmp", "pthreads")
 
 
 # ---------------------------------------------------------------- CUDA (Triton): the contract of native/contract.py

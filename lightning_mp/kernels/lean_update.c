@@ -326,6 +326,16 @@ static void run_threads(void *(*work)(void *), void *arg, int threads, const uni
     int64_t units = q->units, useful = (q->elements + q->grain - 1) / q->grain;
     if (useful < units) units = useful;
     if (threads > 64) threads = 64;
+#ifdef _OPENMP
+    if ((int64_t)threads > units) threads = (int)units;
+    if (threads <= 1) {
+        work(arg);
+        return;
+    }
+#pragma omp parallel num_threads(threads)
+    work(arg);
+    return;
+#endif
     pthread_t ids[64];
     int started = 0;
     for (int t = 1; t < threads && (int64_t)t < units; t++) {

@@ -6,6 +6,17 @@ process needs it (about a second), into a cache keyed by the source, the compile
 built (no C compiler, a compiler error) or loaded, :func:`cpu_kernel` returns ``None`` after one warning that says
 why, and the step falls back to the chunked path (:mod:`lightning_mp.master.lean.chunked`): slower, the same bits.
 ``LIGHTNING_MP_NATIVE=0`` turns the compiled kernels off (the fallback on purpose).
+
+Threads: built with OpenMP where the compiler has it, the kernel's parallel work runs on the OpenMP thread pool of
+the calling thread, *the same pool torch's CPU ops use* (torch's build loads its ``libgomp.so.1`` first, and the
+kernel's reference to that name resolves to it): the threads that just ran a matmul take the update's units at once.
+Threads of its own (``pthread_create`` per call, the build without OpenMP) competed with torch's OpenMP workers,
+which spin-wait for a while after each parallel region and hold the other cores: inside backward a two-thread update
+made the step 1.56x slower than one thread, while on torch's pool it runs at the normal step's speed
+(``benchmarks/RESULTS.md``, "The step inside backward on torch's OpenMP threads"). Where the OpenMP build would
+bring a second OpenMP runtime into the process (torch built with another one) or cannot be built, the kernel is
+built without OpenMP; ``LIGHTNING_MP_OPENMP=0`` chooses that build on purpose. The threads never change a result:
+each element's arithmetic is the same whichever thread computes it.
 """
 
 from __future__ import annotations
@@ -14,6 +25,7 @@ import ctypes
 import hashlib
 import os
 import platform
+import re
 import shutil
 import subprocess
 import tempfile
@@ -37,6 +49,9 @@ CFLAGS = [
     "-shared",
     "-pthread",
 ]
+#: Added where the compiler has OpenMP: the kernel's threads are then the OpenMP threads torch's own CPU ops run on
+#: (:func:`cpu_kernel`), not threads of its own.
+OPENMP_FLAGS = ["-fopenmp"]
 #: Elements per unit of work handed to a thread (a multiple of every vector width).
 GRAIN = 1 << 16
 #: The vector width of torch's fused CPU optimizer kernels, in floats.
@@ -139,10 +154,10 @@ def _cpu_key() -> str:
     return platform.processor() or platform.machine()
 
 
-def _build(compiler: str) -> Path:
+def _build(compiler: str, flags: list[str]) -> Path:
     source = SOURCE.read_bytes()
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=False).stdout
-    key = hashlib.sha256(b"\0".join([source, " ".join(CFLAGS).encode(), version.encode(), _cpu_key().encode()]))
+    key = hashlib.sha256(b"\0".join([source, " ".join(flags).encode(), version.encode(), _cpu_key().encode()]))
     target = cache_dir() / f"lean_update-{key.hexdigest()[:16]}.so"
     if target.exists():
         return target
@@ -152,7 +167,7 @@ def _build(compiler: str) -> Path:
     os.close(fd)
     try:
         done = subprocess.run(
-            [compiler, *CFLAGS, str(SOURCE), "-o", scratch, "-lm"], capture_output=True, text=True, check=False
+            [compiler, *flags, str(SOURCE), "-o", scratch, "-lm"], capture_output=True, text=True, check=False
         )
         if done.returncode != 0:
             raise RuntimeError(f"{compiler} failed ({done.returncode}): {done.stderr.strip()[-2000:]}")
@@ -161,6 +176,40 @@ def _build(compiler: str) -> Path:
         if os.path.exists(scratch):
             os.unlink(scratch)
     return target
+
+
+def openmp_runtimes() -> set[str]:
+    """The files of the OpenMP runtimes loaded in this process (GNU ``libgomp``, LLVM ``libomp``, Intel
+    ``libiomp5``), from ``/proc/self/maps``; empty where it cannot be read."""
+    try:
+        maps = Path("/proc/self/maps").read_text()
+    except OSError:
+        return set()
+    return set(re.findall(r"(/\S*/lib(?:gomp|iomp5|omp)[^/\s]*\.so[.\d]*)$", maps, flags=re.MULTILINE))
+
+
+def _load_openmp(compiler: str) -> Optional[ctypes.CDLL]:
+    """The OpenMP build, loaded, where it builds and shares the one OpenMP runtime torch already loaded (module doc);
+    ``None`` otherwise (the caller builds the one without OpenMP)."""
+    if os.environ.get("LIGHTNING_MP_OPENMP", "1") == "0":
+        return None
+    before = openmp_runtimes()
+    if not before:  # torch runs no OpenMP runtime here (or the maps cannot be read): no pool to share
+        return None
+    try:
+        path = _build(compiler, CFLAGS + OPENMP_FLAGS)
+    except RuntimeError:  # a compiler without OpenMP (clang without libomp): the build without it
+        return None
+    library = ctypes.CDLL(str(path))
+    if openmp_runtimes() != before:  # it brought a second runtime, a pool of its own: not loaded for use
+        return None
+    return library
+
+
+def threading_model() -> Optional[str]:
+    """``"openmp"`` (torch's OpenMP threads), ``"pthreads"`` (threads of its own) or ``None`` (no compiled kernel)."""
+    library = cpu_kernel()
+    return None if library is None else _state.get("threading")
 
 
 def cpu_kernel() -> Optional[ctypes.CDLL]:
@@ -173,7 +222,10 @@ def cpu_kernel() -> Optional[ctypes.CDLL]:
         try:
             if compiler is None:
                 raise RuntimeError("no C compiler found (looked for $CC, cc, gcc, clang)")
-            library = ctypes.CDLL(str(_build(compiler)))
+            library = _load_openmp(compiler)
+            _state["threading"] = "openmp" if library is not None else "pthreads"
+            if library is None:
+                library = ctypes.CDLL(str(_build(compiler, CFLAGS)))
             library.lean_update.restype = ctypes.c_int
             library.lean_update.argtypes = [
                 ctypes.POINTER(Piece),
@@ -237,27 +289,34 @@ def vec_size() -> int:
     return VEC_SIZE
 
 
-_local = threading.local()  # .threads: this thread's cap on the CPU kernel's threads (see single_threaded)
+_local = threading.local()  # .threads: this thread's cap on the CPU kernel's threads (see inside_backward)
 
 
-class single_threaded:  # a context manager named as the function it was: `with single_threaded():`
-    """Within the block, the CPU kernels (update and check) run on the calling thread only. Inside backward (the step in backward)
-    torch's OpenMP threads spin-wait between autograd's ops and hold the other cores: kernel threads started there
-    competed with them (measured on 2 cores: 39 calls inside backward 27-48 ms with 2 threads, 7-14 ms with 1). A
-    class, not a generator: it is entered once per parameter inside backward, where contextlib's cost showed."""
+def backward_threads() -> int:
+    """How many threads the CPU kernels use inside backward (the step inside backward): torch's, on torch's OpenMP
+    threads (the OpenMP build: they take the work between autograd's ops); one with threads of their own (the
+    build without OpenMP), which competed there with torch's spin-waiting OpenMP workers (measured on 2 cores: 39
+    calls inside backward 27-48 ms with 2 threads, 7-14 ms with 1)."""
+    return torch.get_num_threads() if _state.get("threading") == "openmp" else 1
+
+
+class inside_backward:  # a context manager: `with inside_backward():`
+    """Within the block the CPU kernels (update and check) use :func:`backward_threads` threads. A class, not a
+    generator: it is entered once per parameter inside backward, where contextlib's cost showed."""
 
     __slots__ = ("before",)
 
     def __enter__(self) -> None:
         self.before = getattr(_local, "threads", None)
-        _local.threads = 1
+        _local.threads = backward_threads()
 
     def __exit__(self, *exc: object) -> None:
         _local.threads = self.before
 
 
 def threads() -> int:
-    """How many threads the CPU kernels may use here: one inside :func:`single_threaded`, else torch's."""
+    """How many threads the CPU kernels may use here: :func:`backward_threads` inside :class:`inside_backward`, else
+    torch's."""
     return getattr(_local, "threads", None) or torch.get_num_threads()
 
 
@@ -357,7 +416,7 @@ def prepare_call(
     numel: int,
     check: Optional[torch.dtype],
 ) -> Optional[Call]:
-    """The :class:`Call` of one piece's step on the calling thread (``pieces``, ``grad_fp32``, ``counts`` and
+    """The :class:`Call` of one piece's step inside backward, on :func:`backward_threads` threads (``pieces``, ``grad_fp32``, ``counts`` and
     ``first_unit`` a plan's ctypes arrays, ``options`` held by the caller), the settle included; with ``check`` (the
     gradient's dtype) the gradient's non-finite check into ``found`` first. ``None`` where the check cannot be made
     by the kernel (another dtype)."""
@@ -366,7 +425,8 @@ def prepare_call(
         return None
     return Call(
         pieces, ctypes.addressof(grad_fp32), ctypes.pointer(options), found.data_ptr() if found is not None else None,
-        ctypes.addressof(counts) if counts is not None else None, ncounts if counts is not None else 0, 1, 1, GRAIN,
+        ctypes.addressof(counts) if counts is not None else None, ncounts if counts is not None else 0, 1,
+        backward_threads(), GRAIN,
         ctypes.addressof(first_unit), None, numel, width, mask,
     )  # fmt: skip
 

@@ -331,7 +331,7 @@ class StepInBackward:
     def _apply(self, param: Tensor) -> None:
         if not self._prepared.run(param):  # its check and update in one C call, laid out at its last update
             index, one = self._one_groups[id(param)]  # its group's options as of begin() (GroupOptions.refresh)
-            with native.single_threaded():  # see native.single_threaded: faster inside backward
+            with native.inside_backward():  # its threads: native.backward_threads
                 if torch.is_grad_enabled():  # a backward with create_graph=True (autograd runs the others without grad)
                     with torch.no_grad():
                         self.update.run_param(param, one, self._flag_for(param), self.grad_ops)
