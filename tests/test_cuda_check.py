@@ -73,6 +73,7 @@ def test_lists_it_does_not_take_are_left_to_torch(device):
     assert not cuda.check_nonfinite([grads[0]], torch.zeros((), dtype=torch.float64, device=device))
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (the op count of the CUDA path)")
 def test_the_hooks_bf16_check_on_cuda_is_one_launch_and_no_torch_op():
     from torch.profiler import ProfilerActivity, profile
