@@ -416,10 +416,10 @@ def prepare_call(
     numel: int,
     check: Optional[torch.dtype],
 ) -> Optional[Call]:
-    """The :class:`Call` of one piece's step inside backward, on :func:`backward_threads` threads (``pieces``, ``grad_fp32``, ``counts`` and
-    ``first_unit`` a plan's ctypes arrays, ``options`` held by the caller), the settle included; with ``check`` (the
-    gradient's dtype) the gradient's non-finite check into ``found`` first. ``None`` where the check cannot be made
-    by the kernel (another dtype)."""
+    """The :class:`Call` of one piece's step inside backward, on :func:`backward_threads` threads (``pieces``,
+    ``grad_fp32``, ``counts`` and ``first_unit`` a plan's ctypes arrays, ``options`` held by the caller), the settle
+    included; with ``check`` (the gradient's dtype) the gradient's non-finite check into ``found`` first. ``None``
+    where the check cannot be made by the kernel (another dtype)."""
     width, mask = _EXPONENT_MASKS.get(check, (0, 0)) if check is not None else (0, 0)
     if check is not None and not width:
         return None
