@@ -272,7 +272,9 @@ def check_nonfinite(grads: list[Tensor], found: Tensor) -> bool:
     inf or NaN, reading them only, one launch per gradient (no other op): the check of one parameter's bf16 gradient
     inside backward on CUDA, where torch's check takes no bf16 and the inf-norm way is about eight ops. ``False``
     (nothing done) where Triton is missing or the list is long, sparse or not contiguous."""
-    if not grads or len(grads) > CHECK_MAX_TENSORS or not triton_available() or found.dtype != torch.float32:
+    if not grads or len(grads) > CHECK_MAX_TENSORS or found.dtype != torch.float32:
+        return False
+    if "check" not in _kernels and not triton_available():  # asked once: per parameter inside backward otherwise
         return False
     if not all(g.is_contiguous() and g.layout == torch.strided and g.device == found.device for g in grads):
         return False
