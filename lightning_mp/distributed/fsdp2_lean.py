@@ -254,12 +254,14 @@ class ShardedRemainderMasters(RemainderMasters):
             value = materialise(value, value.shape, local.device)
         self._split(_local_shard_of(value, param).to(local.device), local, shard[2])
 
-    def follow_write(self, param: nn.Parameter, value: Optional[Tensor]) -> None:
-        """A write in place into the bf16 shard: its remainder becomes zero (the written bf16 value is the value)."""
+    def follow_write(self, param: nn.Parameter, value: Optional[Tensor]) -> int:
+        """A write in place into the bf16 shard: its remainder becomes zero (the written bf16 value is the value;
+        which elements changed cannot be told, as on one device). Returns how many values were taken at 16 bits."""
         shard = self._shards.get(id(param))
         if shard is None:
             return super().follow_write(param, value)
         shard[2].zero_()
+        return shard[2].numel()
 
     def restore(self) -> None:
         """Give FSDP2 fp32 shards again holding the exact values (a later forward all-gathers them in the policy's

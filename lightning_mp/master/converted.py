@@ -19,6 +19,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from lightning_mp.master import exact
+from lightning_mp.master.buffers import ConvertedBuffers
 from lightning_mp.master.model_sync import ModelSync, ModelWriteError, materialise, stop
 from lightning_mp.master.plain import PlainWeights
 from lightning_mp.master.refused_callbacks import refuse_callbacks
@@ -37,6 +38,14 @@ NORM_TYPES: tuple[type[nn.Module], ...] = (
 def is_norm(name: str, module: nn.Module) -> bool:
     """The default ``keep_fp32`` rule: normalisation layers keep fp32 parameters and statistics."""
     return isinstance(module, NORM_TYPES)
+
+
+def take_changed(exact: Tensor, half: Tensor) -> int:
+    """Where the 16-bit ``half`` no longer holds ``exact``'s rounding (a write changed it), ``exact`` takes ``half``'s
+    value; the other elements keep theirs. Returns how many changed (one comparison; one host read)."""
+    changed = half != exact.to(half.dtype)
+    exact.copy_(torch.where(changed, half.to(exact.dtype), exact))
+    return int(changed.sum())
 
 
 class ConvertedModel(PlainWeights):
@@ -61,8 +70,7 @@ class ConvertedModel(PlainWeights):
         self._params: dict[int, nn.Parameter] = {}  # id(half model param) -> the param, for every converted one
         # fp32 values of the half parameters before the cast (the original tensors), until masters replace them
         self._fp32_values: dict[int, Tensor] = {}
-        # converted buffers: (owner module, attribute name, qualified name, value before the cast, half value)
-        self._buffers: list[tuple[nn.Module, str, str, Tensor, Tensor]] = []
+        self._buffers = ConvertedBuffers()  # the model's 16-bit buffers and the full-precision values they stand for
         self._optimizers: list[Optimizer] = []
         self._groups_seen = GroupsSeen()  # as last followed; none recorded: a subclass attached (FSDP2), not followed
 
@@ -94,7 +102,6 @@ class ConvertedModel(PlainWeights):
         for module_name, owner in module.named_modules():
             if module_name in kept_modules:
                 continue
-            prefix = f"{module_name}." if module_name else ""
             for _name, param in owner.named_parameters(recurse=False):
                 if not param.is_floating_point() or id(param) in self._params or id(param) in kept:
                     continue
@@ -102,11 +109,8 @@ class ConvertedModel(PlainWeights):
                 self._cast_param(param)
             for name, buffer in list(owner.named_buffers(recurse=False)):
                 if buffer is not None and buffer.is_floating_point() and buffer.dtype != self.dtype:
-                    half = buffer.to(self.dtype)
-                    self._buffers.append((owner, name, prefix + name, buffer, half))
-                    owner._buffers[name] = half
-        buffers = tuple((owner, name, original, half) for owner, name, _, original, half in self._buffers)
-        self.model_sync = ModelSync(self, module, self._params, buffers)
+                    self._buffers.convert(owner, name, self.dtype)
+        self.model_sync = ModelSync(self, module, self._params, self._buffers)
         return module
 
     def _cast_param(self, param: nn.Parameter) -> None:
@@ -138,13 +142,17 @@ class ConvertedModel(PlainWeights):
         else:
             param.copy_(value)
 
-    def _follow_kept(self, param: nn.Parameter, value: Optional[Tensor]) -> None:
-        """A write into a converted parameter no master holds (see ``follow_write``): the kept fp32 value follows."""
+    def _follow_kept(self, param: nn.Parameter, value: Optional[Tensor]) -> int:
+        """A write into a converted parameter no master holds (see ``follow_write``): the kept fp32 value follows
+        (element by element for a write in place). Returns how many values were taken at 16-bit precision."""
         if value is None:
-            self._fp32_values.pop(id(param), None)  # the kept value is the model's, upcast: exact
-            return
+            kept = self._fp32_values.get(id(param))
+            if kept is None:  # the kept value is the model's, upcast: exact
+                return 0
+            return take_changed(kept, param.detach())
         self._fp32_values[id(param)] = value.detach().to(torch.float32, copy=True)
         param.data = value.detach().to(self.dtype, copy=True)  # a copy: no storage shared with the tensor written
+        return 0
 
     # ------------------------------------------------------------------ the code around the step
     def exact_weights(self, module: nn.Module, write: bool = True) -> contextlib.AbstractContextManager[nn.Module]:
@@ -156,17 +164,10 @@ class ConvertedModel(PlainWeights):
         return exact.exact_parameters(module, store=self)
 
     # ------------------------------------------------------------------ teardown
-    @staticmethod
-    def buffer_value(owner: nn.Module, name: str, original: Tensor, half: Tensor) -> Tensor:
-        """A converted buffer at full precision: its value before the cast while untouched, else an upcast."""
-        current = owner._buffers[name]
-        if current is half:  # untouched since the cast: the original is exact
-            return original.to(current.device)
-        return current.to(original.dtype)
-
     def _restore_buffers(self) -> None:
-        for owner, name, _, original, half in self._buffers:
-            owner._buffers[name] = self.buffer_value(owner, name, original, half)
+        """The model's buffers back at full precision, with what training wrote into them
+        (:meth:`~lightning_mp.master.buffers.ConvertedBuffers.restore`)."""
+        self._buffers.restore()
 
     def stop_following(self) -> Optional[ModelWriteError]:
         """Follow the writes since the last step, then remove the hooks

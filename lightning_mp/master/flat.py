@@ -27,7 +27,7 @@ import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from lightning_mp.master.converted import NORM_TYPES, ConvertedModel, is_norm
+from lightning_mp.master.converted import take_changed, NORM_TYPES, ConvertedModel, is_norm
 from lightning_mp.master.flat_moves import FlatMoves
 
 __all__ = ["NORM_TYPES", "MasterWeights", "is_norm"]
@@ -267,16 +267,20 @@ class MasterWeights(ConvertedModel):
         master.copy_(value)
         self._round_into(param, master)
 
-    def follow_write(self, param: nn.Parameter, value: Optional[Tensor]) -> None:
+    def follow_write(self, param: nn.Parameter, value: Optional[Tensor]) -> int:
         """``param`` was written outside the plugin's step: the master becomes the value now in the model.
-        ``value``: a new value (a replacement's, or new storage: fp32 or half, same shape and device), or ``None``
-        for a write in place (the model's 16-bit value is the new value, exactly)."""
+        ``value``: a new value (a replacement's, or new storage: fp32 or half, same shape and device), taken whole, or
+        ``None`` for a write in place: the model held each master's rounding, so an element whose 16-bit value the
+        write left as it was keeps its exact master, and a changed one becomes the model's 16-bit value. Returns how
+        many values were taken at 16-bit precision (0 for a new value)."""
         master = self._masters.get(id(param))
         if master is None:
             return self._follow_kept(param, value)
-        master.copy_(param.detach() if value is None else value.detach())
-        if value is not None:  # a copy: the model never shares storage with the tensor written
-            param.data = value.detach().to(self.dtype, copy=True)
+        if value is None:
+            return take_changed(master, param.detach())
+        master.copy_(value.detach())
+        param.data = value.detach().to(self.dtype, copy=True)  # a copy: no storage shared with the tensor written
+        return 0
 
     def restore(self) -> None:
         """Give the model back its fp32 values and the optimizers back the model's parameters (with their

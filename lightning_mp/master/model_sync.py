@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import operator
+import warnings
 import weakref
 from collections.abc import Iterator
 from typing import Any, Optional
@@ -44,6 +45,7 @@ from torch import Tensor, nn
 from torch.overrides import is_tensor_like
 from torch.utils.weak import WeakIdKeyDictionary
 
+from lightning_mp.master.buffers import ConvertedBuffers
 from lightning_mp.master.refused_callbacks import PRUNING
 
 _version = operator.attrgetter("_version")
@@ -53,6 +55,32 @@ HOW_TO_WRITE = (
     "Write it in place with the same shape, e.g. `with torch.no_grad(): param.copy_(value)`, nn.init.*, or "
     "module.load_state_dict(...) (any of them followed exactly)."
 )
+
+
+class ModelWriteWarning(UserWarning):
+    """Code outside the plugin wrote 16-bit values into parameters that have fp32 masters (said once per fit)."""
+
+
+def rounded_writes_message(rounded: list[tuple[str, int, int]], tells_changed_values: bool = True) -> str:
+    """The warning for writes in place taken at 16-bit precision: ``(parameter name, values taken, values)``."""
+    shown = ", ".join(f"{name!r}: {taken} of {total} values" for name, taken, total in rounded[:6])
+    more = f" and {len(rounded) - 6} more" if len(rounded) > 6 else ""
+    how = (
+        "values the write left as they were kept their exact masters"
+        if tells_changed_values
+        else "lean masters cannot tell which values a write changed (the remainders complete the 16-bit weights the "
+        "write overwrote), so each written parameter was taken whole"
+    )
+    return (
+        f"MixedPrecisionPlugin with master weights: code outside the plugin wrote into {len(rounded)} parameter(s) in "
+        f"place during fit ({shown}{more}). The model holds 16-bit weights, so the written values reached the fp32 "
+        f"masters at 16-bit precision ({how}); an fp32 model would have kept them exact. Write inside exact_weights, "
+        "where the parameters are the exact fp32 masters and what you write is kept exactly, e.g. (`from "
+        "lightning_mp.master import exact_weights`)\n"
+        "    with torch.no_grad(), exact_weights(model):\n"
+        "        for p in model.parameters(): p.clamp_(-0.01, 0.01)\n"
+        "(said once per fit; loads and `param.data = fp32 tensor` are followed exactly; see docs/troubleshooting.md)."
+    )
 
 
 class ModelWriteError(RuntimeError):
@@ -70,10 +98,11 @@ class ModelSync:
         store: the master-weights store (:class:`~lightning_mp.master.MasterWeights` or
             :class:`~lightning_mp.master.RemainderMasters`, both on :class:`~lightning_mp.master.converted.
             ConvertedModel`): it provides ``fp32_value(param)``, ``load_fp32(param, value)``,
-            ``follow_write(param, value)`` and ``buffer_value(owner, name, original, half)``.
+            ``follow_write(param, value)``.
         module: the converted model.
         params: ``id(parameter) -> parameter`` for every parameter that has a master.
-        buffers: converted buffers ``(owner, name, value before the cast, half value)``, saved at full precision.
+        buffers: the converted buffers (:class:`~lightning_mp.master.buffers.ConvertedBuffers`): saved at full
+            precision with what training wrote into them; a load into them is their exact value.
         watch_objects: compare the objects the modules hold and the storage addresses too (``False`` under FSDP2,
             which swaps sharded and unsharded parameters in the modules itself).
     """
@@ -83,7 +112,7 @@ class ModelSync:
         store: Any,
         module: nn.Module,
         params: dict[int, nn.Parameter],
-        buffers: tuple[tuple[nn.Module, str, Tensor, Tensor], ...] = (),
+        buffers: Optional[ConvertedBuffers] = None,
         watch_objects: bool = True,
     ) -> None:
         self.store = store
@@ -96,9 +125,9 @@ class ModelSync:
         self._index = {id(p): i for i, p in enumerate(self._params)}
         self._shapes = [tuple(p.shape) for p in self._params]
         self._names: dict[int, str] = {}
-        # per owning module: [(attribute name, parameter)] and [(buffer name, original, half)]
+        # per owning module: [(attribute name, parameter)]
         self._owned: dict[int, list[tuple[str, nn.Parameter]]] = {}
-        self._owned_buffers: dict[int, list[tuple[str, Tensor, Tensor]]] = {}
+        self._buffers = buffers if buffers is not None else ConvertedBuffers()
         owners: dict[int, nn.Module] = {}
         for module_name, owner in module.named_modules():
             for name, param in owner._parameters.items():
@@ -106,8 +135,7 @@ class ModelSync:
                     self._owned.setdefault(id(owner), []).append((name, param))
                     owners[id(owner)] = owner
                     self._names.setdefault(id(param), f"{module_name}.{name}" if module_name else name)
-        for owner, name, original, half in buffers:
-            self._owned_buffers.setdefault(id(owner), []).append((name, original, half))
+        for owner in self._buffers.owners():
             owners[id(owner)] = owner
         # the slots the check compares: the dict each owner keeps its parameters in, the name, the object expected
         slots = [(owners[key]._parameters, name, param) for key, owned in self._owned.items() for name, param in owned]
@@ -125,6 +153,7 @@ class ModelSync:
         self._dtypes = [p.dtype for p in self._params]
         self._loaded: dict[int, Any] = {}  # id(param) -> the value a load in progress brings
         self._raised: Optional[str] = None  # the last ModelWriteError's message
+        self._warned = False  # a write in place was taken at 16-bit precision and said so (once per fit)
         self._hooks = [
             hook
             for owner in owners.values()
@@ -187,6 +216,7 @@ class ModelSync:
         replaced = self._put_back_replaced() if self.watch_objects else {}
         pointers = self._pointer_list()
         versions = list(map(_version, self._params))
+        rounded: list[tuple[str, int, int]] = []  # (name, values taken at 16-bit precision, values) per parameter
         with torch.no_grad():
             for index, param in enumerate(self._params):
                 if id(param) in replaced:
@@ -195,8 +225,13 @@ class ModelSync:
                     self._check_value(param, param.data, "given new storage (`param.data = tensor`)", self.keep_dtypes)
                     self.store.follow_write(param, param.data)
                 elif versions[index] != self._versions[index]:
-                    self.store.follow_write(param, None)
+                    taken = self.store.follow_write(param, None)
+                    if taken:
+                        rounded.append((self.name_of(param), taken, param.numel()))
         self.record()
+        if rounded and not self._warned:
+            self._warned = True
+            warnings.warn(rounded_writes_message(rounded, self.store.tells_changed_values), ModelWriteWarning, 3)
 
     def _put_back_replaced(self) -> dict[int, Tensor]:
         """Put back the parameter objects the masters belong to where a module holds another one now; their new
@@ -276,14 +311,17 @@ class ModelSync:
         for name, param in self._owned.get(id(module), ()):
             if prefix + name in state_dict:
                 state_dict[prefix + name] = self.store.fp32_value(param)
-        for name, original, half in self._owned_buffers.get(id(module), ()):
-            if prefix + name in state_dict and module._buffers.get(name) is not None:
-                state_dict[prefix + name] = self.store.buffer_value(module, name, original, half)
+        for entry in self._buffers.of(module):
+            if prefix + entry.name in state_dict:
+                value = self._buffers.value(entry)
+                if value is not None:
+                    state_dict[prefix + entry.name] = value
 
     def _load_pre_hook(self, module: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
         # keep what the load brings (any value torch copies from, as torch's _load_from_state_dict accepts it);
         # among a tied parameter's names an fp32/fp64 value wins over a half one (older checkpoints stored the half
-        # copy under the alias)
+        # copy under the alias); the converted buffers keep theirs too
+        self._buffers.before_load(module, state_dict, prefix)
         for name, param in self._owned.get(id(module), ()):
             value = state_dict.get(prefix + name)
             if value is None or not is_tensor_like(value):
@@ -295,6 +333,7 @@ class ModelSync:
     def _load_post_hook(self, module: nn.Module, incompatible_keys: Any) -> None:
         # torch has copied (rounded) the values into the model: the masters take them at full precision, and the
         # model their rounding; a load with assign=True put new objects in the module: the masters' come back
+        self._buffers.after_load(module)
         with torch.no_grad():
             for name, param in self._owned.get(id(module), ()):
                 value = self._loaded.pop(id(param), None)

@@ -45,6 +45,9 @@ class PlainWeights:
     option: Union[bool, str] = False
     #: Whether the model is held in half precision with master weights (what ``plugin.master_weights`` says).
     holds_masters = False
+    #: Whether a write in place into the model can be followed element by element (the masters keep what the write
+    #: left as it was): fp32 masters can compare with their rounding; lean masters hold no copy of the 16-bit weights.
+    tells_changed_values = True
     #: Whether the optimizers' param groups hold fp32 masters instead of the model's parameters (``toggle_optimizer``
     #: and callbacks that name the groups' parameters must then be told).
     groups_hold_masters = False

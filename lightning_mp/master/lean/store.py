@@ -76,6 +76,7 @@ class RemainderMasters(ConvertedModel):
 
     kind = option = "remainder"
     updates_itself = lean = True  # its step (fused_step) updates the weights and takes the found-inf flag
+    tells_changed_values = False  # the remainders complete the bf16 weights a write in place overwrites
 
     def __init__(
         self,
@@ -324,19 +325,23 @@ class RemainderMasters(ConvertedModel):
         if param.data_ptr() != high.data_ptr():  # `param.data = tensor` before the load: the block again
             param.data = high.view_as(param)
 
-    def follow_write(self, param: nn.Parameter, value: Optional[Tensor]) -> None:
-        """``param`` was written outside the plugin's step: its remainder becomes zero (a write in place, ``value``
-        ``None``: the bf16 weight in the block holds the new value), or ``value`` (fp32 or bf16) is split into the
-        block and the parameter views the block again."""
+    def follow_write(self, param: nn.Parameter, value: Optional[Tensor]) -> int:
+        """``param`` was written outside the plugin's step: ``value`` (fp32 or bf16) is split into the block and the
+        parameter views the block again, or, for a write in place (``value`` ``None``), the bf16 weight in the block
+        holds the new value and its remainder becomes zero. The write overwrote the bf16 weights that the remainders
+        complete, and nothing else holds them (a copy would cost 2 bytes/param): which elements it changed cannot be
+        told, so the whole parameter is taken at 16-bit precision. Returns how many values were (0 for a new value);
+        :func:`~lightning_mp.master.exact.exact_weights` writes exactly."""
         place = self._layout.get(id(param))
         if place is None:
             return self._follow_kept(param, value)
         high, low = self.flat_slices(place[0], place[1], place[1] + param.numel())
         if value is None:
             low.zero_()
-            return
+            return param.numel()
         split_by_chunks(value.detach().reshape(-1), high, low, self.chunk_size_for(place[0]))
         param.data = high.view_as(param)
+        return 0
 
     def restore(self) -> None:
         """Give the model back its exact fp32 values (fresh tensors), block by block, each block released once its
