@@ -93,7 +93,7 @@ def write(kind: str, root: nn.Module, target: str, tmp_path: Path, seed: int = 0
             else:
                 nn.init.normal_(param, generator=generator)
         written = owner.named_parameters(recurse=False) if kind == "reset" else [(name, param)]
-        return {prefix + key: p.detach().float().clone() for key, p in written}
+        return {prefix + key: InPlace(p.detach().clone()) for key, p in written}
     value = _fp32_values(param.shape, generator)
     if kind == "replace":
         setattr(owner, name, nn.Parameter(value.clone()))
@@ -103,6 +103,30 @@ def write(kind: str, root: nn.Module, target: str, tmp_path: Path, seed: int = 0
         value = value.bfloat16()
         param.data = value.clone()
     return {prefix + name: value.float()}
+
+
+class InPlace:
+    """What a write in place left in a parameter (at the parameter's dtype): see :func:`followed`."""
+
+    def __init__(self, value: Tensor) -> None:
+        self.value = value
+
+
+def followed(mode: Any, expected: dict[str, Tensor], written: dict[str, Any]) -> dict[str, Tensor]:
+    """The exact values ``written`` (what :func:`write` returned) leaves in the masters, given the values they held
+    (``expected``). A write in place into a 16-bit parameter: fp32 masters (``True``) keep every element whose 16-bit
+    rounding the write left as it was and take the 16-bit value elsewhere; lean masters cannot tell the elements
+    apart and take the whole 16-bit value. Into an fp32 parameter (new fp32 storage): the value itself."""
+    values = {}
+    for key, value in written.items():
+        if not isinstance(value, InPlace):
+            values[key] = value
+        elif value.value.dtype == torch.float32 or mode == "remainder":
+            values[key] = value.value.float()
+        else:
+            old = expected[key]
+            values[key] = torch.where(value.value == old.to(value.value.dtype), old, value.value.float())
+    return values
 
 
 def snapshot(root: nn.Module) -> dict[str, Tensor]:
@@ -145,6 +169,7 @@ class WritingModule(L.LightningModule):
         super().__init__()
         build(self)
         self.writes = writes
+        self.mode: Any = True  # the master mode it runs under (fit_with_writes sets it)
         self.tmp_path = tmp_path
         self.expected = snapshot(self)
         self.saved: dict[str, Tensor] = {}
@@ -162,7 +187,8 @@ class WritingModule(L.LightningModule):
     def run_writes(self, moment: str) -> None:
         for number, (when, kind, target) in enumerate(self.writes):
             if when == moment:
-                self.expected.update(write(kind, self, target, self.tmp_path, seed=number))
+                written = write(kind, self, target, self.tmp_path, seed=number)
+                self.expected.update(followed(self.mode, self.expected, written))
 
     def on_train_start(self) -> None:
         self.run_writes("on_train_start")
@@ -190,6 +216,7 @@ def fit_with_writes(
     ``ckpt_path``, resumed from that checkpoint (what it holds is the reference the writes update)."""
     torch.manual_seed(0)  # the same model on every rank
     module = trainer_kwargs.pop("module", None) or WritingModule(writes, tmp_path)
+    module.mode = mode
     devices = trainer_kwargs.pop("devices", 1)
     ckpt_path = trainer_kwargs.pop("ckpt_path", None)
     if ckpt_path is not None:
@@ -223,7 +250,8 @@ def fabric_with_writes(mode: Any, writes: list[tuple[str, str, str]], tmp_path: 
     for step in range(steps):
         for number, (when, kind, target) in enumerate(writes):
             if when == step:
-                expected.update(write(kind, model.module, target, tmp_path, seed=number))
+                written = write(kind, model.module, target, tmp_path, seed=number)
+                expected.update(followed(mode, expected, written))
         loss = nn.functional.mse_loss(model(x).float(), y)
         fabric.backward(loss)
         optimizer.step()

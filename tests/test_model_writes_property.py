@@ -25,6 +25,7 @@ from tests.model_writes import (
     Net,
     assert_exact,
     fit_with_writes,
+    followed,
     loader,
     plugin,
     snapshot,
@@ -55,7 +56,7 @@ def _fabric_run(mode, writes, resume_at, tmp_path: Path) -> None:
             reference = dict(saved_reference)
         for number, (when, kind, target) in enumerate(writes):
             if when == step:
-                reference.update(write(kind, model.module, target, tmp_path, seed=number))
+                reference.update(followed(mode, reference, write(kind, model.module, target, tmp_path, seed=number)))
         fabric.backward(nn.functional.mse_loss(model(x).float(), y))
         optimizer.step()
         optimizer.zero_grad()
