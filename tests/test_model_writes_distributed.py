@@ -10,6 +10,7 @@ from tests.distributed.common import load_ranks
 from tests.distributed.launch import launch
 from tests.distributed.write_checks import DDP_WRITES
 from tests.model_writes import assert_exact
+from tests.test_training_writes import assert_buffers
 
 pytest.importorskip("litgpt")
 
@@ -22,7 +23,7 @@ def ranks(tmp_path_factory) -> list[dict]:
 
 
 def test_every_write_under_ddp_reaches_the_masters_on_both_ranks(ranks):
-    runs = [name for name in ranks[0] if name.startswith("ddp") and "dtype change" not in name]
+    runs = [name for name in ranks[0] if name.startswith("ddp") and "dtype change" not in name and "buffers" not in name]
     assert len(runs) == 2 * len(DDP_WRITES)
     for rank in ranks:
         for name in runs:
@@ -46,3 +47,13 @@ def test_new_storage_of_another_dtype_is_refused_under_ddp_naming_the_parameter(
             message = rank[f"ddp dtype change {mode}"]
             assert message is not None and message.startswith("ModelWriteError"), message
             assert "'net.2.weight'" in message and "gradient accumulator" in message
+
+
+@pytest.mark.parametrize("mode", ["True", "remainder"])
+def test_buffers_written_during_fit_under_ddp_are_in_the_model_and_the_checkpoints(ranks, mode):
+    for number, rank in enumerate(ranks):
+        held, checkpoints = rank[f"ddp buffers {mode}"]
+        assert_buffers(held, f"DDP rank {number}, master_weights={mode}: the model after fit")
+        assert len(checkpoints) == 2
+        for epoch, saved in enumerate(checkpoints):
+            assert_buffers(saved, f"DDP rank {number}, master_weights={mode}: the checkpoint of epoch {epoch}")

@@ -87,7 +87,7 @@ class KeepCheckpoints(L.Callback):
     def on_validation_end(self, trainer: L.Trainer, pl_module: Any) -> None:
         if trainer.sanity_checking:
             return
-        path = self.directory / f"epoch{trainer.current_epoch}-rank{trainer.global_rank}.ckpt"
+        path = self.directory / f"epoch{trainer.current_epoch}.ckpt"  # written by rank 0, read by every rank
         trainer.save_checkpoint(path)
         state = torch.load(path, weights_only=True)["state_dict"]
         pl_module.checkpoints.append({name: state[name] for name in EXPECTED_BUFFERS})

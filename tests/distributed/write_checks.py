@@ -7,7 +7,8 @@ new parameter objects into the modules, which DDP itself refuses) into the root 
 child module, in ``on_train_start``, a callback and between steps (the same values on both ranks), steps at lr 0;
 FSDP2 (ModelParallelStrategy) with both modes: loads of DTensor values into a child module and the root, and writes
 in place into the shards (bf16 with ``"remainder"``, FSDP2's fp32 masters with ``True``), between steps. Each rank saves, per run, the fp32 values written and the fp32
-values the model's state dict holds after the last step (``on_train_end``).
+values the model's state dict holds after the last step (``on_train_end``). Then buffers written during fit
+(tests/training_writes.py) under DDP with both modes: what the model and each checkpoint hold.
 """
 
 from __future__ import annotations
@@ -20,7 +21,9 @@ import torch
 from torch import Tensor, nn
 
 from tests.distributed.common import finish, save
+from lightning_mp import MixedPrecisionPlugin
 from tests.model_writes import KINDS, MODES, WritingModule, fit_with_writes, snapshot
+from tests.training_writes import buffers_of, fit_buffer_writer
 
 #: writes DDP itself refuses, with any precision: new parameter objects in the modules, and ``p.data = t`` of another
 #: dtype than the parameter's (an fp32 ``t`` into a bf16 parameter; torch then drops the parameter's gradient
@@ -107,6 +110,10 @@ def main(out: Path) -> None:
             results[f"ddp dtype change {mode}"] = None
         except Exception as error:  # what was raised is the result
             results[f"ddp dtype change {mode}"] = f"{type(error).__name__}: {error}"
+    for mode in (True, "remainder"):  # buffers written during fit (tests/training_writes.py) under DDP
+        plugin = MixedPrecisionPlugin("bf16-mixed", master_weights=mode)
+        writer = fit_buffer_writer([plugin], out, strategy="ddp", devices=2)
+        results[f"ddp buffers {mode}"] = (buffers_of(writer), writer.checkpoints)
     save(results, out, rank)
     finish()
 
