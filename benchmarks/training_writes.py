@@ -16,7 +16,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from tests import test_training_writes as cases  # noqa: E402
+from tests import test_training_writes as cases
 
 
 def main() -> None:
@@ -24,7 +24,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=24)
     args = parser.parse_args()
     cases.STEPS = args.steps
-    print(f"| algorithm | master_weights | as written: max abs diff | warned | inside exact_weights | warned |")
+    print("| algorithm | master_weights | as written: max abs diff | warned | inside exact_weights | warned |")
     print("|---|---|---:|---|---:|---|")
     for algorithm in ("clip", "max_norm", "sam"):
         builtin, _ = cases._train(algorithm, exact=False, mode=None)

@@ -23,7 +23,9 @@ def ranks(tmp_path_factory) -> list[dict]:
 
 
 def test_every_write_under_ddp_reaches_the_masters_on_both_ranks(ranks):
-    runs = [name for name in ranks[0] if name.startswith("ddp") and "dtype change" not in name and "buffers" not in name]
+    runs = [
+        name for name in ranks[0] if name.startswith("ddp") and "dtype change" not in name and "buffers" not in name
+    ]
     assert len(runs) == 2 * len(DDP_WRITES)
     for rank in ranks:
         for name in runs:

@@ -79,7 +79,7 @@ def rounded_writes_message(rounded: list[tuple[str, int, int]], tells_changed_va
         "lightning_mp.master import exact_weights`)\n"
         "    with torch.no_grad(), exact_weights(model):\n"
         "        for p in model.parameters(): p.clamp_(-0.01, 0.01)\n"
-        "(said once per fit; loads and `param.data = fp32 tensor` are followed exactly; see docs/troubleshooting.md)."
+        "(said once per fit; loads and `param.data = fp32 tensor` are followed exactly)."
     )
 
 

@@ -20,8 +20,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from tests.distributed.common import finish, save
 from lightning_mp import MixedPrecisionPlugin
+from tests.distributed.common import finish, save
 from tests.model_writes import KINDS, MODES, WritingModule, fit_with_writes, snapshot
 from tests.training_writes import buffers_of, fit_buffer_writer
 
