@@ -21,6 +21,7 @@ from torch.nn import Module
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_map
 
+from lightning_mp.cpu import warn_bf16_without_native_instructions
 from lightning_mp.policy import OPS, CastPolicy
 
 _WARNED_FP16_ON_CPU = False
@@ -46,7 +47,7 @@ def module_policy(policy: CastPolicy, module: Module) -> CastPolicy:
 
 def warn_at_connect(policy: CastPolicy, model: Module, device_type: str, dtype: torch.dtype) -> None:
     """What is worth a warning once the model is on its device: ``fp32_modules`` rules that match no module of
-    ``model`` (with the closest names), and fp16 autocast on CPU."""
+    ``model`` (with the closest names), fp16 autocast on CPU, and bf16 on a CPU without bf16 instructions."""
     for rule, close in policy.unmatched_module_rules(model).items():
         rank_zero_warn(
             f"CastPolicy fp32_modules rule {rule!r} matches no module of {type(model).__name__}, so it does "
@@ -54,6 +55,8 @@ def warn_at_connect(policy: CastPolicy, model: Module, device_type: str, dtype: 
         )
     if device_type == "cpu" and dtype == torch.float16:
         warn_fp16_on_cpu()
+    if device_type == "cpu" and dtype == torch.bfloat16:
+        warn_bf16_without_native_instructions()  # this CPU has no bf16 instructions: fp32 is the fast choice here
 
 
 def module_device(module: Module) -> torch.device:

@@ -5,7 +5,6 @@ fp32 elsewhere) and :func:`plugin_for` the plugin the CLI adds to the Trainer.""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Optional
 
 import torch
@@ -13,6 +12,7 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from lightning_mp.cli.checks import CLIConfigError, as_list, class_spec, import_class
+from lightning_mp.cpu import cpu_has_native_bf16
 from lightning_mp.plugin import MixedPrecisionPlugin
 
 
@@ -208,18 +208,6 @@ def _runs_on_cpu(accelerator: Optional[str]) -> bool:
     if name in ("auto", "gpu", "cuda"):
         return not torch.cuda.is_available() and not (name == "auto" and torch.backends.mps.is_available())
     return False
-
-
-def cpu_has_native_bf16() -> bool:
-    """Whether the CPU has bf16 matmul instructions (x86: AVX512-BF16 or AMX-BF16; Arm: BF16)."""
-    cpuinfo = Path("/proc/cpuinfo")
-    if not cpuinfo.is_file():
-        return True  # not Linux: assume Lightning's convention holds
-    flags = set()
-    for line in cpuinfo.read_text(errors="ignore").splitlines():
-        if line.startswith(("flags", "Features")):
-            flags.update(line.split(":", 1)[1].split())
-    return bool(flags & {"avx512_bf16", "amx_bf16", "bf16"})
 
 
 # ------------------------------------------------------------------------------------------ helpers
