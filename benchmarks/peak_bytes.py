@@ -73,9 +73,10 @@ MODES: dict[str, tuple[Callable[[], Any], dict[str, Any], list[L.Callback]]] = {
         {},
         [],
     ),
-    # the gradients kept after the step until Lightning's zero_grad (after the next forward), as before the default
-    "ours remainder, gradients kept": (
-        lambda: MixedPrecisionPlugin("bf16-mixed", master_weights="remainder", zero_grad_after_step=False),
+    # the gradients freed right after the step (zero_grad_after_step=True); by default they are kept until
+    # Lightning's zero_grad (after the next forward), as with its built-in precision
+    "ours remainder, gradients freed": (
+        lambda: MixedPrecisionPlugin("bf16-mixed", master_weights="remainder", zero_grad_after_step=True),
         {},
         [],
     ),

@@ -80,14 +80,15 @@ class MixedPrecisionPlugin(FabricHooks, Precision):  # FabricHooks: the hooks as
             FSDP2) and Fabric (one device or DDP), one optimizer whose ``step()`` takes no closure; the step keeps
             the books (:mod:`~lightning_mp.master.in_backward.loop`). Accumulation and clipping by norm are refused.
             Default ``False``.
-        zero_grad_after_step: free the gradients of the optimizer a Trainer step updated (or skipped) right after
-            that step, with ``optimizer.zero_grad(set_to_none=True)``: what the module's ``optimizer_zero_grad`` does
-            anyway before the next backward (Lightning calls it after the next forward), so the next forward's
-            activations and this step's gradients are never alive together (with lean masters: peak 15.1 -> 14.0
-            bytes/param on an HF Llama, ``benchmarks/RESULTS.md``). ``None`` (default): under automatic optimization,
-            unless the module overrides ``optimizer_zero_grad``; ``True``: after every step under the Trainer
-            (manual optimization too); ``False``: never (gradients stay readable in ``on_train_batch_end`` until
-            Lightning zeroes them). The weights are the same bits either way. Fabric: your loop's ``zero_grad()``.
+        zero_grad_after_step: whether to free the gradients of the optimizer a Trainer step updated (or skipped)
+            right after that step, with ``optimizer.zero_grad(set_to_none=True)``: what the module's
+            ``optimizer_zero_grad`` does anyway before the next backward (Lightning calls it after the next forward),
+            so that the next forward's activations and this step's gradients are never alive together (with lean
+            masters: peak 15.1 -> 14.0 bytes/param on an HF Llama, ``benchmarks/RESULTS.md``). ``False`` (default):
+            never, as Lightning's built-in precision (gradients stay readable in ``on_train_batch_end`` until
+            Lightning zeroes them); ``True``: after every step under the Trainer (manual optimization too); ``None``:
+            under automatic optimization, unless the module overrides ``optimizer_zero_grad``. The weights are the
+            same bits either way. Fabric: your loop's ``zero_grad()``.
 
     The autocast device is the device the model lives on, found when Lightning connects the plugin; ``fp16``
     is honoured on CPU too (Lightning's built-in switches to bf16 there), with a one-time warning that it is
@@ -106,7 +107,7 @@ class MixedPrecisionPlugin(FabricHooks, Precision):  # FabricHooks: the hooks as
         reduce_dtype: Union[str, torch.dtype] = "float32",
         fp8: Any = None,
         optimizer_in_backward: bool = False,
-        zero_grad_after_step: Optional[bool] = None,
+        zero_grad_after_step: Optional[bool] = False,
     ) -> None:
         if precision not in _DTYPES:
             raise ValueError(
@@ -266,6 +267,17 @@ class MixedPrecisionPlugin(FabricHooks, Precision):  # FabricHooks: the hooks as
             return self.autocast_context_manager()
         return self._forward_with_overrides()
 
+    @override
+    @contextlib.contextmanager
+    def train_step_context(self) -> Generator[None, None, None]:
+        # a training_step may free the masters' gradients itself (opt.zero_grad() after opt.step() in manual
+        # optimization): the gradients the model shows go with them before the hooks that follow (on_train_batch_end)
+        try:
+            with self.forward_context():
+                yield
+        finally:
+            self.steps.weights.follow_shown_grads()
+
     @contextlib.contextmanager
     def _forward_with_overrides(self) -> Generator[None, None, None]:
         with self.autocast_context_manager(), override_context(self._effective_policy, self.device_type, self.dtype):
@@ -295,8 +307,9 @@ class MixedPrecisionPlugin(FabricHooks, Precision):  # FabricHooks: the hooks as
 
     @override
     def post_backward(self, tensor: Tensor, module: LightningModule) -> Tensor:  # type: ignore[override]
-        # on_after_backward hooks still see the half gradients; then they move to the fp32 masters (adding up
-        # across accumulated micro-batches in fp32) and the half ones are freed
+        # on_after_backward hooks see the backward's gradients; then, with fp32 masters, the half ones move to the
+        # masters (adding up across accumulated micro-batches in fp32), are freed, and the model shows the masters'
+        # fp32 gradients as its own p.grad (views: user code reads them where Lightning's built-in has them)
         self.steps.sync.backward_finished()  # DDP, lean masters: the reduced fp32 sums become the gradients
         closure_loss = super().post_backward(tensor, module)
         self.steps.weights.grads_to_masters()
@@ -325,6 +338,7 @@ class MixedPrecisionPlugin(FabricHooks, Precision):  # FabricHooks: the hooks as
         # writes into the model since the last step reach the masters here, before the step updates them
         super()._after_closure(model, optimizer)
         self.follow_model_writes()
+        self.steps.weights.follow_shown_grads()  # and what the hooks did to the gradients the model shows
 
     @override
     def _clip_gradients(

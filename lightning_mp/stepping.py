@@ -96,7 +96,7 @@ class OptimizerStep:
         self.in_backward: Optional[Any] = None  # a StepInBackward (master.in_backward), from connect to teardown
         self.skip_observers: list[Callable[..., None]] = []
         self.held = HeldOptimizers(self)  # the optimizers the masters and the hooks inside backward are on
-        self.zero_grad_after_step: Optional[bool] = None  # the plugin's setting (zero_grad_after)
+        self.zero_grad_after_step: Optional[bool] = False  # the plugin's setting (zero_grad_after)
 
     @property
     def checking(self) -> bool:
@@ -148,21 +148,25 @@ class OptimizerStep:
 
     def zero_grad_after(self, optimizer: Any, model: Any) -> None:
         """After a Trainer step of ``optimizer`` (taken or skipped): free its gradients where the plugin's
-        ``zero_grad_after_step`` says so. ``None``: under automatic optimization, where Lightning's own
-        ``optimizer_zero_grad`` (``optimizer.zero_grad()``, which sets them to ``None``) would free the same gradients
-        before the next backward anyway, only after the next forward: the module must not override it (it may zero
-        less, or later, on purpose). Inside backward the gradients are freed as they are used: nothing is left."""
+        ``zero_grad_after_step`` says so. ``False`` (default): never, as Lightning's built-in precision (its
+        ``optimizer_zero_grad`` frees them after the next forward). ``True``: after every Trainer step. ``None``:
+        under automatic optimization, where Lightning's own ``optimizer_zero_grad`` (``optimizer.zero_grad()``, which
+        sets them to ``None``) would free the same gradients before the next backward anyway, only after the next
+        forward: the module must not override it (it may zero less, or later, on purpose). Inside backward the
+        gradients are freed as they are used: nothing is left. The model's gradients go with the masters'."""
         setting = self.zero_grad_after_step
         if setting is False or self.in_backward is not None:
             return
         if setting is None and (not getattr(model, "automatic_optimization", False) or overrides_zero_grad(model)):
             return
         unwrap_optimizer(optimizer).zero_grad(set_to_none=True)
+        self.weights.follow_shown_grads()  # fp32 masters: the gradients the model shows are freed too
 
     def step_after_backward(self, optimizer: Any, model: Any, kwargs: dict[str, Any]) -> Any:
         """The step when the backward already ran (Lightning Fabric's ``optimizer.step()``: no closure), in the order
         of :meth:`closure_step` after its closure."""
         self.follow_writes()  # writes into the model since the last step reach the masters before the update
+        self.weights.follow_shown_grads()  # and what the loop did to the gradients the model shows
         if self.in_backward is not None:  # fabric.backward performed the updates: bookkeeping only
             self._finish_in_backward(optimizer, model)  # a skip goes to the skip observers too
             return None
@@ -202,8 +206,10 @@ class OptimizerStep:
 
     # ------------------------------------------------------------------------------------------ unscale and clip
     def unscale_once(self, optimizer: Any) -> Tensor:
-        """Unscale ``optimizer``'s grads unless already done since their backward; the found-inf flag tensor."""
+        """Unscale ``optimizer``'s grads unless already done since their backward; the found-inf flag tensor. What
+        code did to the gradients the model shows is followed first (the masters' are the ones unscaled)."""
         assert self.scaler is not None
+        self.weights.follow_shown_grads()
         return self.unscaled.unscale(self.scaler, unwrap_optimizer(optimizer), self.names)
 
     def new_backward(self) -> None:
@@ -225,11 +231,13 @@ class OptimizerStep:
         are masters (lean ones clip inside their update); returns the total norm. ``error_if_nonfinite`` raises for
         a non-finite norm only without an inf/NaN check (with one, that step is skipped instead)."""
         check = error_if_nonfinite and not self.checking
+        self.weights.follow_shown_grads()
         return self.weights.clip_grad_norm_(unwrap_optimizer(optimizer), max_norm, norm_type, error_if_nonfinite=check)
 
     def clip_by_value(self, optimizer: Any, clip_val: float) -> None:
         """Clamp the gradients the update uses to ``[-clip_val, clip_val]``; nothing without gradients (a
         training_step that returned None: torch's value clipping fails there)."""
+        self.weights.follow_shown_grads()
         if has_grads(optimizer):
             self.weights.clip_grad_value_(unwrap_optimizer(optimizer), clip_val)
 
@@ -394,12 +402,13 @@ class UnscaledGradients:
 
 
 def check_zero_grad_after_step(value: Any) -> Optional[bool]:
-    """The plugin's ``zero_grad_after_step``, checked: ``None``, ``True`` or ``False``."""
+    """The plugin's ``zero_grad_after_step``, checked: ``False``, ``True`` or ``None``."""
     if value is not None and not isinstance(value, bool):
         raise ValueError(
-            f"MixedPrecisionPlugin(zero_grad_after_step={value!r}) is not supported: use None (free the gradients "
-            "after each step under automatic optimization unless the module overrides optimizer_zero_grad), True "
-            "(after every Trainer step) or False (keep them until Lightning's zero_grad)."
+            f"MixedPrecisionPlugin(zero_grad_after_step={value!r}) is not supported: use False (the default: keep "
+            "the gradients until Lightning's zero_grad, as its built-in precision), True (free them after every "
+            "Trainer step) or None (after each step under automatic optimization unless the module overrides "
+            "optimizer_zero_grad)."
         )
     return value
 

@@ -338,6 +338,8 @@ TORCH_AND_LIGHTNING_PRIVATE_API = {
     *("_trainer", "_fabric", "_strategy", "_precision", "_forward_module", "_original_module", "_logger_connector"),
     *("_call_lightning_module_hook", "_ddp_comm_hook", "_module_parameters", "_save_distributed_checkpoint"),
     *("_average_model", "_copy_state_dict", "_in_fabric_backward", "_set_optimizer_in_backward"),
+    # master/flat_moves.py: whether code still holds the masters' gradient buffer (torch counts its users only here)
+    *("_storage_Use_Count", "_cdata"),
 }
 
 

@@ -1,12 +1,14 @@
-"""``MixedPrecisionPlugin(zero_grad_after_step=...)``: the step's gradients freed right after it under the Trainer.
+"""``MixedPrecisionPlugin(zero_grad_after_step=...)``: the step's gradients freed right after it under the Trainer,
+when asked.
 
 Lightning zeroes an optimizer's gradients (``optimizer_zero_grad``: ``optimizer.zero_grad()``, which sets them to
-``None``) after the *next* forward, so with the default the gradients of a step and the next forward's activations are
-alive together. The plugin frees them as soon as the step is done instead. The invariant tested here: the weights and
-the optimizer state are the same bits with the gradients freed after the step as with them kept until Lightning's
-zero_grad, over the matrix of modes (no masters, fp16 with a skipped step, fp32 masters, lean masters), accumulation
-and clipping; where the gradients are freed (only after a step, under automatic optimization, not when the module
-zeroes them its own way) and where not; and what the peak gains (``tests/test_memory_budget.py`` holds the figures).
+``None``) after the *next* forward, so the gradients of a step and the next forward's activations are alive together.
+By default the plugin keeps them as Lightning's built-in precision does (user code reads ``p.grad`` after the step:
+``tests/test_observable_grads.py``); ``True`` frees them as soon as the step is done, ``None`` does so under automatic
+optimization unless the module zeroes its own way. The invariant tested here: the weights and the optimizer state
+are the same bits with the gradients freed after the step as with them kept until Lightning's zero_grad, over the
+matrix of modes (no masters, fp16 with a skipped step, fp32 masters, lean masters), accumulation and clipping; where
+the gradients are freed and where not; and what the peak gains (``tests/test_memory_budget.py`` holds the figures).
 """
 
 from __future__ import annotations
@@ -32,25 +34,32 @@ MODES: dict[str, dict[str, Any]] = {
 
 class GradsSeen(L.Callback):
     """Whether any parameter the optimizer steps (the masters' with ``master_weights=True``) has a gradient at the
-    end of each batch (after its step, if it stepped)."""
+    end of each batch (after its step, if it stepped), and whether the model's parameters show the same."""
 
     def __init__(self) -> None:
         self.seen: list[bool] = []
+        self.model_seen: list[bool] = []
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
         params = [p for group in trainer.optimizers[0].param_groups for p in group["params"]]
         self.seen.append(any(p.grad is not None for p in params))
+        self.model_seen.append(any(p.grad is not None for p in pl_module.parameters()))
+
+
+DEFAULT = "default"  # fit(): the plugin built without zero_grad_after_step
 
 
 def fit(
-    mode: str, setting: Optional[bool], accumulate: int = 1, clip: Optional[float] = None, module: Any = None
+    mode: str, setting: Any, accumulate: int = 1, clip: Optional[float] = None, module: Any = None
 ) -> tuple[L.LightningModule, Any, GradsSeen]:
     options = dict(MODES[mode])
+    if setting != DEFAULT:
+        options["zero_grad_after_step"] = setting
     with seeded(0):
         if module is None:
             inject = (1,) if "skipped" in mode else ()  # an inf gradient at step 1: a skipped step
             module = TinyRegressor(optimizer="adam", lr=0.01, inject_inf_at=inject)
-        plugin = MixedPrecisionPlugin(**options, zero_grad_after_step=setting)
+        plugin = MixedPrecisionPlugin(**options)
         seen = GradsSeen()
         trainer = make_trainer(
             plugin, max_epochs=1, limit_train_batches=6, accumulate_grad_batches=accumulate,
@@ -71,8 +80,9 @@ def state_of(trainer: L.Trainer) -> list[tuple[str, torch.Tensor]]:
 def test_the_weights_are_the_same_bits_with_the_gradients_freed_after_the_step(
     mode: str, accumulate: int, clip: Optional[float]
 ) -> None:
-    freed, freed_trainer, freed_seen = fit(mode, None, accumulate, clip)
-    kept, kept_trainer, kept_seen = fit(mode, False, accumulate, clip)
+    # freed: True, or None (automatic optimization: the same) for one mode; kept: the default
+    freed, freed_trainer, freed_seen = fit(mode, None if mode == "bf16-mixed" else True, accumulate, clip)
+    kept, kept_trainer, kept_seen = fit(mode, DEFAULT, accumulate, clip)
     for (name, a), b in zip(freed.named_parameters(), kept.parameters()):
         assert a.dtype == b.dtype and torch.equal(a, b), name
     freed_state, kept_state = state_of(freed_trainer), state_of(kept_trainer)
@@ -83,8 +93,8 @@ def test_the_weights_are_the_same_bits_with_the_gradients_freed_after_the_step(
         skipped = freed_trainer.precision_plugin.scaler.skipped_steps
         assert skipped >= 1 and kept_trainer.precision_plugin.scaler.skipped_steps == skipped
     # freed right after each step (the step's batches: every accumulate-th), nowhere else; kept: alive at every batch end
-    assert freed_seen.seen == [(batch + 1) % accumulate != 0 for batch in range(6)]
-    assert kept_seen.seen == [True] * 6
+    assert freed_seen.seen == freed_seen.model_seen == [(batch + 1) % accumulate != 0 for batch in range(6)]
+    assert kept_seen.seen == kept_seen.model_seen == [True] * 6  # fp32 masters: the model shows the masters' ones
 
 
 def test_a_module_that_zeroes_its_own_way_keeps_its_gradients_unless_asked() -> None:
@@ -121,12 +131,18 @@ class ManualModule(TinyRegressor):
         self.after_step.append(any(p.grad is not None for p in self.parameters()))
 
 
-@pytest.mark.parametrize("setting", [None, True])
-def test_manual_optimization_keeps_the_gradients_unless_asked(setting: Optional[bool]) -> None:
+@pytest.mark.parametrize("setting", [DEFAULT, None, True])
+def test_manual_optimization_keeps_the_gradients_unless_asked(setting: Any) -> None:
     with seeded(0):
         module = ManualModule()
     fit("lean masters", setting, module=module)
-    assert module.after_step == [setting is None] * 6  # None: the user's loop decides; True: freed after each step
+    assert module.after_step == [setting is not True] * 6  # the user's loop decides; True: freed after each step
+
+
+def test_the_default_keeps_the_gradients_as_the_built_in_does() -> None:
+    assert MixedPrecisionPlugin("bf16-mixed").steps.zero_grad_after_step is False
+    _, _, seen = fit("lean masters", DEFAULT)
+    assert seen.seen == [True] * 6  # on_train_batch_end finds the step's gradients, as under precision="bf16-mixed"
 
 
 def test_pytorch_lightning_modules_are_recognised() -> None:
@@ -144,5 +160,5 @@ def test_pytorch_lightning_modules_are_recognised() -> None:
 
 @pytest.mark.parametrize("value", ["yes", 1, 0.0])
 def test_a_bad_setting_is_refused_by_name(value: Any) -> None:
-    with pytest.raises(ValueError, match=re.escape(f"zero_grad_after_step={value!r}) is not supported: use None")):
+    with pytest.raises(ValueError, match=re.escape(f"zero_grad_after_step={value!r}) is not supported: use False")):
         MixedPrecisionPlugin("bf16-mixed", zero_grad_after_step=value)

@@ -77,7 +77,7 @@ PLUGIN_DEFAULTS = {
     "reduce_dtype": "float32",
     "fp8": None,
     "optimizer_in_backward": False,
-    "zero_grad_after_step": None,
+    "zero_grad_after_step": False,
 }
 
 

@@ -222,7 +222,8 @@ def audit(
             for param, grad, value in grads:  # the audit's backward leaves no trace in the parameters' gradients
                 if grad is not None:
                     grad.copy_(value)
-                param.grad = grad
+                if param.grad is not grad:  # not assigned again where it is: a gradient fp32 masters show is fp32
+                    param.grad = grad
     return recorder.census()
 
 

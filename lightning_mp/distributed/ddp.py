@@ -114,6 +114,8 @@ class DDPSync(ProcessGroupSync):
             ddp_in_backward.hand_over(self._updates, in_backward)
 
     def before_backward(self) -> None:
+        if self._masters is not None:  # fp32 masters: DDP's buckets take gradients of the half parameters' dtype
+            self._masters.hide_grads()  # only: the model shows the masters' fp32 ones again after the move
         lean = self._lean
         # DDP's forward prepared the reducer for this backward unless it ran under no_sync: only then do the fp32
         # sums have to leave the gradients (on no_sync micro-batches autograd adds into them, as on one device)

@@ -59,9 +59,11 @@ class FabricHooks:
         return fabric.strategy
 
     def convert_input(self, data: Any) -> Any:
-        # Fabric's wrapped module calls this before every forward: a module set up without optimizers connects here
+        # Fabric's wrapped module calls this before every forward: a module set up without optimizers connects here,
+        # and the gradients the model shows go with the masters' that the loop's optimizer.zero_grad() freed
         if self._fabric is not None:
             self._fabric.ensure_connected()
+            self.steps.weights.follow_shown_grads()  # type: ignore[attr-defined]  # the plugin's
         return super().convert_input(data)  # type: ignore[misc]
 
     def convert_output(self, data: Any) -> Any:

@@ -51,7 +51,8 @@ def masters_for(
 ) -> Optional[PlainWeights]:
     """The master-weights store for the plugin's ``master_weights`` argument.
 
-    ``False``/``None``: none (the model stays fp32). ``True`` or ``"fp32"``: :class:`MasterWeights` (fp32 copies).
+    ``False``/``None``: none (the model stays fp32). ``True`` or ``"fp32"``: :class:`MasterWeights` (fp32 copies,
+    whose gradients the model shows: ``show_grads=True``).
     ``"remainder"``: :class:`RemainderMasters` (bf16 only). A mapping (YAML) ``{"kind": "remainder", "chunk_size":
     ..., "accumulate_grads_in": "bf16", "compile": True}`` passes its other keys to :class:`RemainderMasters`. A
     store you built yourself is used as it is.
@@ -64,7 +65,7 @@ def masters_for(
     if master_weights is None or master_weights is False:
         return None
     if master_weights is True or master_weights == "fp32":
-        return MasterWeights(dtype, keep_fp32=keep_fp32)
+        return MasterWeights(dtype, keep_fp32=keep_fp32, show_grads=True)  # the plugin follows the shown gradients
     if master_weights == "remainder":
         return RemainderMasters(dtype, keep_fp32=keep_fp32)
     if isinstance(master_weights, Mapping) and master_weights.get("kind") == "remainder":

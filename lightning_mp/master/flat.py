@@ -2,7 +2,8 @@
 
 The model's parameters become half precision; the optimizer updates fp32 *master* copies kept in one flat
 contiguous buffer per device (each master is a view into it, and so is its ``.grad``). Per step:
-``grads_to_masters`` after every backward (accumulating in fp32 and freeing the half gradients),
+``grads_to_masters`` after every backward (accumulating in fp32 and freeing the half gradients; the model then shows
+the masters' fp32 gradients as its own ``p.grad``, where Lightning's built-in precision has them),
 ``masters_to_model`` after the optimizer step. ``restore`` puts the fp32 values back into the model.
 
 Both moves are one foreach op per device whatever the number of parameters, over lists made at setup
@@ -13,8 +14,8 @@ storage addresses are compared at each write-back instead.
 
 Memory at rest, per half-precision parameter with Adam: 2 (half weight) + 4 (master) + 4 (master grad)
 + 8 (Adam's two moments) = 18 bytes; the half gradient (2 bytes) lives only between a backward and the
-move that follows it. Parameters kept in fp32 (normalisation layers by default) cost what they cost in fp32
-training: 4 + 4 + 8 = 16 bytes.
+move that follows it, and the gradient the model shows is the master's (no copy). Parameters kept in fp32
+(normalisation layers by default) cost what they cost in fp32 training: 4 + 4 + 8 = 16 bytes.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from lightning_mp.master.converted import take_changed, NORM_TYPES, ConvertedModel, is_norm
+from lightning_mp.master.converted import NORM_TYPES, ConvertedModel, is_norm, take_changed
 from lightning_mp.master.flat_moves import FlatMoves
 
 __all__ = ["NORM_TYPES", "MasterWeights", "is_norm"]
@@ -41,6 +42,12 @@ class MasterWeights(ConvertedModel):
         keep_fp32: ``keep_fp32(qualified_name, module)`` is true for modules whose own parameters and
             buffers stay fp32 (default: :func:`is_norm`), and with them those of every module inside them (the
             policy runs such a module's whole subtree in fp32). Their parameters are trained as they are.
+        show_grads: after each move the model's half parameters show their masters' fp32 gradients as their own
+            ``p.grad`` (:mod:`~lightning_mp.master.flat_moves`), where Lightning's built-in precision has them. It
+            needs :meth:`before_backward` before every backward (what code did to the shown gradients, and an
+            ``optimizer.zero_grad()``, are followed there), which the plugin calls: ``masters_for`` (the plugin's
+            store) turns it on. Default ``False``: the half gradients are freed by the move and ``p.grad`` is
+            ``None``, as a plain loop of ``backward``, :meth:`grads_to_masters`, ``step``, ``zero_grad`` expects.
 
     After :meth:`convert`, :attr:`model_sync` (a :class:`~lightning_mp.master.model_sync.ModelSync`) keeps the masters
     equal to whatever writes the model: loads into any submodule at once, other writes once started
@@ -50,9 +57,12 @@ class MasterWeights(ConvertedModel):
     option: Any = True
     groups_hold_masters = True  # attach() swaps the fp32 masters into the optimizers' groups
 
-    def __init__(self, dtype: torch.dtype, keep_fp32: Callable[[str, nn.Module], bool] = is_norm) -> None:
+    def __init__(
+        self, dtype: torch.dtype, keep_fp32: Callable[[str, nn.Module], bool] = is_norm, show_grads: bool = False
+    ) -> None:
         if dtype not in (torch.float16, torch.bfloat16):
             raise ValueError(f"dtype={dtype} is not supported for master weights: use torch.float16 or torch.bfloat16.")
+        self.show_grads = show_grads
         super().__init__(dtype, keep_fp32)
 
     def _reset(self) -> None:
@@ -60,8 +70,8 @@ class MasterWeights(ConvertedModel):
         self._masters: dict[int, nn.Parameter] = {}  # id(half model param) -> its fp32 master
         self._param_of_master: dict[int, nn.Parameter] = {}  # id(master) -> half model param
         self._grad_views: dict[int, Tensor] = {}  # id(master) -> its slice of the flat grad buffer
-        self._flat: list[tuple[Tensor, Tensor]] = []  # one (flat masters, flat grads) per device
-        self._moves = FlatMoves()  # the per-step moves' lists, per device
+        self._flat: list[list[Tensor]] = []  # one [flat masters, flat grads] per device (the moves may renew the grads)
+        self._moves = FlatMoves(self.show_grads)  # the per-step moves' lists, per device
         self._carried_grads: dict[int, Tensor] = {}  # id(half param) -> its released master's gradient, until remade
 
     # ------------------------------------------------------------------ setup
@@ -138,6 +148,7 @@ class MasterWeights(ConvertedModel):
         gradients included); while the same parameters are trained, the masters stay (DDP's reduction with them).
         Raises as :meth:`attach`; a RuntimeError for masters to release under several processes."""
         optimizers, kept = list(optimizers), {id(optimizer) for optimizer in optimizers}
+        self._moves.follow_shown_grads()  # the gradients the model shows agree with the masters' before they move
         for optimizer in self._optimizers:
             if id(optimizer) not in kept:
                 self._give_back(optimizer)
@@ -157,8 +168,9 @@ class MasterWeights(ConvertedModel):
                 self._fp32_values[key] = master.detach().clone()
                 if master.grad is not None:
                     self._carried_grads[key] = master.grad.detach().clone()
+            self._moves.hide_grads()  # shown again from the masters made again; not shown where none is made
             self._masters, self._param_of_master, self._grad_views, self._flat = {}, {}, {}, []
-            self._moves = FlatMoves()
+            self._moves = FlatMoves(self.show_grads)
         self._optimizers = []
         self.attach(optimizers)
         self._carried_grads = {}  # those of masters not made again: not trained any more
@@ -188,10 +200,14 @@ class MasterWeights(ConvertedModel):
                 self._grad_views[id(master)] = flat_grad[offset:end].view_as(param)
                 self._moves.add(param, master, self._grad_views[id(master)])
                 carried = self._carried_grads.pop(id(param), None)
+                if carried is None:  # a gradient the parameter holds now (a second fit's, a group added after a
+                    carried = param.grad  # backward) is its master's, as the model's gradient is the master's
                 if carried is not None:  # masters made again (follow_optimizers): their gradients come along
                     master.grad = self._grad_views[id(master)].copy_(carried)
                 offset = end
-            self._flat.append((flat, flat_grad))
+            self._flat.append([flat, flat_grad])
+            self._moves.add_buffer(device, self._flat[-1], len(group))
+        self._moves.show_grads()  # the model shows its masters' gradients (flat_moves)
 
     # ------------------------------------------------------------------ per step
     def pairs(self) -> Iterator[tuple[nn.Parameter, nn.Parameter]]:
@@ -201,14 +217,28 @@ class MasterWeights(ConvertedModel):
 
     def before_backward(self) -> None:
         """Called before every backward: param groups added since the last step get masters (:meth:`follow_groups`;
-        the half gradients move to the masters after it)."""
+        the half gradients move to the masters after it), and what code did to the gradients the model shows is
+        followed (:meth:`follow_shown_grads`)."""
         self.follow_groups()
+        self._moves.follow_shown_grads()
 
     def grads_to_masters(self) -> None:
         """Move the half gradients into the masters' fp32 ``.grad`` (adding to what is there) and free them (groups
-        added since the backward began followed first): one foreach op per device (:class:`FlatMoves`)."""
+        added since the backward began followed first): one foreach op per device (:class:`FlatMoves`). The model
+        then shows the masters' gradients as its own ``p.grad`` (views of them: no copy)."""
         self.follow_groups()
         self._moves.grads_to_masters()
+
+    def follow_shown_grads(self) -> None:
+        """The masters' gradients follow what code did to the gradients the model shows (set to ``None``, another
+        tensor assigned; in-place writes reach them by themselves), and the model shows no gradient where
+        ``optimizer.zero_grad()`` freed the master's: :meth:`FlatMoves.follow_shown_grads`."""
+        self._moves.follow_shown_grads()
+
+    def hide_grads(self) -> None:
+        """The model shows no gradient until the next move (the masters keep theirs): before a backward whose half
+        gradients must be new tensors of the parameters' dtype (DDP's buckets)."""
+        self._moves.hide_grads()
 
     def ensure_grads(self) -> None:
         """Give every trainable master a gradient (its slice of the flat buffer, zeroed) where no backward produced
@@ -218,6 +248,7 @@ class MasterWeights(ConvertedModel):
                 grad = self._grad_views[id(master)]
                 grad.zero_()
                 master.grad = grad
+        self._moves.show_grads()
 
     def masters_to_model(self, optimizer: Optimizer) -> None:
         """Copy the masters that ``optimizer`` updates back into the half model parameters: one ``_foreach_copy_``
@@ -247,7 +278,7 @@ class MasterWeights(ConvertedModel):
     @property
     def flat_buffers(self) -> list[tuple[Tensor, Tensor]]:
         """``(flat fp32 masters, flat fp32 grads)``, one pair per device."""
-        return list(self._flat)
+        return [(flat, flat_grad) for flat, flat_grad in self._flat]
 
     # ------------------------------------------------------------------ checkpoint and teardown
     def fp32_value(self, param: Tensor) -> Tensor:
@@ -284,8 +315,10 @@ class MasterWeights(ConvertedModel):
 
     def restore(self) -> None:
         """Give the model back its fp32 values and the optimizers back the model's parameters (with their
-        state). The masters, their flat buffers and the half copies are released. Writes since the last step are
+        state). The masters, their flat buffers and the half copies are released; the fp32 gradients the model shows
+        stay its gradients, as the built-in's fp32 model keeps its own after fit. Writes since the last step are
         followed first (one that cannot be is raised once the model holds its fp32 values)."""
+        self._moves.follow_shown_grads()  # none shown where optimizer.zero_grad() freed the masters'
         error = self.stop_following()
         for key, param in self._params.items():
             if key in self._masters:  # a fresh tensor, not a view that would keep the flat buffer alive

@@ -10,7 +10,7 @@ common base: :mod:`lightning_mp.master.converted`), so that neither the step
   :meth:`~PlainWeights.attach` (the optimizers), :meth:`~PlainWeights.follow_optimizers` (swapped mid-fit),
   :meth:`~PlainWeights.start_following` (writes into the model reach the masters from now on);
 - each step: :meth:`~PlainWeights.before_backward`, :meth:`~PlainWeights.grads_to_masters`,
-  :meth:`~PlainWeights.follow_writes`, :meth:`~PlainWeights.step`, :meth:`~PlainWeights.clip_grad_norm_`,
+  :meth:`~PlainWeights.follow_shown_grads`, :meth:`~PlainWeights.follow_writes`, :meth:`~PlainWeights.step`, :meth:`~PlainWeights.clip_grad_norm_`,
   :meth:`~PlainWeights.clip_grad_value_`, :meth:`~PlainWeights.skips_on_device`;
 - the code around the step: :meth:`~PlainWeights.exact_weights`, :meth:`~PlainWeights.exact_parameters`,
   :meth:`~PlainWeights.pairs`, :meth:`~PlainWeights.master_of`;
@@ -79,6 +79,11 @@ class PlainWeights:
 
     def grads_to_masters(self) -> None:
         """Called after every backward: the half gradients move to the masters; here they stay where they are."""
+
+    def follow_shown_grads(self) -> None:
+        """Called before every backward, before the gradients are unscaled, clipped or stepped, and after the step's
+        ``zero_grad``: where the masters' gradients are shown as the model's ``p.grad``, the two agree again (what code
+        did to either side since is followed); here the model's gradients are the ones the optimizer steps."""
 
     def follow_writes(self) -> None:
         """Make the masters follow every write into the model since the last step, or raise

@@ -63,11 +63,13 @@ def grads_of(trainer: L.Trainer, params: Iterable[Tensor]) -> list[Optional[Tens
 
 def pending_grads(trainer: L.Trainer, params: Iterable[Tensor]) -> list[Tensor]:
     """In ``on_after_backward``: the (still scaled) gradients the optimizer will find once this backward's half
-    gradients have been added into the masters. Without master weights, simply ``p.grad``."""
+    gradients have been added into the masters. Without master weights, simply ``p.grad``; with fp32 masters also
+    where the model shows its master's gradient (a backward after the first of an accumulation added into it)."""
     out = []
     for p in params:
         accumulated = grad_of(trainer, p)
-        if accumulated is p.grad:
+        shown = accumulated is not None and p.grad is not None and p.grad.data_ptr() == accumulated.data_ptr()
+        if accumulated is p.grad or shown:
             out.append(p.grad)
         else:
             half = p.grad.float() if p.grad is not None else torch.zeros_like(accumulated)
