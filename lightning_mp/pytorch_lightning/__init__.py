@@ -18,6 +18,10 @@ asks what a Lightning object is, it accepts both packages' classes: see :mod:`li
 objects (:class:`~lightning_mp.DynamicLossScaler`, :class:`~lightning_mp.CastPolicy`, master weights) are the same
 classes as in ``lightning_mp`` and are re-exported here for one import line.
 
+Projects that build the Trainer themselves and always pass ``precision=`` (darts, pytorch_tabular), where Lightning
+refuses a precision plugin next to it, take :class:`MixedPrecisionCallback` in their callbacks instead: the same plugin,
+installed in each Trainer they build (:mod:`lightning_mp.callbacks.precision_callback`).
+
 Importing this module imports ``pytorch_lightning``; ``import lightning_mp`` never does.
 """
 
@@ -28,6 +32,7 @@ from pytorch_lightning.plugins.precision import Precision as _Precision
 
 import lightning_mp as _lightning_mp
 from lightning_mp import CastPolicy, Census, DynamicLossScaler, MasterWeights, audit
+from lightning_mp.callbacks.precision_callback import MixedPrecisionCallback as _MixedPrecisionCallback
 from lightning_mp.diagnostics import FabricPrecisionMonitor
 
 
@@ -39,12 +44,18 @@ class PrecisionMonitor(_lightning_mp.PrecisionMonitor, _pl.Callback):
     __doc__ = _lightning_mp.PrecisionMonitor.__doc__
 
 
+class MixedPrecisionCallback(_MixedPrecisionCallback, _pl.Callback):
+    __doc__ = _MixedPrecisionCallback.__doc__
+    plugin_class = MixedPrecisionPlugin  # this package's plugin: a pytorch_lightning Trainer takes only that one
+
+
 __all__ = [
     "CastPolicy",
     "Census",
     "DynamicLossScaler",
     "FabricPrecisionMonitor",
     "MasterWeights",
+    "MixedPrecisionCallback",
     "MixedPrecisionPlugin",
     "PrecisionMonitor",
     "audit",
