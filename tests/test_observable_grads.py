@@ -16,6 +16,7 @@ uses; accumulation stays in fp32, bit for bit the hand-made fp32 sum; ``zero_gra
 from __future__ import annotations
 
 from collections import defaultdict
+from pathlib import Path
 from typing import Any, Callable, Optional, Union
 
 import lightning as L
@@ -419,3 +420,23 @@ def test_zero_grad_after_step_true_still_frees_them(mode: str) -> None:
     assert all(g is not None for grads in ours.seen["on_before_optimizer_step"] for g in grads.values())
     held = [p for group in trainer.optimizers[0].param_groups for p in group["params"]] if trainer.optimizers else []
     assert all(p.grad is None for p in held)
+
+
+def test_under_ddp_the_hooks_read_the_gradients_the_built_in_shows(tmp_path: Path) -> None:
+    """2 gloo ranks (tests/distributed/grad_reads_checks.py): a guarded gradient-norm logger in
+    on_before_optimizer_step and on_train_batch_end reads, in every master mode, what it reads under Lightning's
+    built-in bf16-mixed on each rank: gradients present at the same steps, norms within bf16 noise."""
+    from tests.distributed.common import load_ranks
+    from tests.distributed.launch import launch
+
+    launch("grad_reads_checks.py", str(tmp_path), timeout=300)
+    for rank in load_ranks(tmp_path):
+        builtin = rank["builtin"]
+        assert all(norm is not None and norm > 0 for step in builtin["batch_end"] for norm in step)
+        for mode in ("no masters", "True", "remainder"):
+            for hook in ("before_step", "batch_end"):
+                ours, theirs = rank[mode][hook], builtin[hook]
+                assert len(ours) == len(theirs) == 4, (mode, hook)
+                for step, (got, expected) in enumerate(zip(ours, theirs)):
+                    assert [g is None for g in got] == [e is None for e in expected], (mode, hook, step)
+                    torch.testing.assert_close(torch.tensor(got), torch.tensor(expected), rtol=3e-2, atol=1e-3)
