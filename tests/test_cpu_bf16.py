@@ -21,6 +21,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_mp import MixedPrecisionPlugin, cpu
 from lightning_mp.forward import warn_at_connect
 from lightning_mp.policy import CastPolicy
+from tests.helpers import make_trainer
 
 AVX2_ONLY = frozenset({"sse4_2", "avx", "avx2", "fma", "f16c"})
 AVX512_BF16 = AVX2_ONLY | {"avx512f", "avx512_bf16"}
@@ -41,15 +42,7 @@ class Tiny(L.LightningModule):
 
 def _fit(precision: str = "bf16-mixed") -> list[str]:
     data = DataLoader(TensorDataset(torch.randn(8, 4), torch.randn(8, 2)), batch_size=4)
-    trainer = L.Trainer(
-        accelerator="cpu",
-        max_steps=1,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        plugins=[MixedPrecisionPlugin(precision)],
-    )
+    trainer = make_trainer(MixedPrecisionPlugin(precision), max_steps=1)
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
         trainer.fit(Tiny(), data)

@@ -21,6 +21,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_mp import MixedPrecisionPlugin
 from lightning_mp.master import exact_parameters, exact_weights
 from lightning_mp.master.model_sync import ModelWriteWarning
+from tests.helpers import make_trainer
 from tests.training_writes import EXPECTED_BUFFERS, BufferWriter, buffers_of, fit_buffer_writer
 
 # ---------------------------------------------------------------------------------------------------- buffers
@@ -233,16 +234,8 @@ class Writes(L.LightningModule):
 def _train(algorithm: str, exact: bool, mode: Any) -> tuple[Tensor, list[str]]:
     torch.manual_seed(0)
     module = Writes(algorithm, exact)
-    precision = {"plugins": [MixedPrecisionPlugin("bf16-mixed", master_weights=mode)]} if mode is not None else {}
-    trainer = L.Trainer(
-        accelerator="cpu",
-        max_steps=STEPS,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        **(precision or {"precision": "bf16-mixed"}),
-    )
+    plugin = MixedPrecisionPlugin("bf16-mixed", master_weights=mode) if mode is not None else None
+    trainer = make_trainer(plugin, max_steps=STEPS, max_epochs=None, **({} if plugin else {"precision": "bf16-mixed"}))
     with warnings.catch_warnings(record=True) as record:
         warnings.simplefilter("always")
         trainer.fit(module, _data())

@@ -19,6 +19,8 @@ import torch
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
 
+from tests.helpers import make_trainer
+
 #: the values each buffer holds after fit (exact: fp32 values never representable in 16 bits where nothing wrote)
 EXPECTED_BUFFERS = {
     "threshold": torch.tensor(0.625),
@@ -93,20 +95,16 @@ class KeepCheckpoints(L.Callback):
         pl_module.checkpoints.append({name: state[name] for name in EXPECTED_BUFFERS})
 
 
-def fit_buffer_writer(plugins: Any, directory: Path, **trainer_kwargs: Any) -> BufferWriter:
-    """Two epochs of :class:`BufferWriter` with the writing callback and a checkpoint after each validation."""
+def fit_buffer_writer(plugins: list[Any], directory: Path, **trainer_kwargs: Any) -> BufferWriter:
+    """Two epochs of :class:`BufferWriter` with the writing callback and a checkpoint after each validation;
+    ``plugins``: none (Lightning's built-in ``bf16-mixed``) or one plugin."""
     torch.manual_seed(0)
     module = BufferWriter()
     precision = {} if plugins else {"precision": "bf16-mixed"}
-    trainer = L.Trainer(
-        accelerator="cpu",
+    trainer = make_trainer(
+        plugins[0] if plugins else None,
         max_epochs=2,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
         num_sanity_val_steps=0,
-        plugins=plugins or None,
         callbacks=[WriteScoreRange(), KeepCheckpoints(directory)],
         **precision,
         **trainer_kwargs,

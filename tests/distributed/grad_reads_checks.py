@@ -19,6 +19,7 @@ from torch import nn
 
 from lightning_mp import MixedPrecisionPlugin
 from tests.distributed.common import finish, save, sum_loader
+from tests.helpers import make_trainer
 
 MODES: dict[str, Optional[dict[str, Any]]] = {
     "builtin": None,
@@ -61,19 +62,8 @@ def main(out: Path) -> None:
         torch.manual_seed(0)  # the same model on every rank and in every mode
         module = NormLogger()
         plugin = None if options is None else MixedPrecisionPlugin("bf16-mixed", **options)
-        precision = {"precision": "bf16-mixed"} if plugin is None else {"plugins": [plugin]}
-        trainer = L.Trainer(
-            accelerator="cpu",
-            devices=2,
-            strategy="ddp",
-            max_steps=4,
-            logger=False,
-            enable_checkpointing=False,
-            enable_progress_bar=False,
-            enable_model_summary=False,
-            use_distributed_sampler=False,
-            **precision,
-        )
+        precision = {"precision": "bf16-mixed"} if plugin is None else {}
+        trainer = make_trainer(plugin, devices=2, strategy="ddp", max_steps=4, max_epochs=None, **precision)
         trainer.fit(module)
         rank = trainer.global_rank
         results[name] = module.read
