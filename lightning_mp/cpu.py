@@ -15,7 +15,6 @@ from functools import lru_cache
 from pathlib import Path
 
 import torch
-from lightning.pytorch.utilities import rank_zero_warn
 
 #: CPU flags (``/proc/cpuinfo``) of bf16 matmul instructions: x86 AVX512-BF16 and AMX-BF16, Arm's BF16 extension.
 NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16", "bf16")
@@ -71,6 +70,8 @@ def warn_bf16_without_native_instructions(precision: str = "bf16-mixed") -> None
     slowdown = bf16_matmul_slowdown()
     if slowdown < 2.0:
         return
+    from lightning.pytorch.utilities import rank_zero_warn  # here: this module alone needs torch only
+
     rank_zero_warn(
         f"MixedPrecisionPlugin(precision={precision!r}) on a CPU without native bf16: its flags list none of "
         f"{', '.join(NATIVE_BF16_FLAGS)} (AVX512-BF16, AMX-BF16, Arm BF16), so torch runs bf16 matmuls on a fallback "

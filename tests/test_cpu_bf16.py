@@ -112,10 +112,16 @@ def test_the_cpu_flags_are_read_from_proc_cpuinfo():
 
 
 @pytest.mark.skipif(not cpu.cpu_has_native_bf16() or not cpu.cpu_flags(), reason="needs a CPU with bf16 instructions")
+@pytest.mark.skipif("ONEDNN_MAX_CPU_ISA" in os.environ, reason="oneDNN is limited in this process already")
 def test_the_timing_sees_torchs_fallback_kernel_when_onednn_is_limited_to_avx2():
-    # the same machine, its bf16 kernels taken away: oneDNN limited to AVX2 runs bf16 matmuls on the fallback
-    code = "from lightning_mp.cpu import bf16_matmul_slowdown; print(bf16_matmul_slowdown())"
+    # the same machine, its bf16 kernels taken away: oneDNN limited to AVX2 runs bf16 matmuls on the fallback. The
+    # child runs lightning_mp/cpu.py alone (torch only), not the whole package
+    code = (
+        "import importlib.util, sys; spec = importlib.util.spec_from_file_location('cpu', sys.argv[1]); "
+        "module = importlib.util.module_from_spec(spec); spec.loader.exec_module(module); "
+        "print(module.bf16_matmul_slowdown())"
+    )
     env = {**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX2", "OMP_NUM_THREADS": "1"}
-    limited = float(subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True).stdout)
-    native = float(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout)
-    assert limited > 2.0 > native
+    child = subprocess.run([sys.executable, "-c", code, cpu.__file__], env=env, capture_output=True, text=True)
+    assert child.returncode == 0, child.stderr
+    assert float(child.stdout) > 2.0 > cpu.bf16_matmul_slowdown()
