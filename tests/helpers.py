@@ -200,3 +200,15 @@ def fabric_trained_net(plugin: Any) -> tuple[Any, Any]:
         optimizer.step()
         optimizer.zero_grad()
     return fabric, net
+
+
+def getting_started_block(marker: str) -> str:
+    """The one Python block of docs/getting-started.md that contains ``marker``, dedented from its list item: what a
+    project test runs as written (the block is marked ``docs-test: skip`` where the project is not installed)."""
+    import re
+    from pathlib import Path
+
+    page = (Path(__file__).resolve().parent.parent / "docs" / "getting-started.md").read_text()
+    blocks = [b for b in re.findall(r"```python\n(.*?)```", page, flags=re.S) if marker in b]
+    assert len(blocks) == 1, f"{len(blocks)} blocks of docs/getting-started.md contain {marker!r}"
+    return "\n".join(line[4:] if line.startswith("    ") else line for line in blocks[0].splitlines())

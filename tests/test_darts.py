@@ -10,7 +10,6 @@ is trained three times from the same seed: fp32, Lightning's built-in ``bf16-mix
 from __future__ import annotations
 
 import warnings
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -26,6 +25,7 @@ from darts import TimeSeries  # noqa: E402
 from darts.models import NBEATSModel  # noqa: E402
 
 from lightning_mp.pytorch_lightning import MixedPrecisionCallback, MixedPrecisionPlugin  # noqa: E402
+from tests.helpers import getting_started_block  # noqa: E402
 
 EPOCHS = 10
 STEPS_PER_EPOCH = 9  # 300 values, windows of 24 + 6: 271 samples, 8 batches of 32 and one of 15
@@ -110,12 +110,8 @@ def test_nbeats_trains_and_predicts_with_the_callback_as_with_fp32_and_the_built
 def test_a_saved_and_reloaded_nbeats_predicts_with_the_plugin(tmp_path, monkeypatch):
     """docs/getting-started.md's darts block, run as written: the callback is saved with the model, the reloaded
     model's Trainer gets a plugin from it, and its forecast is bitwise the trained model's (exact fp32 weights)."""
-    import re
 
-    page = (Path(__file__).resolve().parent.parent / "docs" / "getting-started.md").read_text()
-    blocks = [b for b in re.findall(r"```python\n(.*?)```", page, flags=re.S) if "NBEATSModel.load" in b]
-    assert len(blocks) == 1
-    source = "\n".join(line[4:] if line.startswith("    ") else line for line in blocks[0].splitlines())
+    source = getting_started_block("NBEATSModel.load")
     monkeypatch.chdir(tmp_path)
     namespace: dict[str, Any] = {}
     with warnings.catch_warnings():

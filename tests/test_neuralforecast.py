@@ -21,6 +21,7 @@ from neuralforecast import NeuralForecast  # noqa: E402
 from neuralforecast.models import NHITS  # noqa: E402
 
 from lightning_mp.pytorch_lightning import MixedPrecisionPlugin  # noqa: E402
+from tests.helpers import getting_started_block  # noqa: E402
 
 STEPS = 30
 
@@ -84,13 +85,8 @@ def test_a_reloaded_model_predicts_with_the_plugin_only_when_given_it_again(tmp_
     """docs/getting-started.md's save-and-reload block, run as written: ``nf.save`` drops the plugin (neuralforecast's
     own warning), the reloaded model predicts in fp32, and with the plugin set again in its ``trainer_kwargs`` its
     forecast is bitwise the trained model's."""
-    import re
-    from pathlib import Path
 
-    page = (Path(__file__).resolve().parent.parent / "docs" / "getting-started.md").read_text()
-    blocks = [b for b in re.findall(r"```python\n(.*?)```", page, flags=re.S) if "NeuralForecast.load" in b]
-    assert len(blocks) == 1
-    source = "\n".join(line[4:] if line.startswith("    ") else line for line in blocks[0].splitlines())
+    source = getting_started_block("NeuralForecast.load")
     monkeypatch.chdir(tmp_path)
     namespace: dict[str, Any] = {}
     with warnings.catch_warnings(record=True) as caught:

@@ -31,6 +31,7 @@ from pytorch_tabular.config import DataConfig, OptimizerConfig, TrainerConfig
 from pytorch_tabular.models import CategoryEmbeddingModelConfig
 
 from lightning_mp.pytorch_lightning import MixedPrecisionCallback, MixedPrecisionPlugin
+from tests.helpers import getting_started_block
 
 EPOCHS = 5
 STEPS_PER_EPOCH = 7  # 500 training rows less pytorch_tabular's 20% validation split: 400 rows in batches of 64
@@ -132,12 +133,8 @@ def test_a_saved_and_reloaded_tabular_model_evaluates_with_the_plugin():
     """docs/getting-started.md's pytorch_tabular block, run as written: ``save_model`` saves the callback with the
     model's callbacks, ``load_model`` builds the reloaded model's Trainer with it, and its ``evaluate`` runs with a
     plugin of its own; the reloaded weights are the exact fp32 ones (predictions and scores equal the trained ones)."""
-    import re
 
-    page = (Path(__file__).resolve().parent.parent / "docs" / "getting-started.md").read_text()
-    blocks = [b for b in re.findall(r"```python\n(.*?)```", page, flags=re.S) if "TabularModel.load_model" in b]
-    assert len(blocks) == 1
-    source = "\n".join(line[4:] if line.startswith("    ") else line for line in blocks[0].splitlines())
+    source = getting_started_block("TabularModel.load_model")
     namespace: dict[str, Any] = {}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
