@@ -14,10 +14,15 @@ imports nothing of the library but the kernels (:mod:`lightning_mp.kernels`, the
 
 from __future__ import annotations
 
+import functools
+import operator
 from typing import Iterable, Iterator, Optional, Union
 
 import torch
 from torch import Tensor
+
+_GRAD = operator.attrgetter("grad")
+_IS_TENSOR = functools.partial(operator.is_not, None)  # a gradient, not None
 
 # What `DynamicLossScaler.unscale_` accepts: tensors whose ``.grad`` is unscaled, or ``(name, tensor)`` pairs.
 NamedOrPlainParams = Iterable[Union[Tensor, tuple[str, Tensor]]]
@@ -63,7 +68,7 @@ class GradientGroups:
         for per_dtype in self.groups:
             lists = []
             for names, params in per_dtype:
-                grads = [grad for param in params if (grad := param.grad) is not None]
+                grads = list(filter(_IS_TENSOR, map(_GRAD, params)))  # C-level passes: no frame per step
                 if len(grads) != len(params):  # some have no gradient (yet): name the others only
                     names = [name for name, param in zip(names, params) if param.grad is not None]
                 if not self.plain or True in [grad.is_sparse for grad in grads]:  # (no generator frame per step)
@@ -119,7 +124,7 @@ def non_finite_check_and_unscale_(
     ``check_only`` (``inv_scale`` is one): read the gradients without writing them back, on the CPU through the
     compiled check of :mod:`lightning_mp.kernels.native` where it is built, for a few bf16 gradients on CUDA through
     :func:`lightning_mp.kernels.cuda.check_nonfinite` (one Triton launch each) where Triton is there."""
-    if check_only and grads and grads[0].device.type == "cpu" and sum(g.numel() for g in grads) >= _READ_ONLY_FROM:
+    if check_only and grads and grads[0].device.type == "cpu" and sum(map(Tensor.numel, grads)) >= _READ_ONLY_FROM:
         from lightning_mp.kernels import native  # the kernel's module, loaded on first use
 
         if native.check_nonfinite(grads, found_inf):

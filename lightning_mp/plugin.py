@@ -312,7 +312,8 @@ class MixedPrecisionPlugin(FabricHooks, Precision):  # FabricHooks: the hooks as
         # fp32 gradients as its own p.grad (views: user code reads them where Lightning's built-in has them)
         self.steps.sync.backward_finished()  # DDP, lean masters: the reduced fp32 sums become the gradients
         closure_loss = super().post_backward(tensor, module)
-        self.steps.weights.grads_to_masters()
+        if self.steps.weights.moves_grads:  # fp32 masters (no call per step for the others' no-op)
+            self.steps.weights.grads_to_masters()
         self.steps.sync.after_backward()  # DDP with masters: reduce the fp32 master gradients once DDP would have
         return closure_loss
 
@@ -338,7 +339,8 @@ class MixedPrecisionPlugin(FabricHooks, Precision):  # FabricHooks: the hooks as
         # writes into the model since the last step reach the masters here, before the step updates them
         super()._after_closure(model, optimizer)
         self.follow_model_writes()
-        self.steps.weights.follow_shown_grads()  # and what the hooks did to the gradients the model shows
+        if self.steps.weights.moves_grads:  # and what the hooks did to the gradients the model shows
+            self.steps.weights.follow_shown_grads()
 
     @override
     def _clip_gradients(
@@ -346,7 +348,9 @@ class MixedPrecisionPlugin(FabricHooks, Precision):  # FabricHooks: the hooks as
     ) -> None:
         # Lightning's asks isinstance(model, lightning.pytorch.LightningModule): under the standalone pytorch_lightning
         # Trainer (lightning_mp.pytorch_lightning) it would skip the Trainer's gradient_clip_val without a word
-        if lightning_isinstance(model, LightningModule) and model.automatic_optimization:
+        if (isinstance(model, LightningModule) or lightning_isinstance(model, LightningModule)) and (
+            model.automatic_optimization
+        ):
             hook = dict(gradient_clip_val=clip_val, gradient_clip_algorithm=gradient_clip_algorithm)
             call._call_lightning_module_hook(model.trainer, "configure_gradient_clipping", optimizer, **hook)
 
@@ -379,7 +383,9 @@ class MixedPrecisionPlugin(FabricHooks, Precision):  # FabricHooks: the hooks as
         any submodule, ``nn.init``, ``copy_`` under ``no_grad``, ``p.data = t``, a replaced parameter), or raise
         :class:`~lightning_mp.master.model_sync.ModelWriteError` naming a parameter they cannot follow. Runs before
         each optimizer step, each save and at teardown (see docs/master-weights.md, "Writes after setup")."""
-        self.steps.weights.follow_writes()
+        sync = self.steps.weights.model_sync  # (the weights' follow_writes, without its frame: every step)
+        if sync is not None:
+            sync.follow()
 
     def exact_weights(self, module: Module, write: bool = True) -> contextlib.AbstractContextManager[Module]:
         """A context inside which ``module.parameters()`` are fp32 parameters holding the exact master values, and

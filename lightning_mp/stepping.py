@@ -32,7 +32,6 @@ the scaler's pending state) only where the decision is needed there:
 
 from __future__ import annotations
 
-import operator
 from typing import Any, Callable, Optional
 
 import torch
@@ -42,6 +41,7 @@ from torch import Tensor
 from torch.optim import LBFGS
 
 from lightning_mp.grads import GradientGroups
+from lightning_mp.master.following import seen
 from lightning_mp.master.held_optimizers import HeldOptimizers
 from lightning_mp.master.in_backward import loop as in_backward_loop
 from lightning_mp.master.plain import PLAIN, PlainWeights
@@ -209,7 +209,9 @@ class OptimizerStep:
         """Unscale ``optimizer``'s grads unless already done since their backward; the found-inf flag tensor. What
         code did to the gradients the model shows is followed first (the masters' are the ones unscaled)."""
         assert self.scaler is not None
-        self.weights.follow_shown_grads()
+        weights = self.weights
+        if weights.moves_grads:
+            weights.follow_shown_grads()
         return self.unscaled.unscale(self.scaler, unwrap_optimizer(optimizer), self.names)
 
     def new_backward(self) -> None:
@@ -335,9 +337,8 @@ class UnscaledGradients:
         self._records: dict[int, tuple[Any, Tensor, Optional[Tensor]]] = {}
         # id(optimizer) -> found-inf flag of unscaled gradients that a later backward adds to
         self._carried: dict[int, Tensor] = {}
-        # id(optimizer) -> (its parameters and group sizes when grouped; the named parameters grouped by device and
-        # dtype): built once, checked against param_groups every step (the same parameters in the same places)
-        self._groups: dict[int, tuple[list[Any], list[int], GradientGroups]] = {}
+        # id(optimizer) -> (its groups' generation when grouped, the named parameters grouped by device and dtype)
+        self._groups: dict[int, tuple[int, GradientGroups]] = {}
 
     def unscale(self, scaler: DynamicLossScaler, optimizer: Any, names: dict[int, str]) -> Tensor:
         """Unscale ``optimizer``'s gradients unless already done since their backward; the found-inf flag.
@@ -354,23 +355,18 @@ class UnscaledGradients:
         return record[1]
 
     def _grouped_params(self, optimizer: Any, names: dict[int, str]) -> GradientGroups:
-        groups = optimizer.param_groups
-        flat = [param for group in groups for param in group["params"]]
+        # made again whenever the groups changed (following.seen: the same parameters in the same places, so that
+        # unnamed ones, named by their place, keep their names)
+        generation = seen(optimizer).groups
         cached = self._groups.get(id(optimizer))
-        if (  # the same parameters, in the same places (group sizes too: unnamed ones are named by their place)
-            cached is None
-            or len(cached[0]) != len(flat)
-            or not all(map(operator.is_, flat, cached[0]))
-            or (len(groups) > 1 and cached[1] != [len(group["params"]) for group in groups])
-        ):
+        if cached is None or cached[0] != generation:
             named = [
                 (names.get(id(param), f"param_groups[{g}][{i}]"), param)
-                for g, group in enumerate(groups)
+                for g, group in enumerate(optimizer.param_groups)
                 for i, param in enumerate(group["params"])
             ]
-            cached = (flat, [len(group["params"]) for group in groups], GradientGroups(named))
-            self._groups[id(optimizer)] = cached
-        return cached[2]
+            cached = self._groups[id(optimizer)] = (generation, GradientGroups(named))
+        return cached[1]
 
     def is_unscaled(self, optimizer: Any) -> bool:
         """Whether ``optimizer``'s gradients were unscaled since the backward that produced them."""

@@ -39,7 +39,7 @@ def _setup(blocks: int, seed: int):
     for param, ref in zip(model.parameters(), reference.parameters()):  # gradients of many magnitudes
         scale = 10.0 ** torch.randint(-3, 3, (), generator=generator).item()
         grad = (torch.randn(param.shape, generator=generator) * scale).to(param.dtype)
-        param.grad, ref.grad = grad, grad.float()
+        param.grad, ref.grad = grad, grad.to(torch.float32, copy=True)  # not shared: clipping writes in place
     return model, reference, store, optimizer, ref_optimizer
 
 

@@ -166,6 +166,7 @@ def test_a_released_block_is_freed_though_step_plans_gave_its_addresses_to_the_k
     import weakref
 
     from lightning_mp.kernels import native
+    from lightning_mp.master import following
     from lightning_mp.master.lean import plan
     from lightning_mp.master.lean.optimizers import entry_for
 
@@ -181,9 +182,10 @@ def test_a_released_block_is_freed_though_step_plans_gave_its_addresses_to_the_k
         param.grad = torch.randn_like(param)
     if in_backward:  # what the step inside backward does: one plan per parameter
         group = optimizer.param_groups[0]
+        now = following.seen(optimizer, state=True).state
         for param in model.parameters():
             one = {**group, "params": [param]}
-            assert plan.run(optimizer, entry_for(optimizer), one, store.step_plans, store, [], None, param)
+            assert plan.run(optimizer, entry_for(optimizer), one, store.step_plans, store, [], None, now, param)
     else:
         store.fused_step(optimizer, None)
     assert len(store.step_plans) == (len(list(model.parameters())) if in_backward else 1)

@@ -28,7 +28,10 @@ from typing import Any, NamedTuple, Optional
 import torch
 from torch import Tensor
 
-ADAM, ADAMW, SGD = 0, 1, 2
+from lightning_mp.kernels.options import ADAMW, FLOAT_OPTIONS, SGD
+
+#: Where each floating option sits in the kernel's option vector (native.FLOAT_OPTIONS), as the kernel's constants.
+_AT = {f"{name.upper()}_AT": index for index, name in enumerate(FLOAT_OPTIONS)}
 _kernels: dict[str, Any] = {}
 
 
@@ -88,17 +91,20 @@ def _kernel() -> Any:
         KIND: tl.constexpr, GRAD_FP32: tl.constexpr, AMSGRAD: tl.constexpr, MAXIMIZE: tl.constexpr,
         NESTEROV: tl.constexpr, FIRST: tl.constexpr, HAS_MUL: tl.constexpr, CLAMPED: tl.constexpr,
         HAS_FOUND: tl.constexpr, HAS_MOMENTUM: tl.constexpr, PRECISE: tl.constexpr, BLOCK: tl.constexpr,
-        CHUNK: tl.constexpr,
+        CHUNK: tl.constexpr, SGD_KIND: tl.constexpr, ADAMW_KIND: tl.constexpr, LR_AT: tl.constexpr,
+        BETA1_AT: tl.constexpr, BETA2_AT: tl.constexpr, WEIGHT_DECAY_AT: tl.constexpr, EPS_AT: tl.constexpr,
+        MOMENTUM_AT: tl.constexpr, DAMPENING_AT: tl.constexpr, CLAMP_AT: tl.constexpr,
     ):  # fmt: skip
+        # the kinds and where each option sits in option_values: native.KINDS and native.FLOAT_OPTIONS (_AT)
         pid = tl.program_id(0)
-        lr = tl.load(option_values)  # fp64, as torch's kernels take the optimizer's options
-        beta1 = tl.load(option_values + 1)
-        beta2 = tl.load(option_values + 2)
-        weight_decay = tl.load(option_values + 3)
-        eps = tl.load(option_values + 4)
-        momentum = tl.load(option_values + 5)
-        dampening = tl.load(option_values + 6)
-        clamp = tl.load(option_values + 7).to(tl.float32)
+        lr = tl.load(option_values + LR_AT)  # fp64, as torch's kernels take the optimizer's options
+        beta1 = tl.load(option_values + BETA1_AT)
+        beta2 = tl.load(option_values + BETA2_AT)
+        weight_decay = tl.load(option_values + WEIGHT_DECAY_AT)
+        eps = tl.load(option_values + EPS_AT)
+        momentum = tl.load(option_values + MOMENTUM_AT)
+        dampening = tl.load(option_values + DAMPENING_AT)
+        clamp = tl.load(option_values + CLAMP_AT).to(tl.float32)
         t = tl.load(block_tensor + pid).to(tl.int64)
         start = tl.load(block_start + pid)
         row = table + t * 8
@@ -116,7 +122,7 @@ def _kernel() -> Any:
             go = tl.load(found) == 0
         if HAS_MUL:
             factor = tl.load(grad_mul)
-        if KIND != 2:
+        if KIND != SGD_KIND:
             if PRECISE:  # fp64 bias terms (scalars: fp64, 4 per tensor; :func:`_bias_scalars`)
                 step_size = tl.load(scalars + t * 4 + 2)
                 bc2_sqrt = tl.load(scalars + t * 4 + 3)
@@ -147,7 +153,7 @@ def _kernel() -> Any:
             # stored value once, torch's arithmetic rounds where its kernel holds an fp32 variable
             w64 = w.to(tl.float64)
             d = g.to(tl.float64)
-            if KIND == 2:  # SGD
+            if KIND == SGD_KIND:
                 if weight_decay != 0:
                     d = d + weight_decay * w64
                     if not PRECISE:
@@ -168,7 +174,7 @@ def _kernel() -> Any:
                 w = (w64 - lr * d).to(tl.float32)
             else:
                 if weight_decay != 0:
-                    if KIND == 1:  # AdamW: param -= lr * weight_decay * param
+                    if KIND == ADAMW_KIND:  # param -= lr * weight_decay * param
                         w64 = w64 - lr * weight_decay * w64
                         if not PRECISE:
                             w64 = w64.to(tl.float32).to(tl.float64)
@@ -367,13 +373,12 @@ class CudaLeanUpdate:
             FIRST=options.get("first_step", False), HAS_MUL=grad_mul is not None,
             CLAMPED=options.get("clamped", False), HAS_FOUND=found is not None,
             HAS_MOMENTUM=options.get("momentum", 0.0) != 0, PRECISE=config.precise,
-            BLOCK=config.block, CHUNK=config.chunk,
+            BLOCK=config.block, CHUNK=config.chunk, SGD_KIND=SGD, ADAMW_KIND=ADAMW, **_AT,
             num_warps=config.warps,
         )  # fmt: skip
 
     def _options(self, options: dict[str, Any], device: torch.device) -> Tensor:
-        names = ("lr", "beta1", "beta2", "weight_decay", "eps", "momentum", "dampening", "clamp")
-        values = [float(options.get(name, 0.0)) for name in names]
+        values = [float(options.get(name, 0.0)) for name in FLOAT_OPTIONS]  # the kernel's option vector, in order
         if self._option_values is None or self._option_values[0] != values:
             self._option_values = (values, _to_device(torch.tensor(values, dtype=torch.float64), device))
         return self._option_values[1]

@@ -32,16 +32,10 @@ typedef struct {
     int grad_fp32;       /* the gradient is fp32 (else bf16) */
 } lean_piece;
 
-typedef struct {
-    int kind;            /* 0 Adam (L2 weight decay), 1 AdamW (decoupled), 2 SGD */
-    int grad_fp32;       /* unused: each piece says its gradient's dtype (lean_piece.grad_fp32) */
-    int amsgrad, maximize, nesterov, first_step;
-    double lr, beta1, beta2, weight_decay, eps, momentum, dampening;
-    const float *grad_mul;  /* clipping factor (clip by norm), NULL: none */
-    double clamp;        /* clip by value to [-clamp, clamp]; negative: none */
-    int clamped;
-    int vec_size;        /* torch's Vectorized<float>::size() on this machine: where each tensor's tail begins */
-} lean_options;
+/* The optimizer kinds (LEAN_ADAM, LEAN_ADAMW, LEAN_SGD) and the options struct, lean_options: generated from their one
+ * definition, lightning_mp/kernels/options.py's KINDS and OPTION_FIELDS (options.c_declarations), in place of the next
+ * line when the kernel is built. */
+LEAN_DECLARATIONS
 
 static inline float join(uint16_t high, int16_t low) {
     uint32_t bits = ((uint32_t)high << 16) + (uint32_t)(int32_t)low;
@@ -210,13 +204,13 @@ static void adam_range(const lean_piece *p, const lean_options *o, int64_t begin
     k.beta2 = (float)o->beta2;
     k.c1 = (float)(1 - o->beta1);
     k.c2 = (float)(1 - o->beta2);
-    k.decay = o->kind == 1 ? (float)(1 - o->lr * o->weight_decay) : (float)o->weight_decay;
+    k.decay = o->kind == LEAN_ADAMW ? (float)(1 - o->lr * o->weight_decay) : (float)o->weight_decay;
     k.neg_step = (float)(-step_size);
     k.step = (float)step_size;
     k.small = fabsf(k.c1) < 0.5f;
     k.coeff = k.small ? k.c1 : k.c1 - 1.0f;
     k.one_minus_c1 = 1.0f - k.c1;
-    int decays = o->weight_decay != 0.0, adamw = o->kind == 1;
+    int decays = o->weight_decay != 0.0, adamw = o->kind == LEAN_ADAMW;
     if (!tail && k.small && !o->amsgrad && !o->maximize && !o->clamped && p->low) { /* lean weights */
         int which = adamw * 8 + (p->grad_fp32 != 0) * 4 + (o->grad_mul != 0) * 2 + decays;
         ADAM_FUSED_FNS[which](p, o, &k, begin, end);
@@ -281,7 +275,7 @@ static void sgd_range(const lean_piece *p, const lean_options *o, int64_t begin,
 
 static void run_range(const lean_piece *p, const lean_options *o, int64_t begin, int64_t end) {
     int64_t body = p->n - p->n % o->vec_size;
-    void (*f)(const lean_piece *, const lean_options *, int64_t, int64_t, int) = o->kind == 2 ? sgd_range : adam_range;
+    void (*f)(const lean_piece *, const lean_options *, int64_t, int64_t, int) = o->kind == LEAN_SGD ? sgd_range : adam_range;
     if (begin < body) f(p, o, begin, end < body ? end : body, 0);
     if (end > body) f(p, o, begin > body ? begin : body, end, 1);
 }

@@ -37,6 +37,8 @@ from typing import Any, Optional
 
 import torch
 
+from lightning_mp.kernels.options import ADAM, ADAMW, OPTION_FIELDS, SGD, c_declarations
+
 SOURCE = Path(__file__).with_name("lean_update.c")
 #: Flags: vectorised loops for this CPU, and no fused multiply-add but the ones the source asks for (exactness).
 CFLAGS = [
@@ -77,27 +79,19 @@ class Piece(ctypes.Structure):
 
 
 class Options(ctypes.Structure):
-    """The optimizer's options for one update (mirrors ``lean_options``)."""
+    """The optimizer's options for one update (:data:`~lightning_mp.kernels.options.OPTION_FIELDS`: the C source's
+    ``lean_options``)."""
 
-    _fields_ = [
-        ("kind", ctypes.c_int),
-        ("grad_fp32", ctypes.c_int),  # what :func:`run` gives every piece (the kernel reads each piece's)
-        ("amsgrad", ctypes.c_int),
-        ("maximize", ctypes.c_int),
-        ("nesterov", ctypes.c_int),
-        ("first_step", ctypes.c_int),
-        ("lr", ctypes.c_double),
-        ("beta1", ctypes.c_double),
-        ("beta2", ctypes.c_double),
-        ("weight_decay", ctypes.c_double),
-        ("eps", ctypes.c_double),
-        ("momentum", ctypes.c_double),
-        ("dampening", ctypes.c_double),
-        ("grad_mul", ctypes.c_void_p),
-        ("clamp", ctypes.c_double),
-        ("clamped", ctypes.c_int),
-        ("vec_size", ctypes.c_int),
-    ]
+    _fields_ = [(name, ctype) for name, _, ctype, _ in OPTION_FIELDS]
+
+
+def source_text() -> str:
+    """The C source as compiled: ``lean_update.c`` with :func:`~lightning_mp.kernels.options.c_declarations` in
+    place."""
+    text = SOURCE.read_text()
+    if "\nLEAN_DECLARATIONS\n" not in text:
+        raise RuntimeError(f"{SOURCE.name} has no LEAN_DECLARATIONS line for the generated declarations")
+    return text.replace("\nLEAN_DECLARATIONS\n", "\n" + c_declarations() + "\n", 1)
 
 
 class Call(ctypes.Structure):
@@ -120,9 +114,6 @@ class Call(ctypes.Structure):
         ("check_width", ctypes.c_int),
         ("exponent_mask", ctypes.c_uint32),
     ]
-
-
-ADAM, ADAMW, SGD = 0, 1, 2
 
 
 def enabled() -> bool:
@@ -155,7 +146,7 @@ def _cpu_key() -> str:
 
 
 def _build(compiler: str, flags: list[str]) -> Path:
-    source = SOURCE.read_bytes()
+    source = source_text().encode()
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=False).stdout
     key = hashlib.sha256(b"\0".join([source, " ".join(flags).encode(), version.encode(), _cpu_key().encode()]))
     target = cache_dir() / f"lean_update-{key.hexdigest()[:16]}.so"
@@ -165,16 +156,20 @@ def _build(compiler: str, flags: list[str]) -> Path:
     # build beside the target and rename: ranks of one job may build at the same time
     fd, scratch = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
+    fd, generated = tempfile.mkstemp(suffix=".c", dir=target.parent)
+    with os.fdopen(fd, "wb") as out:
+        out.write(source)
     try:
         done = subprocess.run(
-            [compiler, *flags, str(SOURCE), "-o", scratch, "-lm"], capture_output=True, text=True, check=False
+            [compiler, *flags, generated, "-o", scratch, "-lm"], capture_output=True, text=True, check=False
         )
         if done.returncode != 0:
             raise RuntimeError(f"{compiler} failed ({done.returncode}): {done.stderr.strip()[-2000:]}")
         os.replace(scratch, target)
     finally:
-        if os.path.exists(scratch):
-            os.unlink(scratch)
+        for path in (scratch, generated):
+            if os.path.exists(path):
+                os.unlink(path)
     return target
 
 
@@ -345,8 +340,7 @@ def run_rows(
         Piece(*(address or None for address in row[:6]), steps[i].data_ptr() if steps else None, row[6])
         for i, row in enumerate(rows)
     ]
-    names = [name for name, _ in Options._fields_ if name in options and name != "grad_mul"]
-    fields = Options(**{name: options[name] for name in names})
+    fields = Options(**{name: value for name, value in options.items() if name != "grad_mul"})
     fields.grad_mul = factor.data_ptr() if factor is not None else None
     fields.vec_size = vec_size()
     run(pieces, fields, found)

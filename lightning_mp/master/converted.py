@@ -20,10 +20,10 @@ from torch.optim import Optimizer
 
 from lightning_mp.master import exact
 from lightning_mp.master.buffers import ConvertedBuffers
+from lightning_mp.master.following import Generation, seen
 from lightning_mp.master.model_sync import ModelSync, ModelWriteError, materialise, stop
 from lightning_mp.master.plain import PlainWeights
 from lightning_mp.master.refused_callbacks import refuse_callbacks
-from lightning_mp.master.watched import GroupsSeen
 
 #: Module classes whose parameters and buffers stay fp32 by default (and their subclasses).
 NORM_TYPES: tuple[type[nn.Module], ...] = (
@@ -72,7 +72,9 @@ class ConvertedModel(PlainWeights):
         self._fp32_values: dict[int, Tensor] = {}
         self._buffers = ConvertedBuffers()  # the model's 16-bit buffers and the full-precision values they stand for
         self._optimizers: list[Optimizer] = []
-        self._groups_seen = GroupsSeen()  # as last followed; none recorded: a subclass attached (FSDP2), not followed
+        #: each optimizer with its groups' generation as last followed (following.seen); none recorded: a subclass
+        #: attached (FSDP2), not followed
+        self._groups_at: list[tuple[Optimizer, int]] = []
 
     # ------------------------------------------------------------------ setup
     def _kept_modules(self, module: nn.Module) -> dict[str, nn.Module]:
@@ -122,6 +124,19 @@ class ConvertedModel(PlainWeights):
         (:func:`~lightning_mp.master.refused_callbacks.refuse_callbacks`: Lightning's ``BaseFinetuning``, which names
         the optimizer's parameters, fp32 masters when the groups hold them; ``ModelPruning``)."""
         refuse_callbacks(callbacks, self.option, reads_groups=self.groups_hold_masters)
+
+    # ------------------------------------------------------------------ the groups followed
+    def _record_groups(self) -> None:
+        """The optimizers' groups, as they are now, are the ones followed."""
+        self._groups_at = [(optimizer, seen(optimizer).groups) for optimizer in self._optimizers]
+
+    def _groups_changed(self, optimizer: Optional[Optimizer] = None, now: Optional[Generation] = None) -> bool:
+        """Whether any followed optimizer's groups changed since :meth:`_record_groups` (``now``: ``optimizer``'s
+        generation, asked already)."""
+        for held, at in self._groups_at:
+            if (now.groups if now is not None and held is optimizer else seen(held).groups) != at:
+                return True
+        return False
 
     # ------------------------------------------------------------------ values no master holds
     def _kept_value(self, param: Tensor) -> Tensor:

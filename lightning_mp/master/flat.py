@@ -56,6 +56,7 @@ class MasterWeights(ConvertedModel):
 
     option: Any = True
     groups_hold_masters = True  # attach() swaps the fp32 masters into the optimizers' groups
+    moves_grads = True  # the half gradients move to the masters; the masters' are shown as the model's
 
     def __init__(
         self, dtype: torch.dtype, keep_fp32: Callable[[str, nn.Module], bool] = is_norm, show_grads: bool = False
@@ -115,20 +116,20 @@ class MasterWeights(ConvertedModel):
                 if param in optimizer.state:
                     optimizer.state[self._masters[id(param)]] = optimizer.state.pop(param)
             refuse_twice(optimizer)
-        self._groups_seen.record(self._optimizers)
+        self._record_groups()
         self._moves.forget_write_backs()  # the groups changed: the write-back lists are made again
 
     def follow_groups(self) -> None:
         """Follow param groups added since :meth:`attach` (``optimizer.add_param_group`` during fit: Lightning's
         ``BackboneFinetuning``, a callback): the new half parameters get masters (their exact fp32 values, kept
-        since the cast) and the groups hold those, whatever edited them (:class:`~.watched.GroupsSeen`: a few
-        identity checks per group); runs before every backward and before the gradients move to the masters.
+        since the cast) and the groups hold those, whatever edited them (:func:`~.following.seen`: a few identity
+        checks per group); runs before every backward and before the gradients move to the masters.
 
         Raises:
             ValueError: a new parameter is not the model's, or its master is in the optimizer already.
             RuntimeError: a new half parameter under several processes (each rank's master would be its own).
         """
-        if self._module is None or not self._groups_seen.changed():
+        if self._module is None or not self._groups_changed():
             return
         new = any(id(p) in self._params for o in self._optimizers for g in o.param_groups for p in g["params"])
         if new and several_processes():

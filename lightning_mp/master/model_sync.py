@@ -211,11 +211,23 @@ class ModelSync:
     def follow(self) -> None:
         """Make the masters follow every write since the last record; raise :class:`ModelWriteError` for one that
         cannot be followed. Called before each update, before each save, at teardown."""
-        if not self.started or self._paused or self.unchanged():
+        if not self.started or self._paused:
+            return
+        versions = list(map(_version, self._params))  # the check of unchanged(), inlined: it runs every step
+        pointers = list(map(Tensor.data_ptr, self._params)) if self.watch_objects else []
+        if (
+            versions == self._versions
+            and pointers == self._pointers
+            and (
+                not self.watch_objects
+                or list(map(id, map(dict.get, self._slot_dicts, self._slot_names))) == self._slot_ids
+            )
+        ):
             return
         replaced = self._put_back_replaced() if self.watch_objects else {}
-        pointers = self._pointer_list()
-        versions = list(map(_version, self._params))
+        if replaced:
+            pointers = self._pointer_list()
+            versions = list(map(_version, self._params))
         rounded: list[tuple[str, int, int]] = []  # (name, values taken at 16-bit precision, values) per parameter
         with torch.no_grad():
             for index, param in enumerate(self._params):

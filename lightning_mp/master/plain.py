@@ -29,7 +29,7 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from lightning_mp.master import exact
-from lightning_mp.master.model_sync import follow_writes, start_following
+from lightning_mp.master.model_sync import start_following
 
 
 class PlainWeights:
@@ -53,6 +53,9 @@ class PlainWeights:
     groups_hold_masters = False
     #: What keeps the masters equal to the model (:class:`~lightning_mp.master.model_sync.ModelSync`): none here.
     model_sync: Optional[Any] = None
+    #: Whether the gradients move between the model and the masters (:meth:`grads_to_masters`,
+    #: :meth:`follow_shown_grads` do something): fp32 masters only. The step calls neither where it is ``False``.
+    moves_grads = False
 
     # ------------------------------------------------------------------ setup
     def convert(self, module: nn.Module) -> nn.Module:
@@ -87,9 +90,10 @@ class PlainWeights:
 
     def follow_writes(self) -> None:
         """Make the masters follow every write into the model since the last step, or raise
-        :class:`~lightning_mp.master.model_sync.ModelWriteError` (:func:`~lightning_mp.master.model_sync.
-        follow_writes`; nothing without a model sync)."""
-        follow_writes(self)
+        :class:`~lightning_mp.master.model_sync.ModelWriteError` (:meth:`~lightning_mp.master.model_sync.ModelSync.
+        follow`; nothing without a model sync)."""
+        if self.model_sync is not None:
+            self.model_sync.follow()
 
     def step(self, optimizer: Optimizer, found_inf: Optional[Tensor], run: Optional[Callable[[], Any]]) -> Any:
         """Update ``optimizer``'s weights. ``run`` steps the optimizer itself (skipping where ``found_inf``, a 0/1

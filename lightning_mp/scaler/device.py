@@ -71,10 +71,10 @@ def transition_table(rules: Rules) -> torch.Tensor:
         # a static scaler has no GROW nor BACKOFF case (its edges never select them): the row of its kind stands in
         row = table.get(case, table[FINITE if finite else SKIP])
         pairs = [(1.0, 0.0)] * SLOTS
-        for name, (multiplier, addend) in row.items():
+        for name, (multiplier_term, addend_term) in row.items():
             pairs[_SLOT_OF[name]] = (
-                float(scaler_rules.value(multiplier, rules)),
-                float(scaler_rules.value(addend, rules)),
+                float(scaler_rules.value(multiplier_term, rules)),
+                float(scaler_rules.value(addend_term, rules)),
             )
         pairs[LAST_FOUND] = (0.0, 0.0 if finite else 1.0)
         if rules.dynamic:  # the edges follow the trackers (a static scaler's never move)
@@ -103,7 +103,6 @@ class DeviceState:
         self.pending = 0
         self._due = 0
         self._rules: Optional[Rules] = None
-        self._ones: dict[torch.device, Tensor] = {}
 
     def due(self, state: ScalerState, rules: Rules) -> int:
         """The pending count at which the next update must be decided on the host, computed from the host's
@@ -170,12 +169,6 @@ class DeviceState:
         values, found = self.read(found_inf)
         counters = {name: int(values[_SLOT_OF[name]]) for name in scaler_rules.COUNTERS[1:]}
         return replace(state, scale=values[SCALE], **counters), found
-
-    def one(self, device: torch.device) -> Tensor:
-        """A 0-dim fp32 ``1.0`` on ``device`` (what a check-only scaler divides by), made once."""
-        if device not in self._ones:
-            self._ones[device] = torch.ones((), dtype=torch.float32, device=device)
-        return self._ones[device]
 
     def forget(self) -> None:
         """The host's copy is ahead (a host update, a loaded state): drop the device copy (nothing may be pending)."""

@@ -96,6 +96,7 @@ class DynamicLossScaler:
         # the counters: the host's copy, exact as of the last read; updates on the device since then live in _device
         self._state = ScalerState(scale=settings["init_scale"], hysteresis_tracker=self.hysteresis)
         self._device = DeviceState()
+        self._ones: dict[torch.device, Tensor] = {}  # what a check-only scaler divides by, 1.0 per device
         self._scale_tensor: Optional[Tensor] = None
         # (a scale tensor, its reciprocal): unscaling multiplies by the inverse of the scale the gradients carry; the
         # device update makes both, the host path computes it once per scale tensor
@@ -218,7 +219,12 @@ class DynamicLossScaler:
             scale = None if self.check_only else self.scale_of_grads(first_device)  # without scale_loss: current
             flags = []
             for device, per_dtype in per_device:
-                inv_scale = self._device.one(device) if scale is None else self._inverse_of(scale, device)
+                if scale is None:  # check-only: divided by one (made once per device)
+                    inv_scale = self._ones.get(device)
+                    if inv_scale is None:
+                        inv_scale = self._ones[device] = torch.ones((), dtype=torch.float32, device=device)
+                else:
+                    inv_scale = self._inverse_of(scale, device)
                 found_inf = torch.zeros((), dtype=torch.float32, device=device)
                 for _, grads in per_dtype:  # bf16 on CUDA too; a check-only step reads without writing back
                     non_finite_check_and_unscale_(grads, found_inf, inv_scale, check_only=scale is None)
@@ -281,7 +287,8 @@ class DynamicLossScaler:
 
     def _update_on_host(self, found_inf: bool) -> None:
         state = self._read()
-        self._device.forget()  # the host's copy is ahead from here on; the device's is rebuilt when needed
+        if self._device.tensor is not None:  # the host's copy is ahead from here on; the device's is made again
+            self._device.forget()
         step = rules.update(state, found_inf, self._rules())
         self._state = step.state
         if step.error is not None:

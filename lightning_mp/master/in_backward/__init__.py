@@ -4,7 +4,6 @@
   parameter as soon as its gradient is final, and the checks of setup (:func:`check_options`, :func:`check_setup`,
   :func:`check_strategy`, :func:`install`);
 - :mod:`~lightning_mp.master.in_backward.flags`: the non-finite flags, one device vector;
-- :mod:`~lightning_mp.master.in_backward.prepared`: each hook's check and update as one C call, laid out once;
 - :mod:`~lightning_mp.master.in_backward.regions`: reentrant checkpoint regions (an update waits for its gradient);
 - :mod:`~lightning_mp.master.in_backward.changes`: param groups and options followed, later hooks refused;
 - :mod:`~lightning_mp.master.in_backward.settings`: the refusal's one shape and the Trainer's settings it reads;

@@ -37,19 +37,15 @@ import inspect
 from collections.abc import Callable, Mapping
 from typing import Any, Optional
 
-import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from lightning_mp.kernels import native
+from lightning_mp.master.following import seen
 from lightning_mp.master.in_backward.changes import UNDER_REDUCTION, GroupOptions, later_hooks, one_groups
 from lightning_mp.master.in_backward.flags import StepFlags
-from lightning_mp.master.in_backward.prepared import Prepared
 from lightning_mp.master.in_backward.regions import PARTIAL, Regions, current_graph_task
 from lightning_mp.master.in_backward.settings import OPTION, accumulation_schedule, refusal, trainer_grad_ops
 from lightning_mp.master.in_backward.zero_grads import ZeroGrads
-from lightning_mp.master.lean.plan import StateSeen
-from lightning_mp.master.watched import GroupsSeen
 
 
 def check_options(optimizer_in_backward: Any, precision: str, master_weights: Any) -> None:
@@ -202,11 +198,7 @@ class StepInBackward:
         self._options = GroupOptions(optimizer, self._one_groups)  # each group read once a step, not per parameter
         self._flags.plan(self._params)
         self._zero.plan(self._params, self._handed_over)
-        self._groups_seen = GroupsSeen()  # compared before each backward: any edit of the param groups shows
-        self._groups_seen.record([optimizer])
-        self._states_seen = StateSeen(self.update.layout)  # the optimizer state as last checked (plan.StateSeen)
-        #: each parameter's kernel call prepared once, replayed while begin() finds nothing changed (in_backward_prepared)
-        self._prepared = Prepared(self.update)
+        self._groups_at = seen(optimizer).groups  # compared before each backward: any edit of the param groups shows
         self._hook_trainable()
 
     @property
@@ -238,13 +230,12 @@ class StepInBackward:
         if self.trainer is not None:
             self.grad_ops = trainer_grad_ops(self.trainer, "now")
         later_hooks(self._params, self._hooks, self._name, OPTION)
-        if self._groups_seen.changed():
+        now = seen(self.optimizer, state=self.update.generic is None)  # what the optimizer reads now (following.py)
+        if now.groups != self._groups_at:
             self._follow_groups()
-        if self.update.generic is None and self._states_seen.changed(self.optimizer, self._params):
-            # a state edited since the last backward (or made by its updates): every state checked before any update
-            self.update.check(_requires_grad)
-            self._states_seen.record(self.optimizer, self._params)
-            self._prepared.clear()  # prepared again from the plans the next hooks run
+            self._groups_at = now.groups
+        # a state edited since the last backward (or made by its updates): every state checked before any update
+        self.update.check(now)
         reduced = self.driven_by_strategy  # regions refused: walked every backward
         if self._regions.arm(loss, self._run_waiting, walk=reduced) and reduced:
             self._regions.clear()
@@ -262,9 +253,9 @@ class StepInBackward:
         self._finished = None
         if len(self._hooks) + len(self._handed_over) < len(self._params):
             self._hook_trainable()
-        self.update.begin_params()  # the generic path's group options advance once in this backward's updates
         self._options.refresh()  # what a scheduler (or a resume) changed since the last step, group by group
-        self._prepared.begin(self._one_groups, self.grad_ops, self.agree_each is not None)
+        # the generic path's group options advance once in this backward's updates; the fast forms' options are read
+        self.update.begin_params(self._one_groups, self.grad_ops, self.agree_each is not None)
         if self.check:
             self._flags.begin(loss, self.agree_each)
 
@@ -280,11 +271,9 @@ class StepInBackward:
         self._one_groups, self._params = ones, params
         self._options = GroupOptions(self.optimizer, self._one_groups)
         self._flags.plan(self._params)
-        self._prepared.forget_groups()
         self._zero.plan(self._params, self._handed_over)
         for key in [key for key in self._hooks if key not in self._one_groups]:
             self._hooks.pop(key).remove()
-        self._groups_seen.record([self.optimizer])
         self._hook_trainable()
 
     def hand_over(self, params: list[Tensor]) -> None:
@@ -329,22 +318,11 @@ class StepInBackward:
                 self._apply(param)
 
     def _apply(self, param: Tensor) -> None:
-        if not self._prepared.run(param):  # its check and update in one C call, laid out at its last update
-            index, one = self._one_groups[id(param)]  # its group's options as of begin() (GroupOptions.refresh)
-            with native.inside_backward():  # its threads: native.backward_threads
-                if torch.is_grad_enabled():  # a backward with create_graph=True (autograd runs the others without grad)
-                    with torch.no_grad():
-                        self.update.run_param(param, one, self._flag_for(param), self.grad_ops)
-                else:
-                    self.update.run_param(param, one, self._flag_for(param), self.grad_ops)
-            self._prepared.prepare(param, index, self._flags.slot(param) if self.check else None)
+        index, one = self._one_groups[id(param)]  # its group's options as of begin() (GroupOptions.refresh)
+        # its check and update: the dispatch of master/lean/update.py (a plan's fast form, the plan, chunked, generic)
+        self.update.run_param(param, index, one, self._flags if self.check else None, self.agree_each, self.grad_ops)
         if not self._zero.keeps(param):
             param.grad = None  # the gradient is used: free it now (all but the probe's: in_backward_zero_grads)
-
-    def _flag_for(self, param: Tensor) -> Optional[Tensor]:
-        # its slot of the step's flags, set to 1 where the gradient holds inf/NaN (read only; no transient the size
-        # of the gradient on the CPU; by its inf-norm for bf16 on CUDA): the update's `found`
-        return self._flags.check(param, self.agree_each) if self.check else None
 
     def finish(self) -> Optional[StepFlags]:
         """After backward: disarm the hooks; the step's flags (``None`` without a check), not read: their
@@ -380,7 +358,7 @@ class StepInBackward:
         for hook in self._hooks.values():
             hook.remove()
         self._hooks, self._params = {}, []
-        self._prepared.forget_groups()
+        self.update.drop_fast()
         self._regions.clear()
         self.armed = False
 

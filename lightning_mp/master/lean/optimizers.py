@@ -24,6 +24,7 @@ from torch import Tensor
 from torch.optim import SGD, Adam, AdamW, NAdam, Optimizer
 
 from lightning_mp.kernels import native
+from lightning_mp.master.following import group_index
 
 
 def local_of(tensor: Tensor) -> Tensor:
@@ -48,9 +49,11 @@ class Entry:
             the CPU (torch's foreach optimizers without ``capturable``).
         lazy: each of ``keys`` is made where it is missing or ``None`` and there are no scalars (SGD's momentum
             buffer); else the whole state is made where it is empty and a partial one is refused (Adam's rule).
-        layout: the group's options that change which state exists (a step plan is laid out again when they do).
-        kernel: the one-pass kernel's options for a group, in :class:`~lightning_mp.kernels.native.Options` order
-            (``kernel(group, first_step)``); ``None``: no kernel, the chunked path runs the update.
+        option_keys: the group options the kernel's options are made of (a plan makes them again when one changes).
+        kernel: the one-pass kernel's options for a group, by the names of
+            :class:`~lightning_mp.kernels.native.Options` (``kernel(group, first_step)``); ``None``: no kernel, the
+            chunked path runs the update. Which options change the state's layout (``amsgrad``, SGD's momentum) is
+            :data:`lightning_mp.master.following.LAYOUT_OPTIONS`.
         run: torch's function on lists of fp32 tensors: ``run(group, params, grads, tensors, scalars, lr, found,
             first_step)``, ``tensors`` one list per key, ``scalars`` one list per scalar.
         counts_steps: the caller advances ``step`` (``+= 1`` before, ``-= found`` after: torch's fused optimizers);
@@ -64,8 +67,8 @@ class Entry:
     scalars: tuple[tuple[str, float], ...]
     scalars_on_param_device: bool
     lazy: bool
-    layout: Callable[[dict[str, Any]], bool]
-    kernel: Optional[Callable[[dict[str, Any], bool], tuple[Any, ...]]]
+    option_keys: tuple[str, ...]
+    kernel: Optional[Callable[[dict[str, Any], bool], dict[str, Any]]]
     run: Callable[..., None]
     counts_steps: bool
     skips_on_host: bool
@@ -86,15 +89,13 @@ def _adam_keys(group: dict[str, Any]) -> tuple[str, ...]:
     return ("exp_avg", "exp_avg_sq", "max_exp_avg_sq") if group["amsgrad"] else ("exp_avg", "exp_avg_sq")
 
 
-def _adam_layout(group: dict[str, Any]) -> bool:
-    return bool(group["amsgrad"])
-
-
-def _adam_kernel(group: dict[str, Any], first_step: bool) -> tuple[Any, ...]:
-    kind = native.ADAMW if group.get("decoupled_weight_decay", False) else native.ADAM
+def _adam_kernel(group: dict[str, Any], first_step: bool) -> dict[str, Any]:
     betas = group["betas"]
-    return (kind, bool(group["amsgrad"]), bool(group["maximize"]), False, False, float(group["lr"]),
-            float(betas[0]), float(betas[1]), float(group["weight_decay"]), float(group["eps"]), 0.0, 0.0)  # fmt: skip
+    return dict(
+        kind=native.ADAMW if group.get("decoupled_weight_decay", False) else native.ADAM,
+        amsgrad=bool(group["amsgrad"]), maximize=bool(group["maximize"]), lr=float(group["lr"]),
+        beta1=float(betas[0]), beta2=float(betas[1]), weight_decay=float(group["weight_decay"]), eps=float(group["eps"]),
+    )  # fmt: skip
 
 
 def _adam_run(group: dict[str, Any], params: list[Tensor], grads: list[Tensor], tensors: list[list[Tensor]],
@@ -114,7 +115,7 @@ ADAM = Entry(
     scalars=(("step", 0.0),),
     scalars_on_param_device=True,
     lazy=False,
-    layout=_adam_layout,
+    option_keys=("lr", "betas", "weight_decay", "eps", "amsgrad", "maximize", "decoupled_weight_decay"),
     kernel=_adam_kernel,
     run=_adam_run,
     counts_steps=True,
@@ -129,14 +130,12 @@ def _sgd_keys(group: dict[str, Any]) -> tuple[str, ...]:
     return ("momentum_buffer",) if group["momentum"] != 0 else ()
 
 
-def _sgd_layout(group: dict[str, Any]) -> bool:
-    return group["momentum"] != 0
-
-
-def _sgd_kernel(group: dict[str, Any], first_step: bool) -> tuple[Any, ...]:
-    return (native.SGD, False, bool(group["maximize"]), bool(group["nesterov"]), bool(first_step),
-            float(group["lr"]), 0.0, 0.0, float(group["weight_decay"]), 0.0, float(group["momentum"]),
-            float(group["dampening"]))  # fmt: skip
+def _sgd_kernel(group: dict[str, Any], first_step: bool) -> dict[str, Any]:
+    return dict(
+        kind=native.SGD, maximize=bool(group["maximize"]), nesterov=bool(group["nesterov"]),
+        first_step=bool(first_step), lr=float(group["lr"]), weight_decay=float(group["weight_decay"]),
+        momentum=float(group["momentum"]), dampening=float(group["dampening"]),
+    )  # fmt: skip
 
 
 def _sgd_run(group: dict[str, Any], params: list[Tensor], grads: list[Tensor], tensors: list[list[Tensor]],
@@ -165,7 +164,7 @@ SGD_ENTRY = Entry(
     scalars=(),
     scalars_on_param_device=True,
     lazy=True,
-    layout=_sgd_layout,
+    option_keys=("lr", "weight_decay", "momentum", "dampening", "nesterov", "maximize"),
     kernel=_sgd_kernel,
     run=_sgd_run,
     counts_steps=False,
@@ -195,7 +194,7 @@ NADAM = Entry(
     scalars=(("step", 0.0), ("mu_product", 1.0)),
     scalars_on_param_device=False,
     lazy=False,
-    layout=lambda group: False,
+    option_keys=(),
     kernel=None,
     run=_nadam_run,
     counts_steps=False,
@@ -309,10 +308,10 @@ def check_state_tensor(optimizer: Optimizer, param: Tensor, key: str, value: Any
         if isinstance(local, Tensor)
         else repr(type(value).__name__)
     )
-    index = next((i for i, g in enumerate(optimizer.param_groups) if any(p is param for p in g["params"])), "?")
+    index = group_index(optimizer, param)
     raise ValueError(
         f"master_weights='remainder': {type(optimizer).__name__}.state[param][{key!r}] of a parameter of shape "
-        f"{tuple(param.shape)} in param_groups[{index}] is a {what}; the lean update keeps optimizer state in fp32, "
+        f"{tuple(param.shape)} in param_groups[{index if index is not None else '?'}] is a {what}; the lean update keeps optimizer state in fp32, "
         f"contiguous, shaped and placed like the parameter ({tuple(target.shape)} on {target.device}), as torch's "
         f"fused optimizer reads it. Nothing was updated. Assign fp32 state, e.g. "
         f"torch.zeros_like(state[{key!r}]) or torch.zeros_like(param, dtype=torch.float32), not "

@@ -39,22 +39,17 @@ changes them), the clipping and the found-inf flag. No aten op is issued for the
 kernel advances their step counts itself (``step += 1``, then ``step -= found``, torch's two foreach ops in C).
 
 A plan is a cache of what the update reads, so it is kept only while everything it read is still what torch's
-optimizer would read now; otherwise it is rebuilt, never patched. :meth:`StepPlan.fits` re-reads those inputs each
-step, by identity and address, in a few C-level passes (``map``), no aten op and no Python loop per parameter:
-
-- the optimizer's ``state`` object (``load_state_dict`` replaces it), the store's blocks (``layout_version``),
-  ``amsgrad`` or momentum switched;
-- the group's parameters, element by element (``params`` edited in place: ``append``, ``extend``, ``del``, item
-  assignment, a new list; ``add_param_group`` makes a new group, and so a new plan);
-- each stepped parameter's state dict in ``optimizer.state`` (``state[p] = {}``, a restored copy) and the state
-  tensors in it (``state[p]["exp_avg"] = t``, ``clear``, ``pop``, ``update``: a key gone is a rebuild too);
-- the address of every tensor whose address the kernel is given (``exp_avg.data = t`` swaps the storage under the
-  same tensor object).
+optimizer would read now; otherwise it is rebuilt, never patched. It does not compare anything itself: it keeps the
+optimizer's generation it was laid out at (:func:`lightning_mp.master.following.seen`, the one module that follows
+the groups, their parameters and options, the state objects, values and addresses), and :meth:`StepPlan.fits` is
+that generation and the store's ``layout_version`` (blocks made or released) being the same now.
 
 Memory safety: the plan holds every tensor and storage whose address it hands the kernel (the block slices, the
 state tensors, their storages), so an address it gives is always live memory; and it gives an address only after
 checking that it is still where the tensor's data is, so a swapped storage is followed, never written through.
-A parameter whose gradient appeared or went away is met while reading the gradients (:class:`Stale`). State that
+A parameter whose gradient appeared or went away is met while reading the gradients (:class:`Stale`).
+Inside backward a plan of one parameter, once replayed, makes its fast form (:meth:`StepPlan.make_fast`): the same
+call laid out as one C call that also checks the gradient, replayed by each hook with only the gradient's address. State that
 the kernel cannot read (not fp32, another shape or device, not contiguous) is refused when the plan is laid out, by
 name, before any update of the step.
 """
@@ -63,9 +58,8 @@ from __future__ import annotations
 
 import ctypes
 import weakref
-from itertools import chain, repeat
-from operator import is_
-from typing import Any, Callable, Optional
+from operator import attrgetter
+from typing import Any, Optional
 
 import torch
 from torch import Tensor
@@ -76,6 +70,13 @@ from lightning_mp.master.lean.optimizers import Entry, local_of, state_for
 
 _FP32 = torch.float32
 _GRAD_DTYPES = (torch.bfloat16, torch.float32)
+_GRAD = attrgetter("grad")
+_DTYPE = attrgetter("dtype")
+
+
+def _in_place(param: Tensor) -> bool:
+    """Whether the CPU kernel can update the fp32 parameter ``param`` in place (a piece without a remainder)."""
+    return param.dtype == _FP32 and param.device.type == "cpu" and param.is_contiguous()
 
 
 class Plans(dict):
@@ -88,57 +89,6 @@ class Plans(dict):
 
 class Stale(Exception):
     """The parameters that have a gradient are no longer the plan's: build a new one."""
-
-
-_EMPTY: dict[str, Any] = {}
-
-
-class StateSeen:
-    """The optimizer state of some parameters as last read, compared in C-level passes (``map``, no Python loop per
-    parameter): the ``state`` object, the parameters, each one's state dict, every value in them (by identity), every
-    tensor's address, and each group's options that change the state's layout (the entry's ``layout``: ``amsgrad``,
-    SGD's momentum on). It holds those tensors and their storages, so an
-    address it recorded cannot be freed memory while it lives.
-
-    A :class:`StepPlan` keeps one over its stepped parameters (what it hands the kernel). The step inside backward,
-    which lays out one plan per parameter in its hook, keeps one over all its parameters and asks :meth:`changed`
-    before each backward: where anything changed, every state is checked first
-    (:func:`~lightning_mp.master.lean.optimizers.check_states`), so a refusal comes before any update of that
-    backward."""
-
-    def __init__(self, layout: Callable[[dict[str, Any]], Any]) -> None:
-        self.layout = layout
-        self.state: Any = None
-
-    def record(self, optimizer: Optimizer, params: list[Tensor]) -> None:
-        self.state = optimizer.state
-        self.params = list(params)
-        self.switches = list(map(self.layout, optimizer.param_groups))
-        self.dicts = list(map(optimizer.state.get, self.params, repeat(_EMPTY)))
-        self.values = list(chain.from_iterable(map(dict.values, self.dicts)))
-        self.tensors = [v for v in self.values if isinstance(v, Tensor)]
-        self.sharded = any(local_of(t) is not t for t in self.tensors)  # DTensors: the local shards' addresses
-        locals_ = [local_of(t) for t in self.tensors]
-        self.addresses = [t.data_ptr() for t in locals_]
-        self.storages = [t.untyped_storage() for t in locals_]  # held: no recorded address can be freed
-
-    def changed(self, optimizer: Optimizer, params: list[Tensor]) -> bool:
-        state = optimizer.state
-        if (
-            state is not self.state
-            or len(params) != len(self.params)
-            or not all(map(is_, params, self.params))
-            or list(map(self.layout, optimizer.param_groups)) != self.switches
-        ):
-            return True
-        dicts = list(map(state.get, params, repeat(_EMPTY)))
-        if not all(map(is_, dicts, self.dicts)):
-            return True
-        values = list(chain.from_iterable(map(dict.values, dicts)))
-        if len(values) != len(self.values) or not all(map(is_, values, self.values)):
-            return True
-        tensors = map(local_of, self.tensors) if self.sharded else self.tensors
-        return list(map(Tensor.data_ptr, tensors)) != self.addresses
 
 
 class StepPlan:
@@ -163,49 +113,32 @@ class StepPlan:
         kernel: Optional[str],
         key: int,
         owner: Any,
+        generation: int,
     ) -> None:
         self.entry = entry
         self.kernel = kernel
         self.key = key
         self.owner_object = owner
-        self.state = optimizer.state
         self.optimizer = weakref.ref(optimizer)
+        #: what the optimizer read when the plan was laid out (:func:`~lightning_mp.master.following.seen`'s
+        #: ``state`` counter): the plan is replayed only while it is the optimizer's
+        self.generation = generation
         self.owner = store  # the CUDA update's caches are the store's
         self.layout_version = getattr(store, "layout_version", 0)
-        self.layout = entry.layout(group)  # the options that change what state is laid out (amsgrad, momentum)
-        self.params = list(params)  # compared element by element with the group's list at every step
+        self.params = list(params)
         self.device = local_of(params[0]).device if params else torch.device("cpu")
         self.sharded = any(local_of(p) is not p for p in params)  # DTensors: the local shards are read
         self._options: tuple[tuple[Any, ...], Any] = ((), None)
-        self.seen: Optional[StateSeen] = None  # the stepped parameters' state as laid out: re-read by fits()
+        #: inside backward, once replayed: the plan's fast form, one C call (:meth:`make_fast`)
+        self.fast: Optional[tuple[native.Call, torch.dtype, Optional[int], Any]] = None
         if kernel is not None:
             self._lay_out(optimizer, group, self.params, store)
 
-    def fits(self, optimizer: Optimizer, group: dict[str, Any], store: Any, params: list[Tensor]) -> bool:
-        """Whether everything the plan read is still what torch's optimizer would read now (module doc): identities
-        and addresses compared in C-level passes, no Python loop per parameter."""
-        state = optimizer.state
-        if (
-            state is not self.state
-            or store.layout_version != self.layout_version
-            or self.entry.layout(group) != self.layout
-            or len(params) != len(self.params)
-            or not all(map(is_, params, self.params))
-        ):
-            return False
-        return self.seen is None or not self.seen.changed(optimizer, self.seen.params)
-
-    def current(self, optimizer: Optimizer, groups: list[dict[str, Any]]) -> bool:
-        """Whether the plan may still be used (else it is released with what it holds): its optimizer alive, with the
-        same state object, and, for a group's plan of ``optimizer``, the group still in its ``groups``."""
-        mine = self.optimizer()
-        if mine is None or mine.state is not self.state:
-            return False
-        return (
-            mine is not optimizer
-            or not isinstance(self.owner_object, dict)
-            or any(g is self.owner_object for g in groups)
-        )
+    def fits(self, generation: int, store: Any) -> bool:
+        """Whether everything the plan read is still what torch's optimizer would read now: ``generation`` (the
+        optimizer's, as :func:`~lightning_mp.master.following.seen` answers now) is the plan's, and the store's
+        blocks are the ones laid out."""
+        return generation == self.generation and store.layout_version == self.layout_version
 
     # ------------------------------------------------------------------ built once
     def _lay_out(self, optimizer: Optimizer, group: dict[str, Any], params: list[Tensor], store: Any) -> None:
@@ -219,10 +152,13 @@ class StepPlan:
         keys = entry.keys(group)
         self.first_step = entry.first_step(optimizer, group, stepped)
         states = [state_for(entry, optimizer, p, group) for p in stepped]
-        self.seen = StateSeen(entry.layout)
-        self.seen.record(optimizer, stepped)  # after the states were made: what the kernel is handed
         lean = [i for i, p in enumerate(stepped) if store.offset_of(p) is not None]
         plain = [i for i, p in enumerate(stepped) if store.offset_of(p) is None]
+        # on the CPU the kernel updates fp32 parameters (a norm's, kept in fp32) in place too, a piece without a
+        # remainder, with the arithmetic of torch's fused kernel that the plain path runs on them, bitwise
+        in_place = [i for i in plain if self.kernel == "cpu" and not self.sharded and _in_place(stepped[i])]
+        plain = [i for i in plain if i not in in_place]
+        lean += in_place
         self.lean = [stepped[i] for i in lean]
         self.plain = [stepped[i] for i in plain]
         self.plain_locals = [local_of(p) for p in self.plain]
@@ -230,20 +166,28 @@ class StepPlan:
         self.steps = [s["step"] for s in states] if adam else []
         self.plain_steps = [states[i]["step"] for i in plain] if adam else []
         self.lean_steps = [states[i]["step"] for i in lean] if adam else None
-        self.held: list[Tensor] = []  # the block slices and state tensors whose addresses the kernel is given
+        self.held: list[Any] = []  # the block slices, storages and state tensors whose addresses the kernel is given
         rows = []
+        self.fp32_addresses: list[Optional[int]] = []  # per piece: the fp32 parameter's own address, or None
         for param, i in zip(self.lean, lean):
             local = local_of(param)
             offset = store.offset_of(param)
-            high, low = store.flat_slices(local.device, offset, offset + local.numel())
             tensors = [local_of(states[i][key]) for key in keys]
-            self.held += [high, low, *tensors]
             addresses = [t.data_ptr() for t in tensors] + [0] * (3 - len(tensors))
+            if offset is None:  # in place: its storage held, so its address cannot come back under another tensor
+                self.held += [local.untyped_storage(), *tensors]
+                self.fp32_addresses.append(local.data_ptr())
+                rows.append([local.data_ptr(), 0, 0, *addresses, local.numel()])
+                continue
+            high, low = store.flat_slices(local.device, offset, offset + local.numel())
+            self.held += [high, low, *tensors]
+            self.fp32_addresses.append(None)
             rows.append([high.data_ptr(), low.data_ptr(), 0, *addresses, local.numel()])
         self.count = len(rows)
         self.dtypes: list[torch.dtype] = []
         self.pointers: list[int] = []
         if self.kernel == "cpu":
+            self.library = native.cpu_kernel()
             steps = self.lean_steps
             self.pieces = (native.Piece * len(rows))(
                 *[
@@ -266,64 +210,80 @@ class StepPlan:
             self.foreach_steps = self.plain_steps if self.on_device else self.steps  # the rest: the bias kernel's
 
     # ------------------------------------------------------------------ each step
-    def run(self, group: dict[str, Any], factor: Optional[Tensor], clamp: Optional[float], found: Any) -> bool:
-        """One update of the planned parameters; ``False`` (nothing done) where a gradient's dtype is neither bf16
-        nor fp32 (the chunked path takes it). Raises :class:`Stale` when the plan no longer fits."""
+    def run(
+        self, group: dict[str, Any], factor: Optional[Tensor], clamp: Optional[float], found: Any, threads: int
+    ) -> bool:
+        """One update of the planned parameters on ``threads`` threads (the CPU kernel's); ``False`` (nothing done)
+        where a gradient's dtype is neither bf16 nor fp32 (the chunked path takes it). Raises :class:`Stale` when the
+        plan no longer fits."""
         for param in self.idle:
             if param.grad is not None:
                 raise Stale
         if not self.lean and not self.plain:
             return True
-        grads = [p.grad for p in self.lean]
-        plain_grads = [p.grad for p in self.plain]
+        grads = list(map(_GRAD, self.lean))
         if self.sharded:
             grads = [g if g is None else local_of(g) for g in grads]
-            plain_grads = [g if g is None else local_of(g) for g in plain_grads]
-        for grad in plain_grads:
-            if grad is None:
+        plain_grads: list[Tensor] = []
+        if self.plain:
+            plain_grads = list(map(_GRAD, self.plain))
+            if self.sharded:
+                plain_grads = [g if g is None else local_of(g) for g in plain_grads]
+            if None in plain_grads:
                 raise Stale
         try:
-            pointers = [g.data_ptr() for g in grads]
-        except AttributeError:  # None: this parameter has no gradient this step
+            pointers = list(map(Tensor.data_ptr, grads))
+        except TypeError:  # None: this parameter has no gradient this step
             raise Stale from None
-        dtypes = [g.dtype for g in grads]
+        dtypes = list(map(_DTYPE, grads))
         if dtypes != self.dtypes:
             if any(d not in _GRAD_DTYPES for d in dtypes):
+                return False
+            if self.kernel == "cpu" and any(
+                a is not None and d != _FP32 for a, d in zip(self.fp32_addresses, dtypes)
+            ):  # an fp32 parameter updated in place reads an fp32 gradient
                 return False
             self.dtypes = dtypes
             if self.kernel == "cpu":
                 self.flags[:] = [d == _FP32 for d in dtypes]
         if not all(map(Tensor.is_contiguous, grads)):  # read by address: a contiguous copy for this step
             grads = [g if g.is_contiguous() else g.contiguous() for g in grads]
-            pointers = [g.data_ptr() for g in grads]
+            pointers = list(map(Tensor.data_ptr, grads))
         adam = self.entry.counts_steps
         if adam and self.foreach_steps:  # step counts no kernel advances (fp32 parameters on a GPU, odd counts)
             torch._foreach_add_(self.foreach_steps, 1)
         if self.kernel == "cpu":
-            self._run_cpu(group, pointers, factor, clamp, found)
+            self._run_cpu(group, pointers, factor, clamp, found, threads)
         else:
             self._run_cuda(group, pointers, factor, clamp, found)
         if self.plain:
             self._plain(group, plain_grads, found)
         if adam and found is not None:
             if self.counts is not None and self.plain:  # the fp32 parameters' kernel read the advanced counts
-                native.cpu_kernel().lean_settle(self.counts, len(self.steps), found.data_ptr())
+                self.library.lean_settle(self.counts, len(self.steps), found.data_ptr())
             if self.foreach_steps:
                 torch._foreach_sub_(self.foreach_steps, [found] * len(self.foreach_steps))
         self.first_step = False
         return True
 
-    def _run_cpu(self, group: dict[str, Any], pointers: list[int], factor: Any, clamp: Any, found: Any) -> None:
-        values = kernel_values(self.entry, group, self.first_step, factor, clamp)
+    def _run_cpu(
+        self, group: dict[str, Any], pointers: list[int], factor: Any, clamp: Any, found: Any, threads: int
+    ) -> None:
+        # what the options are made of, compared: made again on a change (an LR scheduler's)
+        values = (
+            tuple(map(group.get, self.entry.option_keys)),
+            self.first_step,
+            factor is not None and factor.data_ptr(),
+            clamp,
+        )
         if values != self._options[0]:
-            self._options = (values, kernel_options(values))
-        library = native.cpu_kernel()
+            self._options = (values, kernel_options(self.entry, group, self.first_step, factor, clamp))
         counts = self.counts
-        library.lean_step(
+        self.library.lean_step(
             self.pieces, self.count, (ctypes.c_void_p * self.count)(*pointers), self.flags,
             ctypes.byref(self._options[1]), found.data_ptr() if found is not None else None,
             counts, len(self.steps) if counts is not None else 0, int(not self.plain),
-            native.threads(), native.GRAIN, self.first_unit,
+            threads, native.GRAIN, self.first_unit,
         )  # fmt: skip
 
     def _run_cuda(self, group: dict[str, Any], pointers: list[int], factor: Any, clamp: Any, found: Any) -> None:
@@ -333,9 +293,7 @@ class StepPlan:
             table = list(self.table)
             table[2::8] = pointers
             self.table, self.pointers = table, pointers
-        names = ("kind", "amsgrad", "maximize", "nesterov", "first_step", "lr", "beta1", "beta2", "weight_decay",
-                 "eps", "momentum", "dampening")  # fmt: skip
-        options = dict(zip(names, self.entry.kernel(group, self.first_step)), clamped=clamp is not None)
+        options = dict(self.entry.kernel(group, self.first_step), clamped=clamp is not None)
         options["clamp"] = clamp if clamp is not None else -1.0
         update = native.cuda_update(self.owner)
         for fp32 in (False, True):
@@ -364,22 +322,63 @@ class StepPlan:
         scalars = [self.plain_steps] if self.entry.counts_steps else []
         self.entry.run(group, params, grads, self.plain_states, scalars, float(group["lr"]), found, self.first_step)
 
+    # ------------------------------------------------------------------ inside backward: the fast form
+    def make_fast(self, param: Tensor, options: native.Options, found: Optional[Tensor]) -> None:
+        """After the plan of ``param`` alone ran inside backward: its fast form, one C call that checks the gradient
+        for inf/NaN into ``found`` (the parameter's flag slot; ``None``: no check) and runs the step (skipped where the
+        slot is 1), the step count settled after it: the same kernel on the same addresses with ``options`` (its
+        group's, rewritten in place by the caller when the group's options change), so the same bits as
+        :meth:`run`. Only for one parameter on the CPU kernel, lean or fp32, whose gradient the call can read; else
+        none (:meth:`run` each time)."""
+        self.fast = None
+        grad = param.grad
+        if (
+            self.kernel != "cpu"
+            or grad is None
+            or self.sharded
+            or self.first_step
+            or self.idle
+            or self.plain
+            or self.foreach_steps
+            or self.count != 1
+            or self.dtypes != [grad.dtype]
+            or self.pieces[0].n != grad.numel()
+            or not grad.is_cpu
+            or (found is not None and (found.device.type != "cpu" or found.dtype != _FP32))
+        ):
+            return
+        call = native.prepare_call(
+            self.pieces, self.flags, options, found, self.counts, len(self.steps), self.first_unit, grad.numel(),
+            grad.dtype if found is not None else None,
+        )  # fmt: skip
+        if call is not None:  # held with it: what its addresses point into
+            self.fast = (call, grad.dtype, self.fp32_addresses[0], (found, options))
+
+    def run_fast(self, param: Tensor) -> bool:
+        """``param``'s check and update by the fast form; ``False`` (nothing done) where there is none or the
+        gradient (or, kept in fp32, the parameter's storage) is not what it was made for."""
+        fast = self.fast
+        if fast is None:
+            return False
+        call, dtype, address, _ = fast
+        grad = param.grad
+        if grad.dtype is not dtype or not grad.is_cpu or not grad.is_contiguous():
+            return False
+        if address is not None and param.data_ptr() != address:  # kept in fp32: its storage swapped (.data = ...)
+            return False
+        call.grad = grad.data_ptr()
+        self.library.lean_step_call(call)
+        return True
+
 
 # ---------------------------------------------------------------------- the one-pass update by the plans
-def kernel_values(
+def kernel_options(
     entry: Entry, group: dict[str, Any], first_step: bool, factor: Optional[Tensor], clamp: Optional[float]
-) -> tuple[Any, ...]:
-    """What the CPU kernel's options are made of (:func:`kernel_options`): the entry's options of ``group``, the
-    clipping factor's address and the clamp (compared from step to step: options are made again only on a change)."""
-    return (*entry.kernel(group, first_step), factor.data_ptr() if factor is not None else None, clamp)
-
-
-def kernel_options(values: tuple[Any, ...]) -> native.Options:
-    """The CPU kernel's :class:`~lightning_mp.kernels.native.Options` of ``values`` (:func:`kernel_values`)."""
-    names = ("kind", "amsgrad", "maximize", "nesterov", "first_step", "lr", "beta1", "beta2", "weight_decay",
-             "eps", "momentum", "dampening", "grad_mul")  # fmt: skip
-    options = native.Options(**dict(zip(names, values)), vec_size=native.vec_size())
-    clamp = values[-1]
+) -> native.Options:
+    """The CPU kernel's :class:`~lightning_mp.kernels.native.Options` for ``group``: the entry's options
+    (:attr:`~lightning_mp.master.lean.optimizers.Entry.kernel`), the clipping factor's address and the clamp."""
+    options = native.Options(**entry.kernel(group, first_step), vec_size=native.vec_size())
+    options.grad_mul = factor.data_ptr() if factor is not None else None
     options.clamped, options.clamp = (1, clamp) if clamp is not None else (0, -1.0)
     return options
 
@@ -410,26 +409,20 @@ def expressible(grad_ops: list[tuple[str, Any]]) -> bool:
 
 
 def ready(
-    optimizer: Optimizer,
-    group: dict[str, Any],
-    plans: Plans,
-    store: Any,
-    grad_ops: list[tuple[str, Any]],
-    param: Any = None,
+    group: dict[str, Any], plans: Plans, store: Any, grad_ops: list[tuple[str, Any]], generation: int, param: Any = None
 ) -> Any:
     """The plan among ``plans`` (the store's) that :func:`run` will replay for ``group`` (or, with ``param``, that
-    parameter's), when it exists, still fits (:meth:`StepPlan.fits`), no parameter of it gained a gradient and the
-    kernel takes the clipping; else ``None``: that step lays out a plan (or takes the chunked path) and may refuse
-    state it meets, so a caller checks every state first (:func:`~lightning_mp.master.lean.optimizers.check_states`)
-    to refuse before any update. Pass what it returns to :func:`run` as ``ready``: the plan is not checked twice."""
-    key, owner, params = (id(group), group, group["params"]) if param is None else (id(param), param, [param])
-    made = plans.get(key)
+    parameter's), when it exists, still fits (:meth:`StepPlan.fits`: ``generation`` is the optimizer's now), no
+    parameter of it gained a gradient and the kernel takes the clipping; else ``None``: that step lays out a plan (or
+    takes the chunked path) and may refuse state it meets, so a caller checks every state first
+    (:func:`~lightning_mp.master.lean.optimizers.check_states`) to refuse before any update. Pass what it returns to
+    :func:`run` as ``ready``: the plan is not checked twice."""
+    made = plans.get(id(group) if param is None else id(param))
     if (
-        made is None
-        or made.owner_object is not owner
+        made is None  # (kept by the id of its group or parameter, which it holds: the id names no other object)
         or made.kernel is None
-        or not made.fits(optimizer, group, store, params)
-        or any(p.grad is not None for p in made.idle)
+        or not made.fits(generation, store)
+        or (made.idle and any(p.grad is not None for p in made.idle))
         or (grad_ops and not expressible(grad_ops))
     ):
         return None
@@ -461,30 +454,35 @@ def run(
     store: Any,
     grad_ops: list[tuple[str, Any]],
     found: Optional[Tensor],
+    generation: int,
     param: Optional[Tensor] = None,
     ready: Any = None,
+    threads: int = 0,
 ) -> bool:
     """One step of ``group`` (or, with ``param``, of that one parameter of it: the step inside backward) on the lean
-    state, in one pass, by its :class:`StepPlan` (made on the first step and whenever it
-    no longer fits); fp32 parameters (no remainder) go through torch's own fused kernel in place. ``found``: a 0-dim
-    fp32 tensor on the parameters' device, or ``None``. ``False`` (nothing done): the chunked path must take it (no
-    kernel for these parameters, clipping the kernel does not express, gradients neither bf16 nor fp32)."""
+    state, in one pass, by its :class:`StepPlan` (made on the first step and whenever it no longer fits:
+    ``generation`` is the optimizer's now, :func:`~lightning_mp.master.following.seen`); fp32 parameters (no
+    remainder) are updated in place by the same kernel on the CPU, by torch's own fused kernel elsewhere. ``found``: a
+    0-dim fp32 tensor on the parameters' device, or ``None``. ``threads``: the CPU kernel's (0: torch's). ``False``
+    (nothing done): the chunked path must take it (no kernel for these parameters, clipping the kernel does not
+    express, gradients neither bf16 nor fp32)."""
     key, params, owner = (id(group), group["params"], group) if param is None else (id(param), [param], param)
     made = ready
     if made is None:
         made = plans.get(key)
-        if made is None or made.owner_object is not owner or not made.fits(optimizer, group, store, params):
-            made = _replan(plans, optimizer, entry, group, params, store, key, owner)
+        if made is None or not made.fits(generation, store):
+            made = _replan(plans, optimizer, entry, group, params, store, key, owner, generation)
     if made.kernel is None:
         return False
     clipping = plan_grad_ops(grad_ops, made.device) if grad_ops else (None, None)
     if clipping is None:
         return False
+    threads = threads or torch.get_num_threads()
     try:
-        return made.run(group, clipping[0], clipping[1], found)
+        return made.run(group, clipping[0], clipping[1], found, threads)
     except Stale:  # a gradient appeared or went away since the plan was made
-        made = _replan(plans, optimizer, entry, group, params, store, key, owner)
-        return made.run(group, clipping[0], clipping[1], found)
+        made = _replan(plans, optimizer, entry, group, params, store, key, owner, generation)
+        return made.run(group, clipping[0], clipping[1], found, threads)
 
 
 def _replan(
@@ -496,16 +494,27 @@ def _replan(
     store: Any,
     key: int,
     owner: Any,
+    generation: int,
 ) -> StepPlan:
     """A new plan under ``key``; plans that describe nothing any more are released with their tensors: those of a
-    dead optimizer, of one whose state was replaced (a resume), of a group no longer in its ``param_groups``."""
+    dead optimizer, and those of ``optimizer`` laid out at another generation (its state was replaced, a group
+    removed, ...)."""
     plans.pop(key, None)
-    groups = optimizer.param_groups
-    for old in [k for k, p in plans.items() if not p.current(optimizer, groups)]:
+    for old in [k for k, p in plans.items() if p.optimizer() in (None, optimizer) and p.generation != generation]:
         del plans[old]
     # the plan of ``params``: with the compiled kernel of their device where :func:`clipping_for` finds one
-    made = plans[key] = StepPlan(optimizer, entry, group, list(params), store, _kernel_for(params), key, owner)
+    made = plans[key] = StepPlan(
+        optimizer, entry, group, list(params), store, _kernel_for(params), key, owner, generation
+    )
     return made
+
+
+def restamp(plans: Plans, optimizer: Optimizer, before: int, after: int) -> None:
+    """``optimizer``'s plans laid out or replayed at generation ``before`` hold at ``after`` too: between the two the
+    update itself made the state its plans read (a first step), nothing else ran."""
+    for made in plans.values():
+        if made.generation == before and made.optimizer() is optimizer:
+            made.generation = after
 
 
 def _kernel_for(params: list[Tensor]) -> Optional[str]:

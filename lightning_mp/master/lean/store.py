@@ -28,6 +28,7 @@ from torch.optim import Optimizer
 
 from lightning_mp.kernels.bits import JoinSplit
 from lightning_mp.master.converted import ConvertedModel, is_norm
+from lightning_mp.master.following import Generation, seen
 from lightning_mp.master.lean.blocks import Blocks, join_by_chunks, split_by_chunks
 from lightning_mp.master.lean.chunked import FUSED_UNIT
 from lightning_mp.master.lean.clipping import norm_and_factor
@@ -155,7 +156,7 @@ class RemainderMasters(ConvertedModel):
         for optimizer in self._optimizers:
             if self.updates.of(optimizer).generic is None and id(optimizer) not in self._optimizer_hooks:
                 self._optimizer_hooks[id(optimizer)] = keep_fp32_state(optimizer)  # attach() again: registered once
-        self._groups_seen.record(self._optimizers)
+        self._record_groups()
 
     def follow_optimizers(self, optimizers: Iterable[Optimizer]) -> None:
         """The run steps ``optimizers`` now (swapped mid-fit): those no longer in it are released (the generic path's
@@ -169,19 +170,23 @@ class RemainderMasters(ConvertedModel):
         self.step_plans.clear()  # plans hold the old groups' and state's addresses: made again, never patched
         self.attach(optimizers)
 
-    def follow_groups(self) -> None:
-        """Follow the groups edited since :meth:`attach` (:class:`~.watched.GroupsSeen`): every converted parameter
-        has its bf16 weight and remainder and the step reads the groups as they are; a new parameter must be the
-        model's; any other optimizer than AdamW/Adam/SGD makes the new groups' slices (``GenericChunkedStep``)."""
-        if self._module is None or not self._groups_seen.changed():  # none recorded: a subclass attached (FSDP2)
+    def follow_groups(self, optimizer: Optional[Optimizer] = None, now: Optional[Generation] = None) -> None:
+        """Follow the groups edited since :meth:`attach` (:func:`~lightning_mp.master.following.seen`; ``now``:
+        ``optimizer``'s generation, asked already): every converted parameter has its bf16 weight and remainder and
+        the step reads the groups as they are; a new parameter must be the model's; any other optimizer than
+        AdamW/Adam/SGD makes the new groups' slices (``GenericChunkedStep``)."""
+        for held, at in self._groups_at:  # none recorded: FSDP2's subclass, which follows nothing
+            if (now.groups if now is not None and held is optimizer else seen(held).groups) != at:
+                break
+        else:
             return
         module_params = self._held_ids()
-        for index, optimizer in enumerate(self._optimizers):
-            check_params_belong(index, optimizer, module_params, during_fit=True)
-            update = self.updates.get(optimizer)
+        for index, held in enumerate(self._optimizers):
+            check_params_belong(index, held, module_params, during_fit=True)
+            update = self.updates.get(held)
             if update is not None:
                 update.follow_groups()
-        self._groups_seen.record(self._optimizers)
+        self._record_groups()
 
     def _held_ids(self) -> set[int]:
         """Ids of the parameters a group may hold during fit: the module's, and the converted ones the store holds
@@ -294,11 +299,12 @@ class RemainderMasters(ConvertedModel):
         AdamW/Adam/SGD, and for other optimizers where :mod:`~lightning_mp.master.lean.generic` can mask the step);
         ``None`` steps unconditionally. Clipping requested since the last step is applied here.
         """
-        self.follow_groups()  # a group added after backward (on_before_optimizer_step)
+        now = seen(optimizer, state=True)  # what the optimizer reads now: every cache of the update compares with it
+        self.follow_groups(optimizer, now)  # a group added after backward (on_before_optimizer_step)
         grad_ops = self._grad_ops.pop(id(optimizer), [])
         # what torch's optimizer.step() records for LR schedulers, which warn on their first step without it
         optimizer._opt_called = True  # type: ignore[attr-defined]
-        self.updates.of(optimizer).run(found_inf, grad_ops)  # one-pass, chunked or generic (master/lean/update.py)
+        self.updates.of(optimizer, now).run(found_inf, grad_ops, now)  # one-pass, chunked or generic (update.py)
 
     # ------------------------------------------------------------------ checkpoint and teardown
     def fp32_value(self, param: Tensor) -> Tensor:

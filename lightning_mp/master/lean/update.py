@@ -17,13 +17,16 @@ The normal step calls :meth:`LeanUpdate.run` (a whole step of the optimizer); th
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+import ctypes
+from itertools import repeat
+from typing import Any, Optional
 
 import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_mp.kernels import native
+from lightning_mp.master.following import Generation, seen
 from lightning_mp.master.lean import chunked, plan
 from lightning_mp.master.lean.chunked import Piece, Staging, apply_grad_ops_in_place, plan_chunks
 from lightning_mp.master.lean.optimizers import Entry, check_states, entry_for
@@ -33,8 +36,8 @@ def _has_grad(param: Tensor) -> bool:
     return param.grad is not None
 
 
-def _no_layout(group: dict[str, Any]) -> None:
-    return None
+def _requires_grad(param: Tensor) -> bool:
+    return param.requires_grad
 
 
 class LeanUpdate:
@@ -50,14 +53,23 @@ class LeanUpdate:
         self.staging = staging
         self.entry = entry
         self.generic = generic  # None for an optimizer of the table
-        #: the group options that change which state exists (the entry's; none on the generic path)
-        self.layout: Callable[[dict[str, Any]], Any] = entry.layout if entry is not None else _no_layout
-        # the chunked path's pieces by (group index, 0), or inside backward (id(param), 1)
-        self.chunks: dict[tuple[int, int], tuple[tuple[int, ...], list[list[Piece]]]] = {}
+        #: the optimizer's generation the path was chosen at (following.seen): chosen again when its groups change
+        self.chosen_at = -1
+        # the chunked path's pieces by (group index, 0), or inside backward (id(param), 1), with the generation
+        # (following.seen) they were planned at
+        self.chunks: dict[tuple[int, int], tuple[int, list[list[Piece]]]] = {}
+        #: inside backward: the state generation checked before this backward (begin_params), every state checked
+        #: then; the plans' fast forms are taken only at it
+        self.checked: Optional[Generation] = None
+        self.fast_at = -1  # the generation the fast forms may run at this backward (-1: none)
+        self.fast_options: dict[int, native.Options] = {}  # group index -> the options its fast forms point at
+        self.fast_values: dict[int, tuple[Any, ...]] = {}  # group index -> what those options were made of
+        self.fast_groups: dict[int, dict[str, Any]] = {}  # group index -> one of its one-parameter groups
 
     # ------------------------------------------------------------------ the normal step
-    def run(self, found_inf: Optional[Tensor], grad_ops: list[tuple[str, Any]]) -> None:
-        """One step of every group: ``found_inf`` a flag on the device (nonzero: nothing changes) or ``None``."""
+    def run(self, found_inf: Optional[Tensor], grad_ops: list[tuple[str, Any]], now: Generation) -> None:
+        """One step of every group: ``found_inf`` a flag on the device (nonzero: nothing changes) or ``None``;
+        ``now`` the optimizer's generation (:func:`~lightning_mp.master.following.seen`, asked with the state)."""
         if self.generic is not None:
             self.generic.run(found_inf, grad_ops)
             return
@@ -68,68 +80,141 @@ class LeanUpdate:
         assert entry is not None
         groups = optimizer.param_groups
         plans = store.step_plans
+        generation = now.state
         # the plans each group replays, where they fit; where one does not (a first step, an edit since the last one)
         # or a group takes the chunked path, every group's state is checked first: a refusal comes before any update
         ready = (
-            [plan.ready(optimizer, group, plans, store, grad_ops) for group in groups]
-            if entry.kernel is not None and native.enabled()
+            list(map(plan.ready, groups, repeat(plans), repeat(store), repeat(grad_ops), repeat(generation)))
+            if entry.kernel is not None
             else []
         )
-        if not ready or None in ready:
+        laid_out = not ready or None in ready
+        if laid_out:
             check_states(optimizer, groups, _has_grad)
         for index, group in enumerate(groups):
-            if grad_ops:
-                apply_grad_ops_in_place([p for p in group["params"] if store.offset_of(p) is None], grad_ops)
             if entry.kernel is not None:
                 made = ready[index] if ready else None
-                if plan.run(optimizer, entry, group, plans, store, grad_ops, found, ready=made):  # the group's plan
+                if plan.run(optimizer, entry, group, plans, store, grad_ops, found, generation, ready=made):
                     continue
-            pieces = self._pieces(group["params"], (index, 0))
+            if grad_ops:  # kept in fp32: clipped in place for torch's kernel (the one-pass kernel clips as it reads)
+                apply_grad_ops_in_place([p for p in group["params"] if store.offset_of(p) is None], grad_ops)
+            pieces = self._pieces(group, (index, 0), now.groups)
             chunked.update(entry, optimizer, group, pieces, store, self.staging, grad_ops, found)
+        if laid_out and ready:  # the state the new plans made is the update's own: they hold at the new generation
+            plan.restamp(plans, optimizer, generation, seen(optimizer, state=True).state)
 
     # ------------------------------------------------------------------ the step inside backward
-    def check(self, stepped: Callable[[Tensor], bool]) -> None:
-        """Before a backward whose hooks update parameter by parameter: every state that ``stepped`` parameters
-        hold is checked (a refusal before any update); the generic path checks nothing."""
-        if self.generic is None:
-            check_states(self.optimizer, self.optimizer.param_groups, stepped)
+    def check(self, now: Generation) -> None:
+        """Before a backward whose hooks update parameter by parameter (``now``: the optimizer's generation, asked
+        with the state): where anything changed since the last backward, every state a trainable parameter holds is
+        checked, so a refusal comes before any update; the generic path checks nothing."""
+        if self.generic is None and now != self.checked:
+            check_states(self.optimizer, self.optimizer.param_groups, _requires_grad)
+        self.checked = now
 
-    def begin_params(self) -> None:
-        """A new step whose parts are single parameters (the generic path's group options advance once)."""
+    def begin_params(
+        self, ones: dict[int, tuple[int, dict[str, Any]]], grad_ops: list[tuple[str, Any]], agreed: bool
+    ) -> None:
+        """A new step whose parts are single parameters, after :meth:`check` (``ones``: ``id(param) -> (group index,
+        its one-parameter group)``): the generic path's group options advance once; whether this backward's hooks
+        take the plans' fast forms (not with clipping other than by value, nor with flags agreed per parameter
+        across ranks), each group's options read once into the options those point at."""
+        self.fast_at = -1
         if self.generic is not None:
             self.generic.begin_params()
+            return
+        entry = self.entry
+        if (
+            entry is None
+            or entry.kernel is None
+            or agreed
+            or self.checked is None
+            or [kind for kind, _ in grad_ops] not in ([], ["clamp"])
+            or not native.enabled()
+            or native.cpu_kernel() is None
+        ):
+            return
+        if not self.fast_groups:
+            for index, one in ones.values():
+                self.fast_groups.setdefault(index, one)
+        clamp = float(grad_ops[0][1]) if grad_ops else None
+        for index, one in self.fast_groups.items():
+            values = (tuple(map(one.get, entry.option_keys)), clamp)
+            if values == self.fast_values.get(index):
+                continue
+            options = plan.kernel_options(entry, one, False, None, clamp)
+            held = self.fast_options.get(index)
+            if held is None:
+                self.fast_options[index] = options
+            else:  # rewritten in place: every fast form of the group points at it
+                ctypes.memmove(ctypes.addressof(held), ctypes.addressof(options), ctypes.sizeof(options))
+            self.fast_values[index] = values
+        self.fast_at = self.checked.state
+
+    def drop_fast(self) -> None:
+        """The fast forms' group options are made again (the groups changed, or the hooks are removed)."""
+        self.fast_options, self.fast_values, self.fast_groups = {}, {}, {}
+        self.fast_at = -1
 
     def follow_groups(self) -> None:
-        """The param groups changed: the generic path slices the new ones."""
+        """The param groups changed: the generic path slices the new ones; the fast forms' group options are made
+        again."""
+        self.drop_fast()
         if self.generic is not None:
             self.generic.follow_groups()
 
-    def run_param(self, param: Tensor, group: dict[str, Any], found: Optional[Tensor], grad_ops: list[Any]) -> None:
-        """The update of ``param`` alone, with ``group`` (its one-parameter group: its group's options)."""
+    def run_param(
+        self, param: Tensor, index: int, group: dict[str, Any], flags: Any, agree: Any, grad_ops: list[Any]
+    ) -> None:
+        """The update of ``param`` alone inside backward, with ``group`` (its one-parameter group: its group's
+        options; ``index``: its group's), ``flags`` the step's :class:`~lightning_mp.master.in_backward.flags.
+        StepFlags` (``None``: no check; ``agree`` sums a flag over the ranks, or ``None``): by its plan's fast form
+        where it has one for this backward (the check and the update in one C call), else by its plan (made where
+        there is none or it no longer fits), the chunked path, or the generic path."""
+        store = self.store
+        made = store.step_plans.get(id(param))
+        if made is not None and made.generation == self.fast_at and made.run_fast(param):
+            return
+        with native.inside_backward():  # its threads: native.backward_threads
+            found = flags.check(param, agree) if flags is not None else None
+            if torch.is_grad_enabled():  # a backward with create_graph=True (autograd runs the others without grad)
+                with torch.no_grad():
+                    self._run_param(param, group, found, grad_ops)
+            else:
+                self._run_param(param, group, found, grad_ops)
+        if self.fast_at >= 0:  # this backward's hooks take fast forms: this parameter's made from its plan
+            made = store.step_plans.get(id(param))
+            options = self.fast_options.get(index)
+            if made is not None and options is not None:
+                made.make_fast(param, options, flags.slot(param) if flags is not None else None)
+
+    def _run_param(self, param: Tensor, group: dict[str, Any], found: Optional[Tensor], grad_ops: list[Any]) -> None:
         if self.generic is not None:  # any other optimizer: its own step() on this parameter's fp32 slices
             self.generic.run_params([param], found, grad_ops)
             return
         entry, store = self.entry, self.store
-        assert entry is not None
-        # the body of run() for one parameter: an fp32 one clipped in place, then one pass
-        if grad_ops and store.offset_of(param) is None:
-            apply_grad_ops_in_place([param], grad_ops)
+        assert entry is not None and self.checked is not None
         if entry.kernel is not None and plan.run(
-            self.optimizer, entry, group, store.step_plans, store, grad_ops, found, param
-        ):
+            self.optimizer, entry, group, store.step_plans, store, grad_ops, found, self.checked.state, param,
+            threads=native.backward_threads(),
+        ):  # fmt: skip
             return
-        pieces = self._pieces([param], (id(param), 1))
+        if grad_ops and store.offset_of(param) is None:  # kept in fp32: clipped in place for torch's kernel
+            apply_grad_ops_in_place([param], grad_ops)
+        pieces = self._pieces(group, (id(param), 1), self.checked.groups)
         chunked.update(entry, self.optimizer, group, pieces, store, self.staging, grad_ops, found)
 
     # ------------------------------------------------------------------ the chunked path's pieces
-    def _pieces(self, params: list[Tensor], key: tuple[int, int]) -> list[list[Piece]]:
-        """The chunks of ``params`` (a group's or one parameter), planned once and again when the list changed."""
-        ids = tuple(id(p) for p in params)
+    def _pieces(self, group: dict[str, Any], key: tuple[int, int], generation: int) -> list[list[Piece]]:
+        """The chunks of ``group``'s parameters (a group's, or one parameter's), planned once and again when the
+        groups changed (``generation``: the optimizer's groups counter now) or the store's blocks did."""
+        version = (generation, self.store.layout_version)
         cached = self.chunks.get(key)
-        if cached is None or cached[0] != ids:
+        if cached is None or cached[0] != version:
+            params = list(group["params"])
             offsets = {id(p): self.store.offset_of(p) for p in params}
             device = params[0].device if params else torch.device("cpu")
-            cached = self.chunks[key] = (ids, plan_chunks(list(params), offsets, self.store.chunk_size_for(device)))
+            cached = self.chunks[key] = (version, plan_chunks(params, offsets, self.store.chunk_size_for(device)))
         return cached[1]
 
     def release(self) -> None:
@@ -151,18 +236,22 @@ class Updates:
         self.staging = Staging(store.chunk_size_for)
         self.by_optimizer: dict[int, LeanUpdate] = {}
 
-    def of(self, optimizer: Optimizer) -> LeanUpdate:
+    def of(self, optimizer: Optimizer, now: Optional[Generation] = None) -> LeanUpdate:
         """``optimizer``'s update, made the first time (its path chosen then: the table's entry, or the generic
         path for a class the table does not know). Made again on the generic path when the optimizer left the table
-        since (a group set ``capturable``)."""
+        since (a group set ``capturable``): looked at again when its groups changed (``now``: its generation,
+        :func:`~lightning_mp.master.following.seen`; ``None``: looked at now)."""
         made = self.by_optimizer.get(id(optimizer))
-        if made is not None and (made.generic is not None or entry_for(optimizer) is made.entry):
+        if made is not None and (made.generic is not None or (now is not None and made.chosen_at == now.groups)):
             return made
         entry = entry_for(optimizer)
-        generic = None
-        if entry is None:
-            generic = self.store.generic_step(optimizer, self.store, self._chunk_of(optimizer))
-        made = self.by_optimizer[id(optimizer)] = LeanUpdate(optimizer, self.store, self.staging, entry, generic)
+        if made is None or entry is not made.entry:
+            generic = None
+            if entry is None:
+                generic = self.store.generic_step(optimizer, self.store, self._chunk_of(optimizer))
+            made = self.by_optimizer[id(optimizer)] = LeanUpdate(optimizer, self.store, self.staging, entry, generic)
+        if now is not None:
+            made.chosen_at = now.groups
         return made
 
     def get(self, optimizer: Optimizer) -> Optional[LeanUpdate]:

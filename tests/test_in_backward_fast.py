@@ -1,6 +1,7 @@
-"""The hooks' prepared calls (lightning_mp/master/in_backward/prepared.py): taken from the third step on, bitwise the
-normal lean step over the optimizers, a scheduler, clipping by value, a non-finite gradient or loss met on the
-prepared path, and state edited between steps (dropped and prepared again)."""
+"""The plans' fast forms inside backward (:meth:`StepPlan.make_fast <lightning_mp.master.lean.plan.StepPlan.make_fast>`,
+one C call per hook, chosen by :meth:`LeanUpdate.run_param <lightning_mp.master.lean.update.LeanUpdate.run_param>`):
+taken from the third step on, bitwise the normal lean step over the optimizers, a scheduler, clipping by value, a
+non-finite gradient or loss met on the fast path, and state edited between steps (dropped and made again)."""
 
 from __future__ import annotations
 
@@ -9,21 +10,27 @@ from typing import Any
 import pytest
 import torch
 
-from lightning_mp.master.in_backward import prepared
+from lightning_mp.master.lean.plan import StepPlan
+from lightning_mp.master.lean.update import LeanUpdate
 from tests.test_in_backward import OPTIMIZERS, Net, _assert_same_bits, _fit
 
 
 @pytest.fixture
 def taken(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
-    """What each hook's :meth:`Prepared.run` returned (``True``: the prepared call ran)."""
+    """Per hook (each :meth:`LeanUpdate.run_param`), whether the parameter's fast form ran."""
     results: list[bool] = []
-    run = prepared.Prepared.run
+    run_fast, run_param = StepPlan.run_fast, LeanUpdate.run_param
 
-    def spy(self: Any, param: torch.Tensor) -> bool:
-        results.append(run(self, param))
+    def spy_fast(self: Any, param: torch.Tensor) -> bool:
+        results[-1] = run_fast(self, param)
         return results[-1]
 
-    monkeypatch.setattr(prepared.Prepared, "run", spy)
+    def spy_param(self: Any, *args: Any) -> None:
+        results.append(False)
+        run_param(self, *args)
+
+    monkeypatch.setattr(StepPlan, "run_fast", spy_fast)
+    monkeypatch.setattr(LeanUpdate, "run_param", spy_param)
     return results
 
 
@@ -32,40 +39,40 @@ def _tensors() -> int:
 
 
 @pytest.mark.parametrize("optimizer", OPTIMIZERS)
-def test_prepared_calls_equal_the_normal_lean_step_bitwise(tmp_path, taken, optimizer):
+def test_fast_forms_equal_the_normal_lean_step_bitwise(tmp_path, taken, optimizer):
     _, ours = _fit(True, tmp_path, "ours", optimizer, max_steps=6)
     _, reference = _fit(False, tmp_path, "reference", optimizer, max_steps=6)
     _assert_same_bits(ours, reference)
-    # steps 1-2 lay out the plans and prepare the calls (the first step's state is checked at the second's begin);
-    # from the third on every parameter's, lean (the Linears') and kept in fp32 (the LayerNorm's) alike
+    # steps 1-2 lay out the plans and make the fast forms (the state the first step made is a change at the
+    # second's begin); from the third on every parameter's, lean (the Linears') and kept in fp32 (the LayerNorm's)
     assert taken[: _tensors() * 2].count(True) == 0
     assert len(taken) == _tensors() * 6 and all(taken[_tensors() * 2 :])
 
 
-def test_prepared_calls_follow_a_scheduler_and_clipping_by_value_bitwise(tmp_path, taken):
+def test_fast_forms_follow_a_scheduler_and_clipping_by_value_bitwise(tmp_path, taken):
     kw = dict(scheduler=True, gradient_clip_val=0.05, gradient_clip_algorithm="value", max_steps=6)
     ours_model, ours = _fit(True, tmp_path, "ours", **kw)
     reference_model, reference = _fit(False, tmp_path, "reference", **kw)
     assert ours_model.lrs == reference_model.lrs and len(set(ours_model.lrs)) == 6
     _assert_same_bits(ours, reference)
-    # with clipping the fp32 parameters go the plan's way (it clips their gradients in place), the lean ones not
-    fp32 = sum(isinstance(m, torch.nn.LayerNorm) for m in ours_model.modules()) * 2  # kept fp32 by the policy
-    assert taken[_tensors() * 2 :].count(True) == (_tensors() - fp32) * 4
+    # clipped by value inside the kernel: every parameter's, lean and kept in fp32 (the LayerNorm's) alike
+    assert sum(isinstance(m, torch.nn.LayerNorm) for m in ours_model.modules())  # kept fp32 by the policy
+    assert taken[_tensors() * 2 :].count(True) == _tensors() * 4
 
 
-def _fit_unprepared(monkeypatch: pytest.MonkeyPatch, *args: Any, **kw: Any) -> tuple[Net, dict[str, Any]]:
-    """The same fit with every hook going the plan's way (no call prepared): the reference of the cache under test."""
+def _fit_without_fast_forms(monkeypatch: pytest.MonkeyPatch, *args: Any, **kw: Any) -> tuple[Net, dict[str, Any]]:
+    """The same fit with every hook going the plan's way (no fast form made): the reference of the cache under test."""
     with monkeypatch.context() as patch:
-        patch.setattr(prepared.Prepared, "prepare", lambda self, param, index, found: None)
+        patch.setattr(StepPlan, "make_fast", lambda self, param, options, found: None)
         return _fit(True, *args, **kw)
 
 
 @pytest.mark.parametrize("bad", ["bad_grad_at", "bad_loss_at"])
-def test_a_non_finite_gradient_or_loss_on_the_prepared_path_skips_as_the_plans_way(tmp_path, monkeypatch, taken, bad):
+def test_a_non_finite_gradient_or_loss_on_the_fast_path_skips_as_the_plans_way(tmp_path, monkeypatch, taken, bad):
     model, ours = _fit(True, tmp_path, "ours", max_steps=6, **{bad: 4})
-    assert taken[_tensors() * 4 :].count(True) > 0  # step 4 (0-based) ran prepared calls
+    assert taken[_tensors() * 4 :].count(True) > 0  # step 4 (0-based) ran fast forms
     taken.clear()
-    reference_model, reference = _fit_unprepared(monkeypatch, tmp_path, "reference", max_steps=6, **{bad: 4})
+    reference_model, reference = _fit_without_fast_forms(monkeypatch, tmp_path, "reference", max_steps=6, **{bad: 4})
     assert taken.count(True) == 0
     _assert_same_bits(ours, reference)
     assert model.skipped_params == reference_model.skipped_params
@@ -75,10 +82,10 @@ def test_a_non_finite_gradient_or_loss_on_the_prepared_path_skips_as_the_plans_w
         _assert_same_bits(ours, _fit(False, tmp_path, "normal", max_steps=6, **{bad: 4})[1])
 
 
-def test_state_edited_between_steps_drops_the_prepared_calls(tmp_path, monkeypatch, taken):
+def test_state_edited_between_steps_drops_the_fast_forms(tmp_path, monkeypatch, taken):
     """An edit between steps that moves a state tensor (``exp_avg.data = ...``), one that replaces it, and an fp32
-    parameter's storage swapped: the next backward's check (or the call's own address check) sees them, the calls are
-    prepared again from the new plans; bitwise the run without them."""
+    parameter's storage swapped: the next backward's check (following.seen) sees them, the fast forms are made again
+    from the new plans; bitwise the run without them."""
 
     class Edits(Net):
         def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
@@ -88,7 +95,7 @@ def test_state_edited_between_steps_drops_the_prepared_calls(tmp_path, monkeypat
                 state["exp_avg"].data = state["exp_avg"].data.clone() * 0.5
             if batch_idx == 4:
                 state["exp_avg_sq"] = state["exp_avg_sq"].clone() * 2.0
-            if batch_idx == 5:  # alone: the state is unchanged, the calls are kept
+            if batch_idx == 5:  # alone: the state is unchanged, the parameter's address is not
                 norm = self.net[1].weight  # kept in fp32: updated in place, at its own address
                 norm.data = norm.data.clone()
 
@@ -100,16 +107,16 @@ def test_state_edited_between_steps_drops_the_prepared_calls(tmp_path, monkeypat
         with seeded():
             model = Edits("adamw")
         plugin = MixedPrecisionPlugin("bf16-mixed", master_weights="remainder", optimizer_in_backward=True)
-        trainer = make_trainer(plugin, max_steps=6)
+        trainer = make_trainer(plugin, max_steps=7)
         trainer.fit(model, _loader())
         path = tmp_path / f"{len(taken)}.ckpt"
         trainer.save_checkpoint(path)
         return torch.load(path, weights_only=True)
 
     ours = fit()
-    assert taken[_tensors() * 5 :].count(True) > 0
+    assert not any(taken[_tensors() * 5 : _tensors() * 6]) and all(taken[_tensors() * 6 :])  # made again after it
     with monkeypatch.context() as patch:
-        patch.setattr(prepared.Prepared, "prepare", lambda self, param, index, found: None)
+        patch.setattr(StepPlan, "make_fast", lambda self, param, options, found: None)
         reference = fit()
     _assert_same_bits(ours, reference)
 
@@ -129,7 +136,7 @@ def test_the_kernel_updates_fp32_weights_in_place_bitwise_torchs_fused_kernel(ca
     torch's fused kernel as the plan's way runs it on such a parameter (the entry's ``run``, with ``found_inf``)."""
     from lightning_mp.kernels import native
     from lightning_mp.master.lean.optimizers import entry_for
-    from lightning_mp.master.lean.plan import kernel_options, kernel_values
+    from lightning_mp.master.lean.plan import kernel_options
 
     if native.cpu_kernel() is None:
         pytest.skip("no C compiler")
@@ -153,7 +160,7 @@ def test_the_kernel_updates_fp32_weights_in_place_bitwise_torchs_fused_kernel(ca
         if entry.counts_steps:
             step += 1
             their_step += 1
-        made = kernel_options(kernel_values(entry, group, first, None, None))
+        made = kernel_options(entry, group, first, None, None)
         made.grad_fp32 = 1  # native.run gives every piece the options' gradient dtype
         addresses = [t.data_ptr() for t in states] + [None] * (3 - len(states))
         piece = native.Piece(weight.data_ptr(), None, grad.data_ptr(), *addresses,
