@@ -249,6 +249,7 @@ class OptimizerStep:
         step (:data:`~lightning_mp.master.in_backward.loop.SEVERAL_BACKWARDS`), make writes into the model so far
         reach the masters, then arm the hooks with the loss's device check (a non-finite loss skips every update)."""
         in_backward = self.in_backward
+        assert in_backward is not None  # (called only with the step inside backward)
         if in_backward.armed:  # armed since the last backward, and no step has finished it
             raise RuntimeError(in_backward_loop.SEVERAL_BACKWARDS)
         self.follow_writes()
@@ -260,7 +261,7 @@ class OptimizerStep:
         report of non-finite values. ``False`` (nothing done) when no backward ran since the last step. A step with a
         skipped update goes to the skip observers (PrecisionMonitor replays it; the replay updates nothing)."""
         in_backward = self.in_backward
-        if not in_backward.armed:
+        if in_backward is None or not in_backward.armed:
             return False
         flags = in_backward.finish()
         torch_optimizer = unwrap_optimizer(optimizer)

@@ -63,7 +63,8 @@ def float64_step(
     """One step of the optimizer's formula in float64 from fp32 ``weights``, ``grads`` and ``states`` (Adam:
     ``[exp_avg, exp_avg_sq, max_exp_avg_sq]``; SGD: ``[momentum_buffer]``), step count :data:`STEP` (Adam); returns
     the new weights and states in float64."""
-    new_w, new_states = [], [[] for _ in states]
+    new_w: list[Tensor] = []
+    new_states: list[list[Tensor]] = [[] for _ in states]
     for i, (w, g) in enumerate(zip(weights, grads)):
         w, g = w.double(), g.double()
         if flags.get("maximize", False):

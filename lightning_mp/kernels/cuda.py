@@ -59,7 +59,10 @@ def launch_config() -> LaunchConfig:
         return CONFIG
     try:
         numbers = [int(part) for part in text.split(",")]
-        config = LaunchConfig(*numbers[:3], bool(numbers[3]) if len(numbers) == 4 else CONFIG.precise)
+        if len(numbers) < 3:
+            raise ValueError(text)
+        precise = bool(numbers[3]) if len(numbers) == 4 else CONFIG.precise
+        config = LaunchConfig(numbers[0], numbers[1], numbers[2], precise)
         valid = len(numbers) in (3, 4) and numbers[3:] in ([], [0], [1])
     except (TypeError, ValueError):
         valid = False
@@ -313,7 +316,7 @@ class CudaLeanUpdate:
         """Update the tensors of ``rows`` (``[high, low, grad, state1, state2, state3, numel]`` addresses each);
         ``steps``: their step counts (fp32 tensors on ``device``, already advanced) for Adam, ``None`` for SGD."""
         on_device = steps is not None and all(s.device == device and s.dtype == torch.float32 for s in steps)
-        step_addresses = [step.data_ptr() for step in steps] if on_device else [0] * len(rows)
+        step_addresses = [step.data_ptr() for step in steps] if steps is not None and on_device else [0] * len(rows)
         flat = [value for row, step in zip(rows, step_addresses) for value in (*row, step)]
         numels = tuple(row[6] for row in rows)
         self.launch(key, flat, numels, steps, on_device, options, found, grad_mul, device)
@@ -356,9 +359,10 @@ class CudaLeanUpdate:
         option_values = self._options(options, device)
         scalars = block_start
         if on_device:
-            scalars = self._scalars.get(key)
-            if scalars is None or scalars.numel() != 4 * rows:
-                self._scalars[key] = scalars = torch.empty(4 * rows, dtype=torch.float64, device=device)
+            made = self._scalars.get(key)
+            if made is None or made.numel() != 4 * rows:
+                self._scalars[key] = made = torch.empty(4 * rows, dtype=torch.float64, device=device)
+            scalars = made
             flag = found if found is not None else scalars
             _kernels["bias"][(rows,)](cached[1], option_values, scalars, flag, COUNT=count, HAS_FOUND=found is not None)
         elif steps is not None:  # step counts elsewhere (a state loaded from a checkpoint onto the CPU): torch ops

@@ -115,8 +115,8 @@ def exact_parameters(module: nn.Module, store: Any = None) -> Iterator[tuple[str
     ``module``, see :func:`store_of`); a module it does not hold raises :class:`NotHeldError` naming it. Read the
     values, do not write them (writes go through :func:`exact_weights`)."""
     inner, held = _holders(module, store)
-    for sync in _distinct(held):
-        sync.follow()  # a write into the model since the last step counts
+    for distinct in _distinct(held):
+        distinct.follow()  # a write into the model since the last step counts
     for name, param, sync in held:
         yield name, sync.store.fp32_value(param) if sync is not None and sync.tracks(param) else param.detach()
 

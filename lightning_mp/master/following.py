@@ -73,7 +73,15 @@ class _Record:
         self.flat: list[Tensor] = []
         self.generation_groups = 0
         self.generation_state = 0
-        self.state_valid = False
+        self.state_valid = False  # the fields below hold what was last recorded (_record_state)
+        self.state: Any = None
+        self.dicts: list[Any] = []
+        self.values: list[Any] = []
+        self.tensors: list[Tensor] = []
+        self.addresses: list[int] = []
+        self.param_addresses: list[int] = []
+        self.storages: list[Any] = []
+        self.sharded = False
 
 
 _RECORDS: weakref.WeakKeyDictionary[Optimizer, _Record] = weakref.WeakKeyDictionary()

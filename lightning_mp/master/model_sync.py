@@ -38,7 +38,7 @@ import operator
 import warnings
 import weakref
 from collections.abc import Iterator
-from typing import Any, Optional
+from typing import Any, NoReturn, Optional
 
 import torch
 from torch import Tensor, nn
@@ -285,7 +285,7 @@ class ModelSync:
         if problem is not None:
             self._fail(self._message(param, what, problem))
 
-    def _fail(self, message: str) -> None:
+    def _fail(self, message: str) -> NoReturn:
         error = ModelWriteError(message)
         error.repeated, self._raised = message == self._raised, message
         raise error

@@ -22,7 +22,7 @@ Flags are 0 or 1, as the kernels expect (they skip on exactly 1): a flag summed 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Optional
+from typing import Optional, cast
 
 import torch
 from torch import Tensor
@@ -106,7 +106,7 @@ class StepFlags:
         """Set ``param``'s slot to 1 if its gradient holds inf/NaN (summed over the ranks by ``agree`` when given);
         the slot, the ``found`` flag of its update. Called by its hook, under ``torch.no_grad()``."""
         found = self._slots[id(param)]
-        grad = local_of(param.grad)  # FSDP2: the local shard (no DTensor dispatch, no hidden collective)
+        grad = local_of(cast(Tensor, param.grad))  # its hook runs with it; FSDP2: the local shard (no collective)
         if grad.device != found.device:  # a gradient elsewhere than its parameter: checked there, written back
             flag = found.to(grad.device)
             non_finite_check_and_unscale_([grad], flag, flag.new_ones(1), check_only=True)

@@ -46,6 +46,7 @@ from lightning_mp.master.in_backward.flags import StepFlags
 from lightning_mp.master.in_backward.regions import PARTIAL, Regions, current_graph_task
 from lightning_mp.master.in_backward.settings import OPTION, accumulation_schedule, refusal, trainer_grad_ops
 from lightning_mp.master.in_backward.zero_grads import ZeroGrads
+from lightning_mp.master.lean.interface import LeanStore
 
 
 def check_options(optimizer_in_backward: Any, precision: str, master_weights: Any) -> None:
@@ -164,7 +165,7 @@ class StepInBackward:
 
     def __init__(
         self,
-        store: Any,
+        store: LeanStore,
         optimizer: Optimizer,
         clamp: Optional[float] = None,
         check: bool = True,
@@ -366,7 +367,7 @@ class StepInBackward:
 def install(
     current: Optional[StepInBackward],
     enabled: bool,
-    store: Any = None,
+    store: Optional[LeanStore] = None,
     model: Any = None,
     optimizers: Optional[list[Optimizer]] = None,
     check: bool = True,
@@ -384,6 +385,8 @@ def install(
     clamp = getattr(trainer, "gradient_clip_val", None) or None
     optimizer = getattr(optimizers[0], "_optimizer", optimizers[0])
     automatic = trainer is not None and getattr(model, "automatic_optimization", False)  # the Trainer's clipping
+    if store is None:
+        raise ValueError("install(enabled=True) needs the lean store the updates run on")
     return StepInBackward(store, optimizer, clamp, check, names, trainer if automatic else None)
 
 

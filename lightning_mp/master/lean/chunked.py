@@ -28,13 +28,14 @@ elements, 384 MiB for a GPU's 2**25, whatever the model size.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, cast
 
 import torch
 from torch import Tensor
 from torch.optim import Optimizer
 from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype
 
+from lightning_mp.master.lean.interface import LeanStore
 from lightning_mp.master.lean.optimizers import Entry, local_of, state_for
 
 #: torch's fused CPU kernels split each tensor into units of this many elements (FusedAdamKernel.cpp, grain size).
@@ -111,15 +112,18 @@ class Staging:
 class ChunkView:
     """One chunk made fp32: the values (joined, or the fp32 parameter itself) and the gradients, as piece lists."""
 
-    def __init__(self, pieces: list[Piece], store: Any, staging: Staging, grad_ops: list[tuple[str, Any]]) -> None:
+    def __init__(
+        self, pieces: list[Piece], store: LeanStore, staging: Staging, grad_ops: list[tuple[str, Any]]
+    ) -> None:
         self.pieces = pieces
         self.store = store
         first = pieces[0]
-        self.joined = first.flat_offset is not None
-        if self.joined:
+        offset = first.flat_offset
+        self.joined = offset is not None
+        if offset is not None:
             values, grads = staging.buffers(first.param.device)
             total = sum(p.numel for p in pieces)
-            self.range = (first.flat_offset + first.start, first.flat_offset + first.start + total)
+            self.range = (offset + first.start, offset + first.start + total)
             self.values = values[:total]
             high, low = store.flat_slices(first.param.device, *self.range)
             store.codec.join_into(high, low, self.values)
@@ -169,7 +173,8 @@ def apply_grad_ops_in_place(params: list[Tensor], grad_ops: list[tuple[str, Any]
     ]
     if not grads:
         return
-    for (device, _), ([group], _) in _group_tensors_by_device_and_dtype([grads]).items():  # type: ignore[list-item]
+    for (device, _), ([listed], _) in _group_tensors_by_device_and_dtype([grads]).items():  # type: ignore[list-item]
+        group = cast(list[Tensor], listed)  # (torch types the grouped lists Optional: these are the gradients)
         for kind, value in grad_ops:
             if kind == "mul":
                 torch._foreach_mul_(group, value.to(device))
@@ -183,7 +188,7 @@ def update(
     optimizer: Optimizer,
     group: dict[str, Any],
     chunks: list[list[Piece]],
-    store: Any,
+    store: LeanStore,
     staging: Staging,
     grad_ops: list[tuple[str, Any]],
     found_inf: Optional[Tensor],
@@ -233,9 +238,9 @@ def update(
     if entry.counts_steps and found is not None:
         torch._foreach_sub_(steps, [_on(found, s.device) for s in steps])
     if not entry.counts_steps:
-        for key, own in advanced.items():
+        for param_id, own in advanced.items():
             for name, tensor in zip(names, own):
-                states[key][name].copy_(tensor)
+                states[param_id][name].copy_(tensor)
 
 
 def _on(value: Any, device: torch.device) -> Any:

@@ -12,7 +12,7 @@ with it the clip factor, is bitwise torch's.
 from __future__ import annotations
 
 from collections import deque
-from typing import Any, Optional
+from typing import Any, Optional, cast
 
 import torch
 from torch import Tensor
@@ -26,10 +26,10 @@ def fp32_grad_norms(grads: list[Tensor], norm_type: float, foreach: Optional[boo
     first = grads[0].device
     if len(grouped) == 1:  # one device and dtype: the norms are in order already
         ((_, dtype), ([tensors], _)) = next(iter(grouped.items()))
-        return _norms(tensors, dtype, norm_type, foreach)
+        return _norms(cast(list[Tensor], tensors), dtype, norm_type, foreach)  # (torch types them Optional)
     norms: list[Any] = [None] * len(grads)
     for (device, dtype), ([tensors], indices) in grouped.items():
-        found = _norms(tensors, dtype, norm_type, foreach)
+        found = _norms(cast(list[Tensor], tensors), dtype, norm_type, foreach)
         if device != first:
             found = [norm.to(first) for norm in found]
         deque(map(norms.__setitem__, indices, found), maxlen=0)  # back in the gradients' order, looped in C

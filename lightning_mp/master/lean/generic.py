@@ -59,13 +59,14 @@ from __future__ import annotations
 
 import copy
 import math
-from typing import Any, Optional, Union
+from typing import Any, Optional, Union, cast
 
 import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from lightning_mp.master.lean.chunked import apply_grad_ops, apply_grad_ops_in_place, local_of
+from lightning_mp.master.lean.interface import LeanStore
 
 
 # ---------------------------------------------------------------------- the masked skip and the group options
@@ -216,7 +217,7 @@ class GenericChunkedStep:
         chunk_size: at most this many elements are fp32 at once (a bigger single row is one slice on its own).
     """
 
-    def __init__(self, optimizer: Optimizer, store: Any, chunk_size: int) -> None:
+    def __init__(self, optimizer: Optimizer, store: LeanStore, chunk_size: int) -> None:
         self.optimizer = optimizer
         self.store = store
         self.chunk_size = chunk_size
@@ -332,8 +333,9 @@ class GenericChunkedStep:
                     skip = None  # read on the host: the step stands, the other chunks step unmasked
                 self._unstage(chunk, skip)
             masked = self._options.part_done(groups, skip)  # as stepped unless no part of the step stepped
-            if not masked and found_inf is not None and self.masks_on_device is None and had_state:
-                self.masks_on_device = self._maskable(found_inf.device, self._options.saved)
+            saved = self._options.saved
+            if not masked and found_inf is not None and self.masks_on_device is None and had_state and saved:
+                self.masks_on_device = self._maskable(found_inf.device, saved)
         finally:
             for _, chunk in chunks:
                 for s in chunk:
@@ -367,7 +369,8 @@ class GenericChunkedStep:
         if self.store.offset_of(first) is None:  # fp32 parameters: the proxies are views of the parameters
             for s in chunk:
                 value, grad = (
-                    local_of(t).detach().view(-1)[s.start : s.end].view(s.shape) for t in (s.param, s.param.grad)
+                    local_of(t).detach().view(-1)[s.start : s.end].view(s.shape)
+                    for t in (s.param, cast(Tensor, s.param.grad))  # (a stepped slice: its gradient is there)
                 )
                 s.point(value, grad)
             return None
@@ -380,9 +383,10 @@ class GenericChunkedStep:
         for s in chunk:
             view = slice(position, position + s.numel)
             offset = self.store.offset_of(s.param)
+            assert offset is not None  # a lean parameter (fp32 ones are taken above)
             high, low = self.store.flat_slices(device, offset + s.start, offset + s.end)
             self.store.codec.join_into(high, low, values[view])
-            grads[view].copy_(local_of(s.param.grad).detach().reshape(-1)[s.start : s.end])
+            grads[view].copy_(local_of(cast(Tensor, s.param.grad)).detach().reshape(-1)[s.start : s.end])
             s.point(values[view].view(s.shape), grads[view].view(s.shape))
             position += s.numel
         return grads[:position]

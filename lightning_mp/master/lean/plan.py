@@ -66,6 +66,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_mp.kernels import native
+from lightning_mp.master.lean.interface import LeanStore
 from lightning_mp.master.lean.optimizers import Entry, local_of, state_for
 
 _FP32 = torch.float32
@@ -109,7 +110,7 @@ class StepPlan:
         entry: Entry,
         group: dict[str, Any],
         params: list[Tensor],
-        store: Any,
+        store: LeanStore,
         kernel: Optional[str],
         key: int,
         owner: Any,
@@ -124,7 +125,7 @@ class StepPlan:
         #: ``state`` counter): the plan is replayed only while it is the optimizer's
         self.generation = generation
         self.owner = store  # the CUDA update's caches are the store's
-        self.layout_version = getattr(store, "layout_version", 0)
+        self.layout_version = store.layout_version
         self.params = list(params)
         self.device = local_of(params[0]).device if params else torch.device("cpu")
         self.sharded = any(local_of(p) is not p for p in params)  # DTensors: the local shards are read
@@ -134,19 +135,17 @@ class StepPlan:
         if kernel is not None:
             self._lay_out(optimizer, group, self.params, store)
 
-    def fits(self, generation: int, store: Any) -> bool:
+    def fits(self, generation: int, store: LeanStore) -> bool:
         """Whether everything the plan read is still what torch's optimizer would read now: ``generation`` (the
         optimizer's, as :func:`~lightning_mp.master.following.seen` answers now) is the plan's, and the store's
         blocks are the ones laid out."""
         return generation == self.generation and store.layout_version == self.layout_version
 
     # ------------------------------------------------------------------ built once
-    def _lay_out(self, optimizer: Optimizer, group: dict[str, Any], params: list[Tensor], store: Any) -> None:
+    def _lay_out(self, optimizer: Optimizer, group: dict[str, Any], params: list[Tensor], store: LeanStore) -> None:
         stepped = [p for p in params if p.grad is not None]
         self.idle = [p for p in params if p.grad is None]  # a gradient appearing here makes the plan stale
-        check = getattr(store, "check_trained", None)
-        if check is not None:
-            check(stepped)  # a parameter put in the group by hand must be one the store holds
+        store.check_trained(stepped)  # a parameter put in the group by hand must be one the store holds
         entry = self.entry
         adam = entry.counts_steps  # step counts advanced around the kernel (Adam's), or none (SGD's)
         keys = entry.keys(group)
@@ -187,11 +186,11 @@ class StepPlan:
         self.dtypes: list[torch.dtype] = []
         self.pointers: list[int] = []
         if self.kernel == "cpu":
-            self.library = native.cpu_kernel()
+            self.library: Any = native.cpu_kernel()  # built: a plan gets the CPU kernel only where it is
             steps = self.lean_steps
             self.pieces = (native.Piece * len(rows))(
                 *[
-                    native.Piece(*(a or None for a in row[:6]), steps[k].data_ptr() if adam else None, row[6], 0)
+                    native.Piece(*(a or None for a in row[:6]), steps[k].data_ptr() if steps else None, row[6], 0)
                     for k, row in enumerate(rows)
                 ]
             )
@@ -203,7 +202,7 @@ class StepPlan:
         else:
             steps = self.lean_steps
             self.on_device = steps is not None and all(s.device == self.device and s.dtype == _FP32 for s in steps)
-            step_addresses = [s.data_ptr() for s in steps] if self.on_device else [0] * len(rows)
+            step_addresses = [s.data_ptr() for s in steps] if steps is not None and self.on_device else [0] * len(rows)
             self.table = [value for row, step in zip(rows, step_addresses) for value in (*row, step)]
             self.numels = tuple(row[6] for row in rows)
             self.counts = None
@@ -293,6 +292,7 @@ class StepPlan:
             table = list(self.table)
             table[2::8] = pointers
             self.table, self.pointers = table, pointers
+        assert self.entry.kernel is not None  # a plan with a kernel: its entry has the kernel's options
         options = dict(self.entry.kernel(group, self.first_step), clamped=clamp is not None)
         options["clamp"] = clamp if clamp is not None else -1.0
         update = native.cuda_update(self.owner)
@@ -362,7 +362,7 @@ class StepPlan:
             return False
         call, dtype, address, _ = fast
         grad = param.grad
-        if grad.dtype is not dtype or not grad.is_cpu or not grad.is_contiguous():
+        if grad is None or grad.dtype is not dtype or not grad.is_cpu or not grad.is_contiguous():
             return False
         if address is not None and param.data_ptr() != address:  # kept in fp32: its storage swapped (.data = ...)
             return False
@@ -377,6 +377,7 @@ def kernel_options(
 ) -> native.Options:
     """The CPU kernel's :class:`~lightning_mp.kernels.native.Options` for ``group``: the entry's options
     (:attr:`~lightning_mp.master.lean.optimizers.Entry.kernel`), the clipping factor's address and the clamp."""
+    assert entry.kernel is not None  # an entry with the kernel's options
     options = native.Options(**entry.kernel(group, first_step), vec_size=native.vec_size())
     options.grad_mul = factor.data_ptr() if factor is not None else None
     options.clamped, options.clamp = (1, clamp) if clamp is not None else (0, -1.0)
@@ -409,7 +410,12 @@ def expressible(grad_ops: list[tuple[str, Any]]) -> bool:
 
 
 def ready(
-    group: dict[str, Any], plans: Plans, store: Any, grad_ops: list[tuple[str, Any]], generation: int, param: Any = None
+    group: dict[str, Any],
+    plans: dict[int, Any],
+    store: LeanStore,
+    grad_ops: list[tuple[str, Any]],
+    generation: int,
+    param: Any = None,
 ) -> Any:
     """The plan among ``plans`` (the store's) that :func:`run` will replay for ``group`` (or, with ``param``, that
     parameter's), when it exists, still fits (:meth:`StepPlan.fits`: ``generation`` is the optimizer's now), no
@@ -450,8 +456,8 @@ def run(
     optimizer: Optimizer,
     entry: Entry,
     group: dict[str, Any],
-    plans: Plans,
-    store: Any,
+    plans: dict[int, Any],
+    store: LeanStore,
     grad_ops: list[tuple[str, Any]],
     found: Optional[Tensor],
     generation: int,
@@ -486,12 +492,12 @@ def run(
 
 
 def _replan(
-    plans: Plans,
+    plans: dict[int, Any],
     optimizer: Optimizer,
     entry: Entry,
     group: dict[str, Any],
     params: list[Tensor],
-    store: Any,
+    store: LeanStore,
     key: int,
     owner: Any,
     generation: int,
@@ -509,7 +515,7 @@ def _replan(
     return made
 
 
-def restamp(plans: Plans, optimizer: Optimizer, before: int, after: int) -> None:
+def restamp(plans: dict[int, Any], optimizer: Optimizer, before: int, after: int) -> None:
     """``optimizer``'s plans laid out or replayed at generation ``before`` hold at ``after`` too: between the two the
     update itself made the state its plans read (a first step), nothing else ran."""
     for made in plans.values():

@@ -108,7 +108,9 @@ class RemainderMasters(ConvertedModel):
 
     def _reset(self) -> None:
         super()._reset()
-        self.step_plans = Plans()  # the one-pass update's plans (master/lean/plan.py), made at the first step
+        self.step_plans: dict[int, Any] = (
+            Plans()
+        )  # the one-pass update's plans (master/lean/plan.py), made at the first step
         self._blocks = Blocks(self.chunk_size_for, on_release=self._drop_plans)  # the bf16 weights and remainders
         self._layout = self._blocks.layout  # id(param) -> (device, offset in the flat buffers)
         self._pending: list[nn.Parameter] = []  # converted parameters not yet in a block

@@ -29,6 +29,7 @@ from lightning_mp.kernels import native
 from lightning_mp.master.following import Generation, seen
 from lightning_mp.master.lean import chunked, plan
 from lightning_mp.master.lean.chunked import Piece, Staging, apply_grad_ops_in_place, plan_chunks
+from lightning_mp.master.lean.interface import LeanStore
 from lightning_mp.master.lean.optimizers import Entry, check_states, entry_for
 
 
@@ -46,7 +47,7 @@ class LeanUpdate:
     (the optimizer's own ``step()`` on fp32 slices)."""
 
     def __init__(
-        self, optimizer: Optimizer, store: Any, staging: Staging, entry: Optional[Entry], generic: Any
+        self, optimizer: Optimizer, store: LeanStore, staging: Staging, entry: Optional[Entry], generic: Any
     ) -> None:
         self.optimizer = optimizer
         self.store = store
@@ -57,7 +58,7 @@ class LeanUpdate:
         self.chosen_at = -1
         # the chunked path's pieces by (group index, 0), or inside backward (id(param), 1), with the generation
         # (following.seen) they were planned at
-        self.chunks: dict[tuple[int, int], tuple[int, list[list[Piece]]]] = {}
+        self.chunks: dict[tuple[int, int], tuple[tuple[int, int], list[list[Piece]]]] = {}
         #: inside backward: the state generation checked before this backward (begin_params), every state checked
         #: then; the plans' fast forms are taken only at it
         self.checked: Optional[Generation] = None
@@ -231,7 +232,7 @@ class Updates:
             (:class:`~.generic.GenericChunkedStep`, or FSDP2's sharded one).
     """
 
-    def __init__(self, store: Any) -> None:
+    def __init__(self, store: LeanStore) -> None:
         self.store = store
         self.staging = Staging(store.chunk_size_for)
         self.by_optimizer: dict[int, LeanUpdate] = {}
