@@ -2,6 +2,7 @@
 
     python benchmarks/step_trace.py            # the table, printed
     python benchmarks/step_trace.py --json     # the same as JSON
+    python benchmarks/step_trace.py --whole    # the whole batch, from on_train_batch_start (forward and backward too)
 
 A real ``lightning.Trainer`` trains a small MLP (3 bf16 Linear layers and a LayerNorm kept fp32) with
 ``MixedPrecisionPlugin("bf16-mixed", master_weights="remainder")`` and ``torch.optim.AdamW`` on the CPU. On the
@@ -48,28 +49,34 @@ class Model(L.LightningModule):
 
 
 class Trace(L.Callback):
-    """Profiles the step of batch ``TRACED_BATCH``: from ``on_after_backward`` to ``on_train_batch_end``."""
+    """Profiles the step of batch ``TRACED_BATCH``: from ``on_after_backward`` (``whole``: from
+    ``on_train_batch_start``) to ``on_train_batch_end``."""
 
-    def __init__(self) -> None:
+    def __init__(self, whole: bool = False) -> None:
         self.calls: Counter[tuple[str, str]] = Counter()
+        self.whole = whole
 
     def _profile(self, frame: Any, event: str, arg: Any) -> None:
         if event == "call" and frame.f_code.co_filename.startswith(OURS):
             path = str(Path(frame.f_code.co_filename).relative_to(ROOT))
             self.calls[(path, frame.f_code.co_qualname)] += 1
 
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
+        if self.whole and trainer.global_step == TRACED_BATCH:
+            sys.setprofile(self._profile)
+
     def on_after_backward(self, trainer: Any, pl_module: Any) -> None:
-        if trainer.global_step == TRACED_BATCH:
+        if not self.whole and trainer.global_step == TRACED_BATCH:
             sys.setprofile(self._profile)
 
     def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
         sys.setprofile(None)
 
 
-def trace() -> dict[str, Any]:
+def trace(whole: bool = False) -> dict[str, Any]:
     torch.manual_seed(0)
     x, y = torch.randn(64, 32), torch.randn(64, 1)
-    callback = Trace()
+    callback = Trace(whole)
     trainer = L.Trainer(
         accelerator="cpu",
         devices=1,
@@ -109,8 +116,9 @@ def table(result: dict[str, Any]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
+    parser.add_argument("--whole", action="store_true", help="trace the whole batch from on_train_batch_start")
     args = parser.parse_args()
-    result = trace()
+    result = trace(args.whole)
     print(json.dumps(result, indent=1) if args.json else table(result))
 
 

@@ -163,12 +163,6 @@ def _locals(tensors: list[Tensor], sharded: bool) -> Any:
     return map(_local, tensors) if sharded else tensors
 
 
-def same(objects: Any, known: Any) -> bool:
-    """Whether the sequence ``objects`` holds exactly the objects of ``known``, in order (by identity): the
-    optimizers a strategy holds against those the step was set up on."""
-    return len(objects) == len(known) and all(map(is_, objects, known))
-
-
 def group_index(optimizer: Optimizer, param: Tensor) -> Optional[int]:
     """The index of the first group of ``optimizer`` that holds ``param`` (by identity), for messages; ``None``."""
     for index, group in enumerate(optimizer.param_groups):

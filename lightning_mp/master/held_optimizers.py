@@ -18,9 +18,9 @@ Under Fabric the optimizers are the ones set up (``fabric.setup_optimizers``): :
 
 from __future__ import annotations
 
+import operator
 from typing import Any, Optional
 
-from lightning_mp.master.following import same
 from lightning_mp.master.in_backward import check_setup, install
 from lightning_mp.master.toggle import follow_toggles, unfollow_toggles
 from lightning_mp.schedulers import guard_step_schedulers
@@ -67,7 +67,7 @@ class HeldOptimizers:
         if trainer is None:
             return None
         current = trainer.strategy.optimizers
-        if same(current, held):
+        if len(current) == len(held) and all(map(operator.is_, current, held)):  # the optimizers, by identity
             return None
         if steps.in_backward is not None and steps.in_backward.armed:
             return None
