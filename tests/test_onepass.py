@@ -260,7 +260,7 @@ def test_one_pass_and_chunked_paths_give_the_same_bits(monkeypatch, optimizer_cl
 
 def test_no_compiler_warns_once_and_falls_back_to_the_chunked_path(monkeypatch):
     monkeypatch.setattr(native, "_state", {})
-    monkeypatch.setattr(native, "_compiler", lambda: None)
+    monkeypatch.setattr(native, "find_compiler", lambda: None)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         values = _train(_mlp(), torch.optim.AdamW, dict(lr=1e-2))
@@ -302,7 +302,7 @@ def test_the_kernel_runs_on_torchs_own_openmp_threads_where_torch_has_them(monke
         pytest.skip("torch runs no OpenMP runtime here: the kernel is built with threads of its own")
     monkeypatch.setattr(native, "_state", {})
     monkeypatch.setenv("LIGHTNING_MP_CACHE", str(tmp_path))
-    compiler = native._compiler()
+    compiler = native.find_compiler()
     try:
         native._build(compiler, native.CFLAGS + native.OPENMP_FLAGS)
     except (TypeError, RuntimeError) as error:  # no compiler, or one without OpenMP: the other build is tested below

@@ -33,7 +33,7 @@ import threading
 import warnings
 import weakref
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -127,7 +127,8 @@ def cache_dir() -> Path:
     return Path(root)
 
 
-def _compiler() -> Optional[str]:
+def find_compiler() -> Optional[str]:
+    """The C compiler to build with: ``$CC``, else ``cc``, ``gcc`` or ``clang``, whichever is found first."""
     for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
         if name and shutil.which(name):
             return name
@@ -145,11 +146,14 @@ def _cpu_key() -> str:
     return platform.processor() or platform.machine()
 
 
-def _build(compiler: str, flags: list[str]) -> Path:
-    source = source_text().encode()
+def build(name: str, source: bytes, compiler: str, flags: list[str]) -> Path:
+    """The shared library of the C ``source`` built with ``compiler`` and ``flags`` into the cache, keyed by the
+    source, the flags, the compiler's version and the CPU's flags (``<name>-<key>.so``); built once, then reused.
+    Raises ``RuntimeError`` with the compiler's message where it fails. (The 8-bit kernel of :mod:`.adam8bit` is
+    built here too.)"""
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=False).stdout
     key = hashlib.sha256(b"\0".join([source, " ".join(flags).encode(), version.encode(), _cpu_key().encode()]))
-    target = cache_dir() / f"lean_update-{key.hexdigest()[:16]}.so"
+    target = cache_dir() / f"{name}-{key.hexdigest()[:16]}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -173,6 +177,10 @@ def _build(compiler: str, flags: list[str]) -> Path:
     return target
 
 
+def _build(compiler: str, flags: list[str]) -> Path:
+    return build("lean_update", source_text().encode(), compiler, flags)
+
+
 def openmp_runtimes() -> set[str]:
     """The files of the OpenMP runtimes loaded in this process (GNU ``libgomp``, LLVM ``libomp``, Intel
     ``libiomp5``), from ``/proc/self/maps``; empty where it cannot be read."""
@@ -183,16 +191,16 @@ def openmp_runtimes() -> set[str]:
     return set(re.findall(r"(/\S*/lib(?:gomp|iomp5|omp)[^/\s]*\.so[.\d]*)$", maps, flags=re.MULTILINE))
 
 
-def _load_openmp(compiler: str) -> Optional[ctypes.CDLL]:
-    """The OpenMP build, loaded, where it builds and shares the one OpenMP runtime torch already loaded (module doc);
-    ``None`` otherwise (the caller builds the one without OpenMP)."""
+def load_openmp(build_with: Callable[[list[str]], Path]) -> Optional[ctypes.CDLL]:
+    """The OpenMP build (``build_with(flags)``), loaded, where it builds and shares the one OpenMP runtime torch
+    already loaded (module doc); ``None`` otherwise (the caller builds the one without OpenMP)."""
     if os.environ.get("LIGHTNING_MP_OPENMP", "1") == "0":
         return None
     before = openmp_runtimes()
     if not before:  # torch runs no OpenMP runtime here (or the maps cannot be read): no pool to share
         return None
     try:
-        path = _build(compiler, CFLAGS + OPENMP_FLAGS)
+        path = build_with(CFLAGS + OPENMP_FLAGS)
     except RuntimeError:  # a compiler without OpenMP (clang without libomp): the build without it
         return None
     library = ctypes.CDLL(str(path))
@@ -213,11 +221,11 @@ def cpu_kernel() -> Optional[ctypes.CDLL]:
         return _state["cpu"]
     library = None
     if enabled():
-        compiler = _compiler()
+        compiler = find_compiler()
         try:
             if compiler is None:
                 raise RuntimeError("no C compiler found (looked for $CC, cc, gcc, clang)")
-            library = _load_openmp(compiler)
+            library = load_openmp(lambda flags: _build(compiler, flags))
             _state["threading"] = "openmp" if library is not None else "pthreads"
             if library is None:
                 library = ctypes.CDLL(str(_build(compiler, CFLAGS)))

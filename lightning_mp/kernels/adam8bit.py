@@ -1,0 +1,237 @@
+"""torchao's 8-bit Adam/AdamW step on lean master weights in one pass: ``lean_adam8bit.c``, built and loaded like
+``lean_update.c`` (:mod:`.native`).
+
+:func:`adam8bit_step` steps one parameter held as bf16 weights plus int16 remainders (or an fp32 parameter) with
+torchao's ``AdamW8bit`` / ``Adam8bit`` state *as torchao keeps it*: the ``codes`` (uint8), ``scale`` (fp32, one per
+block) and ``qmap`` (fp32, 256 entries) tensors of its ``OptimState8bit`` moments are read and written in place, and
+a plain fp32 moment (torchao's state of a tensor under 4096 elements or not a multiple of its block) is updated as a
+plain tensor. So the optimizer's ``state_dict`` stays torchao's and loads into torchao's optimizer and back.
+
+The result is the same bits as torchao's own (``torch.compile``-d) step of the fp32 weights the bf16 weights and
+remainders join to (``tests/test_lean_adam8bit.py`` compares weights, codes and scales): see the C file's header for
+the arithmetic. ``amsgrad`` is refused: torchao 0.18's step cannot run it on a quantized state (``torch.maximum`` is
+not implemented for ``OptimState8bit``), so there is no result to equal.
+
+Building: the C compiler, flags and cache of :mod:`.native` (``$LIGHTNING_MP_CACHE``, ``LIGHTNING_MP_NATIVE=0``,
+``LIGHTNING_MP_OPENMP=0``), and its choice between torch's OpenMP pool and threads of its own. :func:`cpu_kernel`
+returns ``None`` after one warning where the kernel cannot be built.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import subprocess
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional, Sequence, Union
+
+import torch
+from torch import Tensor
+
+from lightning_mp.kernels import native
+
+SOURCE = Path(__file__).with_name("lean_adam8bit.c")
+#: Elements per unit of work handed to a thread, rounded down to whole blocks (at least one).
+GRAIN = 1 << 16
+#: Entries of an 8-bit map (torchao's ``qmap``).
+QMAP_SIZE = 256
+
+_state: dict[str, Any] = {}
+
+
+#: The fields of one piece as the kernel reads them (``a8_piece`` in ``lean_adam8bit.c``: 8 bytes each, in this
+#: order): addresses (0 for none), then counts.
+PIECE_FIELDS = (
+    *("high", "low", "grad", "codes1", "scale1", "qmap1", "codes2", "scale2", "qmap2", "state1", "state2", "step"),
+    *("n", "block", "grad_fp32"),
+)
+
+
+# ---------------------------------------------------------------------- building (native.py's way, another source)
+def _build(compiler: str, flags: list[str]) -> Path:
+    return native.build("lean_adam8bit", SOURCE.read_bytes(), compiler, flags)
+
+
+def cpu_kernel() -> Optional[ctypes.CDLL]:
+    """The compiled kernel (built on first use), or ``None`` (one warning) where it cannot be built."""
+    if "cpu" in _state:
+        return _state["cpu"]
+    library = None
+    if native.enabled():
+        compiler = native.find_compiler()
+        try:
+            if compiler is None:
+                raise RuntimeError("no C compiler found (looked for $CC, cc, gcc, clang)")
+            library = native.load_openmp(lambda flags: _build(compiler, flags))
+            _state["threading"] = "openmp" if library is not None else "pthreads"
+            if library is None:
+                library = ctypes.CDLL(str(_build(compiler, native.CFLAGS)))
+            library.lean_adam8bit.restype = None
+            library.lean_adam8bit.argtypes = [
+                ctypes.POINTER(ctypes.c_int64),  # the pieces (PIECE_FIELDS each)
+                ctypes.c_int64,
+                ctypes.c_int,  # adamw
+                *[ctypes.c_double] * 4,  # beta1, beta2, weight_decay, eps
+                *[ctypes.c_void_p] * 4,  # lr, grad_mul, found_inf, counts (an array of addresses)
+                ctypes.c_int64,  # ncounts
+                ctypes.c_int,  # threads
+                ctypes.c_int64,  # grain
+                ctypes.POINTER(ctypes.c_int64),  # first_unit (npieces + 1)
+            ]
+        except (OSError, RuntimeError, subprocess.SubprocessError) as error:
+            warnings.warn(
+                f"lightning_mp: the one-pass 8-bit Adam update could not be built ({error}). Install a C compiler "
+                "(gcc or clang) to get it, or set LIGHTNING_MP_NATIVE=0 to silence this.",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            library = None
+    _state["cpu"] = library
+    return library
+
+
+def threading_model() -> Optional[str]:
+    """``"openmp"`` (torch's OpenMP threads), ``"pthreads"`` (threads of its own) or ``None`` (no kernel)."""
+    return None if cpu_kernel() is None else _state.get("threading")
+
+
+# ---------------------------------------------------------------------- the step
+Moment = Tensor  # torchao's OptimState8bit (``codes``, ``scale``, ``qmap``) or a plain fp32 tensor
+
+
+@dataclass
+class Adam8bitPiece:
+    """One parameter of a step: its weights (``high`` bf16 with ``low`` int16 remainders, or ``high`` fp32 and
+    ``low`` ``None``), gradient (bf16 or fp32), torchao's moments and step count (a 1-element fp32 CPU tensor)."""
+
+    high: Tensor
+    low: Optional[Tensor]
+    grad: Tensor
+    exp_avg: Moment
+    exp_avg_sq: Moment
+    step: Tensor
+
+
+def _plain(t: Tensor, name: str, dtypes: tuple[torch.dtype, ...], numel: Optional[int] = None) -> int:
+    """``t``'s address once it is a contiguous CPU tensor of one of ``dtypes`` (and ``numel`` elements)."""
+    if type(t) is not Tensor and not isinstance(t, torch.nn.Parameter):
+        raise TypeError(f"{name}: a plain tensor is needed, got {type(t).__name__}")
+    if t.device.type != "cpu" or not t.is_contiguous() or t.dtype not in dtypes:
+        raise ValueError(f"{name}: a contiguous CPU tensor of {dtypes} is needed, got {t.dtype} on {t.device}")
+    if numel is not None and t.numel() != numel:
+        raise ValueError(f"{name}: {numel} elements expected, got {t.numel()}")
+    return t.data_ptr()
+
+
+def _is_quantized(moment: Moment) -> bool:
+    return all(hasattr(moment, name) for name in ("codes", "scale", "qmap"))
+
+
+def _inner(moment: Any) -> tuple[Tensor, Tensor, Tensor]:
+    """An 8-bit state's ``codes``, ``scale`` and ``qmap`` (torchao's ``OptimState8bit``, typed as a plain tensor)."""
+    return moment.codes, moment.scale, moment.qmap
+
+
+def _piece(p: Adam8bitPiece, index: int) -> list[int]:
+    n = p.high.numel()
+    if p.low is None:
+        high = _plain(p.high, f"pieces[{index}].high", (torch.float32,))
+        low = None
+    else:
+        high = _plain(p.high, f"pieces[{index}].high", (torch.bfloat16,))
+        low = _plain(p.low, f"pieces[{index}].low", (torch.int16,), n)
+    grad = _plain(p.grad, f"pieces[{index}].grad", (torch.bfloat16, torch.float32), n)
+    step = _plain(p.step, f"pieces[{index}].step", (torch.float32,), 1)
+    fields: dict[str, Any] = dict(high=high, low=low, grad=grad, step=step, n=n)
+    fields["grad_fp32"] = int(p.grad.dtype == torch.float32)
+    quantized = [_is_quantized(m) for m in (p.exp_avg, p.exp_avg_sq)]
+    if quantized == [True, True]:
+        block = None
+        for k, (moment, signed) in enumerate([(p.exp_avg, True), (p.exp_avg_sq, False)], start=1):
+            name = f"pieces[{index}].{'exp_avg' if k == 1 else 'exp_avg_sq'}"
+            if getattr(moment, "signed", signed) is not signed:
+                raise ValueError(f"{name}: a {'signed' if signed else 'unsigned'} 8-bit state is expected")
+            codes, scale, qmap = _inner(moment)
+            scales = scale.numel()
+            if scales == 0 or n % scales:
+                raise ValueError(f"{name}: {n} elements do not make whole blocks of {scales} scales")
+            if block is not None and block != n // scales:
+                raise ValueError(f"pieces[{index}]: exp_avg and exp_avg_sq have different block sizes")
+            block = n // scales
+            fields[f"codes{k}"] = _plain(codes, f"{name}.codes", (torch.uint8,), n)
+            fields[f"scale{k}"] = _plain(scale, f"{name}.scale", (torch.float32,))
+            fields[f"qmap{k}"] = _plain(qmap, f"{name}.qmap", (torch.float32,), QMAP_SIZE)
+        fields["block"] = block
+    elif quantized == [False, False]:
+        fields["state1"] = _plain(p.exp_avg, f"pieces[{index}].exp_avg", (torch.float32,), n)
+        fields["state2"] = _plain(p.exp_avg_sq, f"pieces[{index}].exp_avg_sq", (torch.float32,), n)
+    else:
+        raise ValueError(f"pieces[{index}]: exp_avg and exp_avg_sq must both be 8-bit states or both fp32 tensors")
+    return [int(fields.get(name) or 0) for name in PIECE_FIELDS]
+
+
+def adam8bit_step_pieces(
+    pieces: Sequence[Adam8bitPiece],
+    *,
+    lr: Union[float, Tensor],
+    beta1: float = 0.9,
+    beta2: float = 0.999,
+    eps: float = 1e-8,
+    weight_decay: float = 1e-2,
+    adamw: bool = True,
+    amsgrad: bool = False,
+    grad_mul: Optional[Tensor] = None,
+    found_inf: Optional[Tensor] = None,
+    increment_step: bool = True,
+) -> None:
+    """torchao's ``AdamW8bit`` (``adamw=True``) or ``Adam8bit`` step of every piece, in one pass on the CPU.
+
+    ``lr``: a float or torchao's ``group["lr"]`` (a 1-element fp32 tensor); the other options as in torchao's param
+    group (``betas``, ``eps``, ``weight_decay``). ``grad_mul``: a 1-element fp32 CPU tensor every gradient is
+    multiplied by first (an unscale factor, a clipping coefficient), as ``grad.mul_(factor)`` in fp32.
+    ``found_inf``: a 1-element fp32 CPU tensor; when nonzero nothing is written (weights, remainders, moments, step
+    counts). With ``increment_step`` each distinct step tensor advances by one first (torchao's
+    ``state["step"] += 1``); without it the counts are read as they are.
+    """
+    if amsgrad:
+        raise NotImplementedError(
+            "amsgrad with torchao's 8-bit state: torchao 0.18's own step cannot run it (torch.maximum is not "
+            "implemented for OptimState8bit), so there is no result to equal; use amsgrad=False"
+        )
+    library = cpu_kernel()
+    if library is None:
+        raise RuntimeError("the one-pass 8-bit Adam kernel is not built here (see the warning above)")
+    if isinstance(lr, Tensor):
+        lr_tensor = lr.detach()
+        _plain(lr_tensor, "lr", (torch.float32,), 1)
+    else:
+        lr_tensor = torch.tensor(float(lr), dtype=torch.float32)  # torchao's group["lr"]
+    table = [value for i, p in enumerate(pieces) for value in _piece(p, i)]
+    array = (ctypes.c_int64 * max(1, len(table)))(*table)
+    factor = _plain(grad_mul, "grad_mul", (torch.float32,), 1) if grad_mul is not None else None
+    flag = _plain(found_inf, "found_inf", (torch.float32,), 1) if found_inf is not None else None
+    counts: list[int] = []
+    if increment_step:
+        counts = list(dict.fromkeys(p.step.data_ptr() for p in pieces))  # a step shared by pieces advances once
+    count_array = (ctypes.c_void_p * max(1, len(counts)))(*counts)
+    first_unit = (ctypes.c_int64 * (len(pieces) + 1))()
+    library.lean_adam8bit(
+        array, len(pieces), int(adamw), float(beta1), float(beta2), float(weight_decay), float(eps),
+        lr_tensor.data_ptr(), factor, flag, count_array, len(counts), native.threads(), GRAIN, first_unit,
+    )  # fmt: skip
+
+
+def adam8bit_step(
+    high: Tensor, low: Optional[Tensor], grad: Tensor, exp_avg: Moment, exp_avg_sq: Moment, step: Tensor, **options: Any
+) -> None:
+    """One parameter's step (:func:`adam8bit_step_pieces` with one piece): ``high`` bf16 and ``low`` int16 (or
+    ``high`` fp32 and ``low`` ``None``), ``exp_avg`` / ``exp_avg_sq`` torchao's state tensors, ``step`` its count."""
+    adam8bit_step_pieces([Adam8bitPiece(high, low, grad, exp_avg, exp_avg_sq, step)], **options)
+
+
+def _reset_for_tests() -> None:
+    _state.clear()
+
+
+__all__ = ["Adam8bitPiece", "adam8bit_step", "adam8bit_step_pieces", "cpu_kernel", "threading_model"]
