@@ -282,9 +282,26 @@ def test_step_trace_names_the_files_and_functions_one_lean_step_executes():
     assert result["files"] == len(by_file)
     assert result["functions"] == sum(len(functions) for functions in by_file.values())
     assert result["calls"] == sum(sum(functions.values()) for functions in by_file.values())
-    # the step goes through the dispatch, chosen by the table
+    # the step goes through the dispatch (its path chosen once), and the one module that follows the user
     assert "Updates.of" in by_file["lightning_mp/master/lean/update.py"]
-    assert "entry_for" in by_file["lightning_mp/master/lean/optimizers.py"]
+    assert by_file["lightning_mp/master/following.py"] == {"seen": 2}
+    # issue 52's budget: one lean step executes at most 12 of the project's files and 50 functions
+    assert result["files"] <= 12 and result["functions"] <= 50, (result["files"], result["functions"])
+
+
+def test_the_whole_lean_step_asks_the_following_module_three_times():
+    """``step_trace.py --whole`` (forward, backward and the step): what the user changed is asked of
+    ``following.seen`` before backward, at the unscale and at the update, and of nothing else."""
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "step_trace.py"), "--json", "--whole"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    by_file = json.loads(done.stdout)["by_file"]
+    assert by_file["lightning_mp/master/following.py"] == {"seen": 3}
+    assert "lightning_mp/master/watched.py" not in by_file
 
 
 def test_decoder_benchmark_times_the_modes_in_turns_in_one_process():
