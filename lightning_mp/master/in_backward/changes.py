@@ -6,7 +6,7 @@ later (refused).
 not know, and edits of a group's list (``append``, ``del``, item assignment, a parameter moved to another group, a new
 list) change which parameters are stepped and with which options.
 :class:`~lightning_mp.master.in_backward.StepInBackward` checks the groups before every backward
-(:class:`~lightning_mp.master.watched.GroupsSeen`, a few identity checks per group) and, when they changed, gives every
+(:func:`~lightning_mp.master.following.seen`, a few identity checks per group) and, when they changed, gives every
 parameter of the current groups its one-parameter group (:func:`one_groups`, its group's options) and its hook; the
 store made their lean state at the conversion (every floating parameter of the module is converted, frozen or not)
 and checks they are the model's (:meth:`~lightning_mp.master.RemainderMasters.follow_groups`). The new parameters are then updated inside backward
