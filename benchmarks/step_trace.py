@@ -3,6 +3,7 @@
     python benchmarks/step_trace.py            # the table, printed
     python benchmarks/step_trace.py --json     # the same as JSON
     python benchmarks/step_trace.py --whole    # the whole batch, from on_train_batch_start (forward and backward too)
+    python benchmarks/step_trace.py --whole --in-backward   # the same with the step inside backward
 
 A real ``lightning.Trainer`` trains a small MLP (3 bf16 Linear layers and a LayerNorm kept fp32) with
 ``MixedPrecisionPlugin("bf16-mixed", master_weights="remainder")`` and ``torch.optim.AdamW`` on the CPU. On the
@@ -73,7 +74,7 @@ class Trace(L.Callback):
         sys.setprofile(None)
 
 
-def trace(whole: bool = False) -> dict[str, Any]:
+def trace(whole: bool = False, in_backward: bool = False) -> dict[str, Any]:
     torch.manual_seed(0)
     x, y = torch.randn(64, 32), torch.randn(64, 1)
     callback = Trace(whole)
@@ -81,7 +82,7 @@ def trace(whole: bool = False) -> dict[str, Any]:
         accelerator="cpu",
         devices=1,
         max_steps=TRACED_BATCH + 1,
-        plugins=[MixedPrecisionPlugin("bf16-mixed", master_weights="remainder")],
+        plugins=[MixedPrecisionPlugin("bf16-mixed", master_weights="remainder", optimizer_in_backward=in_backward)],
         callbacks=[callback],
         logger=False,
         enable_checkpointing=False,
@@ -117,8 +118,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
     parser.add_argument("--whole", action="store_true", help="trace the whole batch from on_train_batch_start")
+    parser.add_argument("--in-backward", action="store_true", help="optimizer_in_backward=True (use with --whole)")
     args = parser.parse_args()
-    result = trace(args.whole)
+    result = trace(args.whole, args.in_backward)
     print(json.dumps(result, indent=1) if args.json else table(result))
 
 
