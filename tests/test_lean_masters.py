@@ -155,7 +155,15 @@ def test_found_inf_makes_the_step_a_no_op_on_the_device():
     assert not torch.equal(_exact(store, next(model.parameters())), before[0])
 
 
-def test_clipping_inside_the_step_equals_clipping_fp32_gradients():
+@pytest.mark.parametrize("in_place", [True, False], ids=["kernel-updates-fp32-params", "torchs-kernel-on-fp32-params"])
+def test_clipping_inside_the_step_equals_clipping_fp32_gradients(in_place, monkeypatch):
+    """Every path that updates a parameter kept in fp32 clips it: the CPU kernel in place (the default), and torch's
+    fused kernel after an in-place clip where the kernel does not take them (sharded under FSDP2, on a GPU: forced
+    here by declining the in-place pieces)."""
+    from lightning_mp.master.lean import plan
+
+    if not in_place:
+        monkeypatch.setattr(plan, "_in_place", lambda param: False)
     with seeded():
         model = _mlp(64)
     reference = copy.deepcopy(model)

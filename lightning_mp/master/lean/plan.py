@@ -256,7 +256,7 @@ class StepPlan:
         else:
             self._run_cuda(group, pointers, factor, clamp, found)
         if self.plain:
-            self._plain(group, plain_grads, found)
+            self._plain(group, plain_grads, factor, clamp, found)
         if adam and found is not None:
             if self.counts is not None and self.plain:  # the fp32 parameters' kernel read the advanced counts
                 self.library.lean_settle(self.counts, len(self.steps), found.data_ptr())
@@ -311,10 +311,19 @@ class StepPlan:
                 self.key * 2 + fp32, table, numels, steps, self.on_device, these, found, factor, self.device, True
             )
 
-    def _plain(self, group: dict[str, Any], grads: list[Tensor], found: Any) -> None:
-        """fp32 parameters (kept in fp32 by the policy): torch's fused kernel on them, in place."""
+    def _plain(
+        self, group: dict[str, Any], grads: list[Tensor], factor: Optional[Tensor], clamp: Optional[float], found: Any
+    ) -> None:
+        """fp32 parameters (kept in fp32 by the policy) the kernel does not update (sharded, or on a GPU): their
+        gradients clipped in place (as :func:`~lightning_mp.master.lean.chunked.apply_grad_ops_in_place` clips them,
+        and as torch's clipping does on fp32 masters), then torch's fused kernel on them, in place."""
         params = [local_of(p) for p in self.plain] if self.sharded else self.plain_locals
         with torch.no_grad():  # the parameters themselves, updated in place
+            if factor is not None:
+                torch._foreach_mul_(grads, factor)
+            if clamp is not None:
+                torch._foreach_clamp_min_(grads, -clamp)
+                torch._foreach_clamp_max_(grads, clamp)
             self._fused(group, params, grads, found)
 
     def _fused(self, group: dict[str, Any], params: list[Tensor], grads: list[Tensor], found: Any) -> None:
