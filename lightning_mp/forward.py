@@ -62,8 +62,8 @@ def warn_at_connect(policy: CastPolicy, model: Module, device_type: str, dtype: 
 def module_device(module: Module) -> torch.device:
     for tensor in module.parameters():
         return tensor.device
-    for tensor in module.buffers():
-        return tensor.device
+    for buffer in module.buffers():
+        return buffer.device
     return getattr(module, "device", torch.device("cpu"))
 
 

@@ -9,7 +9,7 @@ if finite, update the scale).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Generator, Iterator, Mapping
+from collections.abc import Generator, Iterable, Iterator, Mapping
 from typing import Any, Callable, Literal, Optional, Union
 
 import torch
@@ -24,8 +24,9 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_mp.callbacks.averaging import adapt_averaging_callbacks, restore_averaging_callbacks
+from lightning_mp.averaging import adapt_averaging_callbacks, restore_averaging_callbacks
 from lightning_mp.diagnostics.half_failure import ExplainingAutocast
+from lightning_mp.diagnostics.skipped import SkippedStep
 from lightning_mp.distributed import GradientSync, mixed_precision_policy, sync_for
 from lightning_mp.distributed.shard import fsdp2_shard
 from lightning_mp.distributed.sync import reduce_dtype_of
@@ -156,6 +157,31 @@ class MixedPrecisionPlugin(FabricHooks, Precision):  # FabricHooks: the hooks as
         (the diagnostics' extension point: :attr:`lightning_mp.stepping.OptimizerStep.skip_observers`)."""
         return self.steps.skip_observers
 
+    def skipped_step(self) -> SkippedStep:
+        """What the diagnostics need of the step being skipped, as a value (a skip observer asks it of ``plugin=``):
+        the scale it was skipped at, the scale its gradients carry, the forward context and the exact fp32 weights
+        for a replay, and the updates skipped inside backward."""
+        scaler = self.scaler
+        scaled = scaler is not None and scaler.enabled and not scaler.check_only
+        in_backward = self.steps.in_backward
+        return SkippedStep(
+            scale=float(scaler.scale) if scaler is not None else 1.0,
+            grads_scale=float(scaler.scale_of_grads()) if scaler is not None and scaled else 1.0,
+            device_type=self.device_type,
+            forward_context=self.train_step_context,
+            fp32_weights=self._exact_fp32_pairs,
+            skipped_in_backward=tuple(in_backward.skipped_params) if in_backward is not None else (),
+        )
+
+    def _exact_fp32_pairs(self) -> Iterable[tuple[Tensor, Tensor]]:
+        """``(model parameter, its exact fp32 value)`` for every parameter with masters; lean masters materialise
+        their values here (they hold no fp32 copy at rest)."""
+        masters = self.masters
+        if masters is None:
+            return ()
+        fp32_pairs = getattr(masters, "fp32_pairs", None)  # lean masters' (not part of the flat masters' interface)
+        return fp32_pairs() if fp32_pairs is not None else masters.pairs()
+
     @property
     def device_type(self) -> str:
         """The autocast device type: where the model lives once connected (before that: CUDA if present)."""
@@ -285,10 +311,11 @@ class MixedPrecisionPlugin(FabricHooks, Precision):  # FabricHooks: the hooks as
 
     def _follow_optimizers(self) -> None:
         # an optimizer swapped mid-fit is the one stepped (masters, hooks inside backward): an identity check per step
-        optimizers = self.steps.held.follow()
-        if optimizers is not None and self.fp8 is not None:  # FSDP2 fp8 all-gather: scales after its steps
-            self.fp8.connect(self.steps.held.module, optimizers)
+        optimizers, module = self.steps.held.follow(), self.steps.held.module  # (optimizers: a module is held)
+        if optimizers is not None and module is not None and self.fp8 is not None:  # FSDP2 fp8: scales after steps
+            self.fp8.connect(module, optimizers)
 
+    # (the Trainer's signatures: Lightning's own Precision narrows Fabric's base the same way, ignored there too)
     @override
     def pre_backward(self, tensor: Tensor, module: LightningModule) -> Tensor:  # type: ignore[override]
         # scale before Lightning's on_before_backward hooks, as its built-in plugin does. A new backward ends
@@ -305,7 +332,7 @@ class MixedPrecisionPlugin(FabricHooks, Precision):  # FabricHooks: the hooks as
             self.steps.begin_backward(tensor)  # the masters first; the loss checked on the device (non-finite: none)
         return tensor
 
-    @override
+    @override  # (the Trainer's signature, as pre_backward)
     def post_backward(self, tensor: Tensor, module: LightningModule) -> Tensor:  # type: ignore[override]
         # on_after_backward hooks see the backward's gradients; then, with fp32 masters, the half ones move to the
         # masters (adding up across accumulated micro-batches in fp32), are freed, and the model shows the masters'
@@ -318,7 +345,7 @@ class MixedPrecisionPlugin(FabricHooks, Precision):  # FabricHooks: the hooks as
         return closure_loss
 
     # ------------------------------------------------------------------ the optimizer step
-    @override
+    @override  # (the Trainer's signature, as pre_backward; an Optimizable, where Lightning's says any Steppable)
     def optimizer_step(  # type: ignore[override]
         self, optimizer: Optimizable, model: LightningModule, closure: Callable[[], Any], **kwargs: Any
     ) -> Any:

@@ -235,7 +235,7 @@ class CastPolicy:
 
     def fp8_layers(
         self, model: nn.Module, in_fp32: Optional[Callable[[str, nn.Module], bool]] = None
-    ) -> list[tuple[str, nn.Module, str]]:
+    ) -> list[tuple[str, nn.Linear, str]]:
         """``(name, layer, reason)`` for every ``nn.Linear`` of ``model``, in model order; ``reason`` is ``""`` for
         a layer to convert to fp8, else why it stays out. In order of precedence: a module run in fp32
         (``in_fp32(name, module)``, default :meth:`module_in_fp32`, on the layer or a parent), an ``fp8_exclude``

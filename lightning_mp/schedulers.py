@@ -66,6 +66,7 @@ class _SkipAwareScheduler:
             self.__dict__["_optimizer_steps_ran"] = ran
             if ran % frequency:
                 return None
+        # a mixin: super() is the scheduler's own class, after this one in the MRO (_skip_aware_class)
         return super().step(*args, **kwargs)  # type: ignore[misc]
 
     def __reduce_ex__(self, protocol: Any) -> Any:
@@ -73,7 +74,7 @@ class _SkipAwareScheduler:
         return _rebuild_scheduler, (type(self).__mro__[2], self.__dict__.copy())
 
 
-def _rebuild_scheduler(cls: type, state: dict[str, Any]) -> Any:
+def _rebuild_scheduler(cls: type[object], state: dict[str, Any]) -> Any:
     scheduler = cls.__new__(cls)
     scheduler.__dict__.update(state)
     return scheduler
@@ -104,7 +105,8 @@ def guard_scheduler(scheduler: Any, frequency: int = 1) -> None:
     if isinstance(frequency, bool) or not isinstance(frequency, int) or frequency < 1:
         raise ValueError(f"frequency={frequency!r} is not allowed: it must be an integer >= 1.")
     if not isinstance(scheduler, _SkipAwareScheduler):
-        scheduler.__class__ = _skip_aware_class(type(scheduler))
+        kind: type = type(scheduler)
+        scheduler.__class__ = _skip_aware_class(kind)
     _GUARDED.add(scheduler.optimizer)
     if frequency > 1:
         scheduler.__dict__["_steps_per_advance"] = frequency

@@ -29,9 +29,13 @@ def identity_comparisons(source: str) -> list[tuple[int, str]]:
             sides = [node.left, *node.comparators]
             if any(isinstance(side, ast.Constant) and side.value is None for side in sides):
                 continue
-        elif isinstance(node, ast.Call) and ast.unparse(node.func) == "map" and node.args:
-            if ast.unparse(node.args[0]) in IDENTITY:
-                sides = list(node.args[1:])
+        elif (
+            isinstance(node, ast.Call)
+            and ast.unparse(node.func) == "map"
+            and node.args
+            and ast.unparse(node.args[0]) in IDENTITY
+        ):
+            sides = list(node.args[1:])
         texts = [ast.unparse(side) for side in sides]
         if texts and any(NAMES.search(text) for text in texts) and not any("grad" in text for text in texts):
             found.append((node.lineno, ast.unparse(node)))

@@ -55,6 +55,6 @@ def test_an_inf_in_one_ranks_gradient_shard_skips_that_parameter_on_both_ranks(r
 def test_other_optimizers_are_refused_under_fsdp2_at_setup(ranks):
     for rank in ranks:
         assert rank["generic_refusal"].startswith(
-            "MixedPrecisionPlugin(optimizer_in_backward=True) under FSDP2 steps torch's AdamW, Adam and SGD only, "
-            "not torch.optim.rmsprop.RMSprop"
+            "MixedPrecisionPlugin(optimizer_in_backward=True) under FSDP2 steps torch.optim.AdamW, torch.optim.Adam, "
+            "torch.optim.SGD, torch.optim.NAdam only, not torch.optim.rmsprop.RMSprop"
         )

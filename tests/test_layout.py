@@ -132,6 +132,36 @@ def test_no_import_cycle(module_level_only):
             visit(name, [name])
 
 
+def _part(module: str) -> str:
+    """The package (or top-level module) of the library ``module`` belongs to: ``lightning_mp.diagnostics``,
+    ``lightning_mp.plugin``."""
+    return ".".join(module.split(".")[:2])
+
+
+def test_no_two_packages_import_each_other_even_lazily_or_for_type_checking():
+    """Between two packages (or top-level modules) the imports go one way: every import counts, in functions and
+    under TYPE_CHECKING (diagnostics <-> plugin through type-only imports, callbacks <-> plugin and fp8 <-> policy
+    were such pairs until issue 52)."""
+    uses: dict[tuple[str, str], list[str]] = {}
+    for name, path in MODULES.items():
+        for target in _imports(path, module_level_only=False):
+            if _part(name) != _part(target):
+                uses.setdefault((_part(name), _part(target)), []).append(f"{name} -> {target}")
+    both = {pair: (found, uses[pair[::-1]]) for pair, found in uses.items() if pair < pair[::-1] and pair[::-1] in uses}
+    assert not both, both
+
+
+def test_the_diagnostics_never_import_the_plugin():
+    """The diagnostics get what they need of a skipped step as a value (``diagnostics/skipped.py``), never the
+    plugin's class, not even for type checking."""
+    found = {
+        name: sorted(m for m in _imports(path, module_level_only=False) if _part(m) == "lightning_mp.plugin")
+        for name, path in MODULES.items()
+        if name.startswith("lightning_mp.diagnostics")
+    }
+    assert {name: targets for name, targets in found.items() if targets} == {}
+
+
 def test_the_step_modules_import_one_way_even_lazily_or_for_type_checking():
     # every import counts here (in functions, under TYPE_CHECKING): plugin -> stepping -> scaler -> its device side
     graph = {
@@ -358,24 +388,30 @@ def test_private_api_of_torch_and_lightning_is_read_only_where_listed():
 
 def test_the_plugins_protocols_name_members_the_plugin_has_with_their_signatures():
     """Where the plugin's own class would be an import cycle, its parts take a Protocol naming what they use of it:
-    each member is the plugin's, a method with the plugin's parameters, so the Protocol cannot drift from it."""
+    each member is the plugin's, a method with the plugin's parameters, so the Protocol cannot drift from it. The same
+    for the policy the fp8 part reads (``Fp8Rules``: ``CastPolicy`` asks the fp8 part, so the fp8 part names it)."""
     import inspect
 
     from typing_extensions import get_protocol_members
 
-    from lightning_mp import MixedPrecisionPlugin
+    from lightning_mp import CastPolicy, MixedPrecisionPlugin
+    from lightning_mp.diagnostics.skipped import SkipSource
     from lightning_mp.distributed.sync import PluginDtypes, StrategyPlugin
     from lightning_mp.fabric.driver import DrivenPlugin
     from lightning_mp.fp8.convert import PolicySource
+    from lightning_mp.fp8.layers import Fp8Rules
 
     plugin = MixedPrecisionPlugin("bf16-mixed", master_weights="remainder")
-    for protocol in (PluginDtypes, StrategyPlugin, DrivenPlugin, PolicySource):
+    for protocol, offered in (
+        *((protocol, plugin) for protocol in (PluginDtypes, StrategyPlugin, DrivenPlugin, PolicySource, SkipSource)),
+        (Fp8Rules, CastPolicy()),
+    ):
         for name in sorted(get_protocol_members(protocol)):
-            assert hasattr(plugin, name), (protocol.__name__, name)
+            assert hasattr(offered, name), (protocol.__name__, name)
             wanted = getattr(protocol, name, None)
-            if inspect.isfunction(wanted):
-                have = inspect.signature(getattr(MixedPrecisionPlugin, name)).parameters
-                assert list(inspect.signature(wanted).parameters) == list(have), (protocol.__name__, name)
+            if inspect.isfunction(wanted):  # the Protocol's function takes self; the offered member is bound
+                have = inspect.signature(getattr(offered, name)).parameters
+                assert list(inspect.signature(wanted).parameters)[1:] == list(have), (protocol.__name__, name)
 
 
 def test_no_module_imports_another_modules_private_names():

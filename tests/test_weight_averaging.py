@@ -2,7 +2,7 @@
 
 With master weights the model's parameters are 16-bit copies; Lightning's ``StochasticWeightAveraging`` and
 ``WeightAveraging``/``EMAWeightAveraging`` read and write them. The plugin runs their hooks over the exact weights
-(:mod:`lightning_mp.callbacks.averaging`). Reference: the same run's exact fp32 weights, recorded at each update by a
+(:mod:`lightning_mp.averaging`). Reference: the same run's exact fp32 weights, recorded at each update by a
 callback that reads them through :func:`lightning_mp.master.exact_parameters`, averaged in float64 in the test. Both
 the checkpoint ``trainer.save_checkpoint`` writes after fit and the model left in memory must hold that average.
 """
@@ -18,8 +18,7 @@ from lightning.pytorch.callbacks import EMAWeightAveraging, StochasticWeightAver
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_mp import MixedPrecisionPlugin
-from lightning_mp.callbacks import averaging
+from lightning_mp import MixedPrecisionPlugin, averaging
 from lightning_mp.kernels.bits import join_fp32
 from lightning_mp.master import exact_parameters, exact_weights
 from tests.helpers import fabric_trained_net

@@ -1,8 +1,8 @@
-"""The plugin and Lightning's callbacks: what Lightning's own callbacks need from the plugin (as ``distributed/`` is
-what its strategies need), and the plugin carried by a callback where a project's Trainer takes no precision plugin.
+"""The plugin carried by a callback, where a project's Trainer takes no precision plugin: on top of the plugin.
 
-- :mod:`lightning_mp.callbacks.averaging`: ``StochasticWeightAveraging`` and ``WeightAveraging``/``EMAWeightAveraging``
-  run over the exact master weights (the plugin adapts them when it connects).
 - :mod:`lightning_mp.callbacks.precision_callback`: ``MixedPrecisionCallback`` installs the plugin in Trainers that a
   project builds with a precision flag of its own (darts, pytorch_tabular), through the callbacks they pass on.
+
+What Lightning's own averaging callbacks need of the plugin is below it, in :mod:`lightning_mp.averaging` (the plugin
+imports it; this package imports the plugin, so the two never use each other).
 """

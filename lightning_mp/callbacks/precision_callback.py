@@ -37,7 +37,7 @@ from typing_extensions import override
 
 from lightning_mp.diagnostics import PrecisionMonitor
 from lightning_mp.plugin import MixedPrecisionPlugin, PrecisionName
-from lightning_mp.standalone import lightning_isinstance, lightning_name
+from lightning_mp.standalone import lightning_isinstance, lightning_name, trainer_callbacks
 
 #: the precision plugins the callback takes the place of: Lightning's default, and its own mixed precision when the
 #: flag repeats the callback's precision (checked by name, so that both Lightning packages' classes count)
@@ -108,7 +108,7 @@ class MixedPrecisionCallback(L.Callback):
         )
 
     def _check_monitors_follow(self, trainer: L.Trainer) -> None:
-        callbacks = list(trainer.callbacks)
+        callbacks = list(trainer_callbacks(trainer))
         mine = next((index for index, callback in enumerate(callbacks) if callback is self), len(callbacks))
         early = [type(c).__name__ for c in callbacks[:mine] if lightning_isinstance(c, PrecisionMonitor)]
         if early:

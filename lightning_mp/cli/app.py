@@ -46,6 +46,7 @@ from lightning_mp.diagnostics import PrecisionMonitor
 from lightning_mp.distributed.strategies import end_distributed_run
 from lightning_mp.plugin import MixedPrecisionPlugin
 from lightning_mp.samples.resources import SourceUnavailableError
+from lightning_mp.standalone import trainer_callbacks
 
 #: every subcommand of ``python -m lightning_mp``, in the order ``--help`` lists them, with its one line there
 #: (Lightning's own lines are the first line of each Trainer method's docstring, cut mid-sentence for two of them)
@@ -219,7 +220,7 @@ class MixedPrecisionCLI(LightningCLI):
     def summary_extras(self) -> list[str]:
         """More sentences for the end-of-fit summary: where the precision report was written."""
         extras = []
-        for callback in self.trainer.callbacks:
+        for callback in trainer_callbacks(self.trainer):
             files = getattr(callback, "report_files", None) if isinstance(callback, PrecisionMonitor) else None
             if files is not None:
                 figure = f" and {files.png}" if files.png is not None else f" (no figure: {files.png_error})"
@@ -234,9 +235,9 @@ class MixedPrecisionCLI(LightningCLI):
         if datamodule is None or not _has_test_data(datamodule):
             return
         best = [
-            cb.best_model_path
+            path
             for cb in self.trainer.checkpoint_callbacks
-            if getattr(cb, "monitor", None) and getattr(cb, "best_model_path", "")
+            if getattr(cb, "monitor", None) and (path := getattr(cb, "best_model_path", ""))
         ]
         checkpoint = best[0] if best else None
         self.trainer.test(self.model, datamodule=datamodule, ckpt_path=checkpoint)
@@ -307,11 +308,12 @@ def main(args: Optional[list[str]] = None) -> None:
 
 def _cause_of_type(err: BaseException, kind: type) -> Optional[BaseException]:
     seen = set()
-    while err is not None and id(err) not in seen:
-        if isinstance(err, kind):
-            return err
-        seen.add(id(err))
-        err = err.__cause__ or err.__context__  # type: ignore[assignment]
+    link: Optional[BaseException] = err
+    while link is not None and id(link) not in seen:
+        if isinstance(link, kind):
+            return link
+        seen.add(id(link))
+        link = link.__cause__ or link.__context__
     return None
 
 

@@ -113,7 +113,9 @@ def _is_resumable(loader: Any) -> bool:
 def rng_states() -> dict[str, Any]:
     """The global random states of torch (CPU and every CUDA device), numpy and Python, as plain tensors, lists and
     ints (so a checkpoint holding them loads with ``torch.load(weights_only=True)``)."""
-    kind, keys, position, has_gauss, gauss = np.random.get_state()
+    numpy_state = np.random.get_state(legacy=True)
+    assert isinstance(numpy_state, tuple)  # the global generator is numpy's MT19937: its legacy state, a tuple
+    kind, keys, position, has_gauss, gauss = numpy_state
     version, state, python_gauss = random.getstate()
     return {
         "torch": torch.get_rng_state(),

@@ -13,7 +13,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from lightning_mp.cli.checks import CLIConfigError, as_list, class_spec, import_class
 from lightning_mp.cpu import cpu_has_native_bf16
-from lightning_mp.plugin import MixedPrecisionPlugin
+from lightning_mp.plugin import MixedPrecisionPlugin, PrecisionName
 
 
 @dataclass(frozen=True)
@@ -57,7 +57,12 @@ class PrecisionChoice:
 
 
 #: ``trainer.precision`` values this plugin trains with, and the precision each means
-OUR_PRECISIONS = {"16-mixed": "16-mixed", "16": "16-mixed", "bf16-mixed": "bf16-mixed", "bf16": "bf16-mixed"}
+OUR_PRECISIONS: dict[str, PrecisionName] = {
+    "16-mixed": "16-mixed",
+    "16": "16-mixed",
+    "bf16-mixed": "bf16-mixed",
+    "bf16": "bf16-mixed",
+}
 #: the ``mixed_precision`` options the CLI hands to the plugin, and their defaults
 PLUGIN_OPTIONS = (
     "scaler",
@@ -150,7 +155,7 @@ def _cpu_fallback(precision: Optional[str], options: dict[str, Any], changed: li
     return PrecisionChoice(precision, "32-true", reason, None, options, tuple(changed), f"{reason}{note}.", True)
 
 
-def _validate_options(precision: str, options: dict[str, Any], flag: Optional[str]) -> None:
+def _validate_options(precision: PrecisionName, options: dict[str, Any], flag: Optional[str]) -> None:
     try:
         MixedPrecisionPlugin(precision, **options)
     except (ValueError, TypeError) as err:

@@ -80,7 +80,9 @@ def _class_problems(details: str) -> list[tuple[str, str]]:
 
 def _accepted_hint(path: str, reason: str) -> str:
     option, cls = re.match(r"Option '([^']+)' is not accepted", reason.strip()), import_class(path)
-    accepted = _arguments(cls) if option is not None and cls is not None else None
+    if option is None or cls is None:
+        return ""
+    accepted = _arguments(cls)
     if not accepted:
         return ""
     close = difflib.get_close_matches(option.group(1), accepted, n=1)
@@ -94,11 +96,13 @@ def missing_extra(error: BaseException) -> Optional[str]:
     it. Where lightning_mp raised an ``ImportError`` of its own on top of it (what needs the package, and the
     extra), that message is the line; a bare ``No module named ...`` gets the extra said after it.
     """
-    chain, seen = [], set()
-    while error is not None and id(error) not in seen:
-        seen.add(id(error))
-        chain.append(error)
-        error = error.__cause__ or error.__context__
+    chain: list[BaseException] = []
+    seen: set[int] = set()
+    link: Optional[BaseException] = error
+    while link is not None and id(link) not in seen:
+        seen.add(id(link))
+        chain.append(link)
+        link = link.__cause__ or link.__context__
     missing = next(
         (e for e in chain if isinstance(e, ModuleNotFoundError) and (e.name or "").split(".")[0] in OPTIONAL_MODULES),
         None,
@@ -108,7 +112,7 @@ def missing_extra(error: BaseException) -> Optional[str]:
     ours = next((e for e in chain if isinstance(e, ImportError)), missing)
     if ours is not missing:
         return one_line(str(ours))
-    distribution, extra = OPTIONAL_MODULES[missing.name.split(".")[0]]
+    distribution, extra = OPTIONAL_MODULES[(missing.name or "").split(".")[0]]
     return (
         f'{one_line(str(missing))}: {distribution} comes with the {extra} extra: pip install "lightning_mp[{extra}]".'
     )
@@ -176,7 +180,7 @@ def _import_problem(path: str) -> str:
     return f"module {module_name!r} has no class {name!r}{hint}"
 
 
-def _arguments(cls: type) -> Optional[list[str]]:
+def _arguments(cls: type[object]) -> Optional[list[str]]:
     """The keyword arguments of ``cls``, or ``None`` when it takes ``**kwargs`` (anything goes)."""
     parameters = list(inspect.signature(cls.__init__).parameters.values())[1:]
     if any(p.kind is p.VAR_KEYWORD for p in parameters):

@@ -15,6 +15,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning_mp.cli.checkpoints import LastCheckpoint
 from lightning_mp.cli.checks import as_list
 from lightning_mp.plugin import MixedPrecisionPlugin
+from lightning_mp.standalone import trainer_callbacks
 
 
 def fit_summary(trainer: L.Trainer, precision: str, tested_on: Optional[str] = None, extra: Sequence[str] = ()) -> str:
@@ -56,7 +57,7 @@ class StepsThisRun(Callback):
 def _steps_sentence(trainer: L.Trainer) -> str:
     total = trainer.global_step
     ending = " (interrupted)" if trainer.interrupted else ""
-    counters = [callback for callback in trainer.callbacks if isinstance(callback, StepsThisRun)]
+    counters = [callback for callback in trainer_callbacks(trainer) if isinstance(callback, StepsThisRun)]
     if not counters:  # not run by the CLI: the Trainer's count
         return f"lightning_mp: fit ran {total} optimizer steps{ending}."
     first = counters[0].first_step

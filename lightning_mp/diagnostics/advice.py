@@ -184,12 +184,12 @@ def _growth_interval(history: RunHistory) -> Optional[Advice]:
     hits = []
     for sample in recent:
         shares = sample.underflow_share()
-        headroom = [h for h in sample.headroom() if h is not None]
-        if not shares or not headroom:
+        headrooms = [h for h in sample.headroom() if h is not None]
+        if not shares or not headrooms:
             continue
         worst = max(range(len(shares)), key=lambda i: shares[i])
-        if shares[worst] >= UNDERFLOW_SHARE and min(headroom) >= AMPLE_HEADROOM_BITS:
-            hits.append((sample, worst, shares[worst], min(headroom)))
+        if shares[worst] >= UNDERFLOW_SHARE and min(headrooms) >= AMPLE_HEADROOM_BITS:
+            hits.append((sample, worst, shares[worst], min(headrooms)))
     if not recent or len(hits) * 2 < len(recent):
         return None
     sample, worst, share, headroom = hits[-1]

@@ -21,7 +21,7 @@ import contextlib
 import sys
 from collections.abc import Callable, Iterator
 from functools import partial
-from typing import Any
+from typing import Any, Protocol, cast
 
 import lightning.pytorch as pl
 import torch
@@ -220,7 +220,7 @@ def audit(
         tagger.remove_hooks()
         with torch.no_grad():
             for param, grad, value in grads:  # the audit's backward leaves no trace in the parameters' gradients
-                if grad is not None:
+                if grad is not None and value is not None:  # (a clone of each gradient there is)
                     grad.copy_(value)
                 if param.grad is not grad:  # not assigned again where it is: a gradient fp32 masters show is fp32
                     param.grad = grad
@@ -237,12 +237,18 @@ def _fabric_unwrapped(module: torch.nn.Module) -> tuple[torch.nn.Module, torch.n
     return module, module
 
 
+class _FabricWrappers(Protocol):
+    """What the audit sets in a loaded copy of Fabric's ``wrappers`` module (a module found in ``sys.modules``)."""
+
+    _in_fabric_backward: bool
+
+
 @contextlib.contextmanager
 def _fabric_backward() -> Iterator[None]:
     """Fabric refuses ``loss.backward()`` on a wrapped module's output outside ``fabric.backward``; the audit's own
     backward (which steps nothing and leaves the gradients as they were) is let through, by each loaded copy of
     Fabric's wrappers (``lightning.fabric``'s, the standalone ``lightning_fabric``'s)."""
-    loaded = [sys.modules[name] for name in _FABRIC_WRAPPERS if name in sys.modules]
+    loaded = [cast(_FabricWrappers, sys.modules[name]) for name in _FABRIC_WRAPPERS if name in sys.modules]
     before = [wrappers._in_fabric_backward for wrappers in loaded]
     for wrappers in loaded:
         wrappers._in_fabric_backward = True

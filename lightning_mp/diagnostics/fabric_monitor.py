@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from pathlib import Path
 from types import SimpleNamespace
-from typing import TYPE_CHECKING, Any, Callable, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 import torch
 from torch import nn
@@ -38,9 +38,7 @@ from lightning_mp.diagnostics.monitor import (
     with_skips_in_backward,
 )
 from lightning_mp.diagnostics.overflow import nonfinite_params
-
-if TYPE_CHECKING:  # observed, never imported at run time
-    from lightning_mp.plugin import MixedPrecisionPlugin
+from lightning_mp.diagnostics.skipped import SkipSource
 from lightning_mp.diagnostics.underflow import (
     grouped_stats,
     names_of_params,
@@ -54,6 +52,9 @@ from lightning_mp.diagnostics.underflow import (
 class _FabricStep(nn.Module):
     """What the overflow replay calls a LightningModule: the user's module (its modules and parameters, named as
     the user's) with ``training_step(batch, index) = loss_fn(module, batch)``."""
+
+    _inner: nn.Module
+    _loss_fn: Callable[[nn.Module, Any], Any]
 
     def __init__(self, inner: nn.Module, loss_fn: Callable[[nn.Module, Any], Any]) -> None:
         super().__init__()
@@ -89,7 +90,7 @@ class FabricPrecisionMonitor:
         self._suffix: Optional[str] = None
         self.step = 0
         self.report_files: Any = None
-        self._plugin: Optional[MixedPrecisionPlugin] = None
+        self._plugin: Optional[object] = None  # Fabric's precision plugin (any: read by duck typing)
         self._step_module: Optional[_FabricStep] = None
         self._device = torch.device("cpu")
         self._rank_zero = True
@@ -166,19 +167,20 @@ class FabricPrecisionMonitor:
         scale = float(scaler.scale) if scaler is not None and not scaler.check_only else 1.0
         self.history.samples.append(LayerSample(self.step, scale, "param_grads", layers, param_rows))
 
-    def _on_skip(self, plugin: MixedPrecisionPlugin, optimizer: Any, model: Any) -> None:
+    def _on_skip(self, plugin: SkipSource, optimizer: Any, model: Any) -> None:
         """The plugin calls this on a skipped step, before the scaler updates."""
+        skipped = plugin.skipped_step()
         self.history.skipped.append(self.step)
-        self.monitor.fill_scale_after(float(plugin.scaler.scale))
+        self.monitor.fill_scale_after(skipped.scale)
         names = self.monitor.param_names
         try:
-            record = self.monitor.localise(plugin, optimizer, self._step_module, self.step)
+            record = self.monitor.localise(skipped, optimizer, self._step_module, self.step)
         except Exception as error:  # a diagnostic must not end the run: the failure is reported, not hidden
             record = OverflowRecord(
                 step=self.step,
-                scale_before=float(plugin.scaler.scale),
+                scale_before=skipped.scale,
                 cause="failed",
                 note=repr(error),
                 nonfinite_params=nonfinite_params(optimizer, names),
             )
-        self.history.overflows.append(merged_across_ranks(with_skips_in_backward(record, plugin)))
+        self.history.overflows.append(merged_across_ranks(with_skips_in_backward(record, skipped)))

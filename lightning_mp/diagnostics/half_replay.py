@@ -17,7 +17,7 @@ import os
 import re
 import sys
 from dataclasses import asdict, dataclass, replace
-from types import TracebackType
+from types import FrameType, TracebackType
 from typing import Any, Optional
 
 import torch
@@ -207,7 +207,7 @@ class _EveryFailure(TorchFunctionMode):
         super().__init__()
         self.device, self.dtype, self.names = device, dtype, names
         self.running: list[nn.Module] = []  # the module stack, innermost last
-        self.found: list[tuple[str, BaseException, str, nn.Module, str, Optional[float]]] = []
+        self.found: list[tuple[str, BaseException, str, Optional[nn.Module], str, Optional[float]]] = []
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -222,7 +222,9 @@ class _EveryFailure(TorchFunctionMode):
 
     def _note(self, func: Any, kind: str, error: BaseException, args: Any, kwargs: Any) -> None:
         module = next((m for m in reversed(self.running) if id(m) in self.names), None)
-        places, frame = [], sys._getframe(2)  # the caller of the op (this method and __torch_function__ skipped)
+        places: list[tuple[str, int]] = []
+        # the caller of the op (this method and __torch_function__ skipped)
+        frame: Optional[FrameType] = sys._getframe(2)
         while frame is not None:
             places.append((frame.f_code.co_filename, frame.f_lineno))
             frame = frame.f_back
@@ -244,10 +246,11 @@ class _EveryFailure(TorchFunctionMode):
             return out
         return tree_map(lambda v: v.to(back) if isinstance(v, Tensor) and v.dtype == torch.float32 else v, out)
 
-    def push(self, module: nn.Module, *args: Any) -> None:
+    # the module hooks' (not push/pop: TorchFunctionMode.push is torch's own classmethod)
+    def module_entered(self, module: nn.Module, *args: Any) -> None:
         self.running.append(module)
 
-    def pop(self, module: nn.Module, *args: Any) -> None:
+    def module_left(self, module: nn.Module, *args: Any) -> None:
         if self.running and self.running[-1] is module:
             self.running.pop()
 
@@ -268,8 +271,8 @@ def replay(
     names = {id(m): name for name, m in root.named_modules()}
     recorder = _EveryFailure(device, dtype, names)
     recorder.running.append(module)  # its forward is called directly (no hooks): its own code is its own
-    pre = torch.nn.modules.module.register_module_forward_pre_hook(recorder.push)
-    post = torch.nn.modules.module.register_module_forward_hook(recorder.pop, always_call=True)
+    pre = torch.nn.modules.module.register_module_forward_pre_hook(recorder.module_entered)
+    post = torch.nn.modules.module.register_module_forward_hook(recorder.module_left, always_call=True)
     stopped = ""
     try:
         autocast = torch.autocast(device, dtype=dtype, cache_enabled=False)
@@ -285,7 +288,7 @@ def replay(
         pre.remove()
         post.remove()
     grouped: dict[tuple[str, str, str, str], HalfFailure] = {}
-    for kind, error, op, owner, where, value in recorder.found:
+    for kind, raised, op, owner, where, value in recorder.found:
         name = names.get(id(owner), "") if owner is not None else ""
         module_class = type(owner).__name__ if owner is not None else type(root).__name__
         key = (kind, op, where, module_class)
@@ -302,7 +305,7 @@ def replay(
             where=where,
             dtype=HALF_NAMES[dtype],
             device=device,
-            error=first_line(error),
+            error=first_line(raised),
             rule=module_class if name else "",
             value=value,
         )

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 import lightning as L
 import torch
@@ -25,6 +25,7 @@ from lightning_mp.diagnostics.half_failure import HalfPrecisionError
 from lightning_mp.diagnostics.history import LayerSample, OverflowRecord, RunHistory
 from lightning_mp.diagnostics.overflow import OverflowLocaliser, nonfinite_params
 from lightning_mp.diagnostics.run_report import free_suffix, report_directory, write_run
+from lightning_mp.diagnostics.skipped import SkippedStep, SkipSource
 from lightning_mp.diagnostics.underflow import (
     ActivationGradStats,
     grouped_stats,
@@ -36,9 +37,6 @@ from lightning_mp.diagnostics.underflow import (
 )
 from lightning_mp.fp8.stats import Fp8Sampler, sample_record
 from lightning_mp.scaler.settings import SETTING_NAMES
-
-if TYPE_CHECKING:  # observed, never imported at run time (the plugin hands itself to its skip observers)
-    from lightning_mp.plugin import MixedPrecisionPlugin
 
 #: ``sample_every=None``: sample every this many optimizer steps, lowered so a run of known length gets MIN_SAMPLES
 DEFAULT_SAMPLE_EVERY = 100
@@ -90,9 +88,9 @@ class PrecisionMonitor(L.Callback):
         ):
             if not isinstance(value, bool):
                 raise ValueError(f"PrecisionMonitor({name}={value!r}): must be True or False.")
-        for name, value in (("sample_every", 0 if sample_every is None else sample_every), ("log_top", log_top)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ValueError(f"PrecisionMonitor({name}={value!r}): must be an integer >= 0 (0 turns it off).")
+        for name, number in (("sample_every", 0 if sample_every is None else sample_every), ("log_top", log_top)):
+            if isinstance(number, bool) or not isinstance(number, int) or number < 0:
+                raise ValueError(f"PrecisionMonitor({name}={number!r}): must be an integer >= 0 (0 turns it off).")
         self.prog_bar = prog_bar
         self.localise_overflows = localise_overflows
         self.sample_every = sample_every
@@ -106,7 +104,7 @@ class PrecisionMonitor(L.Callback):
         self._activations = ActivationGradStats()
         self._fp8 = Fp8Sampler()  # --- fp8 casts of converted layers, on sampled steps (lightning_mp.fp8.stats)
         self._names: dict[int, str] = {}
-        self._plugin: Optional[MixedPrecisionPlugin] = None
+        self._observers: Optional[list[Callable[..., None]]] = None  # the plugin's skip_observers, while in them
         self._sampling = False
         self._sampled_bucket = -1
         self._overflow_counts: dict[str, int] = {}
@@ -135,7 +133,7 @@ class PrecisionMonitor(L.Callback):
         observers = getattr(plugin, "skip_observers", None)
         if self.localise_overflows and isinstance(observers, list) and self._on_skip not in observers:
             observers.append(self._on_skip)
-            self._plugin = plugin
+            self._observers = observers
 
     @override
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -159,9 +157,9 @@ class PrecisionMonitor(L.Callback):
         self._activations.disarm()
         self._fp8.disarm()
         self._localiser.forget()
-        if self._plugin is not None and self._on_skip in self._plugin.skip_observers:
-            self._plugin.skip_observers.remove(self._on_skip)
-        self._plugin = None
+        if self._observers is not None and self._on_skip in self._observers:
+            self._observers.remove(self._on_skip)
+        self._observers = None
 
     # ------------------------------------------------------------------ every step
     @override
@@ -171,7 +169,7 @@ class PrecisionMonitor(L.Callback):
         scaler = _our_scaler(trainer)
         if scaler is not None and not scaler.check_only:  # bf16's check-only scaler has no scale to follow
             self.history.record_scale(trainer.global_step, float(scaler.scale))
-        if self._plugin is not None and pl_module.automatic_optimization:  # manual: nothing is replayed
+        if self._observers is not None and pl_module.automatic_optimization:  # manual: nothing is replayed
             self._localiser.remember(batch, batch_idx, pl_module.device)
         if self._every:
             self._sampling = trainer.global_step // self._every != self._sampled_bucket
@@ -252,24 +250,25 @@ class PrecisionMonitor(L.Callback):
             logger.log_metrics(metrics, step=sample.step)
 
     # ------------------------------------------------------------------ skipped steps
-    def _on_skip(self, plugin: MixedPrecisionPlugin, optimizer: Any, model: Any) -> None:
+    def _on_skip(self, plugin: SkipSource, optimizer: Any, model: Any) -> None:
         """Called by the plugin on a skipped step, before the scaler updates (see ``skip_observers``)."""
+        skipped = plugin.skipped_step()
         trainer = model.trainer
         step = trainer.global_step
         self.history.skipped.append(step)
-        self.fill_scale_after(float(plugin.scaler.scale))
+        self.fill_scale_after(skipped.scale)
         try:
-            record = self._localiser.localise(plugin, optimizer, model, step, self._names)
+            record = self._localiser.localise(skipped, optimizer, model, step, self._names)
         except Exception as error:  # a diagnostic must not end the run: the failure is reported, not hidden
             rank_zero_warn(f"PrecisionMonitor could not localise the overflow of step {step}: {error!r}")
             record = OverflowRecord(
                 step=step,
-                scale_before=float(plugin.scaler.scale),
+                scale_before=skipped.scale,
                 cause="failed",
                 note=repr(error),
                 nonfinite_params=nonfinite_params(optimizer, self._names),
             )
-        record = merged_across_ranks(with_skips_in_backward(record, plugin))
+        record = merged_across_ranks(with_skips_in_backward(record, skipped))
         self.history.overflows.append(record)
         if record.located:
             self._overflow_counts[record.module] = self._overflow_counts.get(record.module, 0) + 1
@@ -312,10 +311,10 @@ class PrecisionMonitor(L.Callback):
         """The optimizer step of the remembered batches ran (or was skipped): the next batch starts a new window."""
         self._localiser.step_decided()
 
-    def localise(self, plugin: MixedPrecisionPlugin, optimizer: Any, model: Any, step: int) -> OverflowRecord:
+    def localise(self, skipped: SkippedStep, optimizer: Any, model: Any, step: int) -> OverflowRecord:
         """Replay the remembered batches of skipped step ``step`` on ``model`` to find the module, phase and op where
         the inf/NaN was born (:class:`~lightning_mp.diagnostics.overflow.OverflowLocaliser`)."""
-        return self._localiser.localise(plugin, optimizer, model, step, self._names)
+        return self._localiser.localise(skipped, optimizer, model, step, self._names)
 
     # ------------------------------------------------------------------ the end of fit
     @override
@@ -375,13 +374,11 @@ def _precision_of(trainer: L.Trainer) -> str:
     return "fp32"
 
 
-def with_skips_in_backward(record: OverflowRecord, plugin: MixedPrecisionPlugin) -> OverflowRecord:
+def with_skips_in_backward(record: OverflowRecord, skipped: SkippedStep) -> OverflowRecord:
     """``record`` naming the parameters whose update was skipped inside backward (``optimizer_in_backward=True``:
     their gradients are freed by then, so only the step's own report names them)."""
-    steps = getattr(plugin, "steps", None)  # a MixedPrecisionPlugin's step owner
-    in_backward = steps.in_backward if steps is not None else None
-    if in_backward is not None and in_backward.skipped_params:
-        record.nonfinite_params = list(in_backward.skipped_params)
+    if skipped.skipped_in_backward:
+        record.nonfinite_params = list(skipped.skipped_in_backward)
         record.note = (record.note + "; " if record.note else "") + (
             "optimizer_in_backward: only these parameters' updates were skipped, every other one was applied"
         )

@@ -348,7 +348,7 @@ class NonFiniteTrace:
         )
         return self._origin(rows, next(group for group in preferences if group)[0])
 
-    def _origin(self, rows: list[list[float]], index: int) -> Origin:
+    def _origin(self, rows: list[_Row], index: int) -> Origin:
         op, phase, module, _ = self._ops[index]
         module_class = OUTSIDE if module == OUTSIDE else self._classes.get(module, "")
         return Origin(phase, "" if module == OUTSIDE else module, module_class, op, rows[index].input_amax)

@@ -41,16 +41,14 @@ import contextlib
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional
 
 import torch
 from torch import Tensor, nn
 
 from lightning_mp.diagnostics.history import OverflowRecord
 from lightning_mp.diagnostics.nonfinite import NonFiniteTrace, Origin
-
-if TYPE_CHECKING:  # observed, never imported at run time (the plugin's skip observers hand it over)
-    from lightning_mp.plugin import MixedPrecisionPlugin
+from lightning_mp.diagnostics.skipped import SkippedStep
 
 
 @dataclass
@@ -85,7 +83,7 @@ class OverflowLocaliser:
         self.window, self._window_closed = [], False
 
     def localise(
-        self, plugin: MixedPrecisionPlugin, optimizer: Any, model: Any, step: int, names: dict[int, str]
+        self, skipped: SkippedStep, optimizer: Any, model: Any, step: int, names: dict[int, str]
     ) -> OverflowRecord:
         """Find where the skipped step's inf/NaN came from; see the module docstring.
 
@@ -94,8 +92,7 @@ class OverflowLocaliser:
         ``training_step`` (SyncBatchNorm, ``all_gather``) is issued by every rank alike.
         """
         start = time.perf_counter()
-        scaler = plugin.scaler
-        record = OverflowRecord(step=step, scale_before=float(scaler.scale))
+        record = OverflowRecord(step=step, scale_before=skipped.scale)
         record.nonfinite_params = nonfinite_params(optimizer, names)
         if not getattr(model, "automatic_optimization", True):
             record.cause = "gradients_only"
@@ -108,11 +105,11 @@ class OverflowLocaliser:
         elif not self.window:
             record.note = "no micro-batch was remembered for this step"
         else:
-            scale = float(scaler.scale_of_grads()) if scaler.enabled and not scaler.check_only else 1.0
+            scale = skipped.grads_scale
             accumulate = max(int(getattr(model.trainer, "accumulate_grad_batches", 1)), 1)
             lockstep = _world_size() > 1
             for index, micro in enumerate(self.window):
-                replay = _Replay(plugin, model, micro, accumulate)
+                replay = _Replay(skipped, model, micro, accumulate)
                 origin = replay.run(scale=scale, fp32=False)
                 record.replays += 1
                 if not _any_rank(origin is not None, lockstep, replay.device):
@@ -188,8 +185,8 @@ def nonfinite_params(optimizer: Any, names: dict[int, str]) -> list[str]:
 class _Replay:
     """One micro-batch's forward and backward, run again with every side effect undone."""
 
-    def __init__(self, plugin: MixedPrecisionPlugin, model: Any, micro: MicroBatch, accumulate: int) -> None:
-        self.plugin, self.model, self.micro, self.accumulate = plugin, model, micro, accumulate
+    def __init__(self, skipped: SkippedStep, model: Any, micro: MicroBatch, accumulate: int) -> None:
+        self.skipped, self.model, self.micro, self.accumulate = skipped, model, micro, accumulate
         self.device = _device_of(model)
 
     def run(self, scale: float, fp32: bool) -> Optional[Origin]:
@@ -200,9 +197,9 @@ class _Replay:
             torch.set_rng_state(self.micro.cpu_rng)
             if self.micro.cuda_rng is not None:
                 torch.cuda.set_rng_state(self.micro.cuda_rng, self.device)
-            weights = _fp32_weights(self.model, self.plugin) if fp32 else _own_weights(self.model)
+            weights = _fp32_weights(self.model, self.skipped) if fp32 else _own_weights(self.model)
             with torch.enable_grad(), weights as params, trace:
-                with _precision_context(self.plugin, fp32):
+                with _precision_context(self.skipped, fp32):
                     output = self.model.training_step(self.micro.batch, self.micro.batch_idx)
                 loss = _loss_of(output)
                 if loss is None:
@@ -230,10 +227,10 @@ def _loss_of(output: Any) -> Optional[Tensor]:
     return output if isinstance(output, Tensor) else None
 
 
-def _precision_context(plugin: MixedPrecisionPlugin, fp32: bool) -> contextlib.AbstractContextManager:
+def _precision_context(skipped: SkippedStep, fp32: bool) -> contextlib.AbstractContextManager[None]:
     if fp32:
-        return torch.autocast(plugin.device_type, enabled=False)
-    return plugin.train_step_context()
+        return torch.autocast(skipped.device_type, enabled=False)
+    return skipped.forward_context()
 
 
 @contextlib.contextmanager
@@ -242,15 +239,8 @@ def _own_weights(model: nn.Module) -> Iterator[list[Tensor]]:
     yield [p for p in model.parameters() if p.requires_grad]
 
 
-def _exact_pairs(masters: Any) -> Any:
-    """(model parameter, its exact fp32 value) pairs; lean masters materialise their values here (no fp32 at rest)."""
-    if masters is None:
-        return ()
-    return masters.fp32_pairs() if hasattr(masters, "fp32_pairs") else masters.pairs()
-
-
 @contextlib.contextmanager
-def _fp32_weights(model: nn.Module, plugin: MixedPrecisionPlugin) -> Iterator[list[Tensor]]:
+def _fp32_weights(model: nn.Module, skipped: SkippedStep) -> Iterator[list[Tensor]]:
     """A half model (master weights) runs with its fp32 values; yields the tensors to differentiate.
 
     The fp32 masters are put in the modules' parameter slots (``module._parameters[name]``, a tied parameter in
@@ -259,15 +249,15 @@ def _fp32_weights(model: nn.Module, plugin: MixedPrecisionPlugin) -> Iterator[li
     gradient accumulators, and with them the hooks DDP registered there (DDP would then wait forever for those
     parameters, or call them unused, on the next step).
     """
-    masters = getattr(plugin, "masters", None)
-    fp32 = {id(param): master.detach().requires_grad_(param.requires_grad) for param, master in _exact_pairs(masters)}
+    fp32 = {id(param): value.detach().requires_grad_(param.requires_grad) for param, value in skipped.fp32_weights()}
     slots: list[tuple[dict[str, Any], str, Any]] = []
     try:
         for module in model.modules():
             for name, param in module._parameters.items():
                 if param is not None and id(param) in fp32:
                     slots.append((module._parameters, name, param))
-                    module._parameters[name] = fp32[id(param)]
+                    # a plain fp32 leaf in the Parameter's slot, on purpose (see above); put back in `finally`
+                    module._parameters[name] = fp32[id(param)]  # type: ignore[assignment]
             for name, buffer in module._buffers.items():
                 if buffer is not None and buffer.dtype in (torch.float16, torch.bfloat16):
                     slots.append((module._buffers, name, buffer))

@@ -105,12 +105,13 @@ def write_report(history: RunHistory, directory: Path, suffix: str = "") -> Repo
     """Write the Markdown (always) and the PNG (when matplotlib is installed) into ``directory``, as
     ``precision_report{suffix}.md`` and ``.png``."""
     directory.mkdir(parents=True, exist_ok=True)
-    png: Optional[Path] = directory / PNG_FILE.replace(".", f"{suffix}.", 1)
+    png_path = directory / PNG_FILE.replace(".", f"{suffix}.", 1)
+    png: Optional[Path] = png_path
     png_error = ""
     try:
         from lightning_mp.diagnostics.plots import plot_history
 
-        plot_history(history, png)
+        plot_history(history, png_path)
     except ImportError as error:
         png, png_error = None, str(error)
     markdown = directory / MARKDOWN_FILE.replace(".", f"{suffix}.", 1)

@@ -42,13 +42,9 @@ def tensor_stats(grad: Tensor, scale: Scale = 1.0) -> Tensor:
     if grad.is_sparse:
         grad = grad.coalesce()._values()
     magnitude = grad.abs()
-    if isinstance(scale, Tensor):
-        scale = scale.to(device=grad.device, dtype=torch.float32)
-        low_normal, low_subnormal = FP16_MIN_NORMAL / scale, FP16_MIN_SUBNORMAL / scale
-    else:
-        scale = float(scale)
-        low_normal, low_subnormal = FP16_MIN_NORMAL / scale, FP16_MIN_SUBNORMAL / scale
-    unit_scale = not isinstance(scale, Tensor) and scale == 1.0
+    factor: Scale = scale.to(device=grad.device, dtype=torch.float32) if isinstance(scale, Tensor) else float(scale)
+    low_normal, low_subnormal = FP16_MIN_NORMAL / factor, FP16_MIN_SUBNORMAL / factor
+    unit_scale = not isinstance(factor, Tensor) and factor == 1.0
     if magnitude.dtype in (torch.float16, torch.bfloat16) and not unit_scale:
         # the thresholds divided by the scale may lie below half precision's range: compare in fp32
         magnitude = magnitude.float()
@@ -65,7 +61,7 @@ def tensor_stats(grad: Tensor, scale: Scale = 1.0) -> Tensor:
             (below_subnormal - zeros).float(),
             (below_normal - below_subnormal).float(),
             nonfinite.float(),
-            amax * scale,
+            amax * factor,
         ]
     )
 

@@ -48,6 +48,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from lightning_mp.distributed import ddp_in_backward
 from lightning_mp.distributed.sync import ProcessGroupSync, StrategyPlugin, world_size
+from lightning_mp.master import MasterWeights, RemainderMasters
 
 
 class DDPSync(ProcessGroupSync):
@@ -62,7 +63,7 @@ class DDPSync(ProcessGroupSync):
         super().__init__(strategy.root_device)
         self.user_hook = getattr(strategy, "_ddp_comm_hook", None)  # DDPStrategy(ddp_comm_hook=...)
         self.reduce_dtype = reduce_dtype
-        self._masters: Any = None
+        self._masters: Optional[MasterWeights] = None  # the flat fp32 masters whose gradients DDP reduces
         self._hook_state: Optional[_HookState] = None
         self._ddp: Optional[DistributedDataParallel] = None
         self._lean: Optional[_LeanSums] = None
@@ -73,7 +74,7 @@ class DDPSync(ProcessGroupSync):
             return  # validate / test / predict: Lightning does not wrap, there are no gradients to reduce
         self.group = model.process_group
         masters = plugin.masters if plugin.master_weights else None
-        if masters is not None and masters.lean:
+        if isinstance(masters, RemainderMasters):  # lean masters (the stores whose `lean` is set)
             # lean masters: DDP broadcast rank 0's bf16 halves when it wrapped the model, the remainders were made
             # from each rank's own values: take rank 0's whole exact values. Then DDP reduces the bf16 gradient
             # buckets itself, overlapped with the backward, in reduce_dtype through the hook below; fp32 sums of
@@ -93,6 +94,8 @@ class DDPSync(ProcessGroupSync):
                 "plugin registers its own communication hook there (DDP takes one). Drop ddp_comm_hook, or use "
                 "master_weights=False with reduce_dtype=torch.float32."
             )
+        # the other store that holds masters: the flat fp32 masters (what masters_for makes of True / "fp32")
+        assert masters is None or isinstance(masters, MasterWeights), type(masters)
         state = _HookState(self.group, masters.dtype if masters is not None else None, self.reduce_dtype, self._lean)
         if getattr(plugin, "optimizer_in_backward", False):  # updates after each bucket (its StepInBackward: now or
             # when Fabric sets up the optimizer after the module connected, hand_over)
@@ -143,11 +146,12 @@ class DDPSync(ProcessGroupSync):
                     _set_fp32_grad(param, pending if param.grad is None else pending.add_(param.grad))
 
     def after_backward(self) -> None:
-        if self._hook_state is None or not self._hook_state.synced:
+        masters = self._masters  # set with the hook's state
+        if self._hook_state is None or masters is None or not self._hook_state.synced:
             return  # no masters, or a no_sync micro-batch: the gradients stay local for now
         self._hook_state.synced = False
-        self._masters.ensure_grads()
-        for _, flat_grad in self._masters.flat_buffers:
+        masters.ensure_grads()
+        for _, flat_grad in masters.flat_buffers:
             all_reduce_mean(flat_grad, self.reduce_dtype, self.group)
 
     def __getstate__(self) -> dict[str, Any]:

@@ -107,7 +107,8 @@ class FSDP2Sync(ProcessGroupSync):
                 "mp_policy=self.trainer.precision_plugin.fsdp2_policy()) (and on the root), or use "
                 "master_weights=False."
             )
-        wrong, norms_in_half = [], []
+        wrong: list[str] = []
+        norms_in_half: list[str] = []
         for module_name, module in model.named_modules():
             keep = plugin.params_stay_fp32(module_name, module)
             policy_keeps = plugin.keeps_fp32(module_name, module)

@@ -25,13 +25,16 @@ gradients (8 bytes each), not more.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional, cast
 
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from lightning_mp.master.lean.chunked import local_of
 from lightning_mp.master.lean.generic import GenericChunkedStep, Slice, placeholder
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
 
 
 class _ShardSlice(Slice):
@@ -48,7 +51,8 @@ class _ShardSlice(Slice):
         """Make the proxy (same object) a ``DTensor`` whose local tensor is ``values`` (and its gradient one whose
         local tensor is ``grad``)."""
         self.proxy.data = _like(self.param, values)
-        self.proxy._local_tensor = values  # `.data` updates the wrapper's metadata, not the Python attribute
+        # `.data` updates the wrapper's metadata, not the Python attribute (the proxy is a DTensor from here on)
+        cast("DTensor", self.proxy)._local_tensor = values
         if grad is not None:
             self.proxy.grad = _like(self.param, grad)
 
@@ -58,10 +62,12 @@ class _ShardSlice(Slice):
 
 
 def _like(param: Tensor, local: Tensor) -> Tensor:
+    """A ``DTensor`` sharded like ``param`` (a sharded parameter: FSDP2's are ``DTensor`` s) holding ``local``."""
     from torch.distributed.tensor import DTensor
 
+    sharded = cast(DTensor, param)
     return DTensor.from_local(
-        local, param.device_mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride()
+        local, sharded.device_mesh, sharded.placements, run_check=False, shape=param.shape, stride=param.stride()
     )
 
 

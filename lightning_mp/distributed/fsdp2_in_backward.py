@@ -31,21 +31,23 @@ import torch
 
 from lightning_mp.distributed.sync import agree_found_inf
 from lightning_mp.master.in_backward import refusal
+from lightning_mp.master.lean import optimizers
 
 
 def register(in_backward: Any, device: torch.device, group: Optional[Any] = None) -> None:
     """Agree ``in_backward``'s skips over ``group`` (called from the FSDP2 side's connect, before any step).
 
     Raises:
-        ValueError: an optimizer other than torch's AdamW/Adam/SGD (the generic path is not wired on shards here).
+        ValueError: an optimizer outside the table of :mod:`lightning_mp.master.lean.optimizers` (the generic path
+            is not wired on shards here).
     """
     if in_backward.update.generic is not None:
         optimizer = in_backward.optimizer
         raise refusal(
-            f"under FSDP2 steps torch's AdamW, Adam and SGD only, not {type(optimizer).__module__}."
+            f"under FSDP2 steps {optimizers.names()} only, not {type(optimizer).__module__}."
             f"{type(optimizer).__qualname__} (other optimizers step on proxies of whole local shards, not wired "
             "inside backward)",
-            "Use torch.optim.AdamW/Adam/SGD, strategy='ddp' for this optimizer, or optimizer_in_backward=False.",
+            "Use one of those, strategy='ddp' for this optimizer, or optimizer_in_backward=False.",
         )
     # summed over the ranks; StepInBackward makes each agreed flag 0 or 1
     in_backward.agree_each = partial(agree_found_inf, device=device, group=group)

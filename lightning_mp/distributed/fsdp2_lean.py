@@ -14,10 +14,11 @@ local shards of every parameter that FSDP2 computes in bf16 into
 Parameters of modules sharded with ``param_dtype=torch.float32`` (normalisation layers, the policy's
 ``fp32_modules``) stay fp32 shards without remainder, updated in place. The step
 (:meth:`~lightning_mp.master.RemainderMasters.fused_step`) walks each local shard in chunks, joins bf16 + remainder
-into fp32, runs torch's fused AdamW/Adam/SGD kernel on it and this rank's gradient shard, and splits back: what torch's
-fused optimizer computes on fp32 shards holding the exact values, bitwise. A chunk never spans two shards (their
-bf16 halves are separate FSDP2 storages). Other optimizers run their own step on ``DTensor`` proxies of the whole
-local shards (:mod:`lightning_mp.distributed.fsdp2_generic`).
+into fp32, runs the optimizer's entry of :mod:`lightning_mp.master.lean.optimizers` on it (torch's fused kernel, or its
+foreach function) and this rank's gradient shard, and splits back: what torch's optimizer computes on fp32 shards
+holding the exact values, bitwise. A chunk never spans two shards (their bf16 halves are separate FSDP2 storages).
+Other optimizers run their own step on ``DTensor`` proxies of the whole local shards
+(:mod:`lightning_mp.distributed.fsdp2_generic`).
 
 Memory at rest per rank and local element with AdamW: 2 (bf16 shard) + 2 (remainder) + 2 (bf16 gradient shard) + 8
 (fp32 moments, sharded like the parameter) = 14 bytes. With fp32 accumulation (the default) the gradient shards
@@ -36,8 +37,9 @@ otherwise make them with a step on the bf16 parameters, in bf16). FSDP2's intern
 from __future__ import annotations
 
 from bisect import bisect_right
+from collections.abc import Iterable
 from functools import partial
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional, cast
 
 import torch
 from torch import Tensor, nn
@@ -50,6 +52,9 @@ from lightning_mp.master.lean.optimizer_state import check_params_belong, keep_f
 from lightning_mp.master.lean.optimizers import entry_for, initial_state, local_of
 from lightning_mp.master.lean.store import RemainderMasters
 from lightning_mp.master.model_sync import ModelSync, materialise
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
 
 
 def fsdp_params(module: nn.Module) -> list[Any]:
@@ -69,6 +74,11 @@ class ShardedRemainderMasters(RemainderMasters):
     """:class:`~lightning_mp.master.RemainderMasters` on FSDP2's local shards (see module doc). Made by the FSDP2
     strategy's side of the plugin from the plugin's own store (:meth:`like`); same options."""
 
+    #: the plugin's own store this one was made from (:meth:`like`); what the plugin keeps outside FSDP2
+    single_device: RemainderMasters
+    #: whether checkpoints are whole, not distributed (the strategy's setting; read by the generic path)
+    whole_checkpoints = False
+
     @classmethod
     def like(cls, masters: RemainderMasters) -> ShardedRemainderMasters:
         sharded = cls(
@@ -82,7 +92,7 @@ class ShardedRemainderMasters(RemainderMasters):
         self._shards: dict[int, tuple[Any, Any, Tensor]] = {}  # id(param) -> (FSDPParam, its group, int16 remainder)
         self._starts: list[int] = []  # where each shard starts in the (virtual) flat layout, ascending
         self._at: list[nn.Parameter] = []  # the parameter starting there
-        self._pending: list[tuple[Any, Any]] = []  # (FSDPParam, group) to split before the first forward
+        self._unsplit: list[tuple[Any, Any]] = []  # (FSDPParam, group) to split before the first forward
         self._forward_hooks: list[Any] = []
 
     # ------------------------------------------------------------------ setup
@@ -107,7 +117,7 @@ class ShardedRemainderMasters(RemainderMasters):
                 "mp_policy=self.trainer.precision_plugin.fsdp2_policy()) (and on the root)."
             )
         self._module = module
-        self._pending = []
+        self._unsplit = []
         names = {id(param): name for name, param in module.named_parameters()}
         for fsdp_param, group in found:
             param = fsdp_param.sharded_param
@@ -120,7 +130,7 @@ class ShardedRemainderMasters(RemainderMasters):
                     "with fp8 use a rowwise recipe (fp8='rowwise': all-gathered in bf16, works with 'remainder'), or "
                     "master_weights=True under FSDP2."
                 )
-            self._pending.append((fsdp_param, group))
+            self._unsplit.append((fsdp_param, group))
         # FSDP2 registers its own pre-forward hooks first (prepend): these run before them, on whichever sharded
         # module runs first, so the shards are bf16 before FSDP2 fixes its dtypes at its lazy initialisation
         self._forward_hooks = [
@@ -131,7 +141,7 @@ class ShardedRemainderMasters(RemainderMasters):
         return module
 
     def _split_before_forward(self, module: nn.Module, args: Any) -> None:
-        if self._pending:
+        if self._unsplit:
             self.split_shards()
 
     def split_shards(self) -> None:
@@ -139,7 +149,7 @@ class ShardedRemainderMasters(RemainderMasters):
         assert self._module is not None
         offset = 0
         with torch.no_grad():
-            for fsdp_param, group in self._pending:
+            for fsdp_param, group in self._unsplit:
                 param = fsdp_param.sharded_param
                 local = local_of(param)
                 low = torch.empty(local.shape, dtype=torch.int16, device=local.device)
@@ -150,8 +160,8 @@ class ShardedRemainderMasters(RemainderMasters):
                 self._starts.append(offset)
                 self._at.append(param)
                 offset += high.numel() + 1  # a gap: plan_chunks never joins two shards into one chunk
-        _retype_groups([group for _, group in self._pending])
-        self._pending = []
+        _retype_groups([group for _, group in self._unsplit])
+        self._unsplit = []
         for hook in self._forward_hooks:
             hook.remove()
         # loads into any module, saves, and writes in place reach the remainders from now on (FSDP2 swaps sharded and
@@ -166,9 +176,9 @@ class ShardedRemainderMasters(RemainderMasters):
             stop = min(start + step, flat.numel())
             split_fp32_into(flat[start:stop].float(), high[start:stop], low[start:stop])
 
-    def attach(self, optimizers: list[Optimizer]) -> None:
-        """Give torch's AdamW/Adam/SGD fp32 sharded state now; any other optimizer steps through
-        :class:`~lightning_mp.distributed.fsdp2_generic.ShardedGenericStep`.
+    def attach(self, optimizers: Iterable[Optimizer]) -> None:
+        """Give the optimizers of the table (:mod:`lightning_mp.master.lean.optimizers`) fp32 sharded state now; any
+        other optimizer steps through :class:`~lightning_mp.distributed.fsdp2_generic.ShardedGenericStep`.
 
         Raises:
             ValueError: SGD with dampening, a parameter that is not the model's, or (generic path) one that is not
@@ -239,8 +249,9 @@ class ShardedRemainderMasters(RemainderMasters):
         from torch.distributed.tensor import DTensor
 
         joined = join_fp32(local_of(param), shard[2])
+        sharded = cast(DTensor, param)  # a converted parameter is one of FSDP2's sharded ones: a DTensor
         return DTensor.from_local(
-            joined, param.device_mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride()
+            joined, sharded.device_mesh, sharded.placements, run_check=False, shape=param.shape, stride=param.stride()
         )
 
     def load_fp32(self, param: nn.Parameter, value: Any) -> None:
@@ -345,4 +356,5 @@ def _local_shard_of(value: Tensor, param: Tensor) -> Tensor:
     from torch.distributed.tensor import distribute_tensor
 
     whole = value.detach().to(local_of(param).device, torch.float32)
-    return local_of(distribute_tensor(whole, param.device_mesh, param.placements, src_data_rank=None)).clone()
+    sharded = cast("DTensor", param)  # a converted parameter is one of FSDP2's sharded ones: a DTensor
+    return local_of(distribute_tensor(whole, sharded.device_mesh, sharded.placements, src_data_rank=None)).clone()

@@ -25,6 +25,8 @@ from typing import TYPE_CHECKING, Any, Iterable, Optional
 from torch.nn import Module
 
 if TYPE_CHECKING:
+    from torch.distributed.fsdp import FSDPModule
+
     from lightning_mp.distributed.sync import PluginDtypes, StrategyPlugin
 
 
@@ -111,7 +113,7 @@ def _data_parallel_mesh(module: Module) -> Any:
     return mesh["data_parallel"] if "data_parallel" in (mesh.mesh_dim_names or ()) else mesh
 
 
-def fsdp_param_groups(module: Module) -> list[Any]:
+def fsdp_param_groups(module: FSDPModule) -> list[Any]:
     """The ``FSDPParamGroup``s of a ``fully_shard``-ed module: torch >= 2.12 keeps a list (``_fsdp_param_groups``),
     earlier versions one group or ``None`` (``_fsdp_param_group``; the GPU machines' torch 2.11)."""
     state = module._get_fsdp_state()

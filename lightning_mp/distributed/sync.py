@@ -19,7 +19,7 @@ from torch.nn import Module
 
 if TYPE_CHECKING:  # the plugin imports this package: its parts are named here only for type checking
     from lightning_mp.fp8.convert import Fp8Training
-    from lightning_mp.master import MasterWeights
+    from lightning_mp.master import PlainWeights
     from lightning_mp.stepping import OptimizerStep
 
 
@@ -41,13 +41,15 @@ class StrategyPlugin(PluginDtypes, Protocol):
     :func:`~lightning_mp.distributed.shard.fsdp2_shard`) use of :class:`~lightning_mp.MixedPrecisionPlugin`: its
     dtypes, its parts (step owner, masters, fp8) and the policy's entry points."""
 
-    precision: str
     optimizer_in_backward: bool
     steps: OptimizerStep
     fp8: Optional[Fp8Training]
 
     @property
-    def masters(self) -> Optional[MasterWeights]: ...
+    def precision(self) -> str: ...
+
+    @property
+    def masters(self) -> Optional[PlainWeights]: ...  # what masters_for returns
 
     def keeps_fp32(self, name: str, module: Module) -> bool: ...
 

@@ -13,7 +13,7 @@ from lightning_mp.schedulers import guard_scheduler
 
 if TYPE_CHECKING:
     from lightning_mp.fp8.convert import Fp8Training
-    from lightning_mp.master import MasterWeights
+    from lightning_mp.master import PlainWeights
     from lightning_mp.stepping import OptimizerStep
 
 
@@ -27,7 +27,7 @@ class DrivenPlugin(Protocol):
     fp8: Optional[Fp8Training]
 
     @property
-    def masters(self) -> Optional[MasterWeights]: ...
+    def masters(self) -> Optional[PlainWeights]: ...  # what masters_for returns
 
     def connect(self, model: Module, optimizers: list[Optimizer], lr_schedulers: list[Any]) -> Any: ...
 
@@ -124,7 +124,7 @@ class FabricDriver:
         steps.weights.attach(self.optimizers)
         for param, master in steps.weights.pairs():
             steps.names[id(master)] = steps.names.get(id(param), "")
-        if plugin.fp8 is not None:
+        if plugin.fp8 is not None and self.module is not None:  # (connected: the module is set)
             inner = getattr(self.module, "module", self.module)
             plugin.fp8.connect(inner, [optimizer])
         if plugin.optimizer_in_backward:  # the hooks move to every optimizer set up (several are refused)

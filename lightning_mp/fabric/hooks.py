@@ -4,7 +4,8 @@ it (:func:`fabric_calling`). See :mod:`lightning_mp.fabric`."""
 from __future__ import annotations
 
 import sys
-from typing import Any, Optional
+from types import FrameType
+from typing import Any, Optional, Protocol
 
 import torch
 from lightning.fabric.plugins.precision.utils import _convert_fp_tensor
@@ -15,7 +16,7 @@ from torch.optim import Optimizer
 
 from lightning_mp.fabric.driver import DrivenPlugin, FabricDriver
 from lightning_mp.standalone import lightning_isinstance
-from lightning_mp.stepping import OptimizerStep, has_grads
+from lightning_mp.stepping import has_grads
 
 
 def fabric_calling(plugin: object, frames: int = 8) -> Any:
@@ -24,7 +25,7 @@ def fabric_calling(plugin: object, frames: int = 8) -> Any:
     called by hand)."""
     from lightning.fabric import Fabric
 
-    frame = sys._getframe(1)
+    frame: Optional[FrameType] = sys._getframe(1)
     for _ in range(frames):
         if frame is None:
             return None
@@ -35,13 +36,23 @@ def fabric_calling(plugin: object, frames: int = 8) -> Any:
     return None
 
 
+class _Driven(DrivenPlugin, Protocol):
+    """The plugin as the hooks below see it (they are a base of it): what a :class:`FabricDriver` uses of it, and the
+    driver itself."""
+
+    _fabric: Optional[FabricDriver]
+
+
 class FabricHooks:
     """Fabric's side of :class:`~lightning_mp.MixedPrecisionPlugin`: each hook that Fabric calls with another
     meaning does Fabric's part while a Fabric drives the plugin (``_fabric`` set) and Lightning's otherwise."""
 
+    # A base of the plugin before Lightning's Precision: each ``super()`` call below is Precision's hook, which a type
+    # checker does not see from this class (hence the ignores on them).
+
     _fabric: Optional[FabricDriver] = None
 
-    def _strategy_for(self, module: Module) -> Any:
+    def _strategy_for(self: _Driven, module: Module) -> Any:
         """The strategy the plugin runs under: the Trainer's, or the calling Fabric's (which this plugin then
         drives: see :class:`FabricDriver`); ``None`` when neither (the hooks called by hand)."""
         trainer = getattr(module, "_trainer", None)
@@ -58,12 +69,12 @@ class FabricHooks:
         self._fabric = FabricDriver(self, fabric.strategy)
         return fabric.strategy
 
-    def convert_input(self, data: Any) -> Any:
+    def convert_input(self: _Driven, data: Any) -> Any:
         # Fabric's wrapped module calls this before every forward: a module set up without optimizers connects here,
         # and the gradients the model shows go with the masters' that the loop's optimizer.zero_grad() freed
         if self._fabric is not None:
             self._fabric.ensure_connected()
-            self.steps.weights.follow_shown_grads()  # type: ignore[attr-defined]  # the plugin's
+            self.steps.weights.follow_shown_grads()
         return super().convert_input(data)  # type: ignore[misc]
 
     def convert_output(self, data: Any) -> Any:
@@ -94,9 +105,9 @@ class FabricHooks:
         # Lightning's runs the Trainer's on_after_backward hooks; Fabric has none here
         return tensor if self._fabric is not None else super().post_backward(tensor, module)  # type: ignore[misc]
 
-    def unscale_gradients(self, optimizer: Optimizer) -> None:
+    def unscale_gradients(self: _Driven, optimizer: Optimizer) -> None:
         # fabric.clip_gradients calls this first, so clipping sees true gradients; the step does not unscale twice
-        steps: OptimizerStep = self.steps  # type: ignore[attr-defined]  # the plugin's
+        steps = self.steps
         if steps.checking and has_grads(optimizer):
             steps.unscale_once(optimizer)
 

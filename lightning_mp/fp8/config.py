@@ -10,7 +10,7 @@ without fp8 support is refused.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Union
+from typing import Any, Optional, Union
 
 import torch
 
@@ -23,7 +23,10 @@ RECIPES: dict[str, str] = {
 #: The compute capability from which CUDA devices have fp8 matmuls (``torch._scaled_mm``).
 MIN_CAPABILITY = (8, 9)
 
-Fp8Spec = Union[str, Any, None]
+#: a recipe name or a ``torchao.float8.Float8LinearConfig`` (torchao has no types: ``Any``)
+Fp8Recipe = Union[str, Any]
+#: what ``MixedPrecisionPlugin(fp8=...)`` takes: a recipe, or ``None`` for no fp8
+Fp8Spec = Optional[Fp8Recipe]
 
 
 def import_float8() -> Any:
@@ -91,7 +94,7 @@ def fp8_mode(device: torch.device) -> str:
     return "real"
 
 
-def linear_config(fp8: Fp8Spec, device: torch.device, fsdp2: bool = False) -> tuple[Any, list[str]]:
+def linear_config(fp8: Fp8Recipe, device: torch.device, fsdp2: bool = False) -> tuple[Any, list[str]]:
     """The ``Float8LinearConfig`` to convert with on ``device`` and the notes to show the user.
 
     A recipe name becomes ``Float8LinearConfig.from_recipe_name``; a config is used as given, except that

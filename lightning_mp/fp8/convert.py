@@ -15,16 +15,14 @@ model computes with: bf16 with ``master_weights`` (the masters stay exact), fp32
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Optional, Protocol
+from typing import Any, Optional, Protocol
 
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 
 from lightning_mp.fp8.config import Fp8Spec, fp8_mode, import_float8, linear_config, recipe_of, validate_fp8
-
-if TYPE_CHECKING:
-    from lightning_mp.policy import CastPolicy
+from lightning_mp.fp8.layers import Fp8Rules
 
 
 class PolicySource(Protocol):
@@ -32,7 +30,7 @@ class PolicySource(Protocol):
     module, so it is named by what it offers): the cast policy in effect and which modules it keeps in fp32."""
 
     @property
-    def effective_policy(self) -> CastPolicy: ...
+    def effective_policy(self) -> Fp8Rules: ...
 
     def keeps_fp32(self, name: str, module: nn.Module) -> bool: ...
 
@@ -210,7 +208,7 @@ def _refuse_sharded(module: nn.Module, chosen: set[str]) -> None:
         )
 
 
-def _unmatched_fp8_rules(policy: Any, module: nn.Module) -> dict[str, list[str]]:
+def _unmatched_fp8_rules(policy: Fp8Rules, module: nn.Module) -> dict[str, list[str]]:
     found = {}
     for field in ("fp8_exclude", "fp8_only"):
         for rule, close in policy.unmatched_module_rules(module, field).items():

@@ -7,21 +7,39 @@ converts what :func:`fp8_layers` chose. Nothing here imports torchao.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Callable, Optional, Protocol
 
 from torch import nn
 
 
+class Fp8Rules(Protocol):
+    """What the fp8 part reads of a cast policy (:class:`~lightning_mp.CastPolicy`, which asks this module for its
+    :meth:`~lightning_mp.CastPolicy.fp8_layers`, so that the fp8 part names it by what it offers and never imports
+    it): its fp8 rules, how a rule matches a module, the layers it allows and the rules that match nothing."""
+
+    @property
+    def fp8_exclude(self) -> tuple[str, ...]: ...
+
+    @property
+    def fp8_only(self) -> tuple[str, ...]: ...
+
+    def rule_matches(self, rule: str, qualified_name: str, module: nn.Module) -> bool: ...
+
+    def fp8_layers(
+        self, model: nn.Module, in_fp32: Optional[Callable[[str, nn.Module], bool]] = None
+    ) -> list[tuple[str, nn.Linear, str]]: ...
+
+    def unmatched_module_rules(self, model: nn.Module, field: str = "fp32_modules") -> dict[str, list[str]]: ...
+
+
 def fp8_layers(
-    policy: Any, model: nn.Module, in_fp32: Callable[[str, nn.Module], bool]
-) -> list[tuple[str, nn.Module, str]]:
+    policy: Fp8Rules, model: nn.Module, in_fp32: Callable[[str, nn.Module], bool]
+) -> list[tuple[str, nn.Linear, str]]:
     """``(name, layer, reason)`` for every ``nn.Linear`` of ``model``, in model order (see
-    :meth:`lightning_mp.CastPolicy.fp8_layers` for the reasons and their precedence). ``policy``: a
-    :class:`~lightning_mp.CastPolicy` (its rules and ``rule_matches``; this module does not import the policy's, so
-    that the policy can ask it without a cycle)."""
+    :meth:`lightning_mp.CastPolicy.fp8_layers` for the reasons and their precedence)."""
     modules = dict(model.named_modules())
     linears = [(name, module) for name, module in modules.items() if isinstance(module, nn.Linear)]
-    chosen = []
+    chosen: list[tuple[str, nn.Linear, str]] = []
     for index, (name, module) in enumerate(linears):
         chain = [(parent, modules[parent]) for parent in _ancestors(name) if parent in modules]
         fp32 = next((n for n, m in chain if in_fp32(n, m)), None)

@@ -18,10 +18,13 @@ rowwise, keep the layer out of fp8 (``fp8_exclude``). Nothing here imports torch
 from __future__ import annotations
 
 import math
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 from torch import Tensor, nn
+
+if TYPE_CHECKING:  # torchao has no types (Any); named for the reader
+    from torchao.float8.float8_linear import Float8Linear
 
 #: Columns of one cast's row.
 COLUMNS = ("numel", "zeros", "flush", "subnormal", "saturated", "amax", "scale")
@@ -32,7 +35,7 @@ FLUSH_SHARE = 0.01
 RECENT = 5
 
 
-def _settings(layer: nn.Module, cast: str) -> tuple[torch.dtype, bool, bool]:
+def _settings(layer: Float8Linear, cast: str) -> tuple[torch.dtype, bool, bool]:
     """(fp8 dtype, rowwise, power-of-two scales) of ``cast`` under the layer's torchao config."""
     config = layer.config
     cast_config = getattr(config, f"cast_config_{cast}")
@@ -86,7 +89,7 @@ class Fp8Sampler:
                 self._handles.append(layer.register_forward_hook(self._output_hook(name)))
 
     def _forward_hook(self, name: str) -> Any:
-        def hook(layer: nn.Module, args: Any) -> None:
+        def hook(layer: Float8Linear, args: Any) -> None:
             if args and isinstance(args[0], Tensor):
                 self._add(name, "input", cast_stats(args[0], *_settings(layer, "input")))
             weight = layer.weight
@@ -97,7 +100,7 @@ class Fp8Sampler:
         return hook
 
     def _output_hook(self, name: str) -> Any:
-        def hook(layer: nn.Module, args: Any, output: Any) -> None:
+        def hook(layer: Float8Linear, args: Any, output: Any) -> None:
             if isinstance(output, Tensor) and output.requires_grad:
                 settings = _settings(layer, "grad_output")
                 output.register_hook(lambda grad: self._add(name, "grad_output", cast_stats(grad, *settings)))

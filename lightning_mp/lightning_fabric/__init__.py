@@ -26,7 +26,10 @@ from lightning_mp import CastPolicy, Census, DynamicLossScaler, MasterWeights, a
 from lightning_mp.diagnostics import FabricPrecisionMonitor
 
 
-class MixedPrecisionPlugin(_lightning_mp.MixedPrecisionPlugin, _Precision):
+# the plugin's hooks take the Trainer's arguments, and Fabric's when a Fabric drives it (lightning_mp.fabric.hooks);
+# lightning_fabric's Precision declares Fabric's signatures with its own copy's types, so a type checker sees them
+# clash (pre_backward, post_backward, optimizer_step); at run time they are one API (see lightning_mp.standalone)
+class MixedPrecisionPlugin(_lightning_mp.MixedPrecisionPlugin, _Precision):  # type: ignore[misc]
     __doc__ = _lightning_mp.MixedPrecisionPlugin.__doc__
 
 

@@ -9,7 +9,7 @@
   its table, :mod:`~lightning_mp.master.lean.optimizers`, in one pass or chunk by chunk, any other on fp32 slices);
   the weights and remainders live in blocks built and released one at a time (:mod:`~lightning_mp.master.lean.blocks`).
 - :mod:`lightning_mp.master.exact`: the exact fp32 weights for code that reads or writes the model between steps
-  (EMA teachers, weight averaging; :mod:`lightning_mp.callbacks.averaging` adapts Lightning's callbacks).
+  (EMA teachers, weight averaging; :mod:`lightning_mp.averaging` adapts Lightning's callbacks).
 """
 
 from __future__ import annotations

@@ -36,15 +36,18 @@ from lightning_mp.callbacks.precision_callback import MixedPrecisionCallback as 
 from lightning_mp.diagnostics import FabricPrecisionMonitor
 
 
-class MixedPrecisionPlugin(_lightning_mp.MixedPrecisionPlugin, _Precision):
+# the two bases are two copies of Lightning's classes (lightning's, the standalone package's): each hook's
+# signature names its own copy's types (Trainer, LightningModule), so a type checker sees them clash; at run time
+# they are one API (see lightning_mp.standalone)
+class MixedPrecisionPlugin(_lightning_mp.MixedPrecisionPlugin, _Precision):  # type: ignore[misc]
     __doc__ = _lightning_mp.MixedPrecisionPlugin.__doc__
 
 
-class PrecisionMonitor(_lightning_mp.PrecisionMonitor, _pl.Callback):
+class PrecisionMonitor(_lightning_mp.PrecisionMonitor, _pl.Callback):  # type: ignore[misc]  # (as above)
     __doc__ = _lightning_mp.PrecisionMonitor.__doc__
 
 
-class MixedPrecisionCallback(_MixedPrecisionCallback, _pl.Callback):
+class MixedPrecisionCallback(_MixedPrecisionCallback, _pl.Callback):  # type: ignore[misc]  # (as above)
     __doc__ = _MixedPrecisionCallback.__doc__
     plugin_class = MixedPrecisionPlugin  # this package's plugin: a pytorch_lightning Trainer takes only that one
 

@@ -124,7 +124,9 @@ def resolve_model(name_or_path: str) -> str:
     if name_or_path in MODEL_PACKAGES:
         check_model_package(name_or_path)
         module, _, subdir = MODEL_PACKAGES[name_or_path]
-        return str(package_dir(module) / subdir)  # type: ignore[operator]
+        folder = package_dir(module)
+        assert folder is not None  # check_model_package raised if the package is not installed
+        return str(folder / subdir)
     path = os.path.expanduser(name_or_path)
     if looks_like_path(name_or_path) and not os.path.isdir(path):
         raise SourceUnavailableError(

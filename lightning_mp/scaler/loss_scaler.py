@@ -16,7 +16,7 @@ written once, in :mod:`lightning_mp.scaler.rules`. When each part runs in an opt
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, Optional, Protocol, Union, overload
 
 import torch
 from torch import Tensor
@@ -33,6 +33,39 @@ from lightning_mp.scaler import settings as checks
 from lightning_mp.scaler.device import DeviceState
 from lightning_mp.scaler.rules import BACKOFF, GROW, Rules, ScalerState
 from lightning_mp.scaler.settings import COUNTER_NAMES, FP32_MAX, SETTING_NAMES
+
+
+class _MakeCheckOnly(Protocol):
+    def __call__(self, max_consecutive_skips: Optional[int] = 100) -> DynamicLossScaler: ...
+
+
+class _ConstructorOrFlag:
+    """``check_only``, one name for two things: on the class the constructor ``DynamicLossScaler.check_only(...)``
+    (a classmethod), on a scaler its bool attribute (whether it only checks). The attribute, set in ``__init__``,
+    lives in the scaler's ``__dict__`` and wins over this (non-data) descriptor, as it did over a classmethod; the
+    descriptor only gives both uses their type."""
+
+    def __init__(self, constructor: Callable[..., DynamicLossScaler]) -> None:
+        self._constructor = classmethod(constructor)
+        self.__doc__ = constructor.__doc__
+
+    @overload
+    def __get__(self, instance: None, owner: type[DynamicLossScaler]) -> _MakeCheckOnly: ...
+
+    @overload
+    def __get__(self, instance: DynamicLossScaler, owner: Optional[type] = None) -> bool: ...
+
+    def __get__(self, instance: Optional[DynamicLossScaler], owner: Optional[type] = None) -> Any:
+        if instance is None:
+            return self._constructor.__get__(None, owner)
+        return False  # (never reached: every scaler sets the attribute)
+
+
+def _check_only(cls: type[DynamicLossScaler], max_consecutive_skips: Optional[int] = 100) -> DynamicLossScaler:
+    """No scaling (scale 1), only the inf/NaN check, on the device as fp16's: what bf16 uses to skip bad steps."""
+    scaler = cls.static(1.0, max_consecutive_skips=max_consecutive_skips)
+    scaler.check_only = True
+    return scaler
 
 
 class DynamicLossScaler:
@@ -124,12 +157,9 @@ class DynamicLossScaler:
         scaler.dynamic = False
         return scaler
 
-    @classmethod
-    def check_only(cls, max_consecutive_skips: Optional[int] = 100) -> DynamicLossScaler:
-        """No scaling (scale 1), only the inf/NaN check, on the device as fp16's: what bf16 uses to skip bad steps."""
-        scaler = cls.static(1.0, max_consecutive_skips=max_consecutive_skips)
-        scaler.check_only = True
-        return scaler
+    #: ``DynamicLossScaler.check_only(max_consecutive_skips=100)``: no scaling (scale 1), only the inf/NaN check, on
+    #: the device as fp16's: what bf16 uses to skip bad steps. On a scaler: whether it is such a one.
+    check_only = _ConstructorOrFlag(_check_only)
 
     @classmethod
     def for_precision(cls, precision: str, scaler: Any) -> Optional[DynamicLossScaler]:
@@ -253,7 +283,7 @@ class DynamicLossScaler:
         if not self._device.pending:
             return bool(found_inf.item() > 0)
         self._state, found = self._device.pull(self._state, found_inf)
-        return found > 0
+        return found is not None and found > 0  # (found_inf given: its value, never None)
 
     def update(self, found_inf: Union[bool, Tensor]) -> None:
         """Adapt the scale after an optimizer step.

@@ -22,7 +22,12 @@ qualified name, the standalone package's path read as ``lightning``'s.
 
 from __future__ import annotations
 
-from typing import Any, Union
+from typing import TYPE_CHECKING, Any, TypeGuard, TypeVar, Union, overload
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
+_T = TypeVar("_T")
 
 #: the standalone packages' module prefixes, and the ``lightning`` package's module prefix each one copies
 _STANDALONE = {"pytorch_lightning": "lightning.pytorch", "lightning_fabric": "lightning.fabric"}
@@ -38,9 +43,18 @@ def lightning_name(cls: type) -> str:
     return f"{module}.{cls.__qualname__}"
 
 
+@overload
+def lightning_isinstance(obj: Any, classes: type[_T]) -> TypeGuard[_T]: ...
+
+
+@overload
+def lightning_isinstance(obj: Any, classes: tuple[type, ...]) -> bool: ...
+
+
 def lightning_isinstance(obj: Any, classes: Union[type, tuple[type, ...]]) -> bool:
     """``isinstance(obj, classes)`` for classes of the ``lightning`` package, true as well when ``obj`` is an instance
-    of the same class from ``pytorch_lightning`` / ``lightning_fabric`` (or of a subclass of it).
+    of the same class from ``pytorch_lightning`` / ``lightning_fabric`` (or of a subclass of it). For one class, a
+    type checker takes ``obj`` for an instance of it: the standalone package's copy offers the same members.
 
     Asked at setup, not per step: it walks ``type(obj).__mro__`` once when plain ``isinstance`` says no.
     """
@@ -49,3 +63,9 @@ def lightning_isinstance(obj: Any, classes: Union[type, tuple[type, ...]]) -> bo
         return True
     wanted = {lightning_name(cls) for cls in classes}
     return any(lightning_name(cls) in wanted for cls in type(obj).__mro__)
+
+
+def trainer_callbacks(trainer: pl.Trainer) -> list[pl.Callback]:
+    """``trainer.callbacks``, the Trainer's callbacks in the order Lightning calls them (either package's Trainer)."""
+    # set in the Trainer's __init__ by Lightning's callback connector; the Trainer class does not declare it
+    return trainer.callbacks  # type: ignore[attr-defined]

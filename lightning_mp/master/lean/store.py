@@ -175,8 +175,8 @@ class RemainderMasters(ConvertedModel):
     def follow_groups(self, optimizer: Optional[Optimizer] = None, now: Optional[Generation] = None) -> None:
         """Follow the groups edited since :meth:`attach` (:func:`~lightning_mp.master.following.seen`; ``now``:
         ``optimizer``'s generation, asked already): every converted parameter has its bf16 weight and remainder and
-        the step reads the groups as they are; a new parameter must be the model's; any other optimizer than
-        AdamW/Adam/SGD makes the new groups' slices (``GenericChunkedStep``)."""
+        the step reads the groups as they are; a new parameter must be the model's; an optimizer the table of
+        :mod:`~lightning_mp.master.lean.optimizers` does not know makes the new groups' slices (``GenericChunkedStep``)."""
         for held, at in self._groups_at:  # none recorded: FSDP2's subclass, which follows nothing
             if (now.groups if now is not None and held is optimizer else seen(held).groups) != at:
                 break
@@ -353,9 +353,9 @@ class RemainderMasters(ConvertedModel):
 
     def restore(self) -> None:
         """Give the model back its exact fp32 values (fresh tensors), block by block, each block released once its
-        parameters are fp32 (the model's weights then cost at most one block more than the fp32 model). Optimizer
-        state of AdamW/Adam/SGD stays keyed by the same parameters; see :meth:`GenericChunkedStep.restore` for
-        others."""
+        parameters are fp32 (the model's weights then cost at most one block more than the fp32 model). The state of
+        an optimizer of the table (:mod:`~lightning_mp.master.lean.optimizers`) stays keyed by the same parameters;
+        see :meth:`GenericChunkedStep.restore` for others."""
         error = self.stop_following()  # while the blocks still hold the weights; raised once the model is fp32
         self.updates.release()  # the generic path's state back to whole parameters, the staging buffers freed
         for hooks in self._optimizer_hooks.values():

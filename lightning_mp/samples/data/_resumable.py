@@ -78,14 +78,20 @@ class ResumableDataLoader(DataLoader):
         self._delivered = 0
         self._resume: Optional[tuple[int, int]] = None
 
-    def _epoch(self) -> int:
-        return int(getattr(self.batch_sampler.sampler, "epoch", 0))  # type: ignore[union-attr]
+    def _resumable(self) -> ResumableBatchSampler:
+        batch_sampler = self.batch_sampler
+        assert isinstance(batch_sampler, ResumableBatchSampler)  # (checked in __init__)
+        return batch_sampler
 
+    def _epoch(self) -> int:
+        return int(getattr(self._resumable().sampler, "epoch", 0))
+
+    # a generator over DataLoader's own iterator, where DataLoader declares its iterator class
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
         # A generator: nothing runs before the first batch is asked for, i.e. after Lightning's set_epoch().
         resume, self._resume = self._resume, None
         skip = resume[1] if resume is not None and resume[0] == self._epoch() and resume[1] < len(self) else 0
-        batch_sampler: ResumableBatchSampler = self.batch_sampler  # type: ignore[assignment]
+        batch_sampler = self._resumable()
         batch_sampler.skip = skip
         try:
             batches = super().__iter__()  # reads the batch sampler now (workers prefetch from it)

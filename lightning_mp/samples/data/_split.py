@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional, Union
+from collections.abc import Mapping, Sized
+from typing import Any, Callable, Optional, Union, cast
 
 import lightning as L
 import torch
@@ -85,14 +86,19 @@ class SplitDataModule(L.LightningDataModule):
     resumed from a checkpoint sees the batches the uninterrupted run would have seen; predict uses test."""
 
     _STAGES = {"train": "fit", "val": "validate", "test": "test"}
-    collate_fn: Optional[Callable[[list[Any]], Any]] = None
     seed: int
     batch_size: int
     num_workers: int
 
     def __init__(self) -> None:
         super().__init__()
-        self._datasets: dict[str, Dataset] = {}
+        # each data module fills it with its own datasets (a subclass narrows the type)
+        self._datasets: Mapping[str, Dataset] = {}
+
+    @property
+    def collate_fn(self) -> Optional[Callable[[list[Any]], Any]]:
+        """The loaders' collate function (``None``: torch's default)."""
+        return None
 
     def _loader(self, split: str, shuffle: bool = False) -> DataLoader:
         if split not in self._datasets:
@@ -100,16 +106,24 @@ class SplitDataModule(L.LightningDataModule):
         dataset = self._datasets[split]
         # Each loader has its own generator: iterating a DataLoader draws a worker seed from its generator, or from
         # the global RNG without one, which would change the random stream (dropout) the model sees after a resume.
-        common = {
-            "num_workers": self.num_workers,
-            "collate_fn": self.collate_fn,
-            "generator": torch.Generator().manual_seed(self.seed),
-        }
+        generator = torch.Generator().manual_seed(self.seed)
         if not shuffle:
-            return DataLoader(dataset, batch_size=self.batch_size, **common)
-        sampler = EpochShuffleSampler(dataset, seed=self.seed)
+            return DataLoader(
+                dataset,
+                batch_size=self.batch_size,
+                num_workers=self.num_workers,
+                collate_fn=self.collate_fn,
+                generator=generator,
+            )
+        sampler = EpochShuffleSampler(cast(Sized, dataset), seed=self.seed)  # the sample datasets are map-style: sized
         batches = ResumableBatchSampler(sampler, self.batch_size, drop_last=False)
-        return ResumableDataLoader(dataset, batch_sampler=batches, **common)
+        return ResumableDataLoader(
+            dataset,
+            batch_sampler=batches,
+            num_workers=self.num_workers,
+            collate_fn=self.collate_fn,
+            generator=generator,
+        )
 
     def train_dataloader(self) -> DataLoader:
         """Shuffled training batches: epoch ``e`` in the order drawn from ``seed + e``; resumable mid-epoch."""

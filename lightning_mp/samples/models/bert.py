@@ -113,17 +113,21 @@ class BertClassifier(L.LightningModule):
         self.log(f"{stage}_f1", f1, batch_size=size)
 
     def configure_optimizers(self) -> Any:
-        decay, no_decay = [], []
+        decay: list[torch.nn.Parameter] = []
+        no_decay: list[torch.nn.Parameter] = []
         for name, param in self.named_parameters():
             if not param.requires_grad:
                 continue
             (no_decay if param.ndim < 2 or "LayerNorm" in name or "layer_norm" in name else decay).append(param)
         optimizer = torch.optim.AdamW(
-            [{"params": decay, "weight_decay": self.hparams.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-            lr=self.hparams.lr,
+            [
+                {"params": decay, "weight_decay": self.hparams["weight_decay"]},
+                {"params": no_decay, "weight_decay": 0.0},
+            ],
+            lr=self.hparams["lr"],
         )
         total = max(1, int(self.trainer.estimated_stepping_batches))
-        warmup = int(self.hparams.warmup_ratio * total)
+        warmup = int(self.hparams["warmup_ratio"] * total)
 
         def linear_warmup_then_decay(step: int) -> float:
             if step < warmup:

@@ -170,12 +170,15 @@ class GPTLanguageModel(L.LightningModule):
         decay = [p for p in self.parameters() if p.dim() >= 2]
         no_decay = [p for p in self.parameters() if p.dim() < 2]
         optimizer = torch.optim.AdamW(
-            [{"params": decay, "weight_decay": self.hparams.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-            lr=self.hparams.lr,
+            [
+                {"params": decay, "weight_decay": self.hparams["weight_decay"]},
+                {"params": no_decay, "weight_decay": 0.0},
+            ],
+            lr=self.hparams["lr"],
             betas=(0.9, 0.95),
         )
         total = max(int(self.trainer.estimated_stepping_batches), 1) if self._trainer is not None else 1000
-        warmup = min(self.hparams.warmup_steps, total)
+        warmup = min(self.hparams["warmup_steps"], total)
 
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, warmup_cosine(warmup, total))
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}

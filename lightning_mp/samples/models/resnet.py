@@ -22,7 +22,7 @@ class BasicBlock(nn.Module):
         self.bn1 = nn.BatchNorm2d(out_channels)
         self.conv2 = nn.Conv2d(out_channels, out_channels, 3, padding=1, bias=False)
         self.bn2 = nn.BatchNorm2d(out_channels)
-        self.shortcut = nn.Identity()
+        self.shortcut: nn.Module = nn.Identity()
         if stride != 1 or in_channels != out_channels:
             self.shortcut = nn.Sequential(
                 nn.Conv2d(in_channels, out_channels, 1, stride=stride, bias=False), nn.BatchNorm2d(out_channels)
@@ -133,9 +133,9 @@ class ResNetClassifier(L.LightningModule):
     def configure_optimizers(self) -> Any:
         optimizer = torch.optim.SGD(
             self.parameters(),
-            lr=self.hparams.lr,
-            momentum=self.hparams.momentum,
-            weight_decay=self.hparams.weight_decay,
+            lr=self.hparams["lr"],
+            momentum=self.hparams["momentum"],
+            weight_decay=self.hparams["weight_decay"],
         )
         total = max(1, int(self.trainer.estimated_stepping_batches))
         scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=total)
