@@ -1,0 +1,136 @@
+"""The optimizer update alone, 8-bit Adam on lean masters against the others: thread-CPU per update on the CPU.
+
+    python benchmarks/adam8bit_alone.py [--tensors 32] [--numel 524288] [--steps 10] [--rounds 5] [--threads 2]
+
+Each mode updates ``--tensors`` parameters of ``--numel`` values (16.8M by default) with AdamW (lr 1e-3, weight decay
+0.01) from gradients made once (bf16 where the weights are 16-bit, fp32 otherwise); the modes take turns, round by
+round, in one process (the first step of each round is not counted), and the table gives the median over rounds of
+each round's median update (wall time: the kernels run on ``--threads`` threads).
+
+- ``torch AdamW(fused), fp32``: the built-in's update (fp32 weights, fp32 state): 28 bytes moved per parameter;
+- ``torch AdamW(fused), bf16``: ``bf16-true``'s (bf16 weights and state: lossy);
+- ``torchao AdamW8bit, fp32``: torchao's compiled 8-bit step on fp32 weights (the built-in with AdamW8bit);
+- ``lean AdamW``: ``master_weights="remainder"``'s one-pass update (``RemainderMasters.fused_step``);
+- ``lean AdamW8bit, generic``: ``master_weights="remainder"`` with torchao's AdamW8bit today (the generic path:
+  fp32 chunks joined, torchao's step, split back);
+- ``lean AdamW8bit, one pass``: the one-pass 8-bit kernel (``lightning_mp.kernels.adam8bit``) on the bf16 weights,
+  int16 remainders and torchao's 8-bit state: the same bits as torchao's step (``tests/test_lean_adam8bit.py``), not
+  yet what the plugin runs (issue 54).
+
+Time nothing beside another job: on 2 cores a second OpenMP job makes every figure many times worse.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from lightning_mp.kernels import adam8bit
+from lightning_mp.kernels.bits import split_fp32
+from lightning_mp.master import RemainderMasters
+
+MODES = (
+    "torch AdamW(fused), fp32",
+    "torch AdamW(fused), bf16",
+    "torchao AdamW8bit, fp32",
+    "lean AdamW",
+    "lean AdamW8bit, generic",
+    "lean AdamW8bit, one pass",
+)
+OPTIONS = dict(lr=1e-3, weight_decay=0.01)
+
+
+def _weights(tensors: int, numel: int, dtype: torch.dtype) -> nn.ParameterList:
+    generator = torch.Generator().manual_seed(0)
+    return nn.ParameterList(
+        [nn.Parameter((torch.randn(numel, generator=generator) * 0.02).to(dtype)) for _ in range(tensors)]
+    )
+
+
+def _grads(params: nn.ParameterList, dtype: torch.dtype) -> None:
+    generator = torch.Generator().manual_seed(1)
+    for param in params:
+        param.grad = (torch.randn(param.shape, generator=generator) * 1e-3).to(dtype)
+
+
+def make_modes(tensors: int, numel: int) -> dict[str, Callable[[], None]]:
+    """Each mode's update, set up (state made by a first step)."""
+    from torchao.optim import AdamW8bit
+
+    modes: dict[str, Callable[[], None]] = {}
+    for name, dtype in (("torch AdamW(fused), fp32", torch.float32), ("torch AdamW(fused), bf16", torch.bfloat16)):
+        params = _weights(tensors, numel, dtype)
+        _grads(params, dtype)
+        modes[name] = torch.optim.AdamW(params, fused=True, **OPTIONS).step
+    params = _weights(tensors, numel, torch.float32)
+    _grads(params, torch.float32)
+    modes["torchao AdamW8bit, fp32"] = AdamW8bit(params, **OPTIONS).step
+    for name, make in (("lean AdamW", torch.optim.AdamW), ("lean AdamW8bit, generic", AdamW8bit)):
+        module = _weights(tensors, numel, torch.float32)
+        store = RemainderMasters()
+        store.convert(module)
+        optimizer = make(module.parameters(), **OPTIONS)
+        store.attach([optimizer])
+        _grads(module, torch.bfloat16)
+        modes[name] = lambda store=store, optimizer=optimizer: store.fused_step(optimizer, None)
+    # the one-pass 8-bit kernel on lean weights and torchao's state (made by one torchao step on fp32 copies)
+    fp32 = _weights(tensors, numel, torch.float32)
+    _grads(fp32, torch.float32)
+    reference = AdamW8bit(fp32, **OPTIONS)
+    reference.step()
+    pieces = []
+    for param in fp32:
+        high, low = split_fp32(param.detach())
+        state = reference.state[param]
+        grad = param.grad.to(torch.bfloat16)
+        pieces.append(adam8bit.Adam8bitPiece(high, low, grad, state["exp_avg"], state["exp_avg_sq"], state["step"]))
+    lr = reference.param_groups[0]["lr"]
+    modes["lean AdamW8bit, one pass"] = lambda: adam8bit.adam8bit_step_pieces(
+        pieces, lr=lr, weight_decay=OPTIONS["weight_decay"]
+    )
+    for update in modes.values():  # the state made, kernels built and compiled
+        update()
+    return modes
+
+
+def measure(modes: dict[str, Callable[[], None]], steps: int, rounds: int) -> dict[str, float]:
+    """Median over rounds of each round's median update, in ms; the modes take turns within each round."""
+    medians: dict[str, list[float]] = {name: [] for name in modes}
+    for _ in range(rounds):
+        for name, update in modes.items():
+            update()  # not counted
+            times = []
+            for _ in range(steps):
+                start = time.perf_counter()
+                update()
+                times.append((time.perf_counter() - start) * 1e3)
+            medians[name].append(statistics.median(times))
+    return {name: statistics.median(values) for name, values in medians.items()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tensors", type=int, default=32)
+    parser.add_argument("--numel", type=int, default=1 << 19)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    modes = make_modes(args.tensors, args.numel)
+    result = measure(modes, args.steps, args.rounds)
+    fused = result["torch AdamW(fused), fp32"]
+    print(f"{args.tensors} x {args.numel} = {args.tensors * args.numel / 1e6:.1f}M parameters, {args.threads} threads")
+    print("| mode | update (ms) | vs torch AdamW(fused), fp32 |")
+    print("|---|---:|---:|")
+    for name in MODES:
+        print(f"| {name} | {result[name]:.1f} | {result[name] / fused:.2f}x |")
+
+
+if __name__ == "__main__":
+    main()
