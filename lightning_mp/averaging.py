@@ -23,6 +23,7 @@ from typing import Any, Callable
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_mp.master.exact import exact_weights
+from lightning_mp.master.plain import PlainWeights
 
 #: per callback class: hook name -> whether Lightning's own hook writes the model (False: read only)
 _HOOKS = {
@@ -44,7 +45,7 @@ def _averaging_classes() -> dict[str, type]:
     return {"WeightAveraging": WeightAveraging, "StochasticWeightAveraging": StochasticWeightAveraging}
 
 
-def adapt_averaging_callbacks(module: Any, store: Any) -> list[Any]:
+def adapt_averaging_callbacks(module: Any, store: PlainWeights) -> list[Any]:
     """Run the model-reading and -writing hooks of Lightning's averaging callbacks of the Trainer that fits
     ``module`` over the exact weights of ``store`` (the weights interface, :mod:`lightning_mp.master.plain`; see
     module doc). Returns the callbacks adapted (each says so once, on rank 0); none without master weights (weights
@@ -75,7 +76,7 @@ def adapt_averaging_callbacks(module: Any, store: Any) -> list[Any]:
     return adapted
 
 
-def _wrap_update(callback: Any, store: Any) -> bool:
+def _wrap_update(callback: Any, store: PlainWeights) -> bool:
     """``WeightAveraging``'s per-step and per-epoch hooks read the model only in ``AveragedModel.update_parameters``
     when ``should_update`` says so: that call runs over the exact weights, not every step (with ``"remainder"`` each
     entry joins the whole model). Whether the averaged model (made in the callback's ``setup``) could be wrapped."""
@@ -106,7 +107,7 @@ def restore_averaging_callbacks(callbacks: list[Any]) -> None:
             average.__dict__.pop("update_parameters", None)
 
 
-def _over_exact_weights(hook: Callable[..., Any], store: Any, write: bool) -> Callable[..., Any]:
+def _over_exact_weights(hook: Callable[..., Any], store: PlainWeights, write: bool) -> Callable[..., Any]:
     @functools.wraps(hook)
     def run(trainer: Any, pl_module: Any, *args: Any, **kwargs: Any) -> Any:
         with exact_weights(pl_module, store=store, write=write):

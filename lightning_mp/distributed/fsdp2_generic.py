@@ -32,6 +32,7 @@ from torch.optim import Optimizer
 
 from lightning_mp.master.lean.chunked import local_of
 from lightning_mp.master.lean.generic import GenericChunkedStep, Slice, placeholder
+from lightning_mp.master.lean.interface import LeanStore
 
 if TYPE_CHECKING:
     from torch.distributed.tensor import DTensor
@@ -75,7 +76,7 @@ class ShardedGenericStep(GenericChunkedStep):
     """:class:`~lightning_mp.master.lean.generic.GenericChunkedStep` with one ``DTensor`` proxy per sharded parameter
     (see module doc)."""
 
-    def __init__(self, optimizer: Optimizer, store: Any, chunk_size: int) -> None:
+    def __init__(self, optimizer: Optimizer, store: LeanStore, chunk_size: int) -> None:
         for g, group in enumerate(optimizer.param_groups):
             for i, param in enumerate(group["params"]):
                 if not hasattr(param, "device_mesh"):

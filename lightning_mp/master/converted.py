@@ -119,6 +119,19 @@ class ConvertedModel(PlainWeights):
         """Hold the converted parameter ``param`` (each store: its own way)."""
         raise NotImplementedError
 
+    # what the model sync reads of every store (model_sync.MasterStore), each store its own way
+    def fp32_value(self, param: Tensor) -> Tensor:
+        """The exact fp32 value of a converted parameter."""
+        raise NotImplementedError
+
+    def load_fp32(self, param: nn.Parameter, value: Any) -> None:
+        """A load brought ``value`` for ``param``: the masters take it exactly."""
+        raise NotImplementedError
+
+    def follow_write(self, param: nn.Parameter, value: Optional[Tensor]) -> int:
+        """``param`` was written outside the step; how many values were taken at 16-bit precision."""
+        raise NotImplementedError
+
     def check_callbacks(self, callbacks: Iterable[Any]) -> None:
         """Raise, before any step, for a Trainer callback the masters cannot run with
         (:func:`~lightning_mp.master.refused_callbacks.refuse_callbacks`: Lightning's ``BaseFinetuning``, which names

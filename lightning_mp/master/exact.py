@@ -34,7 +34,7 @@ from typing import Any, Optional
 import torch
 from torch import Tensor, nn
 
-from lightning_mp.master.model_sync import ModelSync, holder_of
+from lightning_mp.master.model_sync import MasterStore, ModelSync, holder_of
 
 
 def store_of(module: Any) -> Any:
@@ -71,7 +71,9 @@ class NotHeldError(ValueError):
     """The plugin's master weights were asked for the exact weights of a module whose parameters they do not hold."""
 
 
-def _holders(module: nn.Module, store: Any) -> tuple[nn.Module, list[tuple[str, nn.Parameter, Optional[ModelSync]]]]:
+def _holders(
+    module: nn.Module, store: Optional[object]
+) -> tuple[nn.Module, list[tuple[str, nn.Parameter, Optional[ModelSync]]]]:
     """``module`` unwrapped, and ``(name, parameter, the ModelSync holding it or None)`` for each of its parameters
     (tied ones once). Each parameter's masters are found from the parameter itself (:func:`holder_of`), whatever
     path reached the module. ``store``: the master-weights store the caller expects to hold the module (the
@@ -93,7 +95,9 @@ def _holders(module: nn.Module, store: Any) -> tuple[nn.Module, list[tuple[str, 
     return inner, held
 
 
-def _not_held(inner: nn.Module, held: list[tuple[str, nn.Parameter, Optional[ModelSync]]], store: Any) -> str:
+def _not_held(
+    inner: nn.Module, held: list[tuple[str, nn.Parameter, Optional[ModelSync]]], store: Optional[object]
+) -> str:
     names = ", ".join(name for name, _, _ in held[:3]) + (", ..." if len(held) > 3 else "")
     dtypes = sorted({str(param.dtype).removeprefix("torch.") for _, param, _ in held})
     return (
@@ -105,7 +109,7 @@ def _not_held(inner: nn.Module, held: list[tuple[str, nn.Parameter, Optional[Mod
     )
 
 
-def exact_parameters(module: nn.Module, store: Any = None) -> Iterator[tuple[str, Tensor]]:
+def exact_parameters(module: nn.Module, store: Optional[object] = None) -> Iterator[tuple[str, Tensor]]:
     """``(name, exact fp32 value)`` for each of ``module``'s parameters, in ``named_parameters()`` order (tied ones
     once), each made when the iteration reaches it. ``module``: any module whose parameters the plugin holds (the
     LightningModule, a submodule such as ``self.unet``, a Fabric- or DDP-wrapped module): the masters are found from
@@ -122,7 +126,7 @@ def exact_parameters(module: nn.Module, store: Any = None) -> Iterator[tuple[str
 
 
 @contextlib.contextmanager
-def exact_weights(module: nn.Module, store: Any = None, write: bool = True) -> Iterator[nn.Module]:
+def exact_weights(module: nn.Module, store: Optional[object] = None, write: bool = True) -> Iterator[nn.Module]:
     """Inside, ``module``'s parameters are fp32 parameters holding the exact master values (see the module doc).
 
     Args:
@@ -177,14 +181,14 @@ def _distinct(held: list[tuple[str, nn.Parameter, Optional[ModelSync]]]) -> list
     return list(syncs.values())
 
 
-def _fp32_parameter(store: Any, param: nn.Parameter) -> nn.Parameter:
+def _fp32_parameter(store: MasterStore, param: nn.Parameter) -> nn.Parameter:
     master = store.master_of(param)  # master_weights=True: the master itself (no copy)
     value = master.detach() if master is not None else store.fp32_value(param)
     return nn.Parameter(value, requires_grad=param.requires_grad)
 
 
 @torch.no_grad()
-def _write_back(store: Any, pairs: list[tuple[nn.Parameter, nn.Parameter]]) -> None:
+def _write_back(store: MasterStore, pairs: list[tuple[nn.Parameter, nn.Parameter]]) -> None:
     """The fp32 parameters' values become the masters; the model's 16-bit copies their rounding."""
     halves, masters = [], []
     for param, fp32 in pairs:

@@ -38,7 +38,7 @@ import operator
 import warnings
 import weakref
 from collections.abc import Iterator
-from typing import Any, NoReturn, Optional
+from typing import Any, NoReturn, Optional, Protocol
 
 import torch
 from torch import Tensor, nn
@@ -55,6 +55,32 @@ HOW_TO_WRITE = (
     "Write it in place with the same shape, e.g. `with torch.no_grad(): param.copy_(value)`, nn.init.*, or "
     "module.load_state_dict(...) (any of them followed exactly)."
 )
+
+
+class MasterStore(Protocol):
+    """What the model sync (and :mod:`~lightning_mp.master.exact`) reads of a master-weights store: the flat fp32
+    masters (:class:`~lightning_mp.master.MasterWeights`) and the lean ones
+    (:class:`~lightning_mp.master.RemainderMasters`), both on :class:`~lightning_mp.master.converted.ConvertedModel`."""
+
+    #: whether a write in place can be followed element by element (fp32 masters: yes; lean ones: no)
+    tells_changed_values: bool
+
+    def fp32_value(self, param: Tensor) -> Tensor:
+        """The exact fp32 value of a converted parameter (a fresh tensor, or the master itself)."""
+        ...
+
+    def load_fp32(self, param: nn.Parameter, value: Any) -> None:
+        """A load brought ``value`` for ``param``: the masters take it exactly."""
+        ...
+
+    def follow_write(self, param: nn.Parameter, value: Optional[Tensor]) -> int:
+        """``param`` was written outside the step (``value`` ``None``: in place); how many values were taken at
+        16-bit precision."""
+        ...
+
+    def master_of(self, param: Tensor) -> Optional[nn.Parameter]:
+        """The fp32 master tensor of a model parameter, or ``None`` (lean masters hold none)."""
+        ...
 
 
 class ModelWriteWarning(UserWarning):
@@ -109,7 +135,7 @@ class ModelSync:
 
     def __init__(
         self,
-        store: Any,
+        store: MasterStore,
         module: nn.Module,
         params: dict[int, nn.Parameter],
         buffers: Optional[ConvertedBuffers] = None,
