@@ -50,7 +50,7 @@ PIECE_FIELDS = (
 
 # ---------------------------------------------------------------------- building (native.py's way, another source)
 def _build(compiler: str, flags: list[str]) -> Path:
-    return native.build("lean_adam8bit", SOURCE.read_bytes(), compiler, flags)
+    return native.build("lean_adam8bit", native.compose(SOURCE.read_text()).encode(), compiler, flags)
 
 
 def cpu_kernel() -> Optional[ctypes.CDLL]:

@@ -66,21 +66,8 @@ typedef struct {
     const float *grad_mul; /* a factor every gradient is multiplied by first (unscaling, clipping), NULL: none */
 } a8_options;
 
-static inline float join(uint16_t high, int16_t low) {
-    uint32_t bits = ((uint32_t)high << 16) + (uint32_t)(int32_t)low;
-    float value;
-    memcpy(&value, &bits, 4);
-    return value;
-}
-
-static inline void split(float value, uint16_t *high, int16_t *low) {
-    uint32_t bits;
-    memcpy(&bits, &value, 4);
-    uint32_t rounded = (bits + 0x8000u) >> 16;
-    if (value != value) rounded = (bits >> 16) | 0x0040u; /* a NaN stays a (quiet) NaN in the bf16 half */
-    *high = (uint16_t)rounded;
-    *low = (int16_t)(uint16_t)(bits & 0xFFFFu);
-}
+/* join() and split(): the exact join and split, in place of the next line (lean_bits.h) */
+LEAN_BITS
 
 typedef struct {
     float lr, decay, eps, bc1, bc2_sqrt, t1, t2, factor;

@@ -40,6 +40,8 @@ import torch
 from lightning_mp.kernels.options import ADAM, ADAMW, OPTION_FIELDS, SGD, c_declarations
 
 SOURCE = Path(__file__).with_name("lean_update.c")
+#: The exact join and split, put into every kernel's source (:func:`compose`).
+BITS = Path(__file__).with_name("lean_bits.h")
 #: Flags: vectorised loops for this CPU, and no fused multiply-add but the ones the source asks for (exactness).
 CFLAGS = [
     "-O3",
@@ -85,13 +87,23 @@ class Options(ctypes.Structure):
     _fields_ = [(name, ctype) for name, _, ctype, _ in OPTION_FIELDS]
 
 
+def compose(text: str) -> str:
+    """A kernel's C source as compiled: the line ``LEAN_DECLARATIONS`` replaced by
+    :func:`~lightning_mp.kernels.options.c_declarations`, the line ``LEAN_BITS`` by ``lean_bits.h`` (the exact join
+    and split, one definition for every kernel), where the source has them."""
+    if "\nLEAN_DECLARATIONS\n" in text:
+        text = text.replace("\nLEAN_DECLARATIONS\n", "\n" + c_declarations() + "\n", 1)
+    if "\nLEAN_BITS\n" in text:
+        text = text.replace("\nLEAN_BITS\n", "\n" + BITS.read_text() + "\n", 1)
+    return text
+
+
 def source_text() -> str:
-    """The C source as compiled: ``lean_update.c`` with :func:`~lightning_mp.kernels.options.c_declarations` in
-    place."""
+    """``lean_update.c`` as compiled (:func:`compose`)."""
     text = SOURCE.read_text()
-    if "\nLEAN_DECLARATIONS\n" not in text:
-        raise RuntimeError(f"{SOURCE.name} has no LEAN_DECLARATIONS line for the generated declarations")
-    return text.replace("\nLEAN_DECLARATIONS\n", "\n" + c_declarations() + "\n", 1)
+    if "\nLEAN_DECLARATIONS\n" not in text or "\nLEAN_BITS\n" not in text:
+        raise RuntimeError(f"{SOURCE.name} lacks the LEAN_DECLARATIONS or LEAN_BITS line its build fills in")
+    return compose(text)
 
 
 class Call(ctypes.Structure):
