@@ -56,7 +56,7 @@ def cpu_kind(monkeypatch):
 
     def use(flags: frozenset[str], slowdown: float = 40.0) -> None:
         monkeypatch.setattr(cpu, "cpu_flags", lambda: flags)
-        monkeypatch.setattr(cpu, "bf16_matmul_slowdown", lambda: slowdown)
+        monkeypatch.setattr(cpu, "bf16_matmul_slowdown", lambda *args, **kwargs: slowdown)
 
     return use
 
@@ -83,6 +83,23 @@ def test_no_warning_where_the_cpu_has_bf16_instructions(cpu_kind, monkeypatch):
 def test_no_warning_where_bf16_is_not_slower_than_fp32_after_all(cpu_kind):
     cpu_kind(AVX2_ONLY, slowdown=1.2)
     assert _fit() == []
+
+
+def test_a_timing_thrown_off_by_load_is_taken_again_before_staying_silent(cpu_kind, monkeypatch):
+    """Under load a best-of-3 fp32 timing was seen preempted throughout (bf16 0.08x fp32 on an AVX2-only CPU): a
+    timing under 2x is taken again, longer, and the warning goes by the second."""
+    cpu_kind(AVX2_ONLY)
+    timings = iter([0.08, 55.0])
+    asked: list[dict] = []
+
+    def slowdown(**kwargs):
+        asked.append(kwargs)
+        return next(timings)
+
+    monkeypatch.setattr(cpu, "bf16_matmul_slowdown", slowdown)
+    said = _fit()
+    assert len(said) == 1 and "55x the time of fp32 here" in said[0]
+    assert asked == [{}, {"repeats": 15}]
 
 
 def test_no_bf16_warning_for_fp16_or_a_gpu(cpu_kind):
@@ -119,9 +136,10 @@ def test_the_timing_sees_torchs_fallback_kernel_when_onednn_is_limited_to_avx2()
     code = (
         "import importlib.util, sys; spec = importlib.util.spec_from_file_location('cpu', sys.argv[1]); "
         "module = importlib.util.module_from_spec(spec); spec.loader.exec_module(module); "
-        "print(module.bf16_matmul_slowdown())"
+        "print(module.bf16_matmul_slowdown(repeats=15))"
     )
     env = {**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX2", "OMP_NUM_THREADS": "1"}
     child = subprocess.run([sys.executable, "-c", code, cpu.__file__], env=env, capture_output=True, text=True)
     assert child.returncode == 0, child.stderr
-    assert float(child.stdout) > 2.0 > cpu.bf16_matmul_slowdown()
+    # best of 15 each: one matmul preempted by another job (this machine is shared) is left out
+    assert float(child.stdout) > 2.0 > cpu.bf16_matmul_slowdown(repeats=15)
