@@ -9,7 +9,7 @@ if finite, update the scale).
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Generator, Iterable, Iterator, Mapping
+from collections.abc import Generator, Iterator, Mapping
 from typing import Any, Callable, Literal, Optional, Union
 
 import torch
@@ -169,18 +169,9 @@ class MixedPrecisionPlugin(FabricHooks, Precision):  # FabricHooks: the hooks as
             grads_scale=float(scaler.scale_of_grads()) if scaler is not None and scaled else 1.0,
             device_type=self.device_type,
             forward_context=self.train_step_context,
-            fp32_weights=self._exact_fp32_pairs,
+            fp32_weights=self.steps.weights.fp32_pairs,  # none without masters
             skipped_in_backward=tuple(in_backward.skipped_params) if in_backward is not None else (),
         )
-
-    def _exact_fp32_pairs(self) -> Iterable[tuple[Tensor, Tensor]]:
-        """``(model parameter, its exact fp32 value)`` for every parameter with masters; lean masters materialise
-        their values here (they hold no fp32 copy at rest)."""
-        masters = self.masters
-        if masters is None:
-            return ()
-        fp32_pairs = getattr(masters, "fp32_pairs", None)  # lean masters' (not part of the flat masters' interface)
-        return fp32_pairs() if fp32_pairs is not None else masters.pairs()
 
     @property
     def device_type(self) -> str:

@@ -13,7 +13,7 @@ common base: :mod:`lightning_mp.master.converted`), so that neither the step
   :meth:`~PlainWeights.follow_shown_grads`, :meth:`~PlainWeights.follow_writes`, :meth:`~PlainWeights.step`, :meth:`~PlainWeights.clip_grad_norm_`,
   :meth:`~PlainWeights.clip_grad_value_`, :meth:`~PlainWeights.skips_on_device`;
 - the code around the step: :meth:`~PlainWeights.exact_weights`, :meth:`~PlainWeights.exact_parameters`,
-  :meth:`~PlainWeights.pairs`, :meth:`~PlainWeights.master_of`;
+  :meth:`~PlainWeights.pairs`, :meth:`~PlainWeights.fp32_pairs`, :meth:`~PlainWeights.master_of`;
 - teardown: :meth:`~PlainWeights.restore`.
 """
 
@@ -137,6 +137,11 @@ class PlainWeights:
     def pairs(self) -> Iterator[tuple[nn.Parameter, nn.Parameter]]:
         """``(half model parameter, fp32 master tensor)`` for every trained parameter that has one: none here."""
         return iter(())
+
+    def fp32_pairs(self) -> Iterator[tuple[nn.Parameter, Tensor]]:
+        """``(half model parameter, its exact fp32 value)`` for every trained parameter with masters: the masters
+        themselves where they are fp32 tensors (:meth:`pairs`); lean masters join theirs when asked."""
+        return self.pairs()
 
     def master_of(self, param: Tensor) -> Optional[nn.Parameter]:
         """The fp32 master tensor of a model parameter (``None``: it has none, as here)."""
