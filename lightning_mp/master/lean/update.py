@@ -63,6 +63,7 @@ class LeanUpdate:
         #: then; the plans' fast forms are taken only at it
         self.checked: Optional[Generation] = None
         self.fast_at = -1  # the generation the fast forms may run at this backward (-1: none)
+        self.fast_layout = -1  # the store's blocks (layout_version) they may run on
         self.fast_options: dict[int, native.Options] = {}  # group index -> the options its fast forms point at
         self.fast_values: dict[int, tuple[Any, ...]] = {}  # group index -> what those options were made of
         self.fast_groups: dict[int, dict[str, Any]] = {}  # group index -> one of its one-parameter groups
@@ -150,7 +151,7 @@ class LeanUpdate:
             else:  # rewritten in place: every fast form of the group points at it
                 ctypes.memmove(ctypes.addressof(held), ctypes.addressof(options), ctypes.sizeof(options))
             self.fast_values[index] = values
-        self.fast_at = self.checked.state
+        self.fast_at, self.fast_layout = self.checked.state, self.store.layout_version
 
     def drop_fast(self) -> None:
         """The fast forms' group options are made again (the groups changed, or the hooks are removed)."""
@@ -174,7 +175,12 @@ class LeanUpdate:
         there is none or it no longer fits), the chunked path, or the generic path."""
         store = self.store
         made = store.step_plans.get(id(param))
-        if made is not None and made.generation == self.fast_at and made.run_fast(param):
+        if (
+            made is not None
+            and made.generation == self.fast_at
+            and made.layout_version == self.fast_layout  # (blocks made again: their plans are dropped too)
+            and made.run_fast(param)
+        ):
             return
         with native.inside_backward():  # its threads: native.backward_threads
             found = flags.check(param, agree) if flags is not None else None
