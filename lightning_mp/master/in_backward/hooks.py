@@ -388,7 +388,3 @@ def install(
     if store is None:
         raise ValueError("install(enabled=True) needs the lean store the updates run on")
     return StepInBackward(store, optimizer, clamp, check, names, trainer if automatic else None)
-
-
-def _requires_grad(param: Tensor) -> bool:
-    return param.requires_grad

@@ -66,6 +66,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_mp.kernels import native
+from lightning_mp.master.lean.chunked import apply_grad_ops_in_place
 from lightning_mp.master.lean.interface import LeanStore
 from lightning_mp.master.lean.optimizers import Entry, local_of, state_for
 
@@ -315,15 +316,12 @@ class StepPlan:
         self, group: dict[str, Any], grads: list[Tensor], factor: Optional[Tensor], clamp: Optional[float], found: Any
     ) -> None:
         """fp32 parameters (kept in fp32 by the policy) the kernel does not update (sharded, or on a GPU): their
-        gradients clipped in place (as :func:`~lightning_mp.master.lean.chunked.apply_grad_ops_in_place` clips them,
-        and as torch's clipping does on fp32 masters), then torch's fused kernel on them, in place."""
+        gradients clipped in place (:func:`~lightning_mp.master.lean.chunked.apply_grad_ops_in_place`, as torch's
+        clipping does on fp32 masters), then torch's fused kernel on them, in place."""
         params = [local_of(p) for p in self.plain] if self.sharded else self.plain_locals
         with torch.no_grad():  # the parameters themselves, updated in place
-            if factor is not None:
-                torch._foreach_mul_(grads, factor)
-            if clamp is not None:
-                torch._foreach_clamp_min_(grads, -clamp)
-                torch._foreach_clamp_max_(grads, clamp)
+            ops = ([("mul", factor)] if factor is not None else []) + ([("clamp", clamp)] if clamp is not None else [])
+            apply_grad_ops_in_place(self.plain, ops)
             self._fused(group, params, grads, found)
 
     def _fused(self, group: dict[str, Any], params: list[Tensor], grads: list[Tensor], found: Any) -> None:
