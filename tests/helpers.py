@@ -212,3 +212,17 @@ def getting_started_block(marker: str) -> str:
     blocks = [b for b in re.findall(r"```python\n(.*?)```", page, flags=re.S) if marker in b]
     assert len(blocks) == 1, f"{len(blocks)} blocks of docs/getting-started.md contain {marker!r}"
     return "\n".join(line[4:] if line.startswith("    ") else line for line in blocks[0].splitlines())
+
+
+_GENERIC_8BIT: dict[str, type] = {}
+
+
+def generic_adamw8bit(params: Any, **kwargs: Any) -> torch.optim.Optimizer:
+    """torchao's ``AdamW8bit`` through the lean masters' *generic* path, on purpose: a subclass of it (the one-pass
+    8-bit step, ``master/lean/eightbit.py``, takes the exact class only, as the table of optimizers does), for tests
+    of the generic path that use torchao's block-quantized state."""
+    if "class" not in _GENERIC_8BIT:
+        from torchao.optim import AdamW8bit
+
+        _GENERIC_8BIT["class"] = type("SubclassedAdamW8bit", (AdamW8bit,), {"__module__": __name__})
+    return _GENERIC_8BIT["class"](params, **kwargs)

@@ -22,7 +22,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_mp import MixedPrecisionPlugin
 from lightning_mp.master.lean.generic import leaves_of
-from tests.helpers import make_trainer, seeded
+from tests.helpers import generic_adamw8bit, make_trainer, seeded
 
 
 class Lion(torch.optim.Optimizer):
@@ -72,7 +72,8 @@ def _adagrad_groups(model: nn.Module) -> Any:
 
 # name -> (configure_optimizers(model), hidden width); AdamW8bit keeps 8-bit state for tensors of 4096+ elements
 CASES: dict[str, tuple[Callable[[nn.Module], Any], int]] = {
-    "torchao-adamw8bit": (lambda m: _adamw8bit(m.parameters()), 256),
+    "torchao-adamw8bit": (lambda m: _adamw8bit(m.parameters()), 256),  # the one-pass 8-bit step (eightbit.py)
+    "torchao-adamw8bit-generic": (lambda m: generic_adamw8bit(m.parameters(), lr=1e-2, weight_decay=0.1), 256),
     "torch-forloop-adamw": (lambda m: ForLoopAdamW(m.parameters()), 32),
     "rmsprop-centered-momentum": (lambda m: torch.optim.RMSprop(m.parameters(), 1e-3, momentum=0.9, centered=True), 32),
     "lion-group-counter": (lambda m: Lion(m.parameters()), 32),
@@ -183,7 +184,7 @@ def test_any_optimizer_in_backward_equals_the_normal_lean_step_bitwise_and_frees
         assert [g["steps"] for g in groups] == [4]  # advanced once per step, not once per parameter
     if case == "adagrad-two-groups-steplr":
         assert model.lrs[-1] == [5e-2 / 16, 1e-2 / 16]
-    if case == "torchao-adamw8bit":  # the 256x16 weight: 8-bit moments; the rest (< 4096 elements) fp32
+    if case.startswith("torchao-adamw8bit"):  # the 256x16 weight: 8-bit moments; the rest (< 4096 elements) fp32
         kinds = [type(s["exp_avg"]).__name__ for s in ours["optimizer_states"][0]["state"].values()]
         assert kinds.count("OptimState8bit") == 1 and torch.equal(groups[0]["lr"], torch.tensor(1e-2))
 

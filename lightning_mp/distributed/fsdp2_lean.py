@@ -227,6 +227,8 @@ class ShardedRemainderMasters(RemainderMasters):
 
     #: the generic path's step: on DTensor proxies of the local shards
     generic_step = ShardedGenericStep
+    #: torchao's 8-bit Adam takes the generic path on the shards too (its one-pass step is the unsharded store's)
+    eight_bit_step = None
 
     @staticmethod
     def _widen_grad(grad: Tensor) -> None:

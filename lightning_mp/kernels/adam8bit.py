@@ -34,6 +34,8 @@ from lightning_mp.kernels import native
 SOURCE = Path(__file__).with_name("lean_adam8bit.c")
 #: Elements per unit of work handed to a thread, rounded down to whole blocks (at least one).
 GRAIN = 1 << 16
+#: Whether the kernel clips by value (``run_rows``'s ``clamp``); else the caller's other path does.
+CLAMPS = False
 #: Entries of an 8-bit map (torchao's ``qmap``).
 QMAP_SIZE = 256
 
@@ -230,8 +232,69 @@ def adam8bit_step(
     adam8bit_step_pieces([Adam8bitPiece(high, low, grad, exp_avg, exp_avg_sq, step)], **options)
 
 
+# ---------------------------------------------------------------------- laid out once, replayed (the lean step's)
+def piece_row(piece: Adam8bitPiece) -> list[int]:
+    """``piece``'s row of :data:`PIECE_FIELDS` for :func:`run_rows`, checked as :func:`adam8bit_step_pieces` checks
+    it; its gradient's address and dtype are the caller's to fill in each step (``piece.grad`` is not read)."""
+    return _piece(Adam8bitPiece(piece.high, piece.low, piece.high, piece.exp_avg, piece.exp_avg_sq, piece.step), 0)
+
+
+def tensors_of(piece: Adam8bitPiece) -> list[Tensor]:
+    """The tensors whose addresses :func:`piece_row` gives (but the gradient): whoever replays the row holds them."""
+    moments = [
+        t for m in (piece.exp_avg, piece.exp_avg_sq) for t in (_inner(m) if _is_quantized(m) else (m,))
+    ]  # fmt: skip
+    return [t for t in (piece.high, piece.low, *moments, piece.step) if t is not None]
+
+
+def counts_of(steps: Sequence[Tensor]) -> Any:
+    """The step counts the kernel advances (each distinct tensor once): a ctypes array of their addresses."""
+    counts = list(dict.fromkeys(step.data_ptr() for step in steps))
+    return (ctypes.c_void_p * len(counts))(*counts)
+
+
+def run_rows(
+    rows: list[int],
+    count: int,
+    counts: Any,
+    *,
+    lr: Tensor,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    adamw: bool,
+    grad_mul: Optional[Tensor] = None,
+    clamp: Optional[float] = None,
+    found_inf: Optional[Tensor] = None,
+    held: Any = None,
+) -> None:
+    """One step of ``count`` pieces laid out as ``rows`` (:func:`piece_row`, each with its gradient's address and
+    dtype filled in), as :func:`adam8bit_step_pieces` steps them: ``lr`` a 1-element fp32 CPU tensor, ``grad_mul`` one
+    too (or ``None``), ``clamp`` a clip-by-value bound applied after it (or ``None``), ``found_inf`` a 1-element fp32
+    CPU tensor (nonzero: nothing is written), ``counts`` (:func:`counts_of`) advanced by one first. ``held``: the
+    caller's tensors behind the addresses (kept alive across the call)."""
+    library = cpu_kernel()
+    if library is None:
+        raise RuntimeError("the one-pass 8-bit Adam kernel is not built here (see the warning above)")
+    if clamp is not None:
+        raise NotImplementedError("clip by value in the 8-bit kernel")
+    array = (ctypes.c_int64 * max(1, len(rows)))(*rows)
+    first_unit = (ctypes.c_int64 * (count + 1))()
+    library.lean_adam8bit(
+        array, count, int(adamw), float(beta1), float(beta2), float(weight_decay), float(eps), lr.data_ptr(),
+        grad_mul.data_ptr() if grad_mul is not None else None,
+        found_inf.data_ptr() if found_inf is not None else None, counts, len(counts), native.threads(), GRAIN,
+        first_unit,
+    )  # fmt: skip
+    del held
+
+
 def _reset_for_tests() -> None:
     _state.clear()
 
 
-__all__ = ["Adam8bitPiece", "adam8bit_step", "adam8bit_step_pieces", "cpu_kernel", "threading_model"]
+__all__ = [
+    "Adam8bitPiece", "adam8bit_step", "adam8bit_step_pieces", "counts_of", "cpu_kernel", "piece_row", "run_rows",
+    "tensors_of", "threading_model",
+]  # fmt: skip

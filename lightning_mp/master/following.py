@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import weakref
 from itertools import chain, repeat
-from operator import is_, truth
+from operator import attrgetter, is_, truth
 from typing import Any, NamedTuple, Optional
 
 from torch import Tensor
@@ -62,7 +62,7 @@ class _Record:
 
     __slots__ = (
         "groups_list", "groups", "params", "truths", "flat", "generation_groups", "generation_state", "state",
-        "dicts", "values", "tensors", "addresses", "param_addresses", "storages", "sharded", "state_valid",
+        "dicts", "values", "tensors", "addresses", "param_addresses", "storages", "sharded", "state_valid", "wrapped",
     )  # fmt: skip
 
     def __init__(self) -> None:
@@ -82,6 +82,9 @@ class _Record:
         self.param_addresses: list[int] = []
         self.storages: list[Any] = []
         self.sharded = False
+        #: state values that are wrapper subclasses (torchao's 8-bit states): (getter of their inner tensors' names,
+        #: the values, the inner tensors recorded), one entry per (class, names)
+        self.wrapped: list[tuple[Any, list[Tensor], list[Tensor]]] = []
 
 
 _RECORDS: weakref.WeakKeyDictionary[Optimizer, _Record] = weakref.WeakKeyDictionary()
@@ -130,8 +133,11 @@ def seen(optimizer: Optimizer, state: bool = False) -> Generation:
             unchanged = (
                 len(values) == len(record.values)
                 and all(map(is_, values, record.values))
-                and list(map(Tensor.data_ptr, map(_local, record.tensors) if sharded else record.tensors))
-                == record.addresses
+                and all(
+                    all(map(is_, chain.from_iterable(map(getter, wrapped)), inner))
+                    for getter, wrapped, inner in record.wrapped
+                )
+                and list(map(Tensor.data_ptr, record.tensors)) == record.addresses
                 and list(map(Tensor.data_ptr, map(_local, record.flat) if sharded else record.flat))
                 == record.param_addresses
             )
@@ -146,12 +152,38 @@ def _record_state(record: _Record, optimizer: Optimizer) -> None:
     record.state = optimizer.state
     record.dicts = list(map(optimizer.state.get, record.flat, repeat(_EMPTY)))
     record.values = list(chain.from_iterable(map(dict.values, record.dicts)))
-    record.tensors = [v for v in record.values if isinstance(v, Tensor)]
-    record.sharded = any(_local(t) is not t for t in chain(record.tensors, record.flat))
-    record.addresses = list(map(Tensor.data_ptr, _locals(record.tensors, record.sharded)))
+    values = [v for v in record.values if isinstance(v, Tensor)]
+    record.sharded = any(_local(t) is not t for t in chain(values, record.flat))
+    # a state tensor's local shard, or a wrapper subclass's inner tensors (torchao's codes, scale and map), which
+    # hold the memory: their identities are compared by name through the values, their addresses as the others'
+    # hold the memory, level by level (a DTensor of an 8-bit state: its local shard, then that one's tensors): their
+    # identities are compared by name through the values, their addresses as the others'
+    plain: list[Tensor] = []
+    record.wrapped = []
+    pending = values
+    while pending:
+        wrapped: dict[tuple[type, tuple[str, ...]], list[Tensor]] = {}
+        for value in pending:
+            if type(value) is Tensor or not hasattr(value, "__tensor_flatten__"):
+                plain.append(value)
+            else:
+                wrapped.setdefault((type(value), tuple(value.__tensor_flatten__()[0])), []).append(value)
+        pending = []
+        for (_, names), held in wrapped.items():
+            getter = _getter(names)
+            inner = list(chain.from_iterable(map(getter, held)))
+            record.wrapped.append((getter, held, inner))
+            pending += inner
+    record.tensors = plain
+    record.addresses = list(map(Tensor.data_ptr, record.tensors))
     record.param_addresses = list(map(Tensor.data_ptr, _locals(record.flat, record.sharded)))
-    record.storages = [t.untyped_storage() for t in _locals(record.tensors, record.sharded)]  # held (module doc)
+    record.storages = [t.untyped_storage() for t in record.tensors]  # held (module doc)
     record.state_valid = True
+
+
+def _getter(names: tuple[str, ...]) -> Any:
+    """A function from a wrapper subclass to the tuple of its inner tensors named ``names``."""
+    return attrgetter(*names) if len(names) > 1 else (lambda value, get=attrgetter(names[0]): (get(value),))
 
 
 def _local(tensor: Tensor) -> Tensor:

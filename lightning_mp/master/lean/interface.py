@@ -29,6 +29,9 @@ class LeanStore(Protocol):
     #: the generic path's step of an optimizer the table does not know (a class: ``generic_step(optimizer, store,
     #: chunk_size)``; :class:`~.generic.GenericChunkedStep`, FSDP2's sharded one)
     generic_step: type[Any]
+    #: the step of torchao's ``AdamW8bit`` / ``Adam8bit`` (``eight_bit_step(optimizer, store, chunk_size)``:
+    #: :class:`~.eightbit.Adam8bitStep`), or ``None``: the generic path runs them (FSDP2's store)
+    eight_bit_step: Optional[type[Any]]
 
     @property
     def layout_version(self) -> int:

@@ -32,6 +32,7 @@ from lightning_mp.master.following import Generation, seen
 from lightning_mp.master.lean.blocks import Blocks, join_by_chunks, split_by_chunks
 from lightning_mp.master.lean.chunked import FUSED_UNIT
 from lightning_mp.master.lean.clipping import norm_and_factor
+from lightning_mp.master.lean.eightbit import Adam8bitStep
 from lightning_mp.master.lean.generic import GenericChunkedStep
 from lightning_mp.master.lean.optimizer_state import check_params_belong, keep_fp32_state
 from lightning_mp.master.lean.plan import Plans
@@ -156,7 +157,10 @@ class RemainderMasters(ConvertedModel):
         if self.model_sync is not None:
             self.model_sync.record_storage()  # the plugin's own move: not a write
         for optimizer in self._optimizers:
-            if self.updates.of(optimizer).generic is None and id(optimizer) not in self._optimizer_hooks:
+            generic = self.updates.of(optimizer).generic
+            if (generic is None or getattr(generic, "whole_param_state", False)) and id(
+                optimizer
+            ) not in self._optimizer_hooks:
                 self._optimizer_hooks[id(optimizer)] = keep_fp32_state(optimizer)  # attach() again: registered once
         self._record_groups()
 
@@ -219,6 +223,8 @@ class RemainderMasters(ConvertedModel):
 
     #: the generic path's step (any optimizer the table of master/lean/optimizers.py does not know)
     generic_step = GenericChunkedStep
+    #: torchao's 8-bit Adam: in one pass (:mod:`~lightning_mp.master.lean.eightbit`)
+    eight_bit_step: Optional[type[Any]] = Adam8bitStep
 
     # ------------------------------------------------------------------ per step
     def fp32_pairs(self) -> Iterator[tuple[nn.Parameter, Tensor]]:

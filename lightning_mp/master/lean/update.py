@@ -29,6 +29,7 @@ from lightning_mp.kernels import native
 from lightning_mp.master.following import Generation, seen
 from lightning_mp.master.lean import chunked, plan
 from lightning_mp.master.lean.chunked import Piece, Staging, apply_grad_ops_in_place, plan_chunks
+from lightning_mp.master.lean.eightbit import is_8bit
 from lightning_mp.master.lean.interface import LeanStore
 from lightning_mp.master.lean.optimizers import Entry, check_states, entry_for
 
@@ -254,8 +255,9 @@ class Updates:
         entry = entry_for(optimizer)
         if made is None or entry is not made.entry:
             generic = None
-            if entry is None:
-                generic = self.store.generic_step(optimizer, self.store, self._chunk_of(optimizer))
+            if entry is None:  # torchao's 8-bit Adam where the store runs it in one pass, else the generic path
+                step = self.store.eight_bit_step if is_8bit(optimizer) else None
+                generic = (step or self.store.generic_step)(optimizer, self.store, self._chunk_of(optimizer))
             made = self.by_optimizer[id(optimizer)] = LeanUpdate(optimizer, self.store, self.staging, entry, generic)
         if now is not None:
             made.chosen_at = now.groups

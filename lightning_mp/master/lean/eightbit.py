@@ -1,0 +1,342 @@
+"""torchao's ``AdamW8bit`` and ``Adam8bit`` on lean master weights, in one pass per step.
+
+torchao's 8-bit optimizers keep each moment blockwise-quantized (``OptimState8bit``: uint8 codes, one fp32 scale per
+block of ``block_size`` elements, a 256-entry map), and their step dequantizes, applies Adam in fp32 and
+requantizes. :class:`Adam8bitStep` runs that step on the exact fp32 masters that the bf16 weights and their int16
+remainders join to, with the state *as torchao keeps it*: keyed by the model's parameters, made by torchao's own
+``_new_buffer`` on an fp32 parameter of the same shape (quantized where the parameter has at least 4096 elements and
+whole blocks, plain fp32 otherwise), so ``optimizer.state_dict()`` is the one torchao's optimizer of an fp32 model
+saves, and loads into it and back.
+
+Two ways to run a step, the same bits:
+
+- one pass (the CPU, a C compiler present): :func:`lightning_mp.kernels.adam8bit.run_rows`, one call per param group
+  over every parameter of it: each element's weight and remainder are joined, its moments dequantized, updated and
+  requantized, and the weight split back, in one read and one write of each byte. Bitwise torchao's compiled step on
+  the joined fp32 values (``tests/test_lean_adam8bit.py``, ``tests/test_eightbit_step.py``).
+- torchao's own step (other devices, no compiler, ``LIGHTNING_MP_NATIVE=0``, clipping other than one clip-by-norm
+  factor then one clip-by-value bound, gradients neither bf16 nor fp32): per parameter, its fp32 value joined, torchao's
+  compiled ``single_param_adam`` on it, split back. A ``found_inf`` flag is read on the host there (one
+  synchronisation per step on a GPU).
+
+What a group's call reads is laid out once (:class:`_GroupLayout`: the addresses of the weights, remainders, codes,
+scales, maps and step counts, and the tensors behind them, held) and replayed while the optimizer's generation
+(:func:`lightning_mp.master.following.seen`) and the store's blocks are the ones it was laid out at; a step passes only
+the gradients' addresses, the group's options, the clipping and the flag. The step inside backward lays out one
+parameter at a time (:meth:`Adam8bitStep.run_params`).
+
+``amsgrad`` is refused before any update: torchao 0.18 cannot run it on an 8-bit state either.
+"""
+
+from __future__ import annotations
+
+from operator import attrgetter
+from typing import Any, Optional
+
+import torch
+from torch import Tensor
+from torch.optim import Optimizer
+
+from lightning_mp.kernels import adam8bit, native
+from lightning_mp.kernels.bits import join_fp32, split_fp32_into
+from lightning_mp.master.following import group_index, seen
+from lightning_mp.master.lean.chunked import apply_grad_ops, local_of
+from lightning_mp.master.lean.interface import LeanStore
+
+#: torchao's 8-bit Adam classes this path runs (``torchao.optim``), by name: ``is_adamw`` says which update.
+CLASSES = ("AdamW8bit", "Adam8bit")
+_GRAD = attrgetter("grad")
+_DTYPE = attrgetter("dtype")
+_FP32 = torch.float32
+_GRAD_DTYPES = (torch.bfloat16, torch.float32)
+_FIELDS = len(adam8bit.PIECE_FIELDS)
+_GRAD_AT = adam8bit.PIECE_FIELDS.index("grad")
+_FP32_AT = adam8bit.PIECE_FIELDS.index("grad_fp32")
+
+
+def is_8bit(optimizer: Optimizer) -> bool:
+    """Whether ``optimizer`` is exactly torchao's ``AdamW8bit`` or ``Adam8bit`` (a subclass may change the step)."""
+    cls = type(optimizer)
+    return cls.__name__ in CLASSES and cls.__module__.split(".")[:2] == ["torchao", "optim"]
+
+
+def _describe(optimizer: Optimizer, param: Tensor) -> str:
+    index = group_index(optimizer, param)
+    return (
+        f"{type(optimizer).__name__}.state[param] of a parameter of shape {tuple(param.shape)} in "
+        f"param_groups[{index if index is not None else '?'}]"
+    )
+
+
+def _check_group(optimizer: Optimizer, index: int, group: dict[str, Any]) -> None:
+    name = type(optimizer).__name__
+    if group.get("amsgrad"):
+        raise NotImplementedError(
+            f"master_weights='remainder' with {name}(amsgrad=True) (param_groups[{index}]): torchao 0.18 cannot run "
+            "amsgrad on its 8-bit state either (torch.maximum is not implemented for OptimState8bit), so there is "
+            "no result to equal. Nothing was updated. Use amsgrad=False, or torch.optim.AdamW(amsgrad=True)."
+        )
+    lr = group.get("lr")
+    if not isinstance(lr, Tensor) or lr.numel() != 1:
+        raise RuntimeError(
+            f"{name}'s param_groups[{index}]['lr'] is {lr!r}, not the 1-element tensor torchao keeps (torchao "
+            "raises here too). Nothing was updated. To change the lr, use "
+            f"optimizer.param_groups[{index}]['lr'].fill_(new_lr) (LR schedulers do)."
+        )
+
+
+def _state_of(optimizer: Optimizer, param: Tensor, group: dict[str, Any]) -> dict[str, Any]:
+    """``optimizer.state[param]``, made as torchao's step makes it where it is empty (on an fp32 parameter: the
+    masters' precision), and checked: the keys torchao's step reads."""
+    state = optimizer.state[param]
+    if not state:
+        # torchao reads the parameter's shape, size, device (and, for a DTensor, its placement) and dtype only:
+        # an fp32 stand-in of the same shape that holds no memory
+        like = torch.zeros((), dtype=_FP32, device=local_of(param).device).expand(param.shape)
+        if local_of(param) is not param:  # a DTensor: torchao wraps its local state the same way
+            like = type(param).from_local(  # type: ignore[attr-defined]
+                torch.zeros((), dtype=_FP32, device=local_of(param).device).expand(local_of(param).shape),
+                param.device_mesh,  # type: ignore[attr-defined]
+                param.placements,  # type: ignore[attr-defined]
+                run_check=False,
+                shape=param.shape,
+                stride=param.stride(),
+            )
+        state["step"] = torch.tensor(0.0)
+        state["exp_avg"] = optimizer._new_buffer(like, True)  # type: ignore[attr-defined]
+        state["exp_avg_sq"] = optimizer._new_buffer(like, False)  # type: ignore[attr-defined]
+    for key in ("step", "exp_avg", "exp_avg_sq"):
+        if key not in state:
+            raise KeyError(
+                f"{_describe(optimizer, param)} holds {sorted(state)} but not {key!r}: torchao makes a parameter's "
+                "state only where it is empty, so a partly cleared state stops its step too. Nothing was updated. "
+                "Clear the whole state (optimizer.state[param].clear()) or give it every key."
+            )
+    return state
+
+
+class _GroupLayout:
+    """What one call of the one-pass kernel reads for ``params`` (a group's, or one parameter's): the rows of
+    :data:`~lightning_mp.kernels.adam8bit.PIECE_FIELDS` with every address but the gradients', and the tensors
+    behind those addresses (held). ``None`` rows: the kernel cannot take these parameters (torchao's own step does)."""
+
+    def __init__(self, optimizer: Optimizer, group: dict[str, Any], params: list[Tensor], store: LeanStore) -> None:
+        self.stepped = [p for p in params if p.grad is not None]
+        self.idle = [p for p in params if p.grad is None]  # a gradient appearing here lays the group out again
+        store.check_trained(self.stepped)
+        self.states = [_state_of(optimizer, p, group) for p in self.stepped]
+        self.steps = [s["step"] for s in self.states]
+        self.held: list[Any] = []
+        self.rows: Optional[list[int]] = None
+        self.dtypes: list[torch.dtype] = []
+        kernel = (
+            native.enabled()
+            and all(local_of(p).device.type == "cpu" for p in self.stepped)
+            and adam8bit.cpu_kernel() is not None
+        )
+        if not kernel:
+            return
+        rows: list[int] = []
+        for param, state in zip(self.stepped, self.states):
+            local = local_of(param)
+            offset = store.offset_of(param)
+            if offset is None:
+                if local.dtype != _FP32 or not local.is_contiguous():
+                    return  # an fp32 parameter the kernel cannot update in place: torchao's step takes the group
+                high, low = local, None
+                self.held.append(local.untyped_storage())
+            else:
+                high, low = store.flat_slices(local.device, offset, offset + local.numel())
+                self.held += [high, low]
+            piece = adam8bit.Adam8bitPiece(
+                high, low, torch.empty(0, dtype=_FP32), local_of(state["exp_avg"]), local_of(state["exp_avg_sq"]),
+                state["step"],
+            )  # fmt: skip
+            try:
+                rows += adam8bit.piece_row(piece)
+            except (TypeError, ValueError) as error:
+                raise ValueError(
+                    f"master_weights='remainder': {_describe(optimizer, param)} cannot be read as torchao's "
+                    f"{type(optimizer).__name__} state of an fp32 parameter ({error}). Nothing was updated. Clear it "
+                    "(optimizer.state[param].clear()) to start it again, or load torchao's own state."
+                ) from None
+            self.held += adam8bit.tensors_of(piece)
+        self.rows = rows
+        self.counts = adam8bit.counts_of(self.steps)
+        self.array: Any = None
+
+
+class Adam8bitStep:
+    """The step of torchao's ``AdamW8bit`` / ``Adam8bit`` (``optimizer``) on ``store``'s lean state (module doc). It
+    has the generic path's interface (:class:`~lightning_mp.master.lean.generic.GenericChunkedStep`), which
+    :mod:`~lightning_mp.master.lean.update` calls; ``chunk_size`` is not used (each parameter is one piece)."""
+
+    #: the state is keyed by the model's parameters (as torchao's): the store keeps it fp32 across loads
+    whole_param_state = True
+
+    def __init__(self, optimizer: Optimizer, store: LeanStore, chunk_size: int = 0) -> None:
+        self.optimizer = optimizer
+        self.store = store
+        self.adamw = bool(getattr(optimizer, "is_adamw", type(optimizer).__name__ == "AdamW8bit"))
+        self.layouts: dict[Any, _GroupLayout] = {}  # group index (or ("param", id)) -> its layout
+        self.laid_out_at: tuple[int, int] = (-1, -1)  # (the optimizer's state generation, the store's blocks)
+        self._group_of: dict[int, int] = {}  # id(param) -> its group's index (inside backward)
+        self._compiled: Any = None
+
+    # ------------------------------------------------------------------ the generic path's interface
+    def follow_groups(self) -> None:
+        """The groups changed: every layout is made again."""
+        self.layouts.clear()
+        self._group_of.clear()
+
+    def restore(self) -> None:
+        """At teardown: nothing to move, the state is already keyed by the parameters."""
+        self.layouts.clear()
+
+    def begin_params(self) -> None:
+        """Before the updates of one backward (the step inside backward): the layouts are kept while the optimizer's
+        state and groups are what they were laid out at."""
+        self._follow()
+        if not self._group_of:
+            for index, group in enumerate(self.optimizer.param_groups):
+                for param in group["params"]:
+                    self._group_of.setdefault(id(param), index)
+
+    def run(self, found_inf: Optional[Tensor], grad_ops: list[tuple[str, Any]]) -> None:
+        """One step of every group; where ``found_inf`` is nonzero nothing changes (weights, remainders, moments,
+        step counts)."""
+        self._follow()
+        groups = self.optimizer.param_groups
+        for index, group in enumerate(groups):
+            _check_group(self.optimizer, index, group)
+        made = False
+        layouts = []
+        for index, group in enumerate(groups):  # every layout first: a refusal comes before any update
+            layout = self.layouts.get(index)
+            if layout is None or any(p.grad is not None for p in layout.idle):
+                layout = self.layouts[index] = _GroupLayout(self.optimizer, group, group["params"], self.store)
+                made = True
+            layouts.append(layout)
+        for group, layout in zip(groups, layouts):
+            self._step(group, layout, found_inf, grad_ops)
+        if made:  # the state the layouts made is the step's own: they hold at the new generation
+            self.laid_out_at = (seen(self.optimizer, state=True).state, self.store.layout_version)
+
+    def run_params(
+        self, params: list[Tensor], found_inf: Optional[Tensor], grad_ops: list[Any], on_host: Any = None
+    ) -> None:
+        """The step of ``params`` alone (inside backward: one parameter per call, from its hook)."""
+        groups = self.optimizer.param_groups
+        for param in params:
+            index = self._group_of.get(id(param))
+            if index is None:
+                index = group_index(self.optimizer, param)
+                if index is None:
+                    continue
+                self._group_of[id(param)] = index
+            group = groups[index]
+            _check_group(self.optimizer, index, group)
+            key = ("param", id(param))
+            layout = self.layouts.get(key)
+            if layout is None or (layout.idle and param.grad is not None):
+                layout = self.layouts[key] = _GroupLayout(self.optimizer, group, [param], self.store)
+            self._step(group, layout, found_inf, grad_ops)
+
+    # ------------------------------------------------------------------ the step of one layout
+    def _follow(self) -> None:
+        now = (seen(self.optimizer, state=True).state, self.store.layout_version)
+        if now != self.laid_out_at:
+            self.layouts.clear()
+            self._group_of.clear()
+            self.laid_out_at = now
+
+    def _step(
+        self, group: dict[str, Any], layout: _GroupLayout, found: Optional[Tensor], grad_ops: list[tuple[str, Any]]
+    ) -> None:
+        if not layout.stepped:
+            return
+        grads = list(map(_GRAD, layout.stepped))
+        if None in grads:
+            raise RuntimeError(
+                "a parameter's gradient went away between the optimizer's step being laid out and run; call "
+                "zero_grad(set_to_none=True) outside the step"
+            )
+        grads = [local_of(g) for g in grads]
+        clipping = _clipping(grad_ops, layout.rows is not None)
+        dtypes = list(map(_DTYPE, grads))
+        if layout.rows is None or clipping is None or any(d not in _GRAD_DTYPES for d in dtypes):
+            self._torchao_step(group, layout, grads, found, grad_ops)
+            return
+        if not all(map(Tensor.is_contiguous, grads)):  # read by address: a contiguous copy for this step
+            grads = [g.contiguous() for g in grads]
+        rows = layout.rows
+        rows[_GRAD_AT::_FIELDS] = list(map(Tensor.data_ptr, grads))
+        if dtypes != layout.dtypes:
+            rows[_FP32_AT::_FIELDS] = [int(d == _FP32) for d in dtypes]
+            layout.dtypes = dtypes
+        betas = group["betas"]
+        lr = local_of(group["lr"])
+        if lr.dtype != _FP32 or lr.device.type != "cpu":
+            lr = lr.to("cpu", _FP32)
+        adam8bit.run_rows(
+            rows, len(layout.stepped), layout.counts, lr=lr, beta1=betas[0], beta2=betas[1], eps=group["eps"],
+            weight_decay=group["weight_decay"], adamw=self.adamw, grad_mul=clipping[0], clamp=clipping[1],
+            found_inf=found, held=layout.held,
+        )  # fmt: skip
+
+    def _torchao_step(
+        self,
+        group: dict[str, Any],
+        layout: _GroupLayout,
+        grads: list[Tensor],
+        found: Optional[Tensor],
+        grad_ops: list[tuple[str, Any]],
+    ) -> None:
+        """torchao's own compiled step on each parameter's joined fp32 value (module doc)."""
+        if found is not None and bool(found.item()):  # read on the host: the whole step skipped
+            return
+        if self._compiled is None:
+            from torchao.optim.adam import single_param_adam
+
+            self._compiled = torch.compile(single_param_adam, fullgraph=True, dynamic=False)
+        betas = group["betas"]
+        store = self.store
+        with torch.no_grad():
+            for param, grad, state in zip(layout.stepped, grads, layout.states):
+                local = local_of(param)
+                offset = store.offset_of(param)
+                if offset is None:
+                    value = local
+                else:
+                    high, low = store.flat_slices(local.device, offset, offset + local.numel())
+                    value = join_fp32(high, low).view(local.shape)
+                grad32 = grad.to(_FP32, copy=True).view(local.shape)
+                apply_grad_ops(grad32, grad_ops)
+                state["step"] += 1
+                with torch._dynamo.utils.disable_cache_limit():
+                    self._compiled(
+                        value, grad32, state["step"], local_of(state["exp_avg"]), local_of(state["exp_avg_sq"]),
+                        None, group["lr"], betas[0], betas[1], group["weight_decay"], group["eps"], self.adamw, False,
+                    )  # fmt: skip
+                if offset is not None:
+                    split_fp32_into(value.view(-1), high, low)
+
+
+def _clipping(grad_ops: list[tuple[str, Any]], kernel: bool) -> Optional[tuple[Optional[Tensor], Optional[float]]]:
+    """``(factor, clamp)`` the kernel applies: at most one clip-by-norm factor, then at most one clip-by-value bound
+    (the order Lightning applies them); ``None``: torchao's step applies ``grad_ops`` itself."""
+    if not kernel:
+        return None
+    factor: Optional[Tensor] = None
+    clamp: Optional[float] = None
+    for kind, value in grad_ops:
+        if kind == "mul" and factor is None and clamp is None:
+            factor = value.detach().to("cpu", _FP32).reshape(1).contiguous()
+        elif kind == "clamp" and clamp is None and adam8bit.CLAMPS:
+            clamp = float(value)
+        else:
+            return None
+    return factor, clamp
+
+
+__all__ = ["Adam8bitStep", "CLASSES", "is_8bit"]
