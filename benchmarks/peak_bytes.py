@@ -13,9 +13,9 @@ end of the last step). Figures are growth over the bytes alive at the start (the
 
 Exact, deterministic and the same on every CPU: it counts what ops return, not what allocators keep or kernels use
 inside themselves, and it needs no timing (a heap poll, as in ``benchmarks/decoder.py``, can miss a short peak and
-counts allocator slack). What it does not see: memory no aten op returns (the lean step's C kernel writes through
-raw addresses and allocates nothing; tensor subclasses' inner tensors, such as torchao's 8-bit optimizer states,
-and compiled code: those modes are measured by ``decoder.py``'s heap peak). Cyclic garbage collection is switched
+counts allocator slack). What it does not see: memory no aten op returns (the lean step's C kernels write through
+raw addresses and allocate nothing; compiled code's own buffers). Tensor subclasses' inner tensors, such as torchao's
+8-bit optimizer states, are made by aten ops and counted. Cyclic garbage collection is switched
 off while counting, so that tensors freed only by the collector count until the end instead of at a time that
 depends on the process's history.
 
@@ -71,6 +71,18 @@ MODES: dict[str, tuple[Callable[[], Any], dict[str, Any], list[L.Callback]]] = {
     "ours remainder, in backward": (
         lambda: MixedPrecisionPlugin("bf16-mixed", master_weights="remainder", optimizer_in_backward=True),
         {},
+        [],
+    ),
+    # torchao's AdamW8bit in one pass (issue 54): its state's inner tensors (codes, scales, maps) are made by aten
+    # ops and counted; the C kernel allocates nothing
+    "ours remainder, AdamW8bit": (
+        lambda: MixedPrecisionPlugin("bf16-mixed", master_weights="remainder"),
+        {"torchao": True},
+        [],
+    ),
+    "ours remainder, AdamW8bit, in backward": (
+        lambda: MixedPrecisionPlugin("bf16-mixed", master_weights="remainder", optimizer_in_backward=True),
+        {"torchao": True},
         [],
     ),
     # the gradients freed right after the step (zero_grad_after_step=True); by default they are kept until
@@ -213,6 +225,10 @@ def measure(
             return self.model(input_ids=ids, labels=ids).loss.float()
 
         def configure_optimizers(self) -> torch.optim.Optimizer:
+            if options.get("torchao"):  # torchao's AdamW8bit (the lean masters' one-pass 8-bit step)
+                from torchao.optim import AdamW8bit
+
+                return AdamW8bit(self.parameters(), lr=1e-4, weight_decay=0.01)
             return torch.optim.AdamW(self.parameters(), lr=1e-4, weight_decay=0.01, **options)
 
     generator = torch.Generator().manual_seed(0)

@@ -235,3 +235,19 @@ def test_state_the_kernel_cannot_read_is_refused_by_name_before_any_update():
     with pytest.raises(ValueError, match=r"shape \(128,\) in param_groups\[0\].*Nothing was updated"):
         store.fused_step(optimizer, None)
     assert all(torch.equal(a, b) for a, b in zip(_fp32(store, model), before))
+
+
+@KERNEL
+@pytest.mark.parametrize("in_backward", [False, True])
+def test_a_resumed_fit_continues_bitwise_as_the_uninterrupted_one(tmp_path, in_backward):
+    """Lightning's Trainer, AdamW8bit on lean masters (normal step, or inside backward): 8 steps in one go, and one
+    epoch (6 steps: Lightning resumes an epoch from its start) then a resume from its checkpoint for 2 more, end with
+    the same fp32 weights and 8-bit state, bit for bit."""
+    from tests.test_in_backward_generic import _assert_same_bits, _fit
+
+    _, whole = _fit(in_backward, tmp_path, "whole", "torchao-adamw8bit", max_steps=8)
+    _fit(in_backward, tmp_path, "half", "torchao-adamw8bit", max_steps=6)
+    _, resumed = _fit(in_backward, tmp_path, "resumed", "torchao-adamw8bit", resume=tmp_path / "half.ckpt", max_steps=8)
+    _assert_same_bits(resumed, whole)
+    kinds = [type(s["exp_avg"]).__name__ for s in whole["optimizer_states"][0]["state"].values()]
+    assert kinds.count("OptimState8bit") == 1  # the 256x16 weight; the rest fp32

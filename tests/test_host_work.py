@@ -15,6 +15,8 @@ import host_work
 
 @pytest.mark.parametrize("mode", sorted(host_work.BUDGET))
 def test_ops_our_code_issues_per_step_stay_within_budget(mode: str) -> None:
+    if "AdamW8bit" in mode:
+        pytest.importorskip("torchao.optim", reason="torchao is not installed: AdamW8bit cannot be counted")
     result = host_work.count(mode, blocks=16, counted=range(2, 3))
     assert result["tensors"] == 197
     ours = host_work.ours_per_step(result)

@@ -370,6 +370,9 @@ TORCH_AND_LIGHTNING_PRIVATE_API = {
     *("_average_model", "_copy_state_dict", "_in_fabric_backward", "_set_optimizer_in_backward"),
     # master/flat_moves.py: whether code still holds the masters' gradient buffer (torch counts its users only here)
     *("_storage_Use_Count", "_cdata"),
+    # master/lean/eightbit.py: torchao's own maker of an 8-bit optimizer's state (its layout stays torchao's), and
+    # the cache limit torchao's step lifts around its compiled per-parameter step
+    *("_new_buffer", "_dynamo"),
 }
 
 

@@ -6,8 +6,8 @@ blocks of lean masters), and each mode is held to its ``BUDGET`` the way ``tests
 
 A figure over its budget fails, naming the phase and by how much. A figure more than ``SLACK`` under its budget fails
 too: memory was won, so lower the budget to the new figure, and the win is held from then on. torchao's ``AdamW8bit``
-is not counted here (its states are tensor subclasses and its step compiled code, which a dispatch-level count does
-not see); ``benchmarks/decoder.py``'s heap peak measures it.
+on lean masters (the one-pass 8-bit step) is counted too: its state's inner tensors (codes, scales, maps) are made by
+aten ops, and the C kernel allocates nothing.
 """
 
 from __future__ import annotations
@@ -50,6 +50,15 @@ BUDGET: dict[str, dict[str, int]] = {
         "rest": 17_408_372,
         "teardown": 21_113_456,
     },
+    # torchao's AdamW8bit in one pass (issue 54): 8-bit moments (1 byte each and a scale per 256) for the weights of
+    # 4096+ values, fp32 ones for the rest: at rest 8.06 bytes/param with the kept bf16 gradients, 6.06 inside backward
+    "ours remainder, AdamW8bit": {"setup": 12_915_904, "steps": 13_412_020, "rest": 11_687_456, "teardown": 15_392_540},
+    "ours remainder, AdamW8bit, in backward": {
+        "setup": 12_915_904,
+        "steps": 10_772_736,
+        "rest": 8_786_552,
+        "teardown": 12_491_636,
+    },
 }
 #: a figure more than this share under its budget fails: lower the budget
 SLACK = 0.005
@@ -59,6 +68,8 @@ SLACK = 0.005
 def test_peak_live_tensor_bytes_of_a_fit_stay_at_budget(mode: str) -> None:
     from lightning_mp.kernels import native
 
+    if "AdamW8bit" in mode:
+        pytest.importorskip("torchao.optim", reason="torchao is not installed: AdamW8bit cannot be counted")
     if "remainder" in mode:  # the chunked fallback has other transients (its staging buffers): other figures
         assert native.enabled() and native.cpu_kernel() is not None, "the lean budgets are the compiled kernel's"
     result = peak_bytes.measure(mode)

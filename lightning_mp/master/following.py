@@ -166,8 +166,9 @@ def _record_state(record: _Record, optimizer: Optimizer) -> None:
         for value in pending:
             if type(value) is Tensor or not hasattr(value, "__tensor_flatten__"):
                 plain.append(value)
-            else:
-                wrapped.setdefault((type(value), tuple(value.__tensor_flatten__()[0])), []).append(value)
+            else:  # a DTensor's local shard by name (its flattening names more), any other's inner tensors
+                names = ("_local_tensor",) if hasattr(value, "_local_tensor") else _inner_names(value)
+                wrapped.setdefault((type(value), names), []).append(value)
         pending = []
         for (_, names), held in wrapped.items():
             getter = _getter(names)
@@ -179,6 +180,12 @@ def _record_state(record: _Record, optimizer: Optimizer) -> None:
     record.param_addresses = list(map(Tensor.data_ptr, _locals(record.flat, record.sharded)))
     record.storages = [t.untyped_storage() for t in record.tensors]  # held (module doc)
     record.state_valid = True
+
+
+def _inner_names(value: Tensor) -> tuple[str, ...]:
+    """The names of a wrapper subclass's inner tensors (``__tensor_flatten__``'s, those that are tensors)."""
+    names = value.__tensor_flatten__()[0]  # type: ignore[attr-defined]
+    return tuple(name for name in names if isinstance(getattr(value, name), Tensor))
 
 
 def _getter(names: tuple[str, ...]) -> Any:

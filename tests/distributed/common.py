@@ -143,6 +143,22 @@ class Net(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9, fused=self.fused)
 
 
+class Adam8bitNet(Net):
+    """``Net`` 1024 wide under torchao's ``AdamW8bit``: the first weight (4096 values) keeps 8-bit moments, the rest
+    fp32 ones (fewer than 4096 values), as torchao makes them."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.net = nn.Sequential(nn.Linear(4, 1024), nn.LayerNorm(1024), nn.Tanh(), nn.Linear(1024, 1))
+        self.net[0].register_forward_pre_hook(self._record_compute_dtype)
+        self.net[3].register_forward_hook(self._record_head_dtypes)
+
+    def configure_optimizers(self) -> Any:
+        from torchao.optim import AdamW8bit
+
+        return AdamW8bit(self.parameters(), lr=1e-2, weight_decay=0.1)
+
+
 class ManualNet(Net):
     """``Net`` with manual optimization: ``accumulate`` micro-batches per step, as Lightning's manual-optimization
     docs write it (under DDP every backward synchronises: no ``no_sync``), clipping by norm before ``opt.step()``."""

@@ -5,13 +5,14 @@
 bf16-mixed with ``master_weights="remainder"``: the uninterrupted run (inf on rank 0 at step INJECT_AT, norm
 clipping, a checkpoint after epoch 0), the run resumed from it, gradient accumulation in fp32 (the default: 2 and 3
 micro-batches, automatic and manual optimization, fp32 and bf16 reduction, a parameter DDP ignores) and in bf16, and
-a run with bf16 gradient reduction. Each rank saves what it saw to OUT/rank<r>.pt; runs with accumulation also keep every micro-batch's
+a run with bf16 gradient reduction, and one with torchao's ``AdamW8bit`` (``adam8bit``). Each rank saves what it saw to OUT/rank<r>.pt; runs with accumulation also keep every micro-batch's
 local bf16 gradient of the first layer's weight at step 0 (``micro_grads``) next to the gradient the step used
 (``grads``).
 """
 
 from __future__ import annotations
 
+import importlib.util
 import sys
 from pathlib import Path
 from typing import Any
@@ -21,7 +22,7 @@ import torch
 from lightning.pytorch.strategies import DDPStrategy
 from torch.nn.parallel import DistributedDataParallel
 
-from tests.distributed.common import ManualNet, Net, finish, fit, save
+from tests.distributed.common import Adam8bitNet, ManualNet, Net, finish, fit, save
 
 
 class HookProbe(L.Callback):
@@ -104,6 +105,8 @@ def main() -> None:
         "bf16-mixed", "remainder", accumulate=2, extra_callbacks=[MicroGradProbe()], model_class=IgnoredBiasNet
     )
     results["bf16_reduce"] = fit("bf16-mixed", "remainder", reduce_dtype="bf16")
+    if importlib.util.find_spec("torchao") is not None:  # torchao's AdamW8bit in one pass (master/lean/eightbit.py)
+        results["adam8bit"] = fit("bf16-mixed", "remainder", model_class=Adam8bitNet)
     save(results, out, results["full"]["rank"])
     finish()
 
