@@ -188,9 +188,10 @@ def test_replayed_layouts_follow_every_edit_of_the_state_and_the_groups():
 
 
 @KERNEL
-def test_clip_by_norm_through_the_kernel_equals_torchaos_own_step_on_the_joined_values(monkeypatch):
-    """The kernel's clipping factor (the store's deferred clip_grad_norm_) against the other path (torchao's own
-    compiled step per parameter, as on a GPU or without a compiler), bitwise."""
+@pytest.mark.parametrize("clip", ["norm", "value", "norm+value"])
+def test_clipping_through_the_kernel_equals_torchaos_own_step_on_the_joined_values(monkeypatch, clip):
+    """The kernel's clipping (the store's deferred clip_grad_norm_ factor, clip_grad_value_ bound, or both) against
+    the other path (torchao's own compiled step per parameter, as on a GPU or without a compiler), bitwise."""
     results = []
     for native in ("1", "0"):
         monkeypatch.setenv("LIGHTNING_MP_NATIVE", native)
@@ -198,7 +199,10 @@ def test_clip_by_norm_through_the_kernel_equals_torchaos_own_step_on_the_joined_
         generator = torch.Generator().manual_seed(4)
         for _ in range(2):
             _grads(model.parameters(), generator, scale=10.0)
-            store.clip_grad_norm_(optimizer, 1.0, 2.0)
+            if "norm" in clip:
+                store.clip_grad_norm_(optimizer, 1.0, 2.0)
+            if "value" in clip:
+                store.clip_grad_value_(optimizer, 0.05)
             store.fused_step(optimizer, None)
         layout = store.updates.of(optimizer).generic.layouts[0]
         assert (layout.rows is not None) == (native == "1")
@@ -251,3 +255,24 @@ def test_a_resumed_fit_continues_bitwise_as_the_uninterrupted_one(tmp_path, in_b
     _assert_same_bits(resumed, whole)
     kinds = [type(s["exp_avg"]).__name__ for s in whole["optimizer_states"][0]["state"].values()]
     assert kinds.count("OptimState8bit") == 1  # the 256x16 weight; the rest fp32
+
+
+@KERNEL
+def test_inside_backward_a_non_finite_gradient_skips_its_parameter_alone(tmp_path):
+    """Inside backward each parameter's gradient is checked in its own kernel call (its flag slot set there): an inf
+    in one parameter's gradient leaves that parameter and its state as after the step before, named in the warning,
+    and the others step (their state as in a run without the inf)."""
+    from tests.test_in_backward_generic import Net, _fit, _same
+
+    case = "torchao-adamw8bit"
+    with pytest.warns(UserWarning, match=r"non-finite gradients in 1 parameter\(s\) \(net\.3\.weight\)"):
+        _, ours = _fit(True, tmp_path, "ours", case, bad_grad_at=1, max_steps=2)
+    _, one = _fit(True, tmp_path, "one", case, max_steps=1)
+    _, two = _fit(True, tmp_path, "two", case, max_steps=2)
+    index = list(dict(Net(case).named_parameters())).index("net.3.weight")
+    for key, value in ours["state_dict"].items():
+        expected = one if key == "net.3.weight" else two
+        assert torch.equal(value, expected["state_dict"][key]), key
+    for i, state in ours["optimizer_states"][0]["state"].items():
+        expected = one if i == index else two
+        assert all(_same(v, expected["optimizer_states"][0]["state"][i][k]) for k, v in state.items()), i

@@ -5,7 +5,10 @@
   torchao's (steps of either, and a ``state_dict`` round trip, interleave);
 - (b) against a float64 evaluation of the same quantized update rounded once: the measured gap (1 ulp weights, codes
   one apart only at a decision midpoint);
-- (c) a set ``found_inf`` changes nothing; step counters; lists of pieces; refusals (``amsgrad``, bad tensors).
+- (c) a set ``found_inf`` changes nothing; step counters; lists of pieces; refusals (``amsgrad``, bad tensors);
+- (d) the kernel's code search (a table per map) against the reference binary search and torchao's
+  ``quantize_8bit_with_qmap`` on millions of values and every edge (zero codes differ), maps it falls back for; the
+  tables' cache: maps edited in place, more maps than it holds, concurrent calls; late steps (bc1 == 1).
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import math
+from typing import Optional
 
 import pytest
 import torch
@@ -63,19 +67,20 @@ def _differences(ours, theirs) -> dict[str, int]:
 
 
 # ---------------------------------------------------------------------- (a) bitwise torchao's own step
-# (optimizer, shape, its options, gradient dtype, grad factor); one torch.compile of torchao's step each
+# (optimizer, shape, its options, gradient dtype, grad factor, clip-by-value bound); one torch.compile of torchao's
+# step each
 TORCHAO_CASES = [
-    ("AdamW8bit", (4096,), {}, torch.bfloat16, None),
-    ("AdamW8bit", (64, 80), {"weight_decay": 0.0}, torch.float32, 0.5),  # unscale factor, no decay
-    ("Adam8bit", (40, 128), {"weight_decay": 0.1, "betas": (0.3, 0.4)}, torch.bfloat16, None),  # lerp's other branch
-    ("AdamW8bit", (8192,), {"block_size": 2048}, torch.bfloat16, 2.0**-10),  # blocks of two passes
-    ("AdamW8bit", (30, 10), {"weight_decay": 0.05}, torch.bfloat16, None),  # < 4096: torchao keeps fp32 moments
+    ("AdamW8bit", (4096,), {}, torch.bfloat16, None, None),
+    ("AdamW8bit", (64, 80), {"weight_decay": 0.0}, torch.float32, 0.5, 0.002),  # unscale factor, clip, no decay
+    ("Adam8bit", (40, 128), {"weight_decay": 0.1, "betas": (0.3, 0.4)}, torch.bfloat16, None, None),  # lerp's other
+    ("AdamW8bit", (8192,), {"block_size": 2048}, torch.bfloat16, 2.0**-10, None),  # blocks of two passes
+    ("AdamW8bit", (30, 10), {"weight_decay": 0.05}, torch.bfloat16, None, 0.01),  # < 4096: fp32 moments; clipped
 ]
 
 
 @pytest.mark.parametrize("case", TORCHAO_CASES, ids=lambda c: f"{c[0]}-{'x'.join(map(str, c[1]))}-{c[2]}")
 def test_bitwise_torchao(case, monkeypatch):
-    name, shape, options, grad_dtype, factor = case
+    name, shape, options, grad_dtype, factor, clamp = case
     monkeypatch.setattr(adam8bit, "GRAIN", 1024)  # several units (threads) even on these small tensors
     generator = torch.Generator().manual_seed(1)
     high, low = _lean(shape, generator)
@@ -90,11 +95,13 @@ def test_bitwise_torchao(case, monkeypatch):
         group["lr"].fill_(1e-2 * (0.5 + k))  # an lr schedule: torchao's lr tensor, read by both
         grad = (torch.randn(shape, generator=generator) * 10.0 ** -(k % 3 + 1)).to(grad_dtype)
         master.grad = grad.float() * mul if mul is not None else grad.float()  # as the chunked path's grad.mul_
+        if clamp is not None:  # then clip_grad_value_ (torch's clamp_min_, clamp_max_ in fp32)
+            master.grad.clamp_min_(-clamp).clamp_max_(clamp)
         optimizer.step()
         adam8bit.adam8bit_step(
             high, low, grad, exp_avg, exp_avg_sq, step, lr=group["lr"], beta1=group["betas"][0],
             beta2=group["betas"][1], eps=group["eps"], weight_decay=group["weight_decay"],
-            adamw=name.startswith("AdamW"), grad_mul=mul,
+            adamw=name.startswith("AdamW"), grad_mul=mul, clamp=clamp,
         )  # fmt: skip
         state = optimizer.state[master]
         assert isinstance(state["exp_avg"], OptimState8bit) == (math.prod(shape) >= 4096)
@@ -461,3 +468,229 @@ def test_no_compiler_warns_once_and_refuses(monkeypatch):
     finally:
         adam8bit._state.clear()
         adam8bit._state.update(saved)
+
+
+# ---------------------------------------------------------------------- (d) the code search's table, the maps' cache
+def _quantize_check():
+    check = adam8bit.cpu_kernel().lean_adam8bit_quantize_check
+    check.restype = ctypes.c_int
+    check.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+    return check
+
+
+def _ulps(x: torch.Tensor, k: int) -> torch.Tensor:
+    """``x`` moved ``k`` fp32 ulps (nextafter ``|k|`` times, towards +inf for k > 0)."""
+    target = torch.full_like(x, math.inf if k > 0 else -math.inf)
+    for _ in range(abs(k)):
+        x = torch.nextafter(x, target)
+    return x
+
+
+def _search_inputs(qmap: torch.Tensor, generator, sample: Optional[int] = None) -> torch.Tensor:
+    """Millions of random bit patterns; every map value, the midpoints between neighbours (in fp32 and rounded from
+    float64) and the largest / smallest values of fp32 and each of these up to 3 ulps apart; signed zeros, infinities,
+    NaNs, subnormals, values just outside [-1, 1]; every key of the 65536-key buckets where the code steps (with
+    ``sample``: of those where it steps more than once, and ``sample`` others)."""
+    bits = torch.randint(-(2**31), 2**31, (1 << 22,), generator=generator, dtype=torch.int64).to(torch.int32)
+    near = torch.rand(1 << 20, generator=generator) * 2 - 1  # the values m / scale takes
+    mid32 = (qmap[:-1] + qmap[1:]) * 0.5
+    mid64 = ((qmap[:-1].double() + qmap[1:].double()) / 2).float()
+    special = [0.0, -0.0, math.inf, -math.inf, math.nan, 1.0, -1.0, 3.4028234663852886e38, -3.4028234663852886e38]
+    points = torch.cat([qmap, mid32, mid64, torch.tensor(special), near[:4096]])
+    spread = torch.cat([points] + [_ulps(points, k) for k in (-3, -2, -1, 1, 2, 3)])
+    patterns = torch.tensor(
+        [0x7FC00000, 0xFFC00000, 0x7F800001, 0xFF800001, 0x7FFFFFFF, 0xFFFFFFFF, 0x7FA00000, 0x00000001, 0x80000001]
+        + [0x007FFFFF, 0x807FFFFF, 0x00400000, 0x80400000],  # NaNs (quiet, signalling, payloads), subnormals
+        dtype=torch.int64,
+    ).to(torch.int32)
+    subnormal = torch.randint(1, 1 << 23, (1 << 16,), generator=generator, dtype=torch.int32)
+    above = torch.cat([_ulps(torch.ones(1), k) for k in range(1, 200)] + [1 + torch.rand(4096, generator=generator)])
+    # the buckets (the keys' top 16 bits) of [-1.01, 1.01] where the map's code changes: all 65536 keys of each
+    keys = torch.arange(-(2**31), 2**31, 1 << 16, dtype=torch.int64)  # bucket starts, as keys
+    first = _from_keys(keys)
+    last = _from_keys(keys + 0xFFFF)
+    inside = (first.abs() <= 1.01) & (last.abs() <= 1.01)
+    jump = quantize_8bit_with_qmap(last, qmap).int() - quantize_8bit_with_qmap(first, qmap).int()
+    steps = keys[inside & (jump != 0)]
+    if sample is not None:
+        some = steps[torch.randperm(steps.numel(), generator=generator)[:sample]]
+        steps = torch.cat([keys[inside & (jump.abs() > 1)], some])
+    every = _from_keys((steps[:, None] + torch.arange(1 << 16)).reshape(-1))
+    return torch.cat(
+        [
+            bits.view(torch.float32), near, spread, patterns.view(torch.float32),
+            subnormal.view(torch.float32), -subnormal.view(torch.float32), above, -above, every,
+        ]
+    )  # fmt: skip
+
+
+def _from_keys(keys: torch.Tensor) -> torch.Tensor:
+    """The fp32 values of order-preserving keys (as int64, biased by -2**31): the inverse of the kernel's key_of."""
+    unsigned = keys + 2**31
+    bits = torch.where(unsigned >= 2**31, unsigned - 2**31, 2**32 - 1 - unsigned)
+    return bits.to(torch.int64).to(torch.uint32).view(torch.int32).view(torch.float32)
+
+
+def _search(qmap: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    fast, reference = torch.empty_like(x, dtype=torch.uint8), torch.empty_like(x, dtype=torch.uint8)
+    x, qmap = x.contiguous(), qmap.contiguous()
+    used = _quantize_check()(x.data_ptr(), x.numel(), qmap.data_ptr(), fast.data_ptr(), reference.data_ptr())
+    assert used in (0, 1), "the search of either moment of two and of one moment disagree"
+    return fast, reference, bool(used)
+
+
+@pytest.mark.parametrize("signed", [True, False], ids=["signed", "unsigned"])
+def test_table_search_equals_reference_search(signed):
+    """The kernel's code search (a table per 65536 keys, one step at most inside each) against the reference binary
+    search it is built from and against torchao's quantize_8bit_with_qmap, for torchao's maps: zero codes differ."""
+    from torchao.optim.quant_utils import create_dynamic_map
+    from torchao.optim.subclass_8bit import get_qmap_signed, get_qmap_unsigned
+
+    qmap = torch.tensor(get_qmap_signed() if signed else get_qmap_unsigned(), dtype=torch.float32)
+    assert torch.equal(qmap, torch.tensor(create_dynamic_map(signed), dtype=torch.float32))
+    x = _search_inputs(qmap, torch.Generator().manual_seed(20 + signed))
+    assert x.numel() > 8_000_000
+    fast, reference, used = _search(qmap, x)
+    assert used  # the table, not the fallback
+    assert int((fast != reference).sum()) == 0
+    torchao_codes = quantize_8bit_with_qmap(x, qmap)
+    assert int((reference != torchao_codes).sum()) == 0
+
+
+def test_table_search_other_maps():
+    """Maps the table is not built for (unsorted; an infinity; a NaN) take the reference search; a sorted map with
+    repeated values, and one with many steps inside a bucket (those buckets are searched as the reference), keep the
+    table: every code equal to torchao's either way."""
+    from torchao.optim.subclass_8bit import get_qmap_signed
+
+    generator = torch.Generator().manual_seed(30)
+    signed = torch.tensor(get_qmap_signed(), dtype=torch.float32)
+    repeated = signed.clone()
+    repeated[100:110] = signed[100]
+    repeated[200:202] = signed[201]
+    crowded = signed.clone()
+    crowded[140:180] = _ulps(torch.full((1,), 0.3), 1)[0] + torch.arange(40) * 2.0**-25  # 40 values 1 ulp apart
+    crowded, _ = crowded.sort()
+    unsorted = signed[torch.randperm(256, generator=generator)]
+    swapped = signed.clone()
+    swapped[[50, 51]] = swapped[[51, 50]]
+    with_inf, with_nan = signed.clone(), signed.clone()
+    with_inf[255], with_nan[3] = math.inf, math.nan
+    for name, qmap, table in [
+        ("repeated", repeated, True), ("crowded", crowded, True), ("unsorted", unsorted, False),
+        ("swapped", swapped, False), ("inf", with_inf, False), ("nan", with_nan, False),
+    ]:  # fmt: skip
+        x = _search_inputs(qmap, generator, sample=16) if name in ("repeated", "crowded") else torch.cat(
+            [torch.randint(-(2**31), 2**31, (1 << 20,), generator=generator).to(torch.int32).view(torch.float32),
+             torch.rand(1 << 18, generator=generator) * 2 - 1, qmap, _ulps(qmap, 1), _ulps(qmap, -1)]
+        )  # fmt: skip
+        fast, reference, used = _search(qmap, x)
+        assert used == table, name
+        assert int((fast != reference).sum()) == 0, name
+        assert int((reference != quantize_8bit_with_qmap(x, qmap)).sum()) == 0, name
+
+
+def _torchao_and_ours(n, generator, count=1, steps_before=0.0):
+    """``count`` parameters of ``n`` values: torchao AdamW8bit on fp32 masters and our lean copies, with the same fresh
+    8-bit states (torchao's own objects, each with its own maps; step counts at ``steps_before``), ready for
+    :func:`_step_both`."""
+    leans = [_lean((n,), generator) for _ in range(count)]
+    masters = [torch.nn.Parameter(join_fp32(high, low).clone()) for high, low in leans]
+    optimizer = torchao_optim.AdamW8bit(masters, lr=1e-2)
+    ours = []
+    for master, (high, low) in zip(masters, leans):
+        state = dict(step=torch.tensor(steps_before), exp_avg=_zeros_state((n,), True))
+        state["exp_avg_sq"] = _zeros_state((n,), False)
+        optimizer.state[master] = state
+        mine = {key: _clone(value) for key, value in state.items()}
+        ours.append(adam8bit.Adam8bitPiece(high, low, None, mine["exp_avg"], mine["exp_avg_sq"], mine["step"]))
+    return masters, optimizer, ours
+
+
+def _step_both(masters, optimizer, ours, generator):
+    for master, piece in zip(masters, ours):
+        piece.grad = (torch.randn(master.shape, generator=generator) * 1e-2).bfloat16()
+        master.grad = piece.grad.float()
+    optimizer.step()
+    adam8bit.adam8bit_step_pieces(ours, lr=optimizer.param_groups[0]["lr"])
+    for master, piece in zip(masters, ours):
+        assert torch.equal(join_fp32(piece.high, piece.low).view(torch.int32), master.detach().view(torch.int32))
+        state = optimizer.state[master]
+        assert _differences(piece.exp_avg, state["exp_avg"]) == {"codes": 0, "scales": 0}
+        assert _differences(piece.exp_avg_sq, state["exp_avg_sq"]) == {"codes": 0, "scales": 0}
+
+
+def test_late_steps_bitwise_torchao():
+    """From step 300 on, where 1 - beta1 ** step is 1 in fp32 (the kernel leaves out the division by it): torchao's
+    bits."""
+    generator = torch.Generator().manual_seed(35)
+    masters, optimizer, ours = _torchao_and_ours(8192, generator, count=2, steps_before=300.0)
+    for _ in range(3):
+        _step_both(masters, optimizer, ours, generator)
+    assert _f32(1 - _powf(_f32(0.9), 301.0)) == 1.0  # fp32's bc1 at the first of these steps
+
+
+def test_qmap_edited_in_place():
+    """A map edited in place between steps (same address, new values: a scaled map, then an unsorted one): the next
+    step uses the new values (no stale table or dequantization), torchao's bits."""
+    generator = torch.Generator().manual_seed(31)
+    masters, optimizer, ours = _torchao_and_ours(4096, generator)
+    state, piece = optimizer.state[masters[0]], ours[0]
+    _step_both(masters, optimizer, ours, generator)
+    for edit in (lambda q: q.mul_(0.5), lambda q: q.copy_(q.flip(0))):
+        for moment in (state["exp_avg"], state["exp_avg_sq"], piece.exp_avg, piece.exp_avg_sq):
+            edit(moment.qmap)
+        _step_both(masters, optimizer, ours, generator)
+    _step_both(masters, optimizer, ours, generator)
+
+
+def _edit_maps(moments, k):
+    for moment in moments:
+        moment.qmap.mul_(1 - k / 64)  # values of its own: a map (and table) per parameter
+
+
+def test_more_maps_than_the_cache_holds():
+    """Twelve parameters with maps of different values in one call: 24 maps, more than the cache's slots (some pieces
+    search and dequantize without a table): torchao's bits."""
+    generator = torch.Generator().manual_seed(32)
+    masters, optimizer, ours = _torchao_and_ours(4096, generator, count=12)
+    for k, (master, piece) in enumerate(zip(masters, ours)):
+        state = optimizer.state[master]
+        _edit_maps([state["exp_avg"], state["exp_avg_sq"], piece.exp_avg, piece.exp_avg_sq], k)
+    for _ in range(3):
+        _step_both(masters, optimizer, ours, generator)
+
+
+def test_concurrent_calls():
+    """Four Python threads stepping their own parameters at once (the kernel runs without the GIL), 24 maps of
+    different values among them: the same bytes as the same calls made one at a time."""
+    import threading
+
+    def pieces():
+        generator = torch.Generator().manual_seed(33)
+        made = [_quantized_piece(generator, 8192) for _ in range(12)]
+        for k, piece in enumerate(made):
+            _edit_maps([piece.exp_avg, piece.exp_avg_sq], k)
+        return made
+
+    generator = torch.Generator().manual_seed(34)
+    grads = [[(torch.randn(8192, generator=generator) * 1e-2).bfloat16() for _ in range(12)] for _ in range(4)]
+    groups = [[0, 1, 2], [3, 4, 5], [6, 7, 8], [9, 10, 11]]
+
+    def run(made, group):
+        for step_grads in grads:
+            for k in group:
+                made[k].grad = step_grads[k]
+            adam8bit.adam8bit_step_pieces([made[k] for k in group], lr=1e-2)
+
+    alone, together = pieces(), pieces()
+    for group in groups:
+        run(alone, group)
+    threads = [threading.Thread(target=run, args=(together, group)) for group in groups]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    for a, b in zip(alone, together):
+        for x, y in zip(_piece_tensors(a), _piece_tensors(b)):
+            assert _same_bytes(x, y)

@@ -34,8 +34,6 @@ from lightning_mp.kernels import native
 SOURCE = Path(__file__).with_name("lean_adam8bit.c")
 #: Elements per unit of work handed to a thread, rounded down to whole blocks (at least one).
 GRAIN = 1 << 16
-#: Whether the kernel clips by value (``run_rows``'s ``clamp``); else the caller's other path does.
-CLAMPS = False
 #: Entries of an 8-bit map (torchao's ``qmap``).
 QMAP_SIZE = 256
 
@@ -75,7 +73,9 @@ def cpu_kernel() -> Optional[ctypes.CDLL]:
                 ctypes.c_int64,
                 ctypes.c_int,  # adamw
                 *[ctypes.c_double] * 4,  # beta1, beta2, weight_decay, eps
-                *[ctypes.c_void_p] * 4,  # lr, grad_mul, found_inf, counts (an array of addresses)
+                *[ctypes.c_void_p] * 2,  # lr, grad_mul
+                ctypes.c_double,  # clamp (negative: none)
+                *[ctypes.c_void_p] * 3,  # found_inf, check, counts (an array of addresses)
                 ctypes.c_int64,  # ncounts
                 ctypes.c_int,  # threads
                 ctypes.c_int64,  # grain
@@ -184,6 +184,7 @@ def adam8bit_step_pieces(
     adamw: bool = True,
     amsgrad: bool = False,
     grad_mul: Optional[Tensor] = None,
+    clamp: Optional[float] = None,
     found_inf: Optional[Tensor] = None,
     increment_step: bool = True,
 ) -> None:
@@ -191,7 +192,8 @@ def adam8bit_step_pieces(
 
     ``lr``: a float or torchao's ``group["lr"]`` (a 1-element fp32 tensor); the other options as in torchao's param
     group (``betas``, ``eps``, ``weight_decay``). ``grad_mul``: a 1-element fp32 CPU tensor every gradient is
-    multiplied by first (an unscale factor, a clipping coefficient), as ``grad.mul_(factor)`` in fp32.
+    multiplied by first (an unscale factor, a clipping coefficient), as ``grad.mul_(factor)`` in fp32; ``clamp``: then
+    clipped to ``[-clamp, clamp]`` as ``clamp_min_(-clamp).clamp_max_(clamp)`` in fp32 (``clip_grad_value_``).
     ``found_inf``: a 1-element fp32 CPU tensor; when nonzero nothing is written (weights, remainders, moments, step
     counts). With ``increment_step`` each distinct step tensor advances by one first (torchao's
     ``state["step"] += 1``); without it the counts are read as they are.
@@ -220,7 +222,7 @@ def adam8bit_step_pieces(
     first_unit = (ctypes.c_int64 * (len(pieces) + 1))()
     library.lean_adam8bit(
         array, len(pieces), int(adamw), float(beta1), float(beta2), float(weight_decay), float(eps),
-        lr_tensor.data_ptr(), factor, flag, count_array, len(counts), native.threads(), GRAIN, first_unit,
+        lr_tensor.data_ptr(), factor, float(clamp) if clamp is not None else -1.0, flag, None, count_array, len(counts), native.threads(), GRAIN, first_unit,
     )  # fmt: skip
 
 
@@ -267,25 +269,26 @@ def run_rows(
     grad_mul: Optional[Tensor] = None,
     clamp: Optional[float] = None,
     found_inf: Optional[Tensor] = None,
+    check: Optional[Tensor] = None,
     held: Any = None,
 ) -> None:
     """One step of ``count`` pieces laid out as ``rows`` (:func:`piece_row`, each with its gradient's address and
     dtype filled in), as :func:`adam8bit_step_pieces` steps them: ``lr`` a 1-element fp32 CPU tensor, ``grad_mul`` one
     too (or ``None``), ``clamp`` a clip-by-value bound applied after it (or ``None``), ``found_inf`` a 1-element fp32
-    CPU tensor (nonzero: nothing is written), ``counts`` (:func:`counts_of`) advanced by one first. ``held``: the
-    caller's tensors behind the addresses (kept alive across the call)."""
+    CPU tensor (nonzero: nothing is written), ``counts`` (:func:`counts_of`) advanced by one first. ``check``: a
+    1-element fp32 CPU flag set to 1 where a gradient holds an inf or a NaN (read first), then taken as ``found_inf``
+    (the step inside backward's check and update in one call). ``held``: the caller's tensors behind the addresses
+    (kept alive across the call)."""
     library = cpu_kernel()
     if library is None:
         raise RuntimeError("the one-pass 8-bit Adam kernel is not built here (see the warning above)")
-    if clamp is not None:
-        raise NotImplementedError("clip by value in the 8-bit kernel")
     array = (ctypes.c_int64 * max(1, len(rows)))(*rows)
     first_unit = (ctypes.c_int64 * (count + 1))()
     library.lean_adam8bit(
         array, count, int(adamw), float(beta1), float(beta2), float(weight_decay), float(eps), lr.data_ptr(),
-        grad_mul.data_ptr() if grad_mul is not None else None,
-        found_inf.data_ptr() if found_inf is not None else None, counts, len(counts), native.threads(), GRAIN,
-        first_unit,
+        grad_mul.data_ptr() if grad_mul is not None else None, float(clamp) if clamp is not None else -1.0,
+        found_inf.data_ptr() if found_inf is not None else None, check.data_ptr() if check is not None else None,
+        counts, len(counts), native.threads(), GRAIN, first_unit,
     )  # fmt: skip
     del held
 

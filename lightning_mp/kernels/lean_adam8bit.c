@@ -12,7 +12,7 @@
  * same operations in the same order for each element (the order of inductor's decomposition of lerp included) and
  * is compiled with -ffp-contract=off as well, so the result is the same bits:
  *
- *   w  = join(high, low)                        g  = grad (fp32) [* grad_mul]
+ *   w  = join(high, low)                        g  = grad (fp32) [* grad_mul] [clamped to [-clamp, clamp]]
  *   AdamW: w = w - (lr * wd) * w                Adam: g = g + w * wd
  *   m0 = qmap1[code1] * scale1                  v0 = qmap2[code2] * scale2    (or the fp32 state, unquantized)
  *   m  = lerp(m0, g, 1 - beta1)                 v  = lerp(v0, g * g, 1 - beta2)
@@ -27,15 +27,36 @@
  * fp32 value of torchao's lr tensor. A parameter whose torchao state is plain fp32 (fewer than 4096 elements, or a
  * size that is not a multiple of the block) is updated the same way with its moments stored unquantized.
  *
+ * The code search, exact by construction: for a map of finite values sorted non-decreasing, torchao's code f(x) is a
+ * non-decreasing function of x over the non-NaN values (the binary search gives the last c with map[c] <= x, or 0;
+ * inside [map[c], map[c + 1]) the rounded residual x - map[c] grows with x, so the round-up to c + 1 switches on at
+ * most once, and from map[c + 1] on the code is at least c + 1); a NaN gives 0. Ordering the fp32 values by a key
+ * (their bits, the negatives' flipped: key_of), each bucket of 65536 consecutive keys (key >> 16) of a non-NaN range
+ * whose first and last codes (from the reference search) differ by at most one holds the codes first + (the key's
+ * low 16 bits >= t): its table entry keeps first and t (found by bisection with the reference search). So a value's
+ * code is one table read, a compare and an add, vectorised; buckets with more than one step, or with an infinity and
+ * NaNs, are marked and their values take the reference search; a map that is not sorted and finite has no table (all
+ * values take the reference search). Tables are built before the threads start and cached by the map's contents
+ * (compared on every call, never by address: a map edited in place gets its own table), a few at a time.
+ *
+ * Speed: the update is one loop per combination of the loop-invariant choices (weights lean or fp32, gradient bf16 or
+ * fp32, AdamW or Adam, writing or not, bc1 == 1 or not), with no branch inside, vectorised by the compiler; the
+ * divisions stay IEEE divisions in torchao's order. Where the CPU has AVX-512 VBMI, a block's codes are dequantized
+ * by byte permutes of the map's values held in registers (a lookup: the same values); elsewhere by indexed loads.
+ *
  * Parallel work: units of whole blocks of one parameter (at most `grain` elements each), on the OpenMP threads of the
  * calling thread (torch's pool) where built with OpenMP, else on threads of its own, as lean_update.c. Each block's
  * arithmetic is the same whichever thread runs it.
  *
  * Plain C, no torch headers: compiled at first use with the system's C compiler and loaded with ctypes.
  */
+#if defined(__AVX512VBMI__) && defined(__AVX512BW__)
+#include <immintrin.h>
+#endif
 #include <math.h>
 #include <pthread.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 typedef struct {
@@ -64,14 +85,15 @@ typedef struct {
     double beta1, beta2, weight_decay, eps;
     const float *lr;       /* torchao's lr (a 0-dim fp32 tensor) */
     const float *grad_mul; /* a factor every gradient is multiplied by first (unscaling, clipping), NULL: none */
+    double clamp;          /* then clip by value to [-clamp, clamp] (NaN kept); negative: none */
 } a8_options;
 
 /* join() and split(): the exact join and split, in place of the next line (lean_bits.h) */
 LEAN_BITS
 
 typedef struct {
-    float lr, decay, eps, bc1, bc2_sqrt, t1, t2, factor;
-    int adamw, big1, big2; /* big: lerp's |t| >= 0.5 branch */
+    float lr, decay, eps, bc1, bc2_sqrt, t1, t2, factor, bound; /* bound: the clamp, or +inf (no clamp) */
+    int adamw, big1, big2; /* big: lerp's |t| >= 0.5 form */
 } a8_consts;
 
 static void consts_of(const a8_piece *p, const a8_options *o, a8_consts *k) {
@@ -88,9 +110,12 @@ static void consts_of(const a8_piece *p, const a8_options *o, a8_consts *k) {
     k->t1 = k->big1 ? (float)(t1 - 1.0) : (float)t1;
     k->t2 = k->big2 ? (float)(t2 - 1.0) : (float)t2;
     k->factor = o->grad_mul ? *o->grad_mul : 1.0f;
+    k->bound = o->clamp >= 0 ? (float)o->clamp : INFINITY;
 }
 
-/* torchao's quantize_8bit_with_qmap of one value already divided by its block's scale, comparison for comparison. */
+/* ---------------------------------------------------------------------- the code search */
+/* torchao's quantize_8bit_with_qmap of one value already divided by its block's scale, comparison for comparison:
+ * the reference search (any map), and the definition the tables below are built from. */
 static inline uint8_t quantize(float x, const float *q) {
     int c = x >= q[128] ? 128 : 0;
     c += x >= q[c + 64] ? 64 : 0;
@@ -105,123 +130,333 @@ static inline uint8_t quantize(float x, const float *q) {
     return (uint8_t)(residual >= (q[up] - down) * 0.5f ? up : c);
 }
 
-/* Running maximum of |x[i]| (inductor's amax: -inf to start, NaN when any is NaN). */
-static void amax_of(const float *x, int64_t n, float *amax, int *nan) {
-    float a_max = *amax;
-    int any_nan = *nan;
+/* An fp32 value's key: its bits made unsigned in the order of the values (-0 just below +0, NaNs at the ends). */
+static inline uint32_t key_of(float x) {
+    uint32_t u;
+    memcpy(&u, &x, 4);
+    return u ^ ((uint32_t)((int32_t)u >> 31) | 0x80000000u);
+}
+
+static inline float value_of(uint32_t key) {
+    uint32_t u = key & 0x80000000u ? key ^ 0x80000000u : ~key;
+    float x;
+    memcpy(&x, &u, 4);
+    return x;
+}
+
+#define BUCKETS 65536 /* key >> 16 */
+#define REFERENCE 0x80000000u /* a table entry's flag: this bucket's values take the reference search */
+
+/* The table of a sorted map of finite values, one entry per bucket of 65536 keys (key >> 16): the code of the
+ * bucket's lowest key in the low 8 bits and, above them, the low 16 bits of the first key whose code is one more
+ * (65536: none); or REFERENCE, where a bucket's codes differ by more than one or it holds an infinity and NaNs.
+ * Returns 0 for a map that is not sorted or not finite (its values take the reference search). */
+static int build_table(const float *q, uint32_t *table) {
+    for (int i = 0; i < 256; i++)
+        if (!(q[i] - q[i] == 0.0f) || (i < 255 && !(q[i] <= q[i + 1]))) return 0; /* inf - inf and NaNs are NaN */
+    for (uint32_t b = 0; b < BUCKETS; b++) {
+        uint32_t base = b << 16, low = 0, high = 0xFFFFu, step = 65536;
+        if (b < 0x007Fu || b > 0xFF80u) { /* NaNs only: code 0 */
+            table[b] = step << 8;
+            continue;
+        }
+        int first = quantize(value_of(base), q), last = quantize(value_of(base | high), q);
+        if (b == 0x007Fu || b == 0xFF80u || last < first || last > first + 1) {
+            table[b] = REFERENCE | step << 8;
+            continue;
+        }
+        if (last != first) {
+            while (high - low > 1) { /* quantize(low) == first, quantize(high) == last */
+                uint32_t mid = (low + high) / 2;
+                if (quantize(value_of(base | mid), q) == first) low = mid;
+                else high = mid;
+            }
+            step = high;
+        }
+        table[b] = (uint32_t)first | step << 8;
+    }
+    return 1;
+}
+
+/* The tables of the maps last seen, by contents (a map's address is never trusted: its values are compared on every
+ * call). A slot in use by a call (users > 0) is never rebuilt; with every slot in use, a map gets no table. */
+#define MAPS 8
+typedef struct {
+    float qmap[256];
+    uint8_t planes[4][256]; /* byte k of every value in planes[k] (dequantize) */
+    uint32_t *table;        /* BUCKETS entries */
+    int valid, users;
+    uint64_t used;
+} a8_map;
+static a8_map map_slots[MAPS];
+static uint64_t map_clock;
+static pthread_mutex_t map_lock = PTHREAD_MUTEX_INITIALIZER;
+
+/* The slot holding q's table (users incremented: release it), or NULL (no table: the reference search). */
+static a8_map *acquire_map(const float *q) {
+    a8_map *slot = 0;
+    pthread_mutex_lock(&map_lock);
+    for (int i = 0; i < MAPS && !slot; i++)
+        if (map_slots[i].table && memcmp(map_slots[i].qmap, q, sizeof map_slots[i].qmap) == 0) slot = &map_slots[i];
+    if (!slot) { /* an empty slot, else the least recently used free one */
+        for (int i = 0; i < MAPS; i++) {
+            a8_map *s = &map_slots[i];
+            if (s->users == 0 && (!slot || !s->table || (slot->table && s->used < slot->used))) slot = s;
+            if (slot && !slot->table) break;
+        }
+        if (slot && !slot->table) slot->table = (uint32_t *)malloc(BUCKETS * sizeof(uint32_t));
+        if (slot && slot->table) {
+            memcpy(slot->qmap, q, sizeof slot->qmap);
+            slot->valid = build_table(slot->qmap, slot->table);
+            for (int c = 0; c < 256; c++) {
+                uint32_t bits;
+                memcpy(&bits, &slot->qmap[c], 4);
+                for (int k = 0; k < 4; k++) slot->planes[k][c] = (uint8_t)(bits >> 8 * k);
+            }
+        } else {
+            slot = 0;
+        }
+    }
+    if (slot) {
+        slot->users++;
+        slot->used = ++map_clock;
+    }
+    pthread_mutex_unlock(&map_lock);
+    return slot;
+}
+
+static void release_map(a8_map *slot) {
+    if (!slot) return;
+    pthread_mutex_lock(&map_lock);
+    slot->users--;
+    pthread_mutex_unlock(&map_lock);
+}
+
+/* codes[i] = quantize(x[i] / scale): one table entry per value, (key & 0xFFFF) >= the entry's step adding one;
+ * values whose entry says REFERENCE take the reference search afterwards. */
+static void quantize_range(const float *restrict x, int64_t n, float scale, uint8_t *restrict codes,
+                           const uint32_t *restrict table, const float *q) {
+    if (!table) {
+        for (int64_t i = 0; i < n; i++) codes[i] = quantize(x[i] / scale, q);
+        return;
+    }
+    uint32_t flags = 0;
     for (int64_t i = 0; i < n; i++) {
-        float a = fabsf(x[i]);
-        any_nan |= a != a;
-        a_max = a > a_max ? a : a_max;
+        uint32_t key = key_of(x[i] / scale), entry = table[key >> 16];
+        codes[i] = (uint8_t)((entry & 255u) + ((key & 0xFFFFu) >= (entry >> 8)));
+        flags |= entry;
     }
-    *amax = a_max;
-    *nan = any_nan;
-}
-
-/* torchao's scale of a block: its amax clipped below at 1e-12. A NaN is kept, as the all-ones pattern at::vec's
- * maximum (x86) makes of it in inductor's vectorised amax. */
-static inline float scale_of(float amax, int nan) {
-    if (nan) {
-        uint32_t bits = 0xFFFFFFFFu;
-        float value;
-        memcpy(&value, &bits, 4);
-        return value;
+    if (!(flags & REFERENCE)) return;
+    for (int64_t i = 0; i < n; i++) {
+        float value = x[i] / scale;
+        if (table[key_of(value) >> 16] & REFERENCE) codes[i] = quantize(value, q);
     }
-    return amax > 1e-12f ? amax : 1e-12f;
 }
 
-static void quantize_range(const float *x, int64_t n, float scale, uint8_t *codes, const float *q) {
-    for (int64_t i = 0; i < n; i++) codes[i] = quantize(x[i] / scale, q);
+/* quantize_range of both moments: one loop where both maps have tables (their reads interleave). */
+static void quantize_pair(const float *restrict x1, const float *restrict x2, int64_t n, float scale1, float scale2,
+                          uint8_t *restrict codes1, uint8_t *restrict codes2, const uint32_t *restrict table1,
+                          const uint32_t *restrict table2, const float *q1, const float *q2) {
+    if (!table1 || !table2) {
+        quantize_range(x1, n, scale1, codes1, table1, q1);
+        quantize_range(x2, n, scale2, codes2, table2, q2);
+        return;
+    }
+    uint32_t flags = 0;
+    for (int64_t i = 0; i < n; i++) {
+        uint32_t key1 = key_of(x1[i] / scale1), entry1 = table1[key1 >> 16];
+        uint32_t key2 = key_of(x2[i] / scale2), entry2 = table2[key2 >> 16];
+        codes1[i] = (uint8_t)((entry1 & 255u) + ((key1 & 0xFFFFu) >= (entry1 >> 8)));
+        codes2[i] = (uint8_t)((entry2 & 255u) + ((key2 & 0xFFFFu) >= (entry2 >> 8)));
+        flags |= entry1 | entry2;
+    }
+    if (!(flags & REFERENCE)) return;
+    for (int64_t i = 0; i < n; i++) {
+        float value1 = x1[i] / scale1, value2 = x2[i] / scale2;
+        if (table1[key_of(value1) >> 16] & REFERENCE) codes1[i] = quantize(value1, q1);
+        if (table2[key_of(value2) >> 16] & REFERENCE) codes2[i] = quantize(value2, q2);
+    }
 }
 
-/* Elements [begin, begin + n) of piece p: m and v hold the old moments (dequantized) and receive the new ones
- * (unquantized: torchao's step uses these, its state keeps their quantization); with `write`, the weights' update. */
-static void update_range(const a8_piece *p, const a8_consts *k, int64_t begin, int64_t n, float *m, float *v,
-                         int write) {
-    const uint16_t *g16 = (const uint16_t *)p->grad + begin;
-    const float *g32 = (const float *)p->grad + begin;
-    uint16_t *high = p->high + begin;
-    int16_t *low = p->low ? p->low + begin : 0;
-    float *w32 = (float *)(void *)p->high + begin;
+/* For tests: the codes of x[0..n) by the table search (the map's cached table, else the reference), in fast (as
+ * quantize_pair does it for either moment, and quantize_range, where all three agree), and by the reference search.
+ * Returns 1 where the table was used, 0 where not, -1 where the three disagree (or memory ran out). */
+int lean_adam8bit_quantize_check(const float *x, int64_t n, const float *qmap, uint8_t *fast, uint8_t *reference) {
+    float *zeros = (float *)calloc((size_t)n, sizeof(float));
+    uint8_t *other = (uint8_t *)malloc((size_t)n);
+    a8_map *slot = acquire_map(qmap);
+    const uint32_t *table = slot && slot->valid ? slot->table : 0;
+    int same = zeros && other;
+    if (same) {
+        quantize_pair(x, zeros, n, 1.0f, 1.0f, fast, other, table, table, qmap, qmap);
+        quantize_pair(zeros, x, n, 1.0f, 1.0f, other, reference, table, table, qmap, qmap);
+        same = memcmp(fast, reference, (size_t)n) == 0;
+        quantize_range(x, n, 1.0f, reference, table, qmap);
+        same = same && memcmp(fast, reference, (size_t)n) == 0;
+    }
+    release_map(slot);
+    free(zeros);
+    free(other);
+    for (int64_t i = 0; i < n; i++) reference[i] = quantize(x[i], qmap);
+    return same ? table != 0 : -1;
+}
+
+/* ---------------------------------------------------------------------- the update */
+/* torchao's scale of a block from the largest |x| (as bits: the order of non-negative floats) of its moments: the
+ * amax clipped below at 1e-12. A NaN (bits above inf's) is kept, as the all-ones pattern at::vec's maximum (x86)
+ * makes of it in inductor's vectorised amax. */
+static inline float scale_of(uint32_t amax_bits) {
+    if (amax_bits > 0x7F800000u) amax_bits = 0xFFFFFFFFu;
+    float amax;
+    memcpy(&amax, &amax_bits, 4);
+    return amax_bits == 0xFFFFFFFFu || amax > 1e-12f ? amax : 1e-12f;
+}
+
+/* Elements [at, at + n) of piece p: its weights (joined, or fp32) and gradients (times the factor: the same value when
+ * there is none) read; m and v hold the old moments and receive the new ones (unquantized: torchao's step uses these,
+ * its state keeps their quantization) and amax[0], amax[1] their largest |m|, |v| (as bits, see scale_of); with
+ * `write`, the new weights are written (split). lean, grad32, adamw, write and unit are constants where this is
+ * inlined (one loop each, no branch inside); lerp's form is a select. unit: bc1 is 1 (from step ~165 on with the
+ * default beta1), where m / bc1 is m itself, bit for bit (a NaN's payload too: x86 returns the dividend's), and the
+ * division is left out. */
+static inline __attribute__((always_inline)) void step_n(const a8_piece *p, const a8_consts *k, int64_t at, int64_t n,
+                                                        float *restrict m, float *restrict v, uint32_t *amax,
+                                                        const int lean, const int grad32, const int adamw,
+                                                        const int write, const int unit) {
+    uint16_t *restrict high = p->high + at;
+    int16_t *restrict low = lean ? p->low + at : 0;
+    float *restrict w32 = lean ? 0 : (float *)(void *)p->high + at;
+    const uint16_t *restrict g16 = (const uint16_t *)p->grad + at;
+    const float *restrict g32 = (const float *)p->grad + at;
     const float lr = k->lr, decay = k->decay, eps = k->eps, bc1 = k->bc1, bc2_sqrt = k->bc2_sqrt;
-    const float t1 = k->t1, t2 = k->t2, factor = k->factor;
+    const float t1 = k->t1, t2 = k->t2, factor = k->factor, bound = k->bound;
+    const int big1 = k->big1, big2 = k->big2;
+    uint32_t amax1 = amax[0], amax2 = amax[1];
     for (int64_t i = 0; i < n; i++) {
-        float w = low ? join(high[i], low[i]) : w32[i];
-        float g;
-        if (p->grad_fp32) {
-            g = g32[i];
+        float wi = lean ? join(high[i], low[i]) : w32[i], gi;
+        if (grad32) {
+            gi = g32[i];
         } else {
             uint32_t bits = (uint32_t)g16[i] << 16;
-            memcpy(&g, &bits, 4);
+            memcpy(&gi, &bits, 4);
         }
-        g = g * factor; /* the same value when there is no factor (1.0f) */
-        if (k->adamw) w = w - decay * w;
-        else g = g + w * decay;
-        float g2 = g * g, mi = m[i], vi = v[i];
-        mi = k->big1 ? g + (g - mi) * t1 : mi + (g - mi) * t1;
-        vi = k->big2 ? g2 + (g2 - vi) * t2 : vi + (g2 - vi) * t2;
+        gi = gi * factor;
+        gi = gi < -bound ? -bound : gi; /* torch's clamp_min_ then clamp_max_ (a NaN stays; +inf bound: no-op) */
+        gi = gi > bound ? bound : gi;
+        if (adamw) wi = wi - decay * wi;
+        else gi = gi + wi * decay;
+        float g2 = gi * gi, mi = m[i], vi = v[i];
+        mi = (big1 ? gi : mi) + (gi - mi) * t1;
+        vi = (big2 ? g2 : vi) + (g2 - vi) * t2;
         m[i] = mi;
         v[i] = vi;
+        uint32_t bits1, bits2;
+        memcpy(&bits1, &mi, 4);
+        memcpy(&bits2, &vi, 4);
+        amax1 = (bits1 & 0x7FFFFFFFu) > amax1 ? bits1 & 0x7FFFFFFFu : amax1;
+        amax2 = (bits2 & 0x7FFFFFFFu) > amax2 ? bits2 & 0x7FFFFFFFu : amax2;
         if (!write) continue;
-        w = w - (lr * (mi / bc1)) / (sqrtf(vi) / bc2_sqrt + eps);
-        if (low) split(w, &high[i], &low[i]);
-        else w32[i] = w;
+        wi = wi - (lr * (unit ? mi : mi / bc1)) / (sqrtf(vi) / bc2_sqrt + eps);
+        if (lean) split(wi, &high[i], &low[i]);
+        else w32[i] = wi;
+    }
+    amax[0] = amax1;
+    amax[1] = amax2;
+}
+
+static void step_range(const a8_piece *p, const a8_consts *k, int64_t at, int64_t n, float *m, float *v,
+                       uint32_t *amax, int write) {
+    int choice = (k->bc1 == 1.0f) << 4 | (p->low != 0) << 3 | (p->grad_fp32 != 0) << 2 | (k->adamw != 0) << 1;
+    switch (choice | (write != 0)) {
+#define STEP(c) \
+    case c: step_n(p, k, at, n, m, v, amax, c >> 3 & 1, c >> 2 & 1, c >> 1 & 1, c & 1, c >> 4); break;
+        STEP(0) STEP(1) STEP(2) STEP(3) STEP(4) STEP(5) STEP(6) STEP(7)
+        STEP(8) STEP(9) STEP(10) STEP(11) STEP(12) STEP(13) STEP(14) STEP(15)
+        STEP(16) STEP(17) STEP(18) STEP(19) STEP(20) STEP(21) STEP(22) STEP(23)
+        STEP(24) STEP(25) STEP(26) STEP(27) STEP(28) STEP(29) STEP(30) STEP(31)
+#undef STEP
     }
 }
 
 #define CHUNK 1024 /* elements staged at a time: a block up to this size in one pass, larger blocks in two */
 
-static void dequantize(const a8_piece *p, int64_t at, int64_t n, float s1, float s2, float *m, float *v) {
-    const uint8_t *c1 = p->codes1 + at, *c2 = p->codes2 + at;
-    for (int64_t i = 0; i < n; i++) m[i] = p->qmap1[c1[i]] * s1; /* dequant_with_qmap */
-    for (int64_t i = 0; i < n; i++) v[i] = p->qmap2[c2[i]] * s2;
+/* x[i] = q[codes[i]] * scale (dequant_with_qmap); map: q's cached slot, or NULL. */
+static void dequantize(const uint8_t *restrict codes, int64_t n, const float *restrict q, const a8_map *map,
+                       float scale, float *restrict x) {
+    int64_t i = 0;
+#if defined(__AVX512VBMI__) && defined(__AVX512BW__)
+    /* 64 at a time: each byte of the values by a byte permute of 128 entries (two, the code's top bit choosing), the
+     * four interleaved back into values within 128-bit lanes (the codes reordered first: values come out in order) */
+    static const uint8_t order[64] = { /* position 16 L + 4 j + t takes code 16 j + 4 L + t */
+        0, 1, 2, 3, 16, 17, 18, 19, 32, 33, 34, 35, 48, 49, 50, 51, 4, 5, 6, 7, 20, 21,
+        22, 23, 36, 37, 38, 39, 52, 53, 54, 55, 8, 9, 10, 11, 24, 25, 26, 27, 40, 41, 42, 43,
+        56, 57, 58, 59, 12, 13, 14, 15, 28, 29, 30, 31, 44, 45, 46, 47, 60, 61, 62, 63};
+    if (map && n >= 64) {
+        __m512i plane[4][4], b[4];
+        for (int k = 0; k < 4; k++)
+            for (int j = 0; j < 4; j++) plane[k][j] = _mm512_loadu_si512(map->planes[k] + 64 * j);
+        const __m512i reorder = _mm512_loadu_si512(order);
+        const __m512 s = _mm512_set1_ps(scale);
+        for (; i + 64 <= n; i += 64) {
+            __m512i c = _mm512_permutexvar_epi8(reorder, _mm512_loadu_si512(codes + i));
+            __mmask64 top = _mm512_movepi8_mask(c);
+            for (int k = 0; k < 4; k++)
+                b[k] = _mm512_mask_blend_epi8(top, _mm512_permutex2var_epi8(plane[k][0], c, plane[k][1]),
+                                              _mm512_permutex2var_epi8(plane[k][2], c, plane[k][3]));
+            __m512i low01 = _mm512_unpacklo_epi8(b[0], b[1]), high01 = _mm512_unpackhi_epi8(b[0], b[1]);
+            __m512i low23 = _mm512_unpacklo_epi8(b[2], b[3]), high23 = _mm512_unpackhi_epi8(b[2], b[3]);
+            _mm512_storeu_ps(x + i, _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpacklo_epi16(low01, low23)), s));
+            _mm512_storeu_ps(x + i + 16, _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpackhi_epi16(low01, low23)), s));
+            _mm512_storeu_ps(x + i + 32, _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpacklo_epi16(high01, high23)), s));
+            _mm512_storeu_ps(x + i + 48, _mm512_mul_ps(_mm512_castsi512_ps(_mm512_unpackhi_epi16(high01, high23)), s));
+        }
+    }
+#else
+    (void)map;
+#endif
+    for (; i < n; i++) x[i] = q[codes[i]] * scale;
 }
 
-/* One block [at, at + b) of a quantized piece. A block of at most CHUNK elements is staged whole: dequantized,
- * updated, requantized. A larger one takes two passes over CHUNK-element parts: the new moments' scales first (no
- * write), then the same arithmetic again, the weights written and the moments quantized with those scales. */
-static void run_block(const a8_piece *p, const a8_consts *k, int64_t at, int64_t b) {
+/* One block [at, at + b) of a quantized piece (maps: its maps' slots, or NULL). A block of at most CHUNK elements
+ * is done in one pass: dequantized, updated, requantized. A larger one takes two passes over CHUNK-element parts: the
+ * new moments' scales first (no write), then the same arithmetic again (the same largest values), the weights written
+ * and the moments quantized with those scales. */
+static void run_block(const a8_piece *p, const a8_consts *k, a8_map *const *maps, int64_t at, int64_t b) {
+    const uint32_t *table1 = maps[0] && maps[0]->valid ? maps[0]->table : 0;
+    const uint32_t *table2 = maps[1] && maps[1]->valid ? maps[1]->table : 0;
     float m[CHUNK], v[CHUNK];
     const int64_t blk = at / b;
     const float s1 = p->scale1[blk], s2 = p->scale2[blk];
-    float amax1 = -INFINITY, amax2 = -INFINITY;
-    int nan1 = 0, nan2 = 0;
-    if (b > CHUNK) {
+    uint32_t amax[2] = {0, 0};
+    for (int pass = b > CHUNK ? 0 : 1; pass < 2; pass++) {
         for (int64_t part = at; part < at + b; part += CHUNK) {
             int64_t n = at + b - part < CHUNK ? at + b - part : CHUNK;
-            dequantize(p, part, n, s1, s2, m, v);
-            update_range(p, k, part, n, m, v, 0);
-            amax_of(m, n, &amax1, &nan1);
-            amax_of(v, n, &amax2, &nan2);
+            dequantize(p->codes1 + part, n, p->qmap1, maps[0], s1, m);
+            dequantize(p->codes2 + part, n, p->qmap2, maps[1], s2, v);
+            step_range(p, k, part, n, m, v, amax, pass);
+            if (pass == 0) continue;
+            quantize_pair(m, v, n, scale_of(amax[0]), scale_of(amax[1]), p->codes1 + part, p->codes2 + part, table1,
+                          table2, p->qmap1, p->qmap2);
         }
     }
-    for (int64_t part = at; part < at + b; part += CHUNK) {
-        int64_t n = at + b - part < CHUNK ? at + b - part : CHUNK;
-        dequantize(p, part, n, s1, s2, m, v);
-        update_range(p, k, part, n, m, v, 1);
-        if (b <= CHUNK) {
-            amax_of(m, n, &amax1, &nan1);
-            amax_of(v, n, &amax2, &nan2);
-        }
-        quantize_range(m, n, scale_of(amax1, nan1), p->codes1 + part, p->qmap1);
-        quantize_range(v, n, scale_of(amax2, nan2), p->codes2 + part, p->qmap2);
-    }
-    p->scale1[blk] = scale_of(amax1, nan1);
-    p->scale2[blk] = scale_of(amax2, nan2);
+    p->scale1[blk] = scale_of(amax[0]);
+    p->scale2[blk] = scale_of(amax[1]);
 }
 
 /* Elements [begin, end) of piece p: whole blocks (quantized state) or any range (fp32 state). */
-static void run_range(const a8_piece *p, const a8_options *o, int64_t begin, int64_t end) {
+static void run_range(const a8_piece *p, const a8_options *o, a8_map *const *maps, int64_t begin,
+                      int64_t end) {
     a8_consts k;
     consts_of(p, o, &k);
     if (!p->codes1) {
+        uint32_t amax[2] = {0, 0}; /* not used */
         for (int64_t at = begin; at < end; at += CHUNK) {
             int64_t n = end - at < CHUNK ? end - at : CHUNK;
-            update_range(p, &k, at, n, p->state1 + at, p->state2 + at, 1);
+            step_range(p, &k, at, n, p->state1 + at, p->state2 + at, amax, 1);
         }
         return;
     }
-    for (int64_t at = begin; at < end; at += p->block) run_block(p, &k, at, p->block);
+    for (int64_t at = begin; at < end; at += p->block) run_block(p, &k, maps, at, p->block);
 }
 
 /* Work is cut into units of whole blocks (at most `grain` elements, at least one block) of one piece;
@@ -230,6 +465,7 @@ typedef struct {
     const a8_piece *pieces;
     const a8_options *options;
     const int64_t *first_unit;
+    a8_map *const *maps; /* two per piece: its maps' slots (tables), NULL: none (the reference search) */
     int64_t npieces, units, grain;
     int64_t next; /* the next unit to take (atomic; threads of its own) */
 } a8_work;
@@ -240,6 +476,8 @@ static int64_t unit_size(const a8_piece *p, int64_t grain) {
     return (blocks > 0 ? blocks : 1) * p->block;
 }
 
+static a8_map *const no_maps[2] = {0, 0};
+
 static void run_unit(const a8_work *w, int64_t unit) {
     int64_t lo = 0, hi = w->npieces - 1; /* the piece k with first_unit[k] <= unit < first_unit[k + 1] */
     while (lo < hi) {
@@ -249,7 +487,7 @@ static void run_unit(const a8_work *w, int64_t unit) {
     }
     const a8_piece *p = &w->pieces[lo];
     int64_t size = unit_size(p, w->grain), begin = (unit - w->first_unit[lo]) * size;
-    run_range(p, w->options, begin, begin + size < p->n ? begin + size : p->n);
+    run_range(p, w->options, w->maps ? w->maps + 2 * lo : no_maps, begin, begin + size < p->n ? begin + size : p->n);
 }
 
 #ifndef _OPENMP
@@ -263,18 +501,46 @@ static void *a8_worker(void *arg) {
 }
 #endif
 
-/* One step of every piece (torchao's step of each parameter: the pieces' elements are independent). Unless
- * *found_inf is nonzero (then nothing is written at all), every step count in `counts` first advances by one, as
- * torchao's `state["step"] += 1` (the pieces read their counts after that). The options are a8_options'
- * fields. */
+/* Whether any gradient of the pieces holds an inf or a NaN (its exponent bits all ones), reading them only. */
+static int any_non_finite(const a8_piece *pieces, int64_t npieces) {
+    for (int64_t k = 0; k < npieces; k++) {
+        const a8_piece *p = &pieces[k];
+        uint32_t seen = 0;
+        if (p->grad_fp32) {
+            const uint32_t *g = (const uint32_t *)p->grad;
+            for (int64_t i = 0; i < p->n; i++) seen |= (g[i] & 0x7F800000u) == 0x7F800000u;
+        } else {
+            const uint16_t *g = (const uint16_t *)p->grad;
+            for (int64_t i = 0; i < p->n; i++) seen |= (g[i] & 0x7F80u) == 0x7F80u;
+        }
+        if (seen) return 1;
+    }
+    return 0;
+}
+
+/* One step of every piece (torchao's step of each parameter: the pieces' elements are independent). With `check`
+ * (a flag: the step inside backward's slot of this parameter), the gradients are read first and *check set to 1 where
+ * one holds an inf or a NaN (as torch's check-only non-finite check), and the flag is found_inf. Unless *found_inf is
+ * nonzero (then nothing is written at all), every step count in `counts` first advances by one, as torchao's
+ * `state["step"] += 1` (the pieces read their counts after that). The options are a8_options' fields. */
 void lean_adam8bit(const a8_piece *pieces, int64_t npieces, int adamw, double beta1, double beta2,
-                   double weight_decay, double eps, const float *lr, const float *grad_mul, const float *found_inf,
-                   float *const *counts, int64_t ncounts, int threads, int64_t grain, int64_t *first_unit) {
+                   double weight_decay, double eps, const float *lr, const float *grad_mul, double clamp,
+                   const float *found_inf, float *check, float *const *counts, int64_t ncounts, int threads,
+                   int64_t grain, int64_t *first_unit) {
+    if (check) {
+        if (any_non_finite(pieces, npieces)) *check = 1.0f;
+        found_inf = check;
+    }
     if (found_inf && *found_inf != 0.0f) return;
-    a8_options option_values = {adamw, beta1, beta2, weight_decay, eps, lr, grad_mul}, *options = &option_values;
+    a8_options option_values = {adamw, beta1, beta2, weight_decay, eps, lr, grad_mul, clamp};
+    a8_options *options = &option_values;
     for (int64_t k = 0; k < ncounts; k++) *counts[k] = *counts[k] + 1.0f;
     if (npieces <= 0) return;
-    a8_work work = {pieces, options, first_unit, npieces, 0, grain, 0};
+    /* the maps' tables, found (or built) before the threads start; pieces without them search as the reference */
+    a8_map **maps = (a8_map **)calloc((size_t)npieces * 2, sizeof(a8_map *));
+    for (int64_t k = 0; maps && k < 2 * npieces; k++)
+        if (pieces[k / 2].codes1) maps[k] = acquire_map(k % 2 ? pieces[k / 2].qmap2 : pieces[k / 2].qmap1);
+    a8_work work = {pieces, options, first_unit, maps, npieces, 0, grain, 0};
     first_unit[0] = 0;
     for (int64_t k = 0; k < npieces; k++) {
         int64_t size = unit_size(&pieces[k], grain);
@@ -300,4 +566,6 @@ void lean_adam8bit(const a8_piece *pieces, int64_t npieces, int adamw, double be
     a8_worker(&work);
     for (int t = 0; t < started; t++) pthread_join(ids[t], 0);
 #endif
+    for (int64_t k = 0; maps && k < 2 * npieces; k++) release_map(maps[k]);
+    free(maps);
 }

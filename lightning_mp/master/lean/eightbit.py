@@ -37,6 +37,7 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
+from lightning_mp.grads import non_finite_check_and_unscale_
 from lightning_mp.kernels import adam8bit, native
 from lightning_mp.kernels.bits import join_fp32, split_fp32_into
 from lightning_mp.master.following import group_index, seen
@@ -173,6 +174,8 @@ class Adam8bitStep:
 
     #: the state is keyed by the model's parameters (as torchao's): the store keeps it fp32 across loads
     whole_param_state = True
+    #: inside backward, each parameter's gradient check is part of its step (``run_params(..., check=True)``)
+    checks_gradients = True
 
     def __init__(self, optimizer: Optimizer, store: LeanStore, chunk_size: int = 0) -> None:
         self.optimizer = optimizer
@@ -223,9 +226,16 @@ class Adam8bitStep:
             self.laid_out_at = (seen(self.optimizer, state=True).state, self.store.layout_version)
 
     def run_params(
-        self, params: list[Tensor], found_inf: Optional[Tensor], grad_ops: list[Any], on_host: Any = None
+        self,
+        params: list[Tensor],
+        found_inf: Optional[Tensor],
+        grad_ops: list[Any],
+        on_host: Any = None,
+        check: bool = False,
     ) -> None:
-        """The step of ``params`` alone (inside backward: one parameter per call, from its hook)."""
+        """The step of ``params`` alone (inside backward: one parameter per call, from its hook). With ``check``,
+        ``found_inf`` is the parameter's flag slot: set to 1 where its gradient holds an inf or a NaN, read first, as
+        the in-backward flags' ``check`` would (in the same kernel call where the kernel runs)."""
         groups = self.optimizer.param_groups
         for param in params:
             index = self._group_of.get(id(param))
@@ -240,7 +250,7 @@ class Adam8bitStep:
             layout = self.layouts.get(key)
             if layout is None or (layout.idle and param.grad is not None):
                 layout = self.layouts[key] = _GroupLayout(self.optimizer, group, [param], self.store)
-            self._step(group, layout, found_inf, grad_ops)
+            self._step(group, layout, found_inf, grad_ops, check)
 
     # ------------------------------------------------------------------ the step of one layout
     def _follow(self) -> None:
@@ -251,7 +261,12 @@ class Adam8bitStep:
             self.laid_out_at = now
 
     def _step(
-        self, group: dict[str, Any], layout: _GroupLayout, found: Optional[Tensor], grad_ops: list[tuple[str, Any]]
+        self,
+        group: dict[str, Any],
+        layout: _GroupLayout,
+        found: Optional[Tensor],
+        grad_ops: list[tuple[str, Any]],
+        check: bool = False,
     ) -> None:
         if not layout.stepped:
             return
@@ -264,7 +279,10 @@ class Adam8bitStep:
         grads = [local_of(g) for g in grads]
         clipping = _clipping(grad_ops, layout.rows is not None)
         dtypes = list(map(_DTYPE, grads))
-        if layout.rows is None or clipping is None or any(d not in _GRAD_DTYPES for d in dtypes):
+        on_cpu = found is None or (found.device.type == "cpu" and found.dtype == _FP32)
+        if layout.rows is None or clipping is None or not on_cpu or any(d not in _GRAD_DTYPES for d in dtypes):
+            if check and found is not None:  # the check-only non-finite check, as the in-backward flags run it
+                non_finite_check_and_unscale_(grads, found, found.new_ones(1), check_only=True)
             self._torchao_step(group, layout, grads, found, grad_ops)
             return
         if not all(map(Tensor.is_contiguous, grads)):  # read by address: a contiguous copy for this step
@@ -281,7 +299,7 @@ class Adam8bitStep:
         adam8bit.run_rows(
             rows, len(layout.stepped), layout.counts, lr=lr, beta1=betas[0], beta2=betas[1], eps=group["eps"],
             weight_decay=group["weight_decay"], adamw=self.adamw, grad_mul=clipping[0], clamp=clipping[1],
-            found_inf=found, held=layout.held,
+            found_inf=None if check else found, check=found if check else None, held=layout.held,
         )  # fmt: skip
 
     def _torchao_step(
@@ -332,7 +350,7 @@ def _clipping(grad_ops: list[tuple[str, Any]], kernel: bool) -> Optional[tuple[O
     for kind, value in grad_ops:
         if kind == "mul" and factor is None and clamp is None:
             factor = value.detach().to("cpu", _FP32).reshape(1).contiguous()
-        elif kind == "clamp" and clamp is None and adam8bit.CLAMPS:
+        elif kind == "clamp" and clamp is None:
             clamp = float(value)
         else:
             return None

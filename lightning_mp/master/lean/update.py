@@ -184,19 +184,26 @@ class LeanUpdate:
         ):
             return
         with native.inside_backward():  # its threads: native.backward_threads
-            found = flags.check(param, agree) if flags is not None else None
+            # the 8-bit step checks the gradient in its own kernel call (its slot set there); any other here
+            checked = flags is not None and agree is None and getattr(self.generic, "checks_gradients", False)
+            found = flags.slot(param) if checked else flags.check(param, agree) if flags is not None else None
             if torch.is_grad_enabled():  # a backward with create_graph=True (autograd runs the others without grad)
                 with torch.no_grad():
-                    self._run_param(param, group, found, grad_ops)
+                    self._run_param(param, group, found, grad_ops, checked)
             else:
-                self._run_param(param, group, found, grad_ops)
+                self._run_param(param, group, found, grad_ops, checked)
         if self.fast_at >= 0:  # this backward's hooks take fast forms: this parameter's made from its plan
             made = store.step_plans.get(id(param))
             options = self.fast_options.get(index)
             if made is not None and options is not None:
                 made.make_fast(param, options, flags.slot(param) if flags is not None else None)
 
-    def _run_param(self, param: Tensor, group: dict[str, Any], found: Optional[Tensor], grad_ops: list[Any]) -> None:
+    def _run_param(
+        self, param: Tensor, group: dict[str, Any], found: Optional[Tensor], grad_ops: list[Any], checked: bool
+    ) -> None:
+        if checked:  # torchao's 8-bit Adam: ``found`` is the parameter's slot, its gradient checked in the step
+            self.generic.run_params([param], found, grad_ops, check=True)
+            return
         if self.generic is not None:  # any other optimizer: its own step() on this parameter's fp32 slices
             self.generic.run_params([param], found, grad_ops)
             return
