@@ -11,11 +11,13 @@ each round's median update (wall time: the kernels run on ``--threads`` threads)
 - ``torch AdamW(fused), bf16``: ``bf16-true``'s (bf16 weights and state: lossy);
 - ``torchao AdamW8bit, fp32``: torchao's compiled 8-bit step on fp32 weights (the built-in with AdamW8bit);
 - ``lean AdamW``: ``master_weights="remainder"``'s one-pass update (``RemainderMasters.fused_step``);
-- ``lean AdamW8bit, generic``: ``master_weights="remainder"`` with torchao's AdamW8bit today (the generic path:
-  fp32 chunks joined, torchao's step, split back);
-- ``lean AdamW8bit, one pass``: the one-pass 8-bit kernel (``lightning_mp.kernels.adam8bit``) on the bf16 weights,
-  int16 remainders and torchao's 8-bit state: the same bits as torchao's step (``tests/test_lean_adam8bit.py``), not
-  yet what the plugin runs (issue 54).
+- ``lean AdamW8bit``: ``master_weights="remainder"`` with torchao's AdamW8bit, the lean store's step
+  (``RemainderMasters.fused_step``: the one-pass 8-bit step of ``master/lean/eightbit.py``, a replayed layout);
+- ``lean AdamW8bit, generic``: the same with a subclass of AdamW8bit, which takes the generic path (fp32 chunks
+  joined, torchao's compiled step, split back): what AdamW8bit ran before issue 54;
+- ``lean AdamW8bit, kernel alone``: the one-pass 8-bit kernel (``lightning_mp.kernels.adam8bit``) called directly on
+  the bf16 weights, int16 remainders and torchao's 8-bit state: the same bits as torchao's step
+  (``tests/test_lean_adam8bit.py``).
 
 Time nothing beside another job: on 2 cores a second OpenMP job makes every figure many times worse.
 """
@@ -39,8 +41,9 @@ MODES = (
     "torch AdamW(fused), bf16",
     "torchao AdamW8bit, fp32",
     "lean AdamW",
+    "lean AdamW8bit",
     "lean AdamW8bit, generic",
-    "lean AdamW8bit, one pass",
+    "lean AdamW8bit, kernel alone",
 )
 OPTIONS = dict(lr=1e-3, weight_decay=0.01)
 
@@ -70,7 +73,12 @@ def make_modes(tensors: int, numel: int) -> dict[str, Callable[[], None]]:
     params = _weights(tensors, numel, torch.float32)
     _grads(params, torch.float32)
     modes["torchao AdamW8bit, fp32"] = AdamW8bit(params, **OPTIONS).step
-    for name, make in (("lean AdamW", torch.optim.AdamW), ("lean AdamW8bit, generic", AdamW8bit)):
+
+    class SubclassedAdamW8bit(AdamW8bit):  # the generic path (the one-pass 8-bit step takes the exact class)
+        pass
+
+    lean = (("lean AdamW", torch.optim.AdamW), ("lean AdamW8bit", AdamW8bit))
+    for name, make in (*lean, ("lean AdamW8bit, generic", SubclassedAdamW8bit)):
         module = _weights(tensors, numel, torch.float32)
         store = RemainderMasters()
         store.convert(module)
@@ -90,7 +98,7 @@ def make_modes(tensors: int, numel: int) -> dict[str, Callable[[], None]]:
         grad = param.grad.to(torch.bfloat16)
         pieces.append(adam8bit.Adam8bitPiece(high, low, grad, state["exp_avg"], state["exp_avg_sq"], state["step"]))
     lr = reference.param_groups[0]["lr"]
-    modes["lean AdamW8bit, one pass"] = lambda: adam8bit.adam8bit_step_pieces(
+    modes["lean AdamW8bit, kernel alone"] = lambda: adam8bit.adam8bit_step_pieces(
         pieces, lr=lr, weight_decay=OPTIONS["weight_decay"]
     )
     for update in modes.values():  # the state made, kernels built and compiled

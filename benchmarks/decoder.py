@@ -10,6 +10,7 @@ Modes, each a fresh process per round, the rounds alternating the modes (so mach
   built-in as a careful user runs it (the reference of the table's ratios);
 - ``builtin-bf16``: the same with ``torch.optim.AdamW``'s default implementation;
 - ``builtin-bf16-true``: Lightning ``precision="bf16-true"`` (bf16 model, bf16 AdamW state: lossy);
+  ``builtin-bf16-true-fused``: the same with ``AdamW(fused=True)``;
 - ``ours+masters``: ``MixedPrecisionPlugin("bf16-mixed", master_weights=True)`` (bf16 model + flat fp32 masters);
 - ``ours+remainder``: ``master_weights="remainder"`` (bf16 model + 16-bit remainders), AdamW;
 - ``ours+remainder+compile``: the same with ``{"kind": "remainder", "compile": True}``;
@@ -86,6 +87,7 @@ MODES = [
     "builtin-bf16-fused",
     "builtin-bf16",
     "builtin-bf16-true",
+    "builtin-bf16-true-fused",
     "ours+masters",
     "ours+remainder",
     "ours+remainder+compile",
@@ -207,13 +209,14 @@ def _worker(args: argparse.Namespace) -> dict:
                 from torchao.optim import AdamW8bit
 
                 return AdamW8bit(self.parameters(), lr=1e-4, weight_decay=0.01)
-            fused = True if mode == "builtin-bf16-fused" else None  # what a careful user of the built-in picks
+            # what a careful user of the built-in picks
+            fused = True if mode in ("builtin-bf16-fused", "builtin-bf16-true-fused") else None
             return torch.optim.AdamW(self.parameters(), lr=1e-4, weight_decay=0.01, fused=fused)
 
     def trainer() -> L.Trainer:  # a fresh plugin each time
         kwargs: dict = dict(accelerator=args.device, devices=1, max_steps=args.steps, **QUIET_TRAINER)
         if mode.startswith("builtin"):
-            kwargs["precision"] = "bf16-true" if mode == "builtin-bf16-true" else "bf16-mixed"
+            kwargs["precision"] = "bf16-true" if mode.startswith("builtin-bf16-true") else "bf16-mixed"
         else:
             masters = {"ours+masters": True, "ours+remainder+compile": {"kind": "remainder", "compile": True}}.get(
                 mode, "remainder"
@@ -257,7 +260,7 @@ def _interleaved(args: argparse.Namespace) -> dict[str, list[float]]:
     runs = {}
     for mode in args.modes:
         if mode.startswith("builtin"):
-            precision = "bf16-true" if mode == "builtin-bf16-true" else "bf16-mixed"
+            precision = "bf16-true" if mode.startswith("builtin-bf16-true") else "bf16-mixed"
             fabric = L.Fabric(accelerator=device, devices=1, precision=precision)
         else:
             masters = True if mode == "ours+masters" else "remainder"
@@ -272,7 +275,7 @@ def _interleaved(args: argparse.Namespace) -> dict[str, list[float]]:
 
             optimizer = AdamW8bit(model.parameters(), lr=1e-4, weight_decay=0.01)
         else:
-            fused = True if mode == "builtin-bf16-fused" else None
+            fused = True if mode in ("builtin-bf16-fused", "builtin-bf16-true-fused") else None
             optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01, fused=fused)
         model, optimizer = fabric.setup(model, optimizer)
         runs[mode] = (fabric, model, optimizer, [])

@@ -14,7 +14,13 @@ the table gives the median over rounds of each round's median step):
 - ``remainder``: ``MixedPrecisionPlugin("bf16-mixed", master_weights="remainder")`` with ``torch.optim.AdamW``: the
   one-pass update (26 bytes/param), or the chunked one where it cannot be built (the table says which ran);
 - ``remainder, chunked``: the same with the one-pass kernel turned off (``LIGHTNING_MP_NATIVE=0``), the path
-  before it.
+  before it;
+- ``bf16-true AdamW(fused)``: ``Trainer(precision="bf16-true")`` with ``AdamW(fused=True)``: bf16 weights and state
+  (lossy), the smallest built-in;
+- ``remainder AdamW8bit``: lean masters with torchao's ``AdamW8bit``, the one-pass 8-bit step
+  (``master/lean/eightbit.py``); ``remainder AdamW8bit, in backward``: the same with ``optimizer_in_backward=True``;
+- ``remainder AdamW8bit, generic``: lean masters with a subclass of ``AdamW8bit``: the generic path (fp32 slices,
+  torchao's compiled step, split back), what ``AdamW8bit`` itself ran before the one-pass 8-bit step.
 
 The first step of a remainder mode in a fresh process includes building the kernel (or loading it from the cache):
 its time is printed under the table.
@@ -37,20 +43,41 @@ from torch.utils.data import DataLoader
 from lightning_mp import MixedPrecisionPlugin
 from lightning_mp.kernels import native
 
-MODES = ("builtin AdamW", "builtin AdamW(fused)", "remainder", "remainder, chunked")
+MODES = (
+    "builtin AdamW",
+    "builtin AdamW(fused)",
+    "bf16-true AdamW(fused)",
+    "remainder",
+    "remainder, chunked",
+    "remainder AdamW8bit",
+    "remainder AdamW8bit, in backward",
+    "remainder AdamW8bit, generic",
+)
+
+
+def _adamw8bit(params, generic: bool):
+    from torchao.optim import AdamW8bit
+
+    class SubclassedAdamW8bit(AdamW8bit):  # the generic path (the one-pass 8-bit step takes the exact class)
+        pass
+
+    return (SubclassedAdamW8bit if generic else AdamW8bit)(params, lr=1e-3, weight_decay=0.01)
 
 
 class _OnlyParameters(L.LightningModule):
-    def __init__(self, tensors: int, numel: int, fused: bool) -> None:
+    def __init__(self, tensors: int, numel: int, fused: bool, eight_bit: str = "") -> None:
         super().__init__()
         self.weights = nn.ParameterList([nn.Parameter(torch.randn(numel) * 0.02) for _ in range(tensors)])
         self.register_buffer("scale", torch.linspace(0.5, 1.5, numel))
         self.fused = fused
+        self.eight_bit = eight_bit  # "": torch's AdamW; "one pass" or "generic": torchao's AdamW8bit
 
     def training_step(self, batch, batch_idx):
         return sum((p * self.scale).sum() for p in self.weights)
 
     def configure_optimizers(self):
+        if self.eight_bit:
+            return _adamw8bit(self.parameters(), generic=self.eight_bit == "generic")
         return torch.optim.AdamW(self.parameters(), lr=1e-3, weight_decay=0.01, fused=self.fused or None)
 
 
@@ -86,11 +113,17 @@ class _StepTimer(L.Callback):
 def _fit(mode: str, args: argparse.Namespace, profile: bool = False) -> list[float]:
     os.environ["LIGHTNING_MP_NATIVE"] = "0" if mode.endswith("chunked") else "1"
     torch.manual_seed(0)
-    module = _OnlyParameters(args.tensors, args.numel, fused=mode == "builtin AdamW(fused)")
+    eight_bit = ("generic" if mode.endswith("generic") else "one pass") if "AdamW8bit" in mode else ""
+    module = _OnlyParameters(args.tensors, args.numel, fused=mode.endswith("AdamW(fused)"), eight_bit=eight_bit)
     if mode.startswith("builtin"):
         precision = {"precision": "bf16-mixed"}
+    elif mode.startswith("bf16-true"):
+        precision = {"precision": "bf16-true"}
     else:
-        precision = {"plugins": [MixedPrecisionPlugin("bf16-mixed", master_weights="remainder")]}
+        plugin = MixedPrecisionPlugin(
+            "bf16-mixed", master_weights="remainder", optimizer_in_backward=mode.endswith("in backward")
+        )
+        precision = {"plugins": [plugin]}
     timer = _StepTimer(args.device, profile)
     trainer = L.Trainer(
         accelerator=args.device, devices=1, max_steps=args.steps, **QUIET_TRAINER, callbacks=[timer], **precision

@@ -222,7 +222,8 @@ def adam8bit_step_pieces(
     first_unit = (ctypes.c_int64 * (len(pieces) + 1))()
     library.lean_adam8bit(
         array, len(pieces), int(adamw), float(beta1), float(beta2), float(weight_decay), float(eps),
-        lr_tensor.data_ptr(), factor, float(clamp) if clamp is not None else -1.0, flag, None, count_array, len(counts), native.threads(), GRAIN, first_unit,
+        lr_tensor.data_ptr(), factor, float(clamp) if clamp is not None else -1.0, flag, None, count_array, len(counts),
+        native.threads_for(_state.get("threading")), GRAIN, first_unit,
     )  # fmt: skip
 
 
@@ -288,7 +289,7 @@ def run_rows(
         array, count, int(adamw), float(beta1), float(beta2), float(weight_decay), float(eps), lr.data_ptr(),
         grad_mul.data_ptr() if grad_mul is not None else None, float(clamp) if clamp is not None else -1.0,
         found_inf.data_ptr() if found_inf is not None else None, check.data_ptr() if check is not None else None,
-        counts, len(counts), native.threads(), GRAIN, first_unit,
+        counts, len(counts), native.threads_for(_state.get("threading")), GRAIN, first_unit,
     )  # fmt: skip
     del held
 

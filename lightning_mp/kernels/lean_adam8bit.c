@@ -501,17 +501,33 @@ static void *a8_worker(void *arg) {
 }
 #endif
 
-/* Whether any gradient of the pieces holds an inf or a NaN (its exponent bits all ones), reading them only. */
-static int any_non_finite(const a8_piece *pieces, int64_t npieces) {
+/* Whether elements [begin, end) of piece p's gradient hold an inf or a NaN (exponent bits all ones), reading only. */
+static uint32_t non_finite_in(const a8_piece *p, int64_t begin, int64_t end) {
+    uint32_t seen = 0;
+    if (p->grad_fp32) {
+        const uint32_t *g = (const uint32_t *)p->grad;
+        for (int64_t i = begin; i < end; i++) seen |= (g[i] & 0x7F800000u) == 0x7F800000u;
+    } else {
+        const uint16_t *g = (const uint16_t *)p->grad;
+        for (int64_t i = begin; i < end; i++) seen |= (g[i] & 0x7F80u) == 0x7F80u;
+    }
+    return seen;
+}
+
+#define CHECK_PART (1 << 16) /* elements a thread checks at a time */
+
+/* Whether any gradient of the pieces holds an inf or a NaN, on `threads` threads (OpenMP build) in parts. */
+static int any_non_finite(const a8_piece *pieces, int64_t npieces, int threads) {
     for (int64_t k = 0; k < npieces; k++) {
         const a8_piece *p = &pieces[k];
+        const int64_t parts = (p->n + CHECK_PART - 1) / CHECK_PART;
         uint32_t seen = 0;
-        if (p->grad_fp32) {
-            const uint32_t *g = (const uint32_t *)p->grad;
-            for (int64_t i = 0; i < p->n; i++) seen |= (g[i] & 0x7F800000u) == 0x7F800000u;
-        } else {
-            const uint16_t *g = (const uint16_t *)p->grad;
-            for (int64_t i = 0; i < p->n; i++) seen |= (g[i] & 0x7F80u) == 0x7F80u;
+#ifdef _OPENMP
+#pragma omp parallel for schedule(static) reduction(| : seen) num_threads(threads) if (parts > 1 && threads > 1)
+#endif
+        for (int64_t part = 0; part < parts; part++) {
+            int64_t begin = part * CHECK_PART, end = begin + CHECK_PART < p->n ? begin + CHECK_PART : p->n;
+            seen |= non_finite_in(p, begin, end);
         }
         if (seen) return 1;
     }
@@ -528,7 +544,7 @@ void lean_adam8bit(const a8_piece *pieces, int64_t npieces, int adamw, double be
                    const float *found_inf, float *check, float *const *counts, int64_t ncounts, int threads,
                    int64_t grain, int64_t *first_unit) {
     if (check) {
-        if (any_non_finite(pieces, npieces)) *check = 1.0f;
+        if (any_non_finite(pieces, npieces, threads > 64 ? 64 : threads)) *check = 1.0f;
         found_inf = check;
     }
     if (found_inf && *found_inf != 0.0f) return;

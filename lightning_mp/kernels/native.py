@@ -335,6 +335,15 @@ def threads() -> int:
     return getattr(_local, "threads", None) or torch.get_num_threads()
 
 
+def threads_for(threading: Optional[str]) -> int:
+    """:func:`threads` for a kernel built with ``threading`` (``"openmp"``: torch's pool; else threads of its own), a
+    library other than this module's (the 8-bit kernel): inside :class:`inside_backward` torch's count on torch's
+    OpenMP pool, one with threads of its own (:func:`backward_threads`' reason); elsewhere torch's."""
+    if getattr(_local, "threads", None) is None:
+        return torch.get_num_threads()
+    return torch.get_num_threads() if threading == "openmp" else 1
+
+
 def run(pieces: list[Piece], options: Options, found_inf: Optional[torch.Tensor]) -> None:
     """One update of ``pieces`` on the CPU (the kernel must be built: :func:`cpu_kernel`), each gradient of the
     dtype ``options.grad_fp32`` says."""
