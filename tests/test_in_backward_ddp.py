@@ -26,6 +26,7 @@ def ranks(tmp_path_factory) -> list[dict]:
         ("ours_adamw", "reference_adamw"),
         ("ours_sgd", "reference_sgd"),
         ("ours_rmsprop", "reference_rmsprop"),
+        ("ours_adamw8bit", "reference_adamw8bit"),  # torchao's AdamW8bit: the one-pass 8-bit step
         ("ours_adamw_manual", "reference_adamw"),
         ("ours_adamw_small_buckets", "reference_adamw"),
         ("ours_adamw_bucket_views", "reference_adamw"),
@@ -34,6 +35,8 @@ def ranks(tmp_path_factory) -> list[dict]:
 def test_updates_after_each_buckets_all_reduce_equal_the_normal_lean_ddp_step_bitwise_on_both_ranks(
     ranks, run, reference
 ):
+    if run not in ranks[0]:
+        pytest.skip(f"{run}: torchao was not importable in the ranks")
     for rank in ranks:
         ours = rank[run]
         assert_same_bits(ours, rank[reference])
@@ -41,6 +44,8 @@ def test_updates_after_each_buckets_all_reduce_equal_the_normal_lean_ddp_step_bi
         assert ours["comm_hooks"] == ["_reduce_then_update"]
         assert all(ours["updated_in_backward"]) and not any(rank[reference]["updated_in_backward"])
         assert all(all(freed) for freed in ours["grads_after_step"])  # no gradient outlives its update
+        if run == "ours_adamw8bit":  # net.0.weight's 4096 values: 8-bit moments, stepped inside backward
+            assert type(ours["optimizer_state"][0]["exp_avg"]).__name__ == "OptimState8bit"
     # the LayerNorm (fp32 gradients) and the Linear layers (bf16) were both trained
     first, norm = ranks[0][reference]["optimizer_state"][0], ranks[0][reference]["optimizer_state"][2]
     assert first and norm

@@ -3,7 +3,7 @@
     python tests/distributed/ddp_in_backward_checks.py OUT
 
 Lean masters under ``strategy="ddp"``, the updates in backward (``ours``) and the normal lean DDP step
-(``reference``), AdamW, SGD and RMSprop (the generic path), 4 steps; AdamW with one bucket per parameter, with
+(``reference``), AdamW, SGD, RMSprop (the generic path) and torchao's AdamW8bit (when installed), 4 steps; AdamW with one bucket per parameter, with
 ``gradient_as_bucket_view`` and in manual optimization;
 then AdamW with a NaN loss on rank 1 only at step ``NAN_AT``, both ways; the refusals of reentrant checkpointing and
 of a param group added during fit (before backward updates anything).
@@ -13,6 +13,7 @@ left after each step, DDP's communication hook and the scaler's skipped steps to
 
 from __future__ import annotations
 
+import importlib.util
 import sys
 from pathlib import Path
 from typing import Any
@@ -40,7 +41,8 @@ class Net(L.LightningModule):
         # requires grad (DDP reduces it); "late_group": net.3 frozen at first, unfrozen and added at step 2
         self.variant = variant
         self.automatic_optimization = not manual
-        self.net = nn.Sequential(nn.Linear(16, 32), nn.LayerNorm(32), nn.GELU(), nn.Linear(32, 1))
+        width = 256 if optimizer == "adamw8bit" else 32  # AdamW8bit: net.0.weight's 4096 values take 8-bit moments
+        self.net = nn.Sequential(nn.Linear(16, width), nn.LayerNorm(width), nn.GELU(), nn.Linear(width, 1))
         if variant == "late_group":  # frozen before DDP wraps the model (as BaseFinetuning freezes at setup)
             self.net[3].requires_grad_(False)
         self.optimizer_name, self.nan_on_rank1 = optimizer, nan_on_rank1
@@ -99,6 +101,10 @@ class Net(L.LightningModule):
             return torch.optim.AdamW([p for layer in self.net[:3] for p in layer.parameters()], lr=1e-2)
         if self.optimizer_name == "adamw":
             return torch.optim.AdamW(self.parameters(), lr=1e-2, weight_decay=0.1)
+        if self.optimizer_name == "adamw8bit":  # torchao's: the one-pass 8-bit step (master/lean/eightbit.py)
+            from torchao.optim import AdamW8bit
+
+            return AdamW8bit(self.parameters(), lr=1e-2, weight_decay=0.1)
         if self.optimizer_name == "rmsprop":  # not AdamW/Adam/SGD: the generic path, on gloo's threads
             return torch.optim.RMSprop(self.parameters(), lr=1e-3, momentum=0.9, centered=True)
         return torch.optim.SGD(self.parameters(), lr=1e-2, momentum=0.9, nesterov=True, weight_decay=0.01)
@@ -143,7 +149,8 @@ def run(
 def main() -> None:
     out = Path(sys.argv[1])
     results = {}
-    for optimizer in ("adamw", "sgd", "rmsprop"):
+    eight_bit = ("adamw8bit",) if importlib.util.find_spec("torchao") is not None else ()
+    for optimizer in ("adamw", "sgd", "rmsprop", *eight_bit):
         results[f"ours_{optimizer}"] = run(True, optimizer)
         results[f"reference_{optimizer}"] = run(False, optimizer)
     # one bucket per parameter (DDP keeps the cap when it rebuilds its buckets), and gradients as bucket views
