@@ -192,10 +192,13 @@ def test_replayed_layouts_follow_every_edit_of_the_state_and_the_groups():
 def test_clipping_through_the_kernel_equals_torchaos_own_step_on_the_joined_values(monkeypatch, clip):
     """The kernel's clipping (the store's deferred clip_grad_norm_ factor, clip_grad_value_ bound, or both) against
     the other path (torchao's own compiled step per parameter, as on a GPU or without a compiler), bitwise."""
+    from lightning_mp.master.lean import eightbit
+
     results = []
     for native in ("1", "0"):
-        monkeypatch.setenv("LIGHTNING_MP_NATIVE", native)
         store, model, optimizer = _lean(torchao_optim.AdamW8bit, lr=1e-2)
+        if native == "0":  # the path chosen, the kernel then unavailable to its layouts: torchao's own step
+            monkeypatch.setattr(eightbit.adam8bit, "cpu_kernel", lambda: None)
         generator = torch.Generator().manual_seed(4)
         for _ in range(2):
             _grads(model.parameters(), generator, scale=10.0)
@@ -212,6 +215,19 @@ def test_clipping_through_the_kernel_equals_torchaos_own_step_on_the_joined_valu
     _same_state(results[0][1], results[1][1])
 
 
+def test_the_one_pass_path_is_taken_where_its_kernel_runs_else_the_generic_path(monkeypatch):
+    """Without the kernel (LIGHTNING_MP_NATIVE=0, no compiler, or a GPU: no Triton 8-bit kernel yet) torchao's 8-bit
+    optimizers keep the generic path, chunked, skipping on the device."""
+    from lightning_mp.master.lean.generic import GenericChunkedStep
+
+    store, _, optimizer = _lean(torchao_optim.AdamW8bit, lr=1e-2)
+    assert type(store.updates.of(optimizer).generic) is (Adam8bitStep if adam8bit.cpu_kernel() else GenericChunkedStep)
+    monkeypatch.setenv("LIGHTNING_MP_NATIVE", "0")
+    store, _, optimizer = _lean(torchao_optim.AdamW8bit, lr=1e-2)
+    assert type(store.updates.of(optimizer).generic) is GenericChunkedStep
+
+
+@KERNEL
 def test_amsgrad_and_a_float_lr_are_refused_before_any_update():
     store, model, optimizer = _lean(torchao_optim.AdamW8bit, lr=1e-2, amsgrad=True)
     _grads(model.parameters(), torch.Generator().manual_seed(5))

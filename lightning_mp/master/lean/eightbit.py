@@ -8,16 +8,17 @@ remainders join to, with the state *as torchao keeps it*: keyed by the model's p
 whole blocks, plain fp32 otherwise), so ``optimizer.state_dict()`` is the one torchao's optimizer of an fp32 model
 saves, and loads into it and back.
 
-Two ways to run a step, the same bits:
+The path is taken where the one pass runs (:func:`is_8bit`: the parameters on the CPU, the C kernel built); elsewhere
+(a GPU, no compiler, ``LIGHTNING_MP_NATIVE=0``) torchao's optimizers keep the generic path. Two ways to run a step
+here, the same bits:
 
-- one pass (the CPU, a C compiler present): :func:`lightning_mp.kernels.adam8bit.run_rows`, one call per param group
-  over every parameter of it: each element's weight and remainder are joined, its moments dequantized, updated and
-  requantized, and the weight split back, in one read and one write of each byte. Bitwise torchao's compiled step on
-  the joined fp32 values (``tests/test_lean_adam8bit.py``, ``tests/test_eightbit_step.py``).
-- torchao's own step (other devices, no compiler, ``LIGHTNING_MP_NATIVE=0``, clipping other than one clip-by-norm
-  factor then one clip-by-value bound, gradients neither bf16 nor fp32): per parameter, its fp32 value joined, torchao's
-  compiled ``single_param_adam`` on it, split back. A ``found_inf`` flag is read on the host there (one
-  synchronisation per step on a GPU).
+- one pass: :func:`lightning_mp.kernels.adam8bit.run_rows`, one call per param group over every parameter of it:
+  each element's weight and remainder are joined, its moments dequantized, updated and requantized, and the weight
+  split back, in one read and one write of each byte. Bitwise torchao's compiled step on the joined fp32 values
+  (``tests/test_lean_adam8bit.py``, ``tests/test_eightbit_step.py``).
+- torchao's own step, for what the kernel does not take (clipping other than one clip-by-norm factor then one
+  clip-by-value bound, gradients neither bf16 nor fp32, a parameter moved off the CPU): per parameter, its fp32
+  value joined, torchao's compiled ``single_param_adam`` on it, split back; a ``found_inf`` flag is read on the host.
 
 What a group's call reads is laid out once (:class:`_GroupLayout`: the addresses of the weights, remainders, codes,
 scales, maps and step counts, and the tensors behind them, held) and replayed while the optimizer's generation
@@ -56,9 +57,17 @@ _FP32_AT = adam8bit.PIECE_FIELDS.index("grad_fp32")
 
 
 def is_8bit(optimizer: Optimizer) -> bool:
-    """Whether ``optimizer`` is exactly torchao's ``AdamW8bit`` or ``Adam8bit`` (a subclass may change the step)."""
+    """Whether ``optimizer`` is exactly torchao's ``AdamW8bit`` or ``Adam8bit`` (a subclass may change the step) and
+    this path runs it in one pass here: its parameters on the CPU and the 8-bit kernel built. Elsewhere (a GPU: no
+    Triton 8-bit kernel yet; no C compiler; ``LIGHTNING_MP_NATIVE=0``) the generic path keeps running it, with its
+    chunks (bounded transient memory) and its skip on the device."""
     cls = type(optimizer)
-    return cls.__name__ in CLASSES and cls.__module__.split(".")[:2] == ["torchao", "optim"]
+    if cls.__name__ not in CLASSES or cls.__module__.split(".")[:2] != ["torchao", "optim"]:
+        return False
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    return (
+        all(local_of(p).device.type == "cpu" for p in params) and native.enabled() and adam8bit.cpu_kernel() is not None
+    )
 
 
 def _describe(optimizer: Optimizer, param: Tensor) -> str:
