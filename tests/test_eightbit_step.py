@@ -69,6 +69,17 @@ def _same_state(ours, theirs) -> None:
                 assert torch.equal(_bits(x), _bits(y)), key
 
 
+def _step_both(store, model, optimizer, reference, ref_optimizer, generator) -> None:
+    """One step of the lean model and of torchao's optimizer on the fp32 ``reference``, the same gradients: the same
+    weights after it, bit for bit."""
+    for ref, grad in zip(reference, _grads(model.parameters(), generator)):
+        ref.grad = grad.float()
+    store.fused_step(optimizer, None)
+    ref_optimizer.step()
+    for ours, theirs in zip(_fp32(store, model), reference):
+        assert torch.equal(_bits(ours), _bits(theirs.detach()))
+
+
 @KERNEL
 @pytest.mark.parametrize("name", ["AdamW8bit", "Adam8bit"])
 def test_bitwise_torchaos_own_optimizer_on_fp32_and_its_state_both_ways(name):
@@ -83,12 +94,7 @@ def test_bitwise_torchaos_own_optimizer_on_fp32_and_its_state_both_ways(name):
     ref_optimizer = make(reference, **options)
     generator = torch.Generator().manual_seed(1)
     for _ in range(3):
-        for ref, grad in zip(reference, _grads(model.parameters(), generator)):
-            ref.grad = grad.float()
-        store.fused_step(optimizer, None)
-        ref_optimizer.step()
-    for ours, theirs in zip(_fp32(store, model), reference):
-        assert torch.equal(_bits(ours), _bits(theirs.detach()))
+        _step_both(store, model, optimizer, reference, ref_optimizer, generator)
     states = [optimizer.state[p] for p in model.parameters()]  # keyed by the model's own parameters
     _same_state(states, [ref_optimizer.state[p] for p in reference])
     assert type(states[0]["exp_avg"]).__name__ == "OptimState8bit" and states[0]["exp_avg"].shape == (128, 64)
@@ -98,21 +104,11 @@ def test_bitwise_torchaos_own_optimizer_on_fp32_and_its_state_both_ways(name):
     theirs = [p.detach().clone().requires_grad_() for p in _fp32(store, model)]
     their_optimizer = make(theirs, **options)
     their_optimizer.load_state_dict(_copy(optimizer.state_dict()))
-    for ref, grad in zip(theirs, _grads(model.parameters(), generator)):
-        ref.grad = grad.float()
-    store.fused_step(optimizer, None)
-    their_optimizer.step()
-    for ours, value in zip(_fp32(store, model), theirs):
-        assert torch.equal(_bits(ours), _bits(value.detach()))
+    _step_both(store, model, optimizer, theirs, their_optimizer, generator)
     _same_state([optimizer.state[p] for p in model.parameters()], [their_optimizer.state[p] for p in theirs])
     optimizer.load_state_dict(_copy(their_optimizer.state_dict()))  # fp32 moments stay fp32 (not bf16)
     assert all(optimizer.state[p]["exp_avg"].dtype == torch.float32 for p in model.parameters())
-    for ref, grad in zip(theirs, _grads(model.parameters(), generator)):
-        ref.grad = grad.float()
-    store.fused_step(optimizer, None)
-    their_optimizer.step()
-    for ours, value in zip(_fp32(store, model), theirs):
-        assert torch.equal(_bits(ours), _bits(value.detach()))
+    _step_both(store, model, optimizer, theirs, their_optimizer, generator)
 
 
 def _copy(value):
@@ -271,27 +267,6 @@ def test_a_resumed_fit_continues_bitwise_as_the_uninterrupted_one(tmp_path, in_b
     _assert_same_bits(resumed, whole)
     kinds = [type(s["exp_avg"]).__name__ for s in whole["optimizer_states"][0]["state"].values()]
     assert kinds.count("OptimState8bit") == 1  # the 256x16 weight; the rest fp32
-
-
-@KERNEL
-def test_inside_backward_a_non_finite_gradient_skips_its_parameter_alone(tmp_path):
-    """Inside backward each parameter's gradient is checked in its own kernel call (its flag slot set there): an inf
-    in one parameter's gradient leaves that parameter and its state as after the step before, named in the warning,
-    and the others step (their state as in a run without the inf)."""
-    from tests.test_in_backward_generic import Net, _fit, _same
-
-    case = "torchao-adamw8bit"
-    with pytest.warns(UserWarning, match=r"non-finite gradients in 1 parameter\(s\) \(net\.3\.weight\)"):
-        _, ours = _fit(True, tmp_path, "ours", case, bad_grad_at=1, max_steps=2)
-    _, one = _fit(True, tmp_path, "one", case, max_steps=1)
-    _, two = _fit(True, tmp_path, "two", case, max_steps=2)
-    index = list(dict(Net(case).named_parameters())).index("net.3.weight")
-    for key, value in ours["state_dict"].items():
-        expected = one if key == "net.3.weight" else two
-        assert torch.equal(value, expected["state_dict"][key]), key
-    for i, state in ours["optimizer_states"][0]["state"].items():
-        expected = one if i == index else two
-        assert all(_same(v, expected["optimizer_states"][0]["state"][i][k]) for k, v in state.items()), i
 
 
 def test_inside_backward_the_8bit_kernel_takes_torchs_threads_on_torchs_pool():
