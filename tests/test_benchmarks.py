@@ -229,11 +229,14 @@ def test_step_alone_benchmark_times_every_mode_and_names_the_path():
         command + ["--steps", "4", "--rounds", "1", "--warmup", "1"], capture_output=True, text=True, timeout=300
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    rows = [line.split(" | ")[0] for line in done.stdout.splitlines() if line.startswith(("| builtin", "| remainder"))]
+    starts = ("| builtin", "| bf16-true", "| remainder")
+    rows = [line.split(" | ")[0] for line in done.stdout.splitlines() if line.startswith(starts)]
     from lightning_mp.kernels import native
 
     path = "| remainder (one pass)" if native.cpu_kernel() is not None else "| remainder (chunked)"  # no C compiler
-    assert rows == ["| builtin AdamW", "| builtin AdamW(fused)", path, "| remainder, chunked"]
+    eight_bit = ["| remainder AdamW8bit", "| remainder AdamW8bit, in backward", "| remainder AdamW8bit, generic"]
+    assert rows == ["| builtin AdamW", "| builtin AdamW(fused)", "| bf16-true AdamW(fused)", path,
+                    "| remainder, chunked", *eight_bit]  # fmt: skip
     assert "first step of the first fit" in done.stdout
 
 

@@ -133,10 +133,7 @@ def seen(optimizer: Optimizer, state: bool = False) -> Generation:
             unchanged = (
                 len(values) == len(record.values)
                 and all(map(is_, values, record.values))
-                and all(
-                    all(map(is_, chain.from_iterable(map(getter, wrapped)), inner))
-                    for getter, wrapped, inner in record.wrapped
-                )
+                and (not record.wrapped or _same_inner(record.wrapped))
                 and list(map(Tensor.data_ptr, record.tensors)) == record.addresses
                 and list(map(Tensor.data_ptr, map(_local, record.flat) if sharded else record.flat))
                 == record.param_addresses
@@ -180,6 +177,11 @@ def _record_state(record: _Record, optimizer: Optimizer) -> None:
     record.param_addresses = list(map(Tensor.data_ptr, _locals(record.flat, record.sharded)))
     record.storages = [t.untyped_storage() for t in record.tensors]  # held (module doc)
     record.state_valid = True
+
+
+def _same_inner(wrapped: list[tuple[Any, list[Tensor], list[Tensor]]]) -> bool:
+    """Whether every recorded wrapper subclass still holds the inner tensors recorded (by identity, by name)."""
+    return all(all(map(is_, chain.from_iterable(map(getter, values)), inner)) for getter, values, inner in wrapped)
 
 
 def _inner_names(value: Tensor) -> tuple[str, ...]:
