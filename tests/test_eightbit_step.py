@@ -279,3 +279,25 @@ def test_inside_backward_the_8bit_kernel_takes_torchs_threads_on_torchs_pool():
         assert native.threads_for("openmp") == torch.get_num_threads()
         assert native.threads_for("pthreads") == 1
     assert native.threads_for("pthreads") == torch.get_num_threads()  # outside backward: torch's
+
+
+@KERNEL
+def test_a_parameter_without_a_gradient_is_left_alone_and_the_others_step_as_torchaos():
+    """A parameter frozen for a step (its gradient None, as torchao's own step skips it), then trained again: each step
+    equals torchao's optimizer on fp32 copies with the same gradients, the layout made again each time."""
+    options = dict(lr=1e-2, weight_decay=0.1)
+    store, model, optimizer = _lean(torchao_optim.AdamW8bit, **options)
+    reference = [p.detach().clone().requires_grad_() for p in _fp32(store, model)]
+    ref_optimizer = torchao_optim.AdamW8bit(reference, **options)
+    generator = torch.Generator().manual_seed(8)
+    params = list(model.parameters())
+    for frozen in (None, 0, None, 3):
+        for index, (ref, grad) in enumerate(zip(reference, _grads(params, generator))):
+            ref.grad = None if index == frozen else grad.float()
+            if index == frozen:
+                params[index].grad = None
+        store.fused_step(optimizer, None)
+        ref_optimizer.step()
+        for ours, theirs in zip(_fp32(store, model), reference):
+            assert torch.equal(_bits(ours), _bits(theirs.detach()))
+    _same_state([optimizer.state[p] for p in params], [ref_optimizer.state[p] for p in reference])

@@ -102,16 +102,8 @@ def _state_of(optimizer: Optimizer, param: Tensor, group: dict[str, Any]) -> dic
     if not state:
         # torchao reads the parameter's shape, size, device (and, for a DTensor, its placement) and dtype only:
         # an fp32 stand-in of the same shape that holds no memory
-        like = torch.zeros((), dtype=_FP32, device=local_of(param).device).expand(param.shape)
-        if local_of(param) is not param:  # a DTensor: torchao wraps its local state the same way
-            like = type(param).from_local(  # type: ignore[attr-defined]
-                torch.zeros((), dtype=_FP32, device=local_of(param).device).expand(local_of(param).shape),
-                param.device_mesh,  # type: ignore[attr-defined]
-                param.placements,  # type: ignore[attr-defined]
-                run_check=False,
-                shape=param.shape,
-                stride=param.stride(),
-            )
+        # (not a DTensor: the path is not taken under FSDP2, whose store keeps the generic path)
+        like = torch.zeros((), dtype=_FP32, device=param.device).expand(param.shape)
         state["step"] = torch.tensor(0.0)
         state["exp_avg"] = optimizer._new_buffer(like, True)  # type: ignore[attr-defined]
         state["exp_avg_sq"] = optimizer._new_buffer(like, False)  # type: ignore[attr-defined]
@@ -173,7 +165,10 @@ class _GroupLayout:
             self.held += adam8bit.tensors_of(piece)
         self.rows = rows
         self.counts = adam8bit.counts_of(self.steps)
-        self.array: Any = None
+
+
+class _Stale(Exception):
+    """A parameter of the layout has no gradient this step: lay the group out again."""
 
 
 class Adam8bitStep:
@@ -229,8 +224,13 @@ class Adam8bitStep:
                 layout = self.layouts[index] = _GroupLayout(self.optimizer, group, group["params"], self.store)
                 made = True
             layouts.append(layout)
-        for group, layout in zip(groups, layouts):
-            self._step(group, layout, found_inf, grad_ops)
+        for index, (group, layout) in enumerate(zip(groups, layouts)):
+            try:
+                self._step(group, layout, found_inf, grad_ops)
+            except _Stale:  # a gradient set to None since (a parameter frozen): the parameters with one
+                layout = self.layouts[index] = _GroupLayout(self.optimizer, group, group["params"], self.store)
+                made = True
+                self._step(group, layout, found_inf, grad_ops)
         if made:  # the state the layouts made is the step's own: they hold at the new generation
             self.laid_out_at = (seen(self.optimizer, state=True).state, self.store.layout_version)
 
@@ -281,10 +281,7 @@ class Adam8bitStep:
             return
         grads = list(map(_GRAD, layout.stepped))
         if None in grads:
-            raise RuntimeError(
-                "a parameter's gradient went away between the optimizer's step being laid out and run; call "
-                "zero_grad(set_to_none=True) outside the step"
-            )
+            raise _Stale
         grads = [local_of(g) for g in grads]
         clipping = _clipping(grad_ops, layout.rows is not None)
         dtypes = list(map(_DTYPE, grads))
