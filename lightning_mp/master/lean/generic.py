@@ -217,6 +217,11 @@ class GenericChunkedStep:
         chunk_size: at most this many elements are fp32 at once (a bigger single row is one slice on its own).
     """
 
+    #: the state is keyed by the proxies (:class:`~.eightbit.Adam8bitStep`'s by the parameters)
+    whole_param_state = False
+    #: inside backward the gradient is checked before :meth:`run_params` (the 8-bit step checks it in its call)
+    checks_gradients = False
+
     def __init__(self, optimizer: Optimizer, store: LeanStore, chunk_size: int) -> None:
         self.optimizer = optimizer
         self.store = store

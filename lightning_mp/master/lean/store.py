@@ -157,10 +157,9 @@ class RemainderMasters(ConvertedModel):
         if self.model_sync is not None:
             self.model_sync.record_storage()  # the plugin's own move: not a write
         for optimizer in self._optimizers:
-            generic = self.updates.of(optimizer).generic
-            if (generic is None or getattr(generic, "whole_param_state", False)) and id(
-                optimizer
-            ) not in self._optimizer_hooks:
+            generic = self.updates.of(optimizer).generic  # its state keyed by the parameters: kept fp32 across loads
+            keyed_by_params = generic is None or generic.whole_param_state
+            if keyed_by_params and id(optimizer) not in self._optimizer_hooks:
                 self._optimizer_hooks[id(optimizer)] = keep_fp32_state(optimizer)  # attach() again: registered once
         self._record_groups()
 

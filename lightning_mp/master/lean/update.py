@@ -185,7 +185,7 @@ class LeanUpdate:
             return
         with native.inside_backward():  # its threads: native.backward_threads
             # the 8-bit step checks the gradient in its own kernel call (its slot set there); any other here
-            checked = flags is not None and agree is None and getattr(self.generic, "checks_gradients", False)
+            checked = flags is not None and agree is None and self.generic is not None and self.generic.checks_gradients
             found = flags.slot(param) if checked else flags.check(param, agree) if flags is not None else None
             if torch.is_grad_enabled():  # a backward with create_graph=True (autograd runs the others without grad)
                 with torch.no_grad():
