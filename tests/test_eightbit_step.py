@@ -119,6 +119,11 @@ def _copy(value):
     return torch.load(buffer, weights_only=False)
 
 
+def _swap_storage(tensor):
+    """``tensor.data = a copy``: the same tensor object over new memory (the old freed once nothing holds it)."""
+    tensor.data = tensor.detach().clone()
+
+
 def _kernel_reference(values, states, grads, *, factor=None, **options):
     """The 8-bit kernel's step of fp32 ``values`` with ``states`` (torchao's bits), for many-step checks."""
     for value, state, grad in zip(values, states, grads):
@@ -159,6 +164,10 @@ def test_replayed_layouts_follow_every_edit_of_the_state_and_the_groups():
         lambda: optimizer.state[params[2]].__setitem__("exp_avg", torch.ones(128)),  # a new moment tensor
         lambda: optimizer.param_groups[0]["lr"].fill_(3e-3),  # a scheduler's way
         lambda: None,
+        lambda: _swap_storage(optimizer.state[params[0]]["exp_avg"].codes),  # an inner tensor's storage swapped
+        lambda: optimizer.state.__setitem__(params[1], _copy(dict(optimizer.state[params[1]]))),  # restored copy
+        lambda: optimizer.load_state_dict(_copy(optimizer.state_dict())),
+        lambda: optimizer.param_groups[0]["params"].reverse(),  # the group's parameters permuted in place
     ]
     layouts = []
     for edit in edits:
@@ -181,6 +190,7 @@ def test_replayed_layouts_follow_every_edit_of_the_state_and_the_groups():
     assert layouts[1] is layouts[0]  # replayed: the state the first step made is the step's own
     assert layouts[2] is not layouts[1] and layouts[3] is not layouts[2]  # made again after each edit of the state
     assert layouts[5] is layouts[4] is layouts[3]  # the lr is read at each step, not laid out
+    assert all(layouts[k] is not layouts[k - 1] for k in range(6, 10))  # each edit after it: made again
 
 
 @KERNEL
