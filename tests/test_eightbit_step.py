@@ -311,3 +311,27 @@ def test_a_parameter_without_a_gradient_is_left_alone_and_the_others_step_as_tor
         for ours, theirs in zip(_fp32(store, model), reference):
             assert torch.equal(_bits(ours), _bits(theirs.detach()))
     _same_state([optimizer.state[p] for p in params], [ref_optimizer.state[p] for p in reference])
+
+
+@KERNEL
+def test_inside_backward_amsgrad_in_a_later_group_is_refused_before_any_parameter_is_updated():
+    """Inside backward the hooks update parameter by parameter: the group options are checked before backward, so a
+    group torchao cannot step (amsgrad) stops the step before any parameter of an earlier group moved."""
+    from lightning_mp.master.in_backward import StepInBackward
+
+    model = _model()
+    store = RemainderMasters()
+    store.convert(model)
+    groups = [{"params": list(model[0].parameters())}, {"params": list(model[1:].parameters()), "amsgrad": True}]
+    optimizer = torchao_optim.AdamW8bit(groups, lr=1e-2)
+    store.attach([optimizer])
+    stepper = StepInBackward(store, optimizer)
+    try:
+        before = _fp32(store, model)
+        loss = model(torch.randn(4, 64).to(torch.bfloat16)).float().pow(2).mean()
+        with pytest.raises(NotImplementedError, match=r"amsgrad=True.*param_groups\[1\]"):
+            stepper.begin(loss)
+            loss.backward()
+        assert all(torch.equal(a, b) for a, b in zip(_fp32(store, model), before))
+    finally:
+        stepper.remove()

@@ -250,6 +250,12 @@ def tensors_of(piece: Adam8bitPiece) -> list[Tensor]:
     return [t for t in (piece.high, piece.low, *moments, piece.step) if t is not None]
 
 
+def row_array(rows: list[int]) -> Any:
+    """``rows`` (:func:`piece_row` after piece_row) as the ctypes array :func:`run_rows` takes: laid out once, its
+    gradients' fields written in place each step (``array[field::len(PIECE_FIELDS)] = ...``)."""
+    return (ctypes.c_int64 * max(1, len(rows)))(*rows)
+
+
 def counts_of(steps: Sequence[Tensor]) -> Any:
     """The step counts the kernel advances (each distinct tensor once): a ctypes array of their addresses."""
     counts = list(dict.fromkeys(step.data_ptr() for step in steps))
@@ -257,7 +263,7 @@ def counts_of(steps: Sequence[Tensor]) -> Any:
 
 
 def run_rows(
-    rows: list[int],
+    rows: Any,
     count: int,
     counts: Any,
     *,
@@ -271,22 +277,24 @@ def run_rows(
     clamp: Optional[float] = None,
     found_inf: Optional[Tensor] = None,
     check: Optional[Tensor] = None,
+    first_unit: Any = None,
     held: Any = None,
 ) -> None:
-    """One step of ``count`` pieces laid out as ``rows`` (:func:`piece_row`, each with its gradient's address and
-    dtype filled in), as :func:`adam8bit_step_pieces` steps them: ``lr`` a 1-element fp32 CPU tensor, ``grad_mul`` one
+    """One step of ``count`` pieces laid out as ``rows`` (:func:`row_array` of :func:`piece_row`'s rows, each with
+    its gradient's address and dtype filled in), as :func:`adam8bit_step_pieces` steps them: ``lr`` a 1-element fp32 CPU tensor, ``grad_mul`` one
     too (or ``None``), ``clamp`` a clip-by-value bound applied after it (or ``None``), ``found_inf`` a 1-element fp32
     CPU tensor (nonzero: nothing is written), ``counts`` (:func:`counts_of`) advanced by one first. ``check``: a
     1-element fp32 CPU flag set to 1 where a gradient holds an inf or a NaN (read first), then taken as ``found_inf``
-    (the step inside backward's check and update in one call). ``held``: the caller's tensors behind the addresses
-    (kept alive across the call)."""
+    (the step inside backward's check and update in one call). ``first_unit``: a ctypes array of ``count + 1`` int64
+    the kernel fills (made here where ``None``). ``held``: the caller's tensors behind the addresses (kept alive
+    across the call)."""
     library = cpu_kernel()
     if library is None:
         raise RuntimeError("the one-pass 8-bit Adam kernel is not built here (see the warning above)")
-    array = (ctypes.c_int64 * max(1, len(rows)))(*rows)
-    first_unit = (ctypes.c_int64 * (count + 1))()
+    if first_unit is None:
+        first_unit = (ctypes.c_int64 * (count + 1))()
     library.lean_adam8bit(
-        array, count, int(adamw), float(beta1), float(beta2), float(weight_decay), float(eps), lr.data_ptr(),
+        rows, count, int(adamw), float(beta1), float(beta2), float(weight_decay), float(eps), lr.data_ptr(),
         grad_mul.data_ptr() if grad_mul is not None else None, float(clamp) if clamp is not None else -1.0,
         found_inf.data_ptr() if found_inf is not None else None, check.data_ptr() if check is not None else None,
         counts, len(counts), native.threads_for(_state.get("threading")), GRAIN, first_unit,
@@ -299,6 +307,6 @@ def _reset_for_tests() -> None:
 
 
 __all__ = [
-    "Adam8bitPiece", "adam8bit_step", "adam8bit_step_pieces", "counts_of", "cpu_kernel", "piece_row", "run_rows",
-    "tensors_of", "threading_model",
+    "Adam8bitPiece", "adam8bit_step", "adam8bit_step_pieces", "counts_of", "cpu_kernel", "piece_row", "row_array",
+    "run_rows", "tensors_of", "threading_model",
 ]  # fmt: skip

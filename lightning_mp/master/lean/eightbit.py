@@ -31,6 +31,7 @@ parameter at a time (:meth:`Adam8bitStep.run_params`).
 
 from __future__ import annotations
 
+import ctypes
 from operator import attrgetter
 from typing import Any, Optional
 
@@ -50,7 +51,8 @@ CLASSES = ("AdamW8bit", "Adam8bit")
 _GRAD = attrgetter("grad")
 _DTYPE = attrgetter("dtype")
 _FP32 = torch.float32
-_GRAD_DTYPES = (torch.bfloat16, torch.float32)
+_GRAD_DTYPES = frozenset((torch.bfloat16, torch.float32))
+_NO_CLIPPING: tuple[Optional[Tensor], Optional[float]] = (None, None)
 _FIELDS = len(adam8bit.PIECE_FIELDS)
 _GRAD_AT = adam8bit.PIECE_FIELDS.index("grad")
 _FP32_AT = adam8bit.PIECE_FIELDS.index("grad_fp32")
@@ -129,7 +131,7 @@ class _GroupLayout:
         self.states = [_state_of(optimizer, p, group) for p in self.stepped]
         self.steps = [s["step"] for s in self.states]
         self.held: list[Any] = []
-        self.rows: Optional[list[int]] = None
+        self.rows: Any = None  # the kernel's rows (a ctypes array, adam8bit.row_array), or None: torchao's step
         self.dtypes: list[torch.dtype] = []
         kernel = (
             native.enabled()
@@ -163,7 +165,8 @@ class _GroupLayout:
                     "(optimizer.state[param].clear()) to start it again, or load torchao's own state."
                 ) from None
             self.held += adam8bit.tensors_of(piece)
-        self.rows = rows
+        self.rows = adam8bit.row_array(rows)
+        self.first_unit = (ctypes.c_int64 * (len(self.stepped) + 1))()  # the kernel's work table, filled by it
         self.counts = adam8bit.counts_of(self.steps)
 
 
@@ -201,8 +204,11 @@ class Adam8bitStep:
         self.layouts.clear()
 
     def begin_params(self) -> None:
-        """Before the updates of one backward (the step inside backward): the layouts are kept while the optimizer's
-        state and groups are what they were laid out at."""
+        """Before the updates of one backward (the step inside backward): every group's options checked (a refusal
+        before any parameter is updated); the layouts kept while the optimizer's state and groups are what they were
+        laid out at."""
+        for index, group in enumerate(self.optimizer.param_groups):
+            _check_group(self.optimizer, index, group)
         self._follow()
         if not self._group_of:
             for index, group in enumerate(self.optimizer.param_groups):
@@ -253,8 +259,7 @@ class Adam8bitStep:
                 if index is None:
                     continue
                 self._group_of[id(param)] = index
-            group = groups[index]
-            _check_group(self.optimizer, index, group)
+            group = groups[index]  # (its options checked at begin_params)
             key = ("param", id(param))
             layout = self.layouts.get(key)
             if layout is None or (layout.idle and param.grad is not None):
@@ -282,30 +287,31 @@ class Adam8bitStep:
         grads = list(map(_GRAD, layout.stepped))
         if None in grads:
             raise _Stale
-        grads = [local_of(g) for g in grads]
-        clipping = _clipping(grad_ops, layout.rows is not None)
+        clipping = _clipping(grad_ops, layout.rows is not None) if grad_ops else _NO_CLIPPING
         dtypes = list(map(_DTYPE, grads))
         on_cpu = found is None or (found.device.type == "cpu" and found.dtype == _FP32)
-        if layout.rows is None or clipping is None or not on_cpu or any(d not in _GRAD_DTYPES for d in dtypes):
+        odd = dtypes != layout.dtypes and not _GRAD_DTYPES.issuperset(dtypes)  # neither bf16 nor fp32
+        if layout.rows is None or clipping is None or not on_cpu or odd:
             if check and found is not None:  # the check-only non-finite check, as the in-backward flags run it
                 non_finite_check_and_unscale_(grads, found, found.new_ones(1), check_only=True)
             self._torchao_step(group, layout, grads, found, grad_ops)
             return
         if not all(map(Tensor.is_contiguous, grads)):  # read by address: a contiguous copy for this step
             grads = [g.contiguous() for g in grads]
-        rows = layout.rows
+        rows = layout.rows  # written in place: the gradients' addresses (and dtypes where they changed)
         rows[_GRAD_AT::_FIELDS] = list(map(Tensor.data_ptr, grads))
         if dtypes != layout.dtypes:
             rows[_FP32_AT::_FIELDS] = [int(d == _FP32) for d in dtypes]
             layout.dtypes = dtypes
         betas = group["betas"]
-        lr = local_of(group["lr"])
+        lr = group["lr"]
         if lr.dtype != _FP32 or lr.device.type != "cpu":
             lr = lr.to("cpu", _FP32)
         adam8bit.run_rows(
             rows, len(layout.stepped), layout.counts, lr=lr, beta1=betas[0], beta2=betas[1], eps=group["eps"],
             weight_decay=group["weight_decay"], adamw=self.adamw, grad_mul=clipping[0], clamp=clipping[1],
-            found_inf=None if check else found, check=found if check else None, held=layout.held,
+            found_inf=None if check else found, check=found if check else None, first_unit=layout.first_unit,
+            held=layout.held,
         )  # fmt: skip
 
     def _torchao_step(
