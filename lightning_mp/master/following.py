@@ -151,10 +151,9 @@ def _record_state(record: _Record, optimizer: Optimizer) -> None:
     record.values = list(chain.from_iterable(map(dict.values, record.dicts)))
     values = [v for v in record.values if isinstance(v, Tensor)]
     record.sharded = any(_local(t) is not t for t in chain(values, record.flat))
-    # a state tensor's local shard, or a wrapper subclass's inner tensors (torchao's codes, scale and map), which
-    # hold the memory: their identities are compared by name through the values, their addresses as the others'
-    # hold the memory, level by level (a DTensor of an 8-bit state: its local shard, then that one's tensors): their
-    # identities are compared by name through the values, their addresses as the others'
+    # a plain state tensor, or a wrapper subclass's inner tensors (a DTensor's local shard; torchao's codes, scale and
+    # map), which hold the memory, level by level (a DTensor of an 8-bit state: its local shard, then that one's
+    # tensors): their identities are compared by name through the values, their addresses as the others'
     plain: list[Tensor] = []
     record.wrapped = []
     pending = values
