@@ -81,6 +81,11 @@ def cpu_kernel() -> Optional[ctypes.CDLL]:
                 ctypes.c_int64,  # grain
                 ctypes.POINTER(ctypes.c_int64),  # first_unit (npieces + 1)
             ]
+            library.lean_adam8bit_bias.restype = None  # (the CUDA kernel's host part: kernels/cuda_adam8bit.py)
+            library.lean_adam8bit_bias.argtypes = [
+                ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_double, ctypes.c_double,
+                ctypes.c_void_p,
+            ]  # fmt: skip
         except (OSError, RuntimeError, subprocess.SubprocessError) as error:
             warnings.warn(
                 f"lightning_mp: the one-pass 8-bit Adam update could not be built ({error}). Install a C compiler "
@@ -115,12 +120,17 @@ class Adam8bitPiece:
     step: Tensor
 
 
-def _plain(t: Tensor, name: str, dtypes: tuple[torch.dtype, ...], numel: Optional[int] = None) -> int:
-    """``t``'s address once it is a contiguous CPU tensor of one of ``dtypes`` (and ``numel`` elements)."""
+def _plain(
+    t: Tensor, name: str, dtypes: tuple[torch.dtype, ...], numel: Optional[int] = None, device: str = "cpu"
+) -> int:
+    """``t``'s address once it is a contiguous tensor of one of ``dtypes`` (and ``numel`` elements) on a ``device``
+    (a device type: ``"cpu"``, or ``"cuda"`` for the CUDA kernel's rows)."""
     if type(t) is not Tensor and not isinstance(t, torch.nn.Parameter):
         raise TypeError(f"{name}: a plain tensor is needed, got {type(t).__name__}")
-    if t.device.type != "cpu" or not t.is_contiguous() or t.dtype not in dtypes:
-        raise ValueError(f"{name}: a contiguous CPU tensor of {dtypes} is needed, got {t.dtype} on {t.device}")
+    if t.device.type != device or not t.is_contiguous() or t.dtype not in dtypes:
+        raise ValueError(
+            f"{name}: a contiguous {device.upper()} tensor of {dtypes} is needed, got {t.dtype} on {t.device}"
+        )
     if numel is not None and t.numel() != numel:
         raise ValueError(f"{name}: {numel} elements expected, got {t.numel()}")
     return t.data_ptr()
@@ -135,15 +145,16 @@ def _inner(moment: Any) -> tuple[Tensor, Tensor, Tensor]:
     return moment.codes, moment.scale, moment.qmap
 
 
-def _piece(p: Adam8bitPiece, index: int) -> list[int]:
+def _piece(p: Adam8bitPiece, index: int, device: str = "cpu") -> list[int]:
+    """``p``'s row; ``device``: where its tensors are (the step count is on the CPU whatever it is: torchao's)."""
     n = p.high.numel()
     if p.low is None:
-        high = _plain(p.high, f"pieces[{index}].high", (torch.float32,))
+        high = _plain(p.high, f"pieces[{index}].high", (torch.float32,), device=device)
         low = None
     else:
-        high = _plain(p.high, f"pieces[{index}].high", (torch.bfloat16,))
-        low = _plain(p.low, f"pieces[{index}].low", (torch.int16,), n)
-    grad = _plain(p.grad, f"pieces[{index}].grad", (torch.bfloat16, torch.float32), n)
+        high = _plain(p.high, f"pieces[{index}].high", (torch.bfloat16,), device=device)
+        low = _plain(p.low, f"pieces[{index}].low", (torch.int16,), n, device)
+    grad = _plain(p.grad, f"pieces[{index}].grad", (torch.bfloat16, torch.float32), n, device)
     step = _plain(p.step, f"pieces[{index}].step", (torch.float32,), 1)
     fields: dict[str, Any] = dict(high=high, low=low, grad=grad, step=step, n=n)
     fields["grad_fp32"] = int(p.grad.dtype == torch.float32)
@@ -161,13 +172,13 @@ def _piece(p: Adam8bitPiece, index: int) -> list[int]:
             if block is not None and block != n // scales:
                 raise ValueError(f"pieces[{index}]: exp_avg and exp_avg_sq have different block sizes")
             block = n // scales
-            fields[f"codes{k}"] = _plain(codes, f"{name}.codes", (torch.uint8,), n)
-            fields[f"scale{k}"] = _plain(scale, f"{name}.scale", (torch.float32,))
-            fields[f"qmap{k}"] = _plain(qmap, f"{name}.qmap", (torch.float32,), QMAP_SIZE)
+            fields[f"codes{k}"] = _plain(codes, f"{name}.codes", (torch.uint8,), n, device)
+            fields[f"scale{k}"] = _plain(scale, f"{name}.scale", (torch.float32,), device=device)
+            fields[f"qmap{k}"] = _plain(qmap, f"{name}.qmap", (torch.float32,), QMAP_SIZE, device)
         fields["block"] = block
     elif quantized == [False, False]:
-        fields["state1"] = _plain(p.exp_avg, f"pieces[{index}].exp_avg", (torch.float32,), n)
-        fields["state2"] = _plain(p.exp_avg_sq, f"pieces[{index}].exp_avg_sq", (torch.float32,), n)
+        fields["state1"] = _plain(p.exp_avg, f"pieces[{index}].exp_avg", (torch.float32,), n, device)
+        fields["state2"] = _plain(p.exp_avg_sq, f"pieces[{index}].exp_avg_sq", (torch.float32,), n, device)
     else:
         raise ValueError(f"pieces[{index}]: exp_avg and exp_avg_sq must both be 8-bit states or both fp32 tensors")
     return [int(fields.get(name) or 0) for name in PIECE_FIELDS]
@@ -236,10 +247,12 @@ def adam8bit_step(
 
 
 # ---------------------------------------------------------------------- laid out once, replayed (the lean step's)
-def piece_row(piece: Adam8bitPiece) -> list[int]:
-    """``piece``'s row of :data:`PIECE_FIELDS` for :func:`run_rows`, checked as :func:`adam8bit_step_pieces` checks
+def piece_row(piece: Adam8bitPiece, device: str = "cpu") -> list[int]:
+    """``piece``'s row of :data:`PIECE_FIELDS` for :func:`run_rows` (or, its tensors on ``device="cuda"``, for
+    :class:`~lightning_mp.kernels.cuda_adam8bit.Adam8bitLaunch`), checked as :func:`adam8bit_step_pieces` checks
     it; its gradient's address and dtype are the caller's to fill in each step (``piece.grad`` is not read)."""
-    return _piece(Adam8bitPiece(piece.high, piece.low, piece.high, piece.exp_avg, piece.exp_avg_sq, piece.step), 0)
+    like = Adam8bitPiece(piece.high, piece.low, piece.high, piece.exp_avg, piece.exp_avg_sq, piece.step)
+    return _piece(like, 0, device)
 
 
 def tensors_of(piece: Adam8bitPiece) -> list[Tensor]:

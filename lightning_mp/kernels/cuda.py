@@ -354,7 +354,7 @@ class CudaLeanUpdate:
         rows = len(numels) - 1
         cached = self._tables.get(key)
         if cached is None or (cached[0] is not flat and cached[0] != flat):
-            self._tables[key] = cached = (flat, _to_device(torch.tensor(flat, dtype=torch.int64), device))
+            self._tables[key] = cached = (flat, to_device(torch.tensor(flat, dtype=torch.int64), device))
         kernel = _kernel()
         option_values = self._options(options, device)
         scalars = block_start
@@ -384,11 +384,11 @@ class CudaLeanUpdate:
     def _options(self, options: dict[str, Any], device: torch.device) -> Tensor:
         values = [float(options.get(name, 0.0)) for name in FLOAT_OPTIONS]  # the kernel's option vector, in order
         if self._option_values is None or self._option_values[0] != values:
-            self._option_values = (values, _to_device(torch.tensor(values, dtype=torch.float64), device))
+            self._option_values = (values, to_device(torch.tensor(values, dtype=torch.float64), device))
         return self._option_values[1]
 
 
-def _to_device(host: Tensor, device: torch.device) -> Tensor:
+def to_device(host: Tensor, device: torch.device) -> Tensor:
     """``host`` on ``device`` without waiting for the device (pinned memory, asynchronous copy)."""
     if device.type != "cuda":
         return host.to(device)

@@ -8,14 +8,16 @@ remainders join to, with the state *as torchao keeps it*: keyed by the model's p
 whole blocks, plain fp32 otherwise), so ``optimizer.state_dict()`` is the one torchao's optimizer of an fp32 model
 saves, and loads into it and back.
 
-The path is taken where the one pass runs (:func:`is_8bit`: the parameters on the CPU, the C kernel built); elsewhere
-(a GPU, no compiler, ``LIGHTNING_MP_NATIVE=0``) torchao's optimizers keep the generic path. Two ways to run a step
-here, the same bits:
+The path is taken where the one pass runs (:func:`is_8bit`, :func:`kernel_for`: the C kernel built, and Triton for
+CUDA parameters); elsewhere (no compiler, ``LIGHTNING_MP_NATIVE=0``) torchao's optimizers keep the generic path. Two
+ways to run a step here, the same bits:
 
-- one pass: :func:`lightning_mp.kernels.adam8bit.run_rows`, one call per param group over every parameter of it:
-  each element's weight and remainder are joined, its moments dequantized, updated and requantized, and the weight
-  split back, in one read and one write of each byte. Bitwise torchao's compiled step on the joined fp32 values
-  (``tests/test_lean_adam8bit.py``, ``tests/test_eightbit_step.py``).
+- one pass: :func:`lightning_mp.kernels.adam8bit.run_rows` on the CPU (on CUDA,
+  :class:`lightning_mp.kernels.cuda_adam8bit.Adam8bitLaunch`, the same arithmetic), one call per param group over
+  every parameter of it: each element's weight and remainder are joined, its moments dequantized, updated and
+  requantized, and the weight split back, in one read and one write of each byte. Bitwise torchao's compiled step on
+  the joined fp32 values (``tests/test_lean_adam8bit.py``, ``tests/test_eightbit_step.py``; the CUDA kernel bitwise
+  the C kernel under Triton's interpreter: ``tests/test_cuda_adam8bit.py``).
 - torchao's own step, for what the kernel does not take (clipping other than one clip-by-norm factor then one
   clip-by-value bound, gradients neither bf16 nor fp32, a parameter moved off the CPU): per parameter, its fp32
   value joined, torchao's compiled ``single_param_adam`` on it, split back; a ``found_inf`` flag is read on the host.
@@ -40,7 +42,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_mp.grads import non_finite_check_and_unscale_
-from lightning_mp.kernels import adam8bit, native
+from lightning_mp.kernels import adam8bit, cuda, cuda_adam8bit, native
 from lightning_mp.kernels.bits import join_fp32, split_fp32_into
 from lightning_mp.master.following import group_index, seen
 from lightning_mp.master.lean.chunked import apply_grad_ops, local_of
@@ -60,16 +62,27 @@ _FP32_AT = adam8bit.PIECE_FIELDS.index("grad_fp32")
 
 def is_8bit(optimizer: Optimizer) -> bool:
     """Whether ``optimizer`` is exactly torchao's ``AdamW8bit`` or ``Adam8bit`` (a subclass may change the step) and
-    this path runs it in one pass here: its parameters on the CPU and the 8-bit kernel built. Elsewhere (a GPU: no
-    Triton 8-bit kernel yet; no C compiler; ``LIGHTNING_MP_NATIVE=0``) the generic path keeps running it, with its
-    chunks (bounded transient memory) and its skip on the device."""
+    this path runs it in one pass here (:func:`kernel_for` its parameters). Elsewhere (no C compiler; no Triton for
+    CUDA parameters; ``LIGHTNING_MP_NATIVE=0``) the generic path keeps running it, with its chunks (bounded transient
+    memory) and its skip on the device."""
     cls = type(optimizer)
     if cls.__name__ not in CLASSES or cls.__module__.split(".")[:2] != ["torchao", "optim"]:
         return False
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-    return (
-        all(local_of(p).device.type == "cpu" for p in params) and native.enabled() and adam8bit.cpu_kernel() is not None
-    )
+    return kernel_for([p for group in optimizer.param_groups for p in group["params"]]) is not None
+
+
+def kernel_for(params: list[Tensor]) -> Optional[str]:
+    """Which one-pass kernel updates ``params``: ``"cpu"`` (all on the CPU: the C kernel), ``"cuda"`` (all on one
+    CUDA device: the Triton kernel, :mod:`lightning_mp.kernels.cuda_adam8bit`, whose host part is the C library's),
+    or ``None`` (torchao's own step): the C kernel must be built either way, and Triton installed for CUDA."""
+    if not native.enabled() or adam8bit.cpu_kernel() is None:
+        return None
+    devices = {local_of(p).device for p in params}
+    if all(device.type == "cpu" for device in devices):
+        return "cpu"
+    if len(devices) == 1 and next(iter(devices)).type == "cuda" and cuda.triton_available():
+        return "cuda"
+    return None
 
 
 def _describe(optimizer: Optimizer, param: Tensor) -> str:
@@ -131,15 +144,12 @@ class _GroupLayout:
         self.states = [_state_of(optimizer, p, group) for p in self.stepped]
         self.steps = [s["step"] for s in self.states]
         self.held: list[Any] = []
-        self.rows: Any = None  # the kernel's rows (a ctypes array, adam8bit.row_array), or None: torchao's step
+        self.rows: Any = None  # the C kernel's rows (a ctypes array, adam8bit.row_array), or None
+        self.launch: Optional[cuda_adam8bit.Adam8bitLaunch] = None  # the CUDA kernel's (or None)
         self.dtypes: list[torch.dtype] = []
-        kernel = (
-            native.enabled()
-            and all(local_of(p).device.type == "cpu" for p in self.stepped)
-            and adam8bit.cpu_kernel() is not None
-        )
-        if not kernel:
-            return
+        kernel = kernel_for(self.stepped) if self.stepped else None
+        if kernel is None:
+            return  # torchao's step
         rows: list[int] = []
         for param, state in zip(self.stepped, self.states):
             local = local_of(param)
@@ -157,7 +167,7 @@ class _GroupLayout:
                 state["step"],
             )  # fmt: skip
             try:
-                rows += adam8bit.piece_row(piece)
+                rows += adam8bit.piece_row(piece, local.device.type)
             except (TypeError, ValueError) as error:
                 raise ValueError(
                     f"master_weights='remainder': {_describe(optimizer, param)} cannot be read as torchao's "
@@ -165,6 +175,9 @@ class _GroupLayout:
                     "(optimizer.state[param].clear()) to start it again, or load torchao's own state."
                 ) from None
             self.held += adam8bit.tensors_of(piece)
+        if kernel == "cuda":
+            self.launch = cuda_adam8bit.Adam8bitLaunch(rows, self.steps, local_of(self.stepped[0]).device)
+            return
         self.rows = adam8bit.row_array(rows)
         self.first_unit = (ctypes.c_int64 * (len(self.stepped) + 1))()  # the kernel's work table, filled by it
         self.counts = adam8bit.counts_of(self.steps)
@@ -287,6 +300,9 @@ class Adam8bitStep:
         grads = list(map(_GRAD, layout.stepped))
         if None in grads:
             raise _Stale
+        if layout.launch is not None:
+            self._cuda_step(group, layout, grads, found, grad_ops, check)
+            return
         clipping = _clipping(grad_ops, layout.rows is not None) if grad_ops else _NO_CLIPPING
         dtypes = list(map(_DTYPE, grads))
         on_cpu = found is None or (found.device.type == "cpu" and found.dtype == _FP32)
@@ -312,6 +328,44 @@ class Adam8bitStep:
             weight_decay=group["weight_decay"], adamw=self.adamw, grad_mul=clipping[0], clamp=clipping[1],
             found_inf=None if check else found, check=found if check else None, first_unit=layout.first_unit,
             held=layout.held,
+        )  # fmt: skip
+
+    def _cuda_step(
+        self,
+        group: dict[str, Any],
+        layout: _GroupLayout,
+        grads: list[Tensor],
+        found: Optional[Tensor],
+        grad_ops: list[tuple[str, Any]],
+        check: bool,
+    ) -> None:
+        """The step of a layout on CUDA (:mod:`~lightning_mp.kernels.cuda_adam8bit`). A found flag is read on the
+        host, as torchao's step counts are there (one synchronisation where there is a flag: as ``GradScaler.step``);
+        with ``check`` the gradients are checked into it first (the in-backward flag's check)."""
+        device = layout.launch.device if layout.launch is not None else grads[0].device
+        clipping = _clipping(grad_ops, True, device) if grad_ops else _NO_CLIPPING
+        dtypes = list(map(_DTYPE, grads))
+        if clipping is None or not _GRAD_DTYPES.issuperset(dtypes):
+            if check and found is not None:
+                non_finite_check_and_unscale_(grads, found, found.new_ones(1), check_only=True)
+            self._torchao_step(group, layout, grads, found, grad_ops)
+            return
+        if found is not None:
+            if check:
+                non_finite_check_and_unscale_(grads, found, found.new_ones(1), check_only=True)
+            if bool(found.item()):  # the whole step skipped: the step counts are on the host
+                return
+        if not all(map(Tensor.is_contiguous, grads)):
+            grads = [g.contiguous() for g in grads]
+        launch = layout.launch
+        assert launch is not None
+        if dtypes != layout.dtypes:  # the rows say which gradients are fp32: laid out again for a new mix
+            layout.dtypes = dtypes
+            launch.set_grad_dtypes([d == _FP32 for d in dtypes])
+        betas = group["betas"]
+        launch.run(
+            grads, lr=group["lr"], beta1=betas[0], beta2=betas[1], eps=group["eps"],
+            weight_decay=group["weight_decay"], adamw=self.adamw, grad_mul=clipping[0], clamp=clipping[1],
         )  # fmt: skip
 
     def _torchao_step(
@@ -352,16 +406,18 @@ class Adam8bitStep:
                     split_fp32_into(value.view(-1), high, low)
 
 
-def _clipping(grad_ops: list[tuple[str, Any]], kernel: bool) -> Optional[tuple[Optional[Tensor], Optional[float]]]:
-    """``(factor, clamp)`` the kernel applies: at most one clip-by-norm factor, then at most one clip-by-value bound
-    (the order Lightning applies them); ``None``: torchao's step applies ``grad_ops`` itself."""
+def _clipping(
+    grad_ops: list[tuple[str, Any]], kernel: bool, device: Any = "cpu"
+) -> Optional[tuple[Optional[Tensor], Optional[float]]]:
+    """``(factor, clamp)`` the kernel applies: at most one clip-by-norm factor (on ``device``, the kernel's), then at
+    most one clip-by-value bound (the order Lightning applies them); ``None``: torchao's step applies ``grad_ops``."""
     if not kernel:
         return None
     factor: Optional[Tensor] = None
     clamp: Optional[float] = None
     for kind, value in grad_ops:
         if kind == "mul" and factor is None and clamp is None:
-            factor = value.detach().to("cpu", _FP32).reshape(1).contiguous()
+            factor = value.detach().to(device, _FP32).reshape(1).contiguous()
         elif kind == "clamp" and clamp is None:
             clamp = float(value)
         else:
