@@ -145,8 +145,9 @@ def _exact(store, model):
 def test_the_lean_step_on_the_cuda_route_equals_the_cpu_route(interpreted, monkeypatch):
     """The plugin's 8-bit step (``Adam8bitStep``) taking the CUDA route (the kernel interpreted, on CPU tensors)
     against the same step on the CPU route: three steps (clipped by norm, then by value, then both; bf16 and fp32
-    gradients), a step skipped by a found flag (nothing moves, step counts included), and the step inside backward
-    whose gradient check finds a NaN (its flag set, nothing moves): the same weights, states and counts throughout."""
+    gradients), a step skipped by a found flag (nothing moves, step counts included), and a step inside backward
+    whose gradient check finds a NaN in one parameter (its flag set, it and its count stay; the other parameter steps):
+    the same weights, states and counts throughout."""
     options = dict(lr=1e-2, weight_decay=0.1, betas=(0.9, 0.99))
     runs = {}
     for route in ("cpu", "cuda"):
@@ -168,22 +169,28 @@ def test_the_lean_step_on_the_cuda_route_equals_the_cpu_route(interpreted, monke
             store.fused_step(optimizer, found)
         layout = next(iter(step.layouts.values()))
         assert (layout.launch is not None) == (route == "cuda") and (layout.rows is not None) == (route == "cpu")
-        # inside backward: one parameter, its gradient checked in its step
-        param = model[0].weight
-        param.grad = torch.randn(param.shape, generator=generator).to(param.dtype)
-        param.grad[3, 3] = float("nan")
-        slot = torch.zeros(1)
+        # inside backward: each parameter's gradient checked in its step; on the CUDA route the launch is masked by
+        # the flag on the device and the counts advance after backward (end_params), where the flag was 0
+        weight, bias = model[0].weight, model[0].bias
+        for param in (weight, bias):
+            param.grad = torch.randn(param.shape, generator=generator).to(param.dtype)
+        weight.grad[3, 3] = float("nan")
+        slots = [torch.zeros(1), torch.zeros(1)]
         before = _exact(store, model)
         step.begin_params()
-        step.run_params([param], slot, [], check=True)
-        assert slot.item() == 1.0
-        assert all(torch.equal(a.view(torch.int32), b.view(torch.int32)) for a, b in zip(before, _exact(store, model)))
+        for param, slot in zip((weight, bias), slots):
+            step.run_params([param], slot, [], check=True)
+        step.end_params()
+        assert [slot.item() for slot in slots] == [1.0, 0.0]
+        after = _exact(store, model)
+        assert _same(after[0], before[0]) and not _same(after[1], before[1])  # the weight skipped, its bias not
+        assert float(optimizer.state[weight]["step"]) == 4.0 and float(optimizer.state[bias]["step"]) == 5.0
         runs[route] = (_exact(store, model), [optimizer.state[p] for p in model.parameters()])
     (weights, states), (their_weights, their_states) = runs["cuda"], runs["cpu"]
     for ours, theirs in zip(weights, their_weights):
         assert _same(ours, theirs)
     for ours, theirs in zip(states, their_states):
-        assert float(ours["step"]) == float(theirs["step"]) == 4.0  # five steps, one skipped
+        assert float(ours["step"]) == float(theirs["step"])  # five steps, one skipped (and one inside backward)
         assert _same(ours["exp_avg"], theirs["exp_avg"]) and _same(ours["exp_avg_sq"], theirs["exp_avg_sq"])
     assert type(states[0]["exp_avg"]).__name__ == "OptimState8bit"
 
@@ -233,3 +240,54 @@ def test_the_compiled_kernel_equals_torchaos_cuda_step():
     print("largest gap per parameter to torchao's CUDA step:", gaps)
     for ours, theirs in zip(_exact(store, model), reference):
         torch.testing.assert_close(ours, theirs.detach(), rtol=1e-6, atol=1e-7)
+
+
+@KERNEL
+def test_a_trainer_fit_inside_backward_on_the_cuda_route_equals_the_cpu_route(interpreted, monkeypatch, tmp_path):
+    """The step inside backward through Lightning's Trainer (bf16-mixed: every gradient checked, its flag handed to
+    the launch on the device, the step counts advanced after backward by the hooks' ``finish``), the CUDA route
+    against the CPU route: the same exact weights, states and step counts after three steps."""
+    import lightning as L
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from lightning_mp import MixedPrecisionPlugin
+
+    class Regressor(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            with seeded(8):
+                self.net = nn.Sequential(nn.Linear(32, 128), nn.LayerNorm(128), nn.Linear(128, 1))
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            return nn.functional.mse_loss(self.net(x).float(), y)
+
+        def configure_optimizers(self):
+            return torchao_optim.AdamW8bit(self.parameters(), lr=1e-2, weight_decay=0.1)
+
+    with seeded(9):
+        x = torch.randn(24, 32)
+    runs = {}
+    launches = []
+    launch = interpreted.Adam8bitLaunch.run
+    monkeypatch.setattr(
+        interpreted.Adam8bitLaunch, "run", lambda self, *a, **k: launches.append(1) or launch(self, *a, **k)
+    )
+    for route in ("cpu", "cuda"):
+        monkeypatch.setattr(eightbit, "kernel_for", lambda params, route=route: route)
+        module = Regressor()
+        plugin = MixedPrecisionPlugin("bf16-mixed", master_weights="remainder", optimizer_in_backward=True)
+        trainer = L.Trainer(
+            plugins=[plugin], max_steps=3, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+            enable_progress_bar=False, enable_model_summary=False, default_root_dir=tmp_path,
+        )  # fmt: skip
+        trainer.fit(module, DataLoader(TensorDataset(x, x.sum(1, keepdim=True)), batch_size=8))
+        optimizer = trainer.optimizers[0]
+        assert len(launches) == (0 if route == "cpu" else 3 * 6)  # a launch per parameter (6) and step
+        weights = [p.detach().float().clone() for p in module.parameters()]  # the exact fp32 weights after fit
+        runs[route] = weights, [optimizer.state[p] for p in module.parameters()]
+    for ours, theirs in zip(*(runs[r][0] for r in ("cuda", "cpu"))):
+        assert _same(ours, theirs)
+    for ours, theirs in zip(*(runs[r][1] for r in ("cuda", "cpu"))):
+        assert float(ours["step"]) == float(theirs["step"]) == 3.0
+        assert _same(ours["exp_avg"], theirs["exp_avg"]) and _same(ours["exp_avg_sq"], theirs["exp_avg_sq"])

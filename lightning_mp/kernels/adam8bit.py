@@ -84,7 +84,7 @@ def cpu_kernel() -> Optional[ctypes.CDLL]:
             library.lean_adam8bit_bias.restype = None  # (the CUDA kernel's host part: kernels/cuda_adam8bit.py)
             library.lean_adam8bit_bias.argtypes = [
                 ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_double, ctypes.c_double,
-                ctypes.c_void_p,
+                ctypes.c_int, ctypes.c_void_p,
             ]  # fmt: skip
         except (OSError, RuntimeError, subprocess.SubprocessError) as error:
             warnings.warn(

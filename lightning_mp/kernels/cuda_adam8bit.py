@@ -14,9 +14,11 @@ kernel's, which are torchao's compiled CPU step's (``tests/test_cuda_adam8bit.py
 interpreter; on a GPU, ``tests/test_cuda_adam8bit.py``'s GPU test compares with torchao's own CUDA step).
 
 What a step reads from the host: torchao keeps each parameter's step count and the group's ``lr`` in CPU tensors
-(its compiled step forms ``1 - beta ** step`` on the CPU, where they live). The counts advance and the bias terms are
-formed there by the C library's ``lean_adam8bit_bias`` (the CPU kernel's ``powf`` and ``sqrtf``, one call for the
-group), and reach the device as one small copy (pinned, asynchronous). So the path needs the C kernel built too.
+(its compiled step forms ``1 - beta ** step`` on the CPU, where they live). The bias terms are formed there by the C
+library's ``lean_adam8bit_bias`` (the CPU kernel's ``powf`` and ``sqrtf``, one call for the group), and reach the
+device as one small copy (pinned, asynchronous). So the path needs the C kernel built too. A skip flag on the device
+masks every write of the launch; the counts, on the host, then advance after backward for the parameters whose flag
+was 0 (one read of the flags per step, :meth:`~lightning_mp.master.lean.eightbit.Adam8bitStep.end_params`).
 """
 
 from __future__ import annotations
@@ -79,8 +81,9 @@ def _kernel() -> Any:
 
     @triton.jit
     def lean_adam8bit_kernel(
-        table, grads, program_piece, program_start, bias, grad_mul, lr, weight_decay, eps, t1, t2, bound,
+        table, grads, program_piece, program_start, bias, grad_mul, found, lr, weight_decay, eps, t1, t2, bound,
         ADAMW: tl.constexpr, BIG1: tl.constexpr, BIG2: tl.constexpr, HAS_MUL: tl.constexpr, CLAMPED: tl.constexpr,
+        HAS_FOUND: tl.constexpr,
         ROWS: tl.constexpr, COLS: tl.constexpr, FIELDS: tl.constexpr, HIGH_AT: tl.constexpr, LOW_AT: tl.constexpr,
         CODES1_AT: tl.constexpr, SCALE1_AT: tl.constexpr, QMAP1_AT: tl.constexpr, CODES2_AT: tl.constexpr,
         SCALE2_AT: tl.constexpr, QMAP2_AT: tl.constexpr, STATE1_AT: tl.constexpr, STATE2_AT: tl.constexpr,
@@ -99,6 +102,10 @@ def _kernel() -> Any:
         first = start + rows * block  # each row's first element (a block's, where quantized)
         offsets = first + cols
         mask = (cols < block) & (offsets < n)
+        row_mask = first < n
+        if HAS_FOUND:  # a skipped step: every load and store masked off (the flag read in the masks' shapes)
+            mask = mask & (tl.load(found + tl.full([ROWS, COLS], 0, tl.int32)) == 0)
+            row_mask = row_mask & (tl.load(found + tl.full([ROWS, 1], 0, tl.int32)) == 0)
         # every address read up front (0 where the piece has none: never dereferenced then)
         high_ptr = tl.load(row + HIGH_AT).to(tl.pointer_type(tl.int16))
         w32_ptr = tl.load(row + HIGH_AT).to(tl.pointer_type(tl.float32))
@@ -135,7 +142,6 @@ def _kernel() -> Any:
             g = g + w * weight_decay
         g2 = g * g
         scale_rows = first // block  # each row's block (quantized)
-        row_mask = first < n
         if quantized:
             codes1 = tl.load(codes1_ptr + offsets, mask=mask, other=0).to(tl.int32)
             codes2 = tl.load(codes2_ptr + offsets, mask=mask, other=0).to(tl.int32)
@@ -237,10 +243,14 @@ class Adam8bitLaunch:
         adamw: bool,
         grad_mul: Optional[Tensor] = None,
         clamp: Optional[float] = None,
+        found: Optional[Tensor] = None,
     ) -> None:
-        """One step of the pieces with ``grads`` (contiguous, bf16 or fp32 as the rows say, on the device): the step
-        counts advance and the bias terms are formed on the host, then one launch. ``grad_mul``: a 1-element fp32
-        tensor on the device (or ``None``); ``clamp``: a clip-by-value bound after it."""
+        """One step of the pieces with ``grads`` (contiguous, bf16 or fp32 as the rows say, on the device): the bias
+        terms formed on the host, then one launch. ``grad_mul``: a 1-element fp32 tensor on the device (or ``None``);
+        ``clamp``: a clip-by-value bound after it. ``found``: ``None``, and the step counts advance here (the caller
+        has decided on the host that the step runs); or a 1-element fp32 flag on the device, and the launch writes
+        nothing where it is nonzero while the counts stay as they are: the caller advances them where the flag was 0
+        (:meth:`~lightning_mp.master.lean.eightbit.Adam8bitStep.end_params`)."""
         library = adam8bit.cpu_kernel()
         if library is None:
             raise RuntimeError("the 8-bit kernel's host part (lean_adam8bit_bias) is not built here")
@@ -251,19 +261,20 @@ class Adam8bitLaunch:
         pinned = self.device.type == "cuda"
         bias = torch.empty(2 * self.count, dtype=torch.float32, pin_memory=pinned)
         library.lean_adam8bit_bias(
-            self.counts, len(self.counts), self.steps, self.count, float(beta1), float(beta2), bias.data_ptr()
-        )
+            self.counts, len(self.counts), self.steps, self.count, float(beta1), float(beta2), int(found is None),
+            bias.data_ptr(),
+        )  # fmt: skip
         bias = bias.to(self.device, non_blocking=pinned)
         t1, t2 = 1.0 - beta1, 1.0 - beta2  # Python's `1 - beta`, a double
         big1, big2 = abs(t1) >= 0.5, abs(t2) >= 0.5
         _kernel()[(self.programs,)](
             self.table, self.grads_on_device, self.program_piece, self.program_start, bias,
-            grad_mul if grad_mul is not None else bias, _fp32(float(lr)), _fp32(weight_decay), _fp32(eps),
-            _fp32(t1 - 1.0 if big1 else t1), _fp32(t2 - 1.0 if big2 else t2),
+            grad_mul if grad_mul is not None else bias, found if found is not None else bias, _fp32(float(lr)),
+            _fp32(weight_decay), _fp32(eps), _fp32(t1 - 1.0 if big1 else t1), _fp32(t2 - 1.0 if big2 else t2),
             _fp32(clamp) if clamp is not None else 0.0,
             ADAMW=adamw, BIG1=big1, BIG2=big2, HAS_MUL=grad_mul is not None, CLAMPED=clamp is not None,
-            ROWS=self.rows, COLS=self.cols, FIELDS=len(adam8bit.PIECE_FIELDS), **_AT_USED,
-            enable_fp_fusion=False,
+            HAS_FOUND=found is not None, ROWS=self.rows, COLS=self.cols, FIELDS=len(adam8bit.PIECE_FIELDS),
+            **_AT_USED, enable_fp_fusion=False,
         )  # fmt: skip
 
 

@@ -586,15 +586,18 @@ void lean_adam8bit(const a8_piece *pieces, int64_t npieces, int adamw, double be
     free(maps);
 }
 
-/* The host part of a step run elsewhere (the CUDA kernel, lightning_mp/kernels/cuda_adam8bit.py): every count in
- * `counts` advances by one (as lean_adam8bit's), then for each of `n` pieces out[2k] = bc1 and out[2k + 1] =
- * sqrt(bc2) of its count *steps[k], formed as consts_of forms them. torchao keeps the step counts on the CPU, and its
- * compiled step forms these terms there too, whatever the parameters' device. */
+/* The host part of a step run elsewhere (the CUDA kernel, lightning_mp/kernels/cuda_adam8bit.py): for each of `n`
+ * pieces out[2k] = bc1 and out[2k + 1] = sqrt(bc2) of the count its step will have, formed as consts_of forms them.
+ * With `advance`, every count in `counts` first advances by one (as lean_adam8bit's) and the terms are those of
+ * *steps[k]; without it nothing is written and the terms are those of *steps[k] + 1 (a step inside backward whose
+ * skip flag is on the device: its counts advance after backward, where they were not skipped). torchao keeps the step
+ * counts on the CPU, and its compiled step forms these terms there too, whatever the parameters' device. */
 void lean_adam8bit_bias(float *const *counts, int64_t ncounts, float *const *steps, int64_t n, double beta1,
-                        double beta2, float *out) {
-    for (int64_t k = 0; k < ncounts; k++) *counts[k] = *counts[k] + 1.0f;
+                        double beta2, int advance, float *out) {
+    if (advance)
+        for (int64_t k = 0; k < ncounts; k++) *counts[k] = *counts[k] + 1.0f;
     for (int64_t k = 0; k < n; k++) {
-        float step = *steps[k];
+        float step = advance ? *steps[k] : *steps[k] + 1.0f;
         out[2 * k] = 1.0f - powf((float)beta1, step);
         out[2 * k + 1] = sqrtf(1.0f - powf((float)beta2, step));
     }

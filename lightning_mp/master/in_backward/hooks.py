@@ -332,6 +332,7 @@ class StepInBackward:
         self._regions.clear()  # a backward with regions ran their updates at its end (none left to wait)
         self.optimizer._opt_called = True  # type: ignore[attr-defined]  # as torch's step() records for schedulers
         self._zero.settle(self._params, self._apply)  # zero_grad(set_to_none=False): zero updates owed (frozen, unused)
+        self.update.end_params()  # what the updates owe after backward (the 8-bit step on CUDA: its step counts)
         left = [
             p
             for g in self.optimizer.param_groups

@@ -205,6 +205,8 @@ class Adam8bitStep:
         self.laid_out_at: tuple[int, int] = (-1, -1)  # (the optimizer's state generation, the store's blocks)
         self._group_of: dict[int, int] = {}  # id(param) -> its group's index (inside backward)
         self._compiled: Any = None
+        #: inside backward on CUDA: (a launch's device skip flag, its parameters' step counts), advanced at end_params
+        self._pending: list[tuple[Tensor, list[Tensor]]] = []
 
     # ------------------------------------------------------------------ the generic path's interface
     def follow_groups(self) -> None:
@@ -220,6 +222,7 @@ class Adam8bitStep:
         """Before the updates of one backward (the step inside backward): every group's options checked (a refusal
         before any parameter is updated); the layouts kept while the optimizer's state and groups are what they were
         laid out at."""
+        self.end_params()  # a backward that did not finish: its counts settled first
         for index, group in enumerate(self.optimizer.param_groups):
             _check_group(self.optimizer, index, group)
         self._follow()
@@ -231,6 +234,7 @@ class Adam8bitStep:
     def run(self, found_inf: Optional[Tensor], grad_ops: list[tuple[str, Any]]) -> None:
         """One step of every group; where ``found_inf`` is nonzero nothing changes (weights, remainders, moments,
         step counts)."""
+        self.end_params()
         self._follow()
         groups = self.optimizer.param_groups
         for index, group in enumerate(groups):
@@ -277,7 +281,19 @@ class Adam8bitStep:
             layout = self.layouts.get(key)
             if layout is None or (layout.idle and param.grad is not None):
                 layout = self.layouts[key] = _GroupLayout(self.optimizer, group, [param], self.store)
-            self._step(group, layout, found_inf, grad_ops, check)
+            self._step(group, layout, found_inf, grad_ops, check, inside=True)
+
+    def end_params(self) -> None:
+        """After the updates of one backward: the step counts of the parameters whose CUDA launch was skipped or not
+        by a flag on the device advance where the flag was 0 (one host read of the flags for the whole backward, not
+        one per parameter)."""
+        pending, self._pending = self._pending, []
+        if not pending:
+            return
+        flags = torch.stack([flag.reshape(()) for flag, _ in pending]).tolist()  # the one read
+        ran = {id(step): step for (_, steps), flag in zip(pending, flags) if flag == 0 for step in steps}
+        if ran:
+            torch._foreach_add_(list(ran.values()), 1.0)
 
     # ------------------------------------------------------------------ the step of one layout
     def _follow(self) -> None:
@@ -294,6 +310,7 @@ class Adam8bitStep:
         found: Optional[Tensor],
         grad_ops: list[tuple[str, Any]],
         check: bool = False,
+        inside: bool = False,
     ) -> None:
         if not layout.stepped:
             return
@@ -301,7 +318,7 @@ class Adam8bitStep:
         if None in grads:
             raise _Stale
         if layout.launch is not None:
-            self._cuda_step(group, layout, grads, found, grad_ops, check)
+            self._cuda_step(group, layout, grads, found, grad_ops, check, inside)
             return
         clipping = _clipping(grad_ops, layout.rows is not None) if grad_ops else _NO_CLIPPING
         dtypes = list(map(_DTYPE, grads))
@@ -338,35 +355,38 @@ class Adam8bitStep:
         found: Optional[Tensor],
         grad_ops: list[tuple[str, Any]],
         check: bool,
+        inside: bool,
     ) -> None:
-        """The step of a layout on CUDA (:mod:`~lightning_mp.kernels.cuda_adam8bit`). A found flag is read on the
-        host, as torchao's step counts are there (one synchronisation where there is a flag: as ``GradScaler.step``);
-        with ``check`` the gradients are checked into it first (the in-backward flag's check)."""
-        device = layout.launch.device if layout.launch is not None else grads[0].device
-        clipping = _clipping(grad_ops, True, device) if grad_ops else _NO_CLIPPING
+        """The step of a layout on CUDA (:mod:`~lightning_mp.kernels.cuda_adam8bit`). torchao's step counts are on the
+        host: the normal step reads a found flag there first (one synchronisation per step, as ``GradScaler.step``);
+        inside backward (``inside``) the launch takes the parameter's flag on the device (with ``check``, its gradient
+        checked into it first) and its counts advance at :meth:`end_params`."""
+        assert layout.launch is not None
+        launch = layout.launch
+        clipping = _clipping(grad_ops, True, launch.device) if grad_ops else _NO_CLIPPING
         dtypes = list(map(_DTYPE, grads))
+        if check and found is not None:  # the check-only non-finite check, as the in-backward flags run it
+            non_finite_check_and_unscale_(grads, found, found.new_ones(1), check_only=True)
         if clipping is None or not _GRAD_DTYPES.issuperset(dtypes):
-            if check and found is not None:
-                non_finite_check_and_unscale_(grads, found, found.new_ones(1), check_only=True)
             self._torchao_step(group, layout, grads, found, grad_ops)
             return
-        if found is not None:
-            if check:
-                non_finite_check_and_unscale_(grads, found, found.new_ones(1), check_only=True)
-            if bool(found.item()):  # the whole step skipped: the step counts are on the host
-                return
+        deferred = inside and found is not None
+        if found is not None and not deferred and bool(found.item()):  # the whole step skipped
+            return
         if not all(map(Tensor.is_contiguous, grads)):
             grads = [g.contiguous() for g in grads]
-        launch = layout.launch
-        assert launch is not None
-        if dtypes != layout.dtypes:  # the rows say which gradients are fp32: laid out again for a new mix
+        if dtypes != layout.dtypes:  # the rows say which gradients are fp32: sent again for a new mix
             layout.dtypes = dtypes
             launch.set_grad_dtypes([d == _FP32 for d in dtypes])
         betas = group["betas"]
         launch.run(
             grads, lr=group["lr"], beta1=betas[0], beta2=betas[1], eps=group["eps"],
             weight_decay=group["weight_decay"], adamw=self.adamw, grad_mul=clipping[0], clamp=clipping[1],
+            found=found if deferred else None,
         )  # fmt: skip
+        if deferred:
+            assert found is not None
+            self._pending.append((found, layout.steps))
 
     def _torchao_step(
         self,

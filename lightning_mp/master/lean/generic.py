@@ -282,6 +282,10 @@ class GenericChunkedStep:
         """Before the first :meth:`run_params` of an optimizer step (the step inside backward: at ``begin``)."""
         self._options.begin()
 
+    def end_params(self) -> None:
+        """After the last :meth:`run_params` of a step inside backward: nothing is owed here (each call settled
+        its own skip)."""
+
     def run_params(
         self, params: list[Tensor], found_inf: Optional[Tensor], grad_ops: list[Any], on_host: Any = None
     ) -> None:

@@ -154,6 +154,12 @@ class LeanUpdate:
             self.fast_values[index] = values
         self.fast_at, self.fast_layout = self.checked.state, self.store.layout_version
 
+    def end_params(self) -> None:
+        """After the updates of one backward (the hooks' ``finish``): what the generic path owes for them (the 8-bit
+        step on CUDA: its step counts, :meth:`~.eightbit.Adam8bitStep.end_params`)."""
+        if self.generic is not None:
+            self.generic.end_params()
+
     def drop_fast(self) -> None:
         """The fast forms' group options are made again (the groups changed, or the hooks are removed)."""
         self.fast_options, self.fast_values, self.fast_groups = {}, {}, {}
