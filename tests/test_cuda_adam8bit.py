@@ -127,9 +127,9 @@ def test_the_kernel_equals_the_cpu_kernel_bit_for_bit(interpreted, case):
         assert ours[0]["exp_avg"].scale.isnan().any()  # the NaN's block: a NaN scale, as the CPU kernel keeps it
 
 
-def _lean(make, **options):
+def _lean(make, device="cpu", **options):
     with seeded(5):  # a 128x64 weight (8-bit state), a LayerNorm and biases (fp32 state)
-        model = nn.Sequential(nn.Linear(64, 128), nn.LayerNorm(128), nn.Linear(128, 8))
+        model = nn.Sequential(nn.Linear(64, 128), nn.LayerNorm(128), nn.Linear(128, 8)).to(device)
     store = RemainderMasters()
     store.convert(model)
     optimizer = make(model.parameters(), **options)
@@ -214,22 +214,22 @@ def test_the_route_is_chosen_by_the_parameters_device(monkeypatch):
         assert eightbit.kernel_for(cpu + gpu) is None
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the compiled Triton kernel)")
 @KERNEL
 def test_the_compiled_kernel_equals_torchaos_cuda_step():
     """On a GPU: the lean step (the compiled Triton kernel) against torchao's own optimizer stepping fp32 copies on
-    the GPU, the same gradients, three steps: every weight and quantized moment within torchao's own bits or, where
-    its compiled CUDA code rounds differently, the measured gap (printed) is one fp32 rounding of the update."""
+    the GPU, the same gradients, three steps: the exact weights within 1e-6 relative of torchao's (a few fp32
+    roundings: its compiled CUDA code may round an operation differently from the C kernel's order); the largest gap
+    per parameter is printed, for the record of how far from torchao's own CUDA bits the kernel is."""
     options = dict(lr=1e-2, weight_decay=0.1, betas=(0.9, 0.99))
-    store, model, optimizer = _lean(torchao_optim.AdamW8bit, **options)
-    model.cuda()
-    store.attach([optimizer])
+    store, model, optimizer = _lean(torchao_optim.AdamW8bit, "cuda", **options)
     reference = [p.detach().clone().requires_grad_() for p in _exact(store, model)]
     ref_optimizer = torchao_optim.AdamW8bit(reference, **options)
     generator = torch.Generator().manual_seed(7)
     for _ in range(3):
         for param, ref in zip(model.parameters(), reference):
-            grad = torch.randn(param.shape, generator=generator).to(param.dtype).cuda()
+            grad = torch.randn(param.shape, generator=generator).to(device="cuda", dtype=param.dtype)
             param.grad, ref.grad = grad, grad.float()
         store.fused_step(optimizer, None)
         ref_optimizer.step()
