@@ -336,15 +336,20 @@ class Adam8bitStep:
         if dtypes != layout.dtypes:
             rows[_FP32_AT::_FIELDS] = [int(d == _FP32) for d in dtypes]
             layout.dtypes = dtypes
-        betas = group["betas"]
-        lr = group["lr"]
-        if lr.dtype != _FP32 or lr.device.type != "cpu":
-            lr = lr.to("cpu", _FP32)
+        options = self._options(group, clipping)
+        if options["lr"].dtype != _FP32 or options["lr"].device.type != "cpu":
+            options["lr"] = options["lr"].to("cpu", _FP32)
         adam8bit.run_rows(
-            rows, len(layout.stepped), layout.counts, lr=lr, beta1=betas[0], beta2=betas[1], eps=group["eps"],
-            weight_decay=group["weight_decay"], adamw=self.adamw, grad_mul=clipping[0], clamp=clipping[1],
-            found_inf=None if check else found, check=found if check else None, first_unit=layout.first_unit,
-            held=layout.held,
+            rows, len(layout.stepped), layout.counts, **options, found_inf=None if check else found,
+            check=found if check else None, first_unit=layout.first_unit, held=layout.held,
+        )  # fmt: skip
+
+    def _options(self, group: dict[str, Any], clipping: tuple[Optional[Tensor], Optional[float]]) -> dict[str, Any]:
+        """The kernels' options of a step of ``group`` (torchao's ``lr`` tensor as it is), with the clipping."""
+        betas = group["betas"]
+        return dict(
+            lr=group["lr"], beta1=betas[0], beta2=betas[1], eps=group["eps"], weight_decay=group["weight_decay"],
+            adamw=self.adamw, grad_mul=clipping[0], clamp=clipping[1],
         )  # fmt: skip
 
     def _cuda_step(
@@ -378,12 +383,7 @@ class Adam8bitStep:
         if dtypes != layout.dtypes:  # the rows say which gradients are fp32: sent again for a new mix
             layout.dtypes = dtypes
             launch.set_grad_dtypes([d == _FP32 for d in dtypes])
-        betas = group["betas"]
-        launch.run(
-            grads, lr=group["lr"], beta1=betas[0], beta2=betas[1], eps=group["eps"],
-            weight_decay=group["weight_decay"], adamw=self.adamw, grad_mul=clipping[0], clamp=clipping[1],
-            found=found if deferred else None,
-        )  # fmt: skip
+        launch.run(grads, **self._options(group, clipping), found=found if deferred else None)
         if deferred:
             assert found is not None
             self._pending.append((found, layout.steps))
