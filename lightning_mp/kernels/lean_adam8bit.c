@@ -9,8 +9,8 @@
  * Exactness: torchao 0.18's AdamW8bit / Adam8bit step (torchao/optim/adam.py, single_param_adam) runs compiled by
  * torch.compile (inductor's C++ backend on the CPU), which builds its kernels with -ffp-contract=off and without
  * unsafe math: every fp32 operation of its graph is one IEEE operation, vectorised or not. This file performs the
- * same operations in the same order for each element (the order of inductor's decomposition of lerp included) and
- * is compiled with -ffp-contract=off as well, so the result is the same bits:
+ * same operations in the same order for each element (the order of inductor's decomposition of lerp included), at
+ * whatever vector width (see Speed), and is compiled with -ffp-contract=off as well, so the result is the same bits:
  *
  *   w  = join(high, low)                        g  = grad (fp32) [* grad_mul] [clamped to [-clamp, clamp]]
  *   AdamW: w = w - (lr * wd) * w                Adam: g = g + w * wd
@@ -40,9 +40,19 @@
  * (compared on every call, never by address: a map edited in place gets its own table), a few at a time.
  *
  * Speed: the update is one loop per combination of the loop-invariant choices (weights lean or fp32, gradient bf16 or
- * fp32, AdamW or Adam, writing or not, bc1 == 1 or not), with no branch inside, vectorised by the compiler; the
- * divisions stay IEEE divisions in torchao's order. Where the CPU has AVX-512 VBMI, a block's codes are dequantized
- * by byte permutes of the map's values held in registers (a lookup: the same values); elsewhere by indexed loads.
+ * fp32, AdamW or Adam, writing or not, bc1 == 1 or not), with no branch inside, vectorised by the compiler; on AMD's
+ * AVX-512 CPUs (Zen 4) 512 bits wide (step_range's target attribute): half the instructions of the build's 256 for the
+ * same work on double-pumped units, the loop being bound by instruction throughput rather than by the divider (whose
+ * throughput per fp32 value is the same at either width). 16.8M elements on one Zen 4 thread: the update ~13.4 -> ~10.8
+ * ms, the whole step ~33 -> ~32 ms (2-8% over runs: the requantization after it does not gain, and loses part of that).
+ * quantize_pair stays 256 bits wide: its table reads are gcc's emulated gathers (lane extracts and scalar loads),
+ * slower at 512 (and at 128) bits, and slower still as hardware gathers or as a scalar pass. The divisions stay IEEE
+ * divisions in torchao's order: replacing the four by constants (m / bc1, sqrt(v) / sqrt(bc2), the two by a block's
+ * scales) with a division-free correctly rounded quotient (RN(1/b) and two fmas, Markstein) was measured slower here,
+ * in both loops, checks left out: the divider (a unit of its own: ~0.1 ns per fp32 division at full throughput here)
+ * runs beside the loops' other work, which the quotient's four operations add to. Where the CPU has AVX-512 VBMI, a
+ * block's codes are dequantized by byte permutes of the map's values held in registers (a lookup: the same values);
+ * elsewhere by indexed loads.
  *
  * Parallel work: units of whole blocks of one parameter (at most `grain` elements each), on the OpenMP threads of the
  * calling thread (torch's pool) where built with OpenMP, else on threads of its own, as lean_update.c. Each block's
@@ -364,6 +374,12 @@ static inline __attribute__((always_inline)) void step_n(const a8_piece *p, cons
     amax[1] = amax2;
 }
 
+/* On AMD's AVX-512 CPUs (gcc 12 calls Zen 4 znver3), step_n's loops are vectorised 512 bits wide, whatever
+ * -mprefer-vector-width the build asks for (see the header's Speed): the same IEEE operations per element. */
+#if defined(__AVX512F__) && defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 8 && \
+    (defined(__znver3__) || defined(__znver4__) || defined(__znver5__))
+__attribute__((target("prefer-vector-width=512")))
+#endif
 static void step_range(const a8_piece *p, const a8_consts *k, int64_t at, int64_t n, float *m, float *v,
                        uint32_t *amax, int write) {
     int choice = (k->bc1 == 1.0f) << 4 | (p->low != 0) << 3 | (p->grad_fp32 != 0) << 2 | (k->adamw != 0) << 1;
