@@ -84,6 +84,12 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=2e-5)
     parser.add_argument("--modes", nargs="+", choices=MODES, default=MODES)
     parser.add_argument("--record", action="store_true")
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="time each mode's steps in the process that measured its memory (one process per mode, not two; the heap "
+        "poller then slows the steps: for checking the script, not for figures)",
+    )
     args = parser.parse_args()
     if args.worker:
         import json
@@ -98,7 +104,7 @@ def main() -> None:
         args.weights = str(Path(folder) / "pretrained.pt")
         torch.save(weights, args.weights)
         options = ("weights", "size", "steps", "lr")
-        rows = [run_worker(__file__, mode, args, options, timed_apart=True) for mode in args.modes]
+        rows = [run_worker(__file__, mode, args, options, timed_apart=not args.quick) for mode in args.modes]
     title = f"LitGPT GPT ({args.size}) in a Fabric loop: {args.pretrain_steps} fp32 steps, then {args.steps} at lr {args.lr}"
     report(title, _table(rows, before), "cpu", args.record)
 

@@ -19,6 +19,7 @@ def test_fabric_overhead_benchmark_times_the_trainer_and_the_fabric_path():
 def test_litgpt_benchmark_reports_memory_time_and_loss_per_mode():
     command = [sys.executable, str(ROOT / "benchmarks" / "fabric_litgpt.py"), "--size", "tiny"]
     command += ["--pretrain-steps", "2", "--steps", "3", "--modes", "32-true", "ours+remainder+8bit+inbackward"]
+    command += ["--quick"]  # one process per mode (the figures' runs time the steps in a second one)
     done = subprocess.run(command, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     rows = [line for line in done.stdout.splitlines() if line.startswith(("| 32-true", "| ours"))]
