@@ -295,6 +295,15 @@ def _at_rest(in_backward: bool) -> tuple[float, float, bool]:
     """(bytes/param of live tensors after the second step, the same without the store's fp32 staging buffers, whether
     a gradient is held), four 256x256 layers under AdamW8bit, steps in Lightning's order (gradients set to None
     just before each backward, so the normal step holds them from its backward to the next one)."""
+    gc.collect()
+    gc.freeze()  # the session's older objects out of the counts' walk (they are not this run's); unfrozen below
+    try:
+        return _counted_at_rest(in_backward)
+    finally:
+        gc.unfreeze()
+
+
+def _counted_at_rest(in_backward: bool) -> tuple[float, float, bool]:
     from torchao.optim import AdamW8bit
 
     from lightning_mp.master import RemainderMasters
