@@ -24,6 +24,8 @@ was 0 (one read of the flags per step, :meth:`~lightning_mp.master.lean.eightbit
 from __future__ import annotations
 
 import ctypes
+import math
+import struct
 from typing import Any, Optional
 
 import torch
@@ -36,7 +38,13 @@ _kernels: dict[str, Any] = {}
 #: elements a program updates at most (``ROWS`` blocks of ``COLS``), and the fewest columns of a tile
 TILE = 2048
 MIN_COLS = 256
-_AT = {f"{name.upper()}_AT": index for index, name in enumerate(adam8bit.PIECE_FIELDS)}
+#: where the kernel reads each field of a piece's row (:data:`~lightning_mp.kernels.adam8bit.PIECE_FIELDS`: the
+#: gradient's and the step count's are not read from the row), as the kernel's constants
+_AT = {
+    f"{name.upper()}_AT": adam8bit.PIECE_FIELDS.index(name)
+    for name in ("high", "low", "codes1", "scale1", "qmap1", "codes2", "scale2", "qmap2", "state1", "state2", "n",
+                 "block", "grad_fp32")
+}  # fmt: skip
 
 
 def _kernel() -> Any:
@@ -188,8 +196,15 @@ def _kernel() -> Any:
 
 
 def _fp32(value: float) -> float:
-    """``value`` rounded to fp32 (as a Python float): the kernel's fp32 scalar arguments, exactly."""
-    return float(torch.tensor(value, dtype=torch.float32))
+    """``value`` rounded to fp32 (as a Python float): the kernel's fp32 scalar arguments, exactly (no tensor made;
+    a value beyond fp32's range is an infinity, as the C cast makes it)."""
+    try:
+        return float(_FLOAT.unpack(_FLOAT.pack(value))[0])
+    except OverflowError:
+        return math.copysign(math.inf, value)
+
+
+_FLOAT = struct.Struct("f")
 
 
 class Adam8bitLaunch:
@@ -274,21 +289,8 @@ class Adam8bitLaunch:
             _fp32(clamp) if clamp is not None else 0.0,
             ADAMW=adamw, BIG1=big1, BIG2=big2, HAS_MUL=grad_mul is not None, CLAMPED=clamp is not None,
             HAS_FOUND=found is not None, ROWS=self.rows, COLS=self.cols, FIELDS=len(adam8bit.PIECE_FIELDS),
-            **_AT_USED, enable_fp_fusion=False,
+            **_AT, enable_fp_fusion=False,
         )  # fmt: skip
-
-
-_AT_USED = {
-    key: value
-    for key, value in _AT.items()
-    if key.removesuffix("_AT").lower()
-    in ("high", "low", "codes1", "scale1", "qmap1", "codes2", "scale2", "qmap2", "state1", "state2", "n", "block",
-        "grad_fp32")
-}  # fmt: skip
-
-
-def _reset_for_tests() -> None:
-    _kernels.clear()
 
 
 __all__ = ["Adam8bitLaunch"]
