@@ -1,6 +1,10 @@
-"""The optimizer update alone, 8-bit Adam on lean masters against the others: thread-CPU per update on the CPU.
+"""The optimizer update alone, 8-bit Adam on lean masters against the others: wall time per update.
 
     python benchmarks/adam8bit_alone.py [--tensors 32] [--numel 524288] [--steps 10] [--rounds 5] [--threads 2]
+        [--device cpu|cuda] [--modes MODE ...]
+
+On CUDA (``--device cuda``) every update is timed up to a ``torch.cuda.synchronize()`` and ``lean AdamW8bit`` is the
+Triton kernel's step (``kernels/cuda_adam8bit.py``); the ``kernel alone`` mode is the C kernel's and is left out.
 
 Each mode updates ``--tensors`` parameters of ``--numel`` values (16.8M by default) with AdamW (lr 1e-3, weight decay
 0.01) from gradients made once (bf16 where the weights are 16-bit, fp32 otherwise); the modes take turns, round by
@@ -27,7 +31,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
@@ -48,38 +52,47 @@ MODES = (
 OPTIONS = dict(lr=1e-3, weight_decay=0.01)
 
 
-def _weights(tensors: int, numel: int, dtype: torch.dtype) -> nn.ParameterList:
+def _weights(tensors: int, numel: int, dtype: torch.dtype, device: str = "cpu") -> nn.ParameterList:
     generator = torch.Generator().manual_seed(0)
     return nn.ParameterList(
-        [nn.Parameter((torch.randn(numel, generator=generator) * 0.02).to(dtype)) for _ in range(tensors)]
+        [
+            nn.Parameter((torch.randn(numel, generator=generator) * 0.02).to(device=device, dtype=dtype))
+            for _ in range(tensors)
+        ]
     )
 
 
 def _grads(params: nn.ParameterList, dtype: torch.dtype) -> None:
     generator = torch.Generator().manual_seed(1)
     for param in params:
-        param.grad = (torch.randn(param.shape, generator=generator) * 1e-3).to(dtype)
+        param.grad = (torch.randn(param.shape, generator=generator) * 1e-3).to(device=param.device, dtype=dtype)
 
 
-def make_modes(tensors: int, numel: int) -> dict[str, Callable[[], None]]:
-    """Each mode's update, set up (state made by a first step)."""
+def make_modes(
+    tensors: int, numel: int, device: str = "cpu", names: Sequence[str] = MODES
+) -> dict[str, Callable[[], None]]:
+    """Each mode of ``names`` with its update set up on ``device`` (state made by a first step)."""
     from torchao.optim import AdamW8bit
 
     modes: dict[str, Callable[[], None]] = {}
     for name, dtype in (("torch AdamW(fused), fp32", torch.float32), ("torch AdamW(fused), bf16", torch.bfloat16)):
-        params = _weights(tensors, numel, dtype)
-        _grads(params, dtype)
-        modes[name] = torch.optim.AdamW(params, fused=True, **OPTIONS).step
-    params = _weights(tensors, numel, torch.float32)
-    _grads(params, torch.float32)
-    modes["torchao AdamW8bit, fp32"] = AdamW8bit(params, **OPTIONS).step
+        if name in names:
+            params = _weights(tensors, numel, dtype, device)
+            _grads(params, dtype)
+            modes[name] = torch.optim.AdamW(params, fused=True, **OPTIONS).step
+    if "torchao AdamW8bit, fp32" in names:
+        params = _weights(tensors, numel, torch.float32, device)
+        _grads(params, torch.float32)
+        modes["torchao AdamW8bit, fp32"] = AdamW8bit(params, **OPTIONS).step
 
     class SubclassedAdamW8bit(AdamW8bit):  # the generic path (the one-pass 8-bit step takes the exact class)
         pass
 
     lean = (("lean AdamW", torch.optim.AdamW), ("lean AdamW8bit", AdamW8bit))
     for name, make in (*lean, ("lean AdamW8bit, generic", SubclassedAdamW8bit)):
-        module = _weights(tensors, numel, torch.float32)
+        if name not in names:
+            continue
+        module = _weights(tensors, numel, torch.float32, device)
         store = RemainderMasters()
         store.convert(module)
         optimizer = make(module.parameters(), **OPTIONS)
@@ -87,6 +100,8 @@ def make_modes(tensors: int, numel: int) -> dict[str, Callable[[], None]]:
         _grads(module, torch.bfloat16)
         modes[name] = lambda store=store, optimizer=optimizer: store.fused_step(optimizer, None)
     # the one-pass 8-bit kernel on lean weights and torchao's state (made by one torchao step on fp32 copies)
+    if "lean AdamW8bit, kernel alone" not in names or device != "cpu":
+        return _made(modes)
     fp32 = _weights(tensors, numel, torch.float32)
     _grads(fp32, torch.float32)
     reference = AdamW8bit(fp32, **OPTIONS)
@@ -101,21 +116,29 @@ def make_modes(tensors: int, numel: int) -> dict[str, Callable[[], None]]:
     modes["lean AdamW8bit, kernel alone"] = lambda: adam8bit.adam8bit_step_pieces(
         pieces, lr=lr, weight_decay=OPTIONS["weight_decay"]
     )
+    return _made(modes)
+
+
+def _made(modes: dict[str, Callable[[], None]]) -> dict[str, Callable[[], None]]:
     for update in modes.values():  # the state made, kernels built and compiled
         update()
     return modes
 
 
-def measure(modes: dict[str, Callable[[], None]], steps: int, rounds: int) -> dict[str, float]:
-    """Median over rounds of each round's median update, in ms; the modes take turns within each round."""
+def measure(modes: dict[str, Callable[[], None]], steps: int, rounds: int, device: str = "cpu") -> dict[str, float]:
+    """Median over rounds of each round's median update, in ms; the modes take turns within each round (on CUDA each
+    update timed up to a synchronisation)."""
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     medians: dict[str, list[float]] = {name: [] for name in modes}
     for _ in range(rounds):
         for name, update in modes.items():
             update()  # not counted
             times = []
             for _ in range(steps):
+                sync()
                 start = time.perf_counter()
                 update()
+                sync()
                 times.append((time.perf_counter() - start) * 1e3)
             medians[name].append(statistics.median(times))
     return {name: statistics.median(values) for name, values in medians.items()}
@@ -128,16 +151,22 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
     args = parser.parse_args()
+    if "torch AdamW(fused), fp32" not in args.modes:
+        parser.error("--modes must include 'torch AdamW(fused), fp32' (the table's reference)")
     torch.set_num_threads(args.threads)
-    modes = make_modes(args.tensors, args.numel)
-    result = measure(modes, args.steps, args.rounds)
+    modes = make_modes(args.tensors, args.numel, args.device, args.modes)
+    result = measure(modes, args.steps, args.rounds, args.device)
     fused = result["torch AdamW(fused), fp32"]
-    print(f"{args.tensors} x {args.numel} = {args.tensors * args.numel / 1e6:.1f}M parameters, {args.threads} threads")
+    where = f"{args.threads} threads" if args.device == "cpu" else torch.cuda.get_device_name()
+    print(f"{args.tensors} x {args.numel} = {args.tensors * args.numel / 1e6:.1f}M parameters, {where}")
     print("| mode | update (ms) | vs torch AdamW(fused), fp32 |")
     print("|---|---:|---:|")
     for name in MODES:
-        print(f"| {name} | {result[name]:.1f} | {result[name] / fused:.2f}x |")
+        if name in result:
+            print(f"| {name} | {result[name]:.1f} | {result[name] / fused:.2f}x |")
 
 
 if __name__ == "__main__":

@@ -318,3 +318,19 @@ def test_decoder_benchmark_times_the_modes_in_turns_in_one_process():
     assert rows[0][2] == "1.000x" and all(row[3].strip(" |") == "1" for row in rows)  # 3 steps, the first 2 not timed
     refused = subprocess.run([*command, "--modes", "ours+remainder+compile"], capture_output=True, text=True)
     assert refused.returncode == 2 and "--interleaved takes the modes" in refused.stderr
+
+
+def test_adam8bit_alone_times_the_chosen_modes_against_torchs_fused_update():
+    """``adam8bit_alone.py``: the update alone, the modes asked for (the compiled torchao ones left out here: their
+    compile is slow), a row each, the fused fp32 update the reference."""
+    names = ["torch AdamW(fused), fp32", "lean AdamW", "lean AdamW8bit", "lean AdamW8bit, kernel alone"]
+    command = [sys.executable, str(ROOT / "benchmarks" / "adam8bit_alone.py"), "--tensors", "2", "--numel", "8192"]
+    done = subprocess.run(
+        [*command, "--steps", "2", "--rounds", "1", "--modes", *names], capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [
+        line.split(" | ")[0][2:] for line in done.stdout.splitlines() if line.startswith("| ") and "ms)" not in line
+    ]
+    assert rows == names
+    assert "| torch AdamW(fused), fp32 |" in done.stdout and " | 1.00x |" in done.stdout
