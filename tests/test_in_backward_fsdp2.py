@@ -22,11 +22,14 @@ def ranks(tmp_path_factory) -> list[dict]:
     return load_ranks(out)
 
 
-@pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
+@pytest.mark.parametrize("optimizer", ["adamw", "sgd", "adamw8bit"])
 def test_fsdp2_updates_each_shard_in_backward_bitwise_the_normal_lean_step(ranks, optimizer):
     for rank in ranks:
         ours, reference = rank[f"ours_{optimizer}"], rank[f"reference_{optimizer}"]
         assert_same_bits(ours, reference, weights="weights")  # full fp32 weights and this rank's optimizer-state shards
+        if optimizer == "adamw8bit":  # torchao's one-pass step on the local shards, both ways; 8-bit moments
+            assert ours["step_kind"] == reference["step_kind"] == "ShardedAdam8bitStep"
+            assert type(ours["optimizer_state"]["net.0.weight"]["exp_avg"]).__name__ == "OptimState8bit"
         assert ours["changed_in_backward"] == [True] * 4  # the shard changed inside backward
         assert reference["changed_in_backward"] == [False] * 4
         assert all(all(step) for step in ours["grads_after_step"])  # every gradient freed by its hook
@@ -56,5 +59,6 @@ def test_other_optimizers_are_refused_under_fsdp2_at_setup(ranks):
     for rank in ranks:
         assert rank["generic_refusal"].startswith(
             "MixedPrecisionPlugin(optimizer_in_backward=True) under FSDP2 steps torch.optim.AdamW, torch.optim.Adam, "
-            "torch.optim.SGD, torch.optim.NAdam only, not torch.optim.rmsprop.RMSprop"
+            "torch.optim.SGD, torch.optim.NAdam and torchao.optim.AdamW8bit, Adam8bit (in one pass) only, not "
+            "torch.optim.rmsprop.RMSprop"
         )

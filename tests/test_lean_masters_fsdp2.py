@@ -210,20 +210,23 @@ def test_fsdp2_gives_lean_masters_a_sharded_store_and_the_generic_path_needs_sha
         sharded.attach([dampened])
 
 
-GENERIC = ("8bit", "rmsprop")
+#: torchao's AdamW8bit (in one pass on the local shards: ShardedAdam8bitStep) and RMSprop (the generic path)
+OTHERS = ("8bit", "rmsprop")
+STEPS = {"8bit": "ShardedAdam8bitStep", "rmsprop": "ShardedGenericStep"}
 
 
-@pytest.mark.parametrize("name", GENERIC)
-def test_generic_path_trains_ranks_agree_and_both_skip_an_inf_in_one_ranks_shard(ranks, reference, name):
-    """torchao AdamW8bit and RMSprop(foreach=False) through the generic path on DTensor proxies of the shards: both
-    ranks end with the same fp32 weights, skip the step whose gradient had an inf on rank 0 only, and match one
-    process with the whole batch as far as bf16 gradients allow: the gradients differ by the order of their bf16
-    sums (one bf16 rounding), and these adaptive optimizers move an element whose gradient is near zero by about lr
-    per step whatever its size, so a few elements follow a one-ulp gradient difference (measured: max 0.020
-    (AdamW8bit, lr 1e-2) and 0.039 (RMSprop, momentum 0.5); 99.2% / 99.7% of the 8897 values within a quarter of a
-    bf16 spacing). The exact check is the replay below (bitwise)."""
+@pytest.mark.parametrize("name", OTHERS)
+def test_8bit_and_generic_path_train_ranks_agree_and_both_skip_an_inf_in_one_ranks_shard(ranks, reference, name):
+    """torchao AdamW8bit in one pass on the local shards, and RMSprop(foreach=False) through the generic path on
+    DTensor proxies of the shards: both ranks end with the same fp32 weights, skip the step whose gradient had an inf
+    on rank 0 only, and match one process with the whole batch as far as bf16 gradients allow: the gradients differ
+    by the order of their bf16 sums (one bf16 rounding), and these adaptive optimizers move an element whose gradient
+    is near zero by about lr per step whatever its size, so a few elements follow a one-ulp gradient difference
+    (measured: max 0.020 (AdamW8bit, lr 1e-2) and 0.039 (RMSprop, momentum 0.5); 99.2% / 99.7% of the 8897 values
+    within a quarter of a bf16 spacing). The exact check is the replay below (bitwise)."""
     (rank0, rank1), _ = ranks
     run0, run1 = rank0["generic"][name], rank1["generic"][name]
+    assert run0["step_kind"] == run1["step_kind"] == STEPS[name]
     for key, value in run0["weights"].items():
         assert value.dtype == torch.float32 and torch.equal(value, run1["weights"][key]), key
     assert run0["steps"] == run1["steps"] == reference[name]["steps"]
@@ -242,40 +245,54 @@ def test_generic_path_trains_ranks_agree_and_both_skip_an_inf_in_one_ranks_shard
 
 
 @pytest.mark.parametrize("run", ["8bit_resumed", "rmsprop_resumed", "rmsprop_from_file"])
-def test_generic_path_resumes_from_a_checkpoint_bit_exactly(ranks, run):
+def test_8bit_and_generic_path_resume_from_a_checkpoint_bit_exactly(ranks, run):
     """Distributed checkpoints hold each rank's shard of the optimizer's DTensor state (torchao's quantised states
-    included) under the model's parameter names; RMSprop's plain state also goes through a whole-file checkpoint."""
+    included, keyed by the model's parameters) under the model's parameter names; RMSprop's plain state also goes
+    through a whole-file checkpoint."""
     for rank in ranks[0]:
         full, resumed = rank["generic"][run.split("_")[0]], rank["generic"][run]
+        assert resumed["step_kind"] == STEPS[run.split("_")[0]]
         assert len(resumed["steps"]) == 4 and resumed["steps"] == full["steps"][-4:]
         for name, value in full["weights"].items():
             assert torch.equal(resumed["weights"][name], value), name
 
 
-def test_generic_path_refuses_state_a_checkpoint_would_save_wrongly(ranks):
-    """Quantised (tensor-subclass) state with whole-file checkpoints, and per-parameter state that is not sharded
-    like its parameter (plain tensors of the local shard's shape): refused after the first step, on every rank."""
+def test_state_a_checkpoint_would_save_wrongly_is_refused_8bit_at_setup(ranks):
+    """Quantised (tensor-subclass) state with whole-file checkpoints: refused at setup, before any step, by the
+    one-pass 8-bit step; after the first step by the generic path (AdamW8bit without kernels). Per-parameter state
+    that is not sharded like its parameter (plain tensors of the local shard's shape): refused after the first step.
+    On every rank."""
     for rank in ranks[0]:
         error = rank["generic"]["local_state"]["error"]
         assert "LocalMomentum's state 'buffer' is a plain tensor of shape (32, 4)" in error
         assert "master_weights=True under FSDP2" in error
-        error = rank["generic"]["8bit_from_file"]["error"]
-        assert "save_distributed_checkpoint=False" in error and "OptimState8bit" in error
-        assert "Keep save_distributed_checkpoint=True" in error
+        for run, steps in (("8bit_from_file", 0), ("8bit_generic_from_file", 1)):
+            refused = rank["generic"][run]
+            assert refused["steps"] == steps, run
+            error = refused["error"]
+            assert "save_distributed_checkpoint=False" in error and "OptimState8bit" in error
+            assert "Keep save_distributed_checkpoint=True" in error
 
 
-@pytest.mark.parametrize("name", GENERIC)
-def test_generic_path_steps_equal_the_optimizer_on_fp32_shards_bitwise(ranks, name):
+@pytest.mark.parametrize("name", ["8bit", "adam8bit", "8bit_generic", "rmsprop"])
+def test_8bit_and_generic_path_steps_equal_the_optimizer_on_fp32_shards_bitwise(ranks, name):
     """Each rank's gradients (bf16 shards; fp32 for the norm), replayed with the same optimizer on plain fp32 copies
-    of the exact initial shards, give the exact final shards bit for bit (torchao quantises each local shard)."""
+    of the exact initial shards, give the exact final shards bit for bit (torchao quantises each local shard):
+    torchao's AdamW8bit and Adam8bit in one pass, AdamW8bit on the generic path (no kernels), RMSprop."""
+    kinds = {"8bit": "ShardedAdam8bitStep", "adam8bit": "ShardedAdam8bitStep", "8bit_generic": "ShardedGenericStep"}
     for rank in ranks[0]:
         record = rank["generic"][f"{name}_replay"]
+        assert record["step_kind"] == kinds.get(name, "ShardedGenericStep")
         assert len(record["seen"]) == 8
         params = [torch.nn.Parameter(value.clone()) for value in record["initial"]]
-        if name == "8bit":
+        if name in ("8bit", "8bit_generic"):
             from torchao.optim import AdamW8bit
 
             reference = AdamW8bit(params, lr=1e-2, weight_decay=0.1)
+        elif name == "adam8bit":
+            from torchao.optim import Adam8bit
+
+            reference = Adam8bit(params, lr=1e-2, weight_decay=0.1)
         else:
             reference = torch.optim.RMSprop(params, lr=1e-3, momentum=0.5, foreach=False)
         for grads in record["seen"]:
@@ -286,21 +303,23 @@ def test_generic_path_steps_equal_the_optimizer_on_fp32_shards_bitwise(ranks, na
             assert torch.equal(param.detach(), final)
 
 
-@pytest.mark.parametrize("name", GENERIC)
-def test_generic_path_at_rest_holds_the_optimizers_own_sharded_state_and_no_fp32_copy(ranks, name):
+@pytest.mark.parametrize("name", OTHERS)
+def test_8bit_and_generic_path_at_rest_hold_the_optimizers_own_sharded_state_and_no_fp32_copy(ranks, name):
     """At the second step, before the optimizer: the state is DTensors (AdamW8bit: 8-bit codes for the 64x64 local
-    shard, which torchao quantises from 4096 values; fp32 for the rest), each proxy holds a one-element placeholder,
-    and no live fp32 tensor equals any shard's exact value."""
+    shard, which torchao quantises from 4096 values; fp32 for the rest) keyed by the model's parameters (one-pass) or
+    by proxies each holding a one-element placeholder (generic path), and no live fp32 tensor equals any shard's
+    exact value."""
     for rank in ranks[0]:
         rest = rank["generic"][name]["rest"]
         assert rest["fp32_copies_of_shards"] == 0
-        assert rest["proxy_bytes"] == 4 * 8  # 8 parameters
         numel = rest["local_numel"]
         if name == "8bit":
+            assert rest["keyed_by_params"]
             assert rest["state_kinds"] == {("DTensor", "Tensor"), ("DTensor", "OptimState8bit")}
             quantised = 64 * 64  # 2 states x (1-byte codes + an fp32 scale per 256 values + a 256-entry fp32 map)
             expected = 2 * (quantised + 4 * quantised // 256 + 4 * 256) + 8 * (numel - quantised)
         else:
+            assert not rest["keyed_by_params"] and rest["proxy_bytes"] == 4 * 8  # 8 parameters
             assert rest["state_kinds"] == {("DTensor", "Tensor")}
             expected = 8 * numel  # square_avg and momentum_buffer, fp32
         assert rest["state_bytes"] == expected

@@ -38,6 +38,51 @@ if TYPE_CHECKING:
     from torch.distributed.tensor import DTensor
 
 
+def check_sharded_params(optimizer: Optimizer) -> None:
+    """Raise a ValueError naming the first parameter of ``optimizer`` that is not sharded by ``fully_shard`` (a plain
+    tensor): its state would be one rank's, and its gradient is not reduced."""
+    for g, group in enumerate(optimizer.param_groups):
+        for i, param in enumerate(group["params"]):
+            if not hasattr(param, "device_mesh"):
+                raise ValueError(
+                    f"master_weights='remainder' under FSDP2 needs every parameter of {type(optimizer).__name__} "
+                    f"sharded by fully_shard, but param_groups[{g}]['params'][{i}] (shape {tuple(param.shape)}) "
+                    "is a plain tensor. Shard the whole model (fully_shard on the root too)."
+                )
+
+
+def check_sharded_state(optimizer: Optimizer, store: LeanStore) -> None:
+    """Refuse ``optimizer``'s state that a checkpoint would save wrongly, as soon as it exists (after the first step
+    here, at setup for torchao's 8-bit Adam in one pass, or at a save):
+
+    - a per-parameter tensor that is not a ``DTensor`` (made from the local shard's shape, say): a distributed
+      checkpoint would save one rank's for all; only 0-dim tensors (step counters, equal on every rank) may be
+      plain;
+    - with whole-file checkpoints (``save_distributed_checkpoint=False``, ``store.whole_checkpoints``), a
+      tensor-subclass local shard (torchao's quantised states): torch cannot gather it into a tensor it can save and
+      load."""
+    whole = getattr(store, "whole_checkpoints", False)
+    for state in optimizer.state.values():
+        for key, value in state.items():
+            if isinstance(value, Tensor) and value.dim() > 0 and not hasattr(value, "device_mesh"):
+                raise ValueError(
+                    f"master_weights='remainder' under FSDP2: {type(optimizer).__name__}'s state {key!r} is "
+                    f"a plain tensor of shape {tuple(value.shape)}, not a DTensor sharded like its parameter, so a "
+                    "distributed checkpoint would save one rank's values for every rank. Use an optimizer that "
+                    "makes its state like its parameters (torch.zeros_like(param)), or master_weights=True under "
+                    "FSDP2."
+                )
+            if whole and isinstance(value, Tensor) and type(local_of(value)) is not Tensor:
+                raise ValueError(
+                    "master_weights='remainder' under FSDP2 with ModelParallelStrategy(save_distributed_checkpoint"
+                    f"=False): {type(optimizer).__name__}'s state {key!r} is a tensor subclass "
+                    f"({type(local_of(value)).__name__}), which torch cannot gather into a whole-file checkpoint "
+                    "(the file would hold unfinished collectives and not load). Keep save_distributed_checkpoint"
+                    "=True (the default: each rank saves its shards; `python -m lightning_mp consolidate` makes one fp32 "
+                    "weights file of them), or use an optimizer whose state is plain tensors."
+                )
+
+
 class _ShardSlice(Slice):
     """This rank's whole local shard of ``param``; the proxy is a ``DTensor`` sharded like ``param``."""
 
@@ -77,14 +122,7 @@ class ShardedGenericStep(GenericChunkedStep):
     (see module doc)."""
 
     def __init__(self, optimizer: Optimizer, store: LeanStore, chunk_size: int) -> None:
-        for g, group in enumerate(optimizer.param_groups):
-            for i, param in enumerate(group["params"]):
-                if not hasattr(param, "device_mesh"):
-                    raise ValueError(
-                        f"master_weights='remainder' under FSDP2 needs every parameter of {type(optimizer).__name__} "
-                        f"sharded by fully_shard, but param_groups[{g}]['params'][{i}] (shape {tuple(param.shape)}) "
-                        "is a plain tensor. Shard the whole model (fully_shard on the root too)."
-                    )
+        check_sharded_params(optimizer)
         self._inside = False
         super().__init__(optimizer, store, chunk_size)
         self._hooks += [
@@ -96,33 +134,7 @@ class ShardedGenericStep(GenericChunkedStep):
         self._checked = False
 
     def _check_state(self) -> None:
-        """Refuse state a checkpoint would save wrongly, as soon as it exists (after the first step, or at a save):
-
-        - a per-parameter tensor that is not a ``DTensor`` (made from the local shard's shape, say): a distributed
-          checkpoint would save one rank's for all; only 0-dim tensors (step counters, equal on every rank) may be
-          plain;
-        - with whole-file checkpoints (``save_distributed_checkpoint=False``), a tensor-subclass local shard
-          (torchao's quantised states): torch cannot gather it into a tensor it can save and load."""
-        whole = getattr(self.store, "whole_checkpoints", False)
-        for state in self.optimizer.state.values():
-            for key, value in state.items():
-                if isinstance(value, Tensor) and value.dim() > 0 and not hasattr(value, "device_mesh"):
-                    raise ValueError(
-                        f"master_weights='remainder' under FSDP2: {type(self.optimizer).__name__}'s state {key!r} is "
-                        f"a plain tensor of shape {tuple(value.shape)}, not a DTensor sharded like its parameter, so a "
-                        "distributed checkpoint would save one rank's values for every rank. Use an optimizer that "
-                        "makes its state like its parameters (torch.zeros_like(param)), or master_weights=True under "
-                        "FSDP2."
-                    )
-                if whole and isinstance(value, Tensor) and type(local_of(value)) is not Tensor:
-                    raise ValueError(
-                        "master_weights='remainder' under FSDP2 with ModelParallelStrategy(save_distributed_checkpoint"
-                        f"=False): {type(self.optimizer).__name__}'s state {key!r} is a tensor subclass "
-                        f"({type(local_of(value)).__name__}), which torch cannot gather into a whole-file checkpoint "
-                        "(the file would hold unfinished collectives and not load). Keep save_distributed_checkpoint"
-                        "=True (the default: each rank saves its shards; `python -m lightning_mp consolidate` makes one fp32 "
-                        "weights file of them), or use an optimizer whose state is plain tensors."
-                    )
+        check_sharded_state(self.optimizer, self.store)
 
     def _slices_for(self, param: Tensor) -> list[Slice]:
         return [_ShardSlice(param)]

@@ -7,8 +7,9 @@ shard, and then runs that sharded parameter's own post-accumulate-grad hooks (to
 ``torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py``, ``foreach_reduce``). So the hooks
 :class:`~lightning_mp.master.in_backward.StepInBackward` registers on the optimizer's parameters fire there, with the
 final (reduced, bf16) gradient shard: each runs the one-pass lean update of the local shard
-(:class:`~lightning_mp.distributed.fsdp2_lean.ShardedRemainderMasters`: bf16 shard + remainder) and frees the
-gradient, the same per-tensor update the normal lean FSDP2 step runs after backward, hence the same bits.
+(:class:`~lightning_mp.distributed.fsdp2_lean.ShardedRemainderMasters`: bf16 shard + remainder; torchao's 8-bit Adam
+by :mod:`~lightning_mp.distributed.fsdp2_eightbit`, its gradient checked and agreed before its kernel call) and frees
+the gradient, the same per-tensor update the normal lean FSDP2 step runs after backward, hence the same bits.
 
 Skips must agree on every rank, and neither flag is the same everywhere: the loss flag is rank-local (a NaN loss on
 one rank only), and each gradient check reads this rank's shard only. Both are summed over the ranks
@@ -29,6 +30,7 @@ from typing import Any, Optional
 
 import torch
 
+from lightning_mp.distributed.fsdp2_generic import ShardedGenericStep
 from lightning_mp.distributed.sync import agree_found_inf
 from lightning_mp.master.in_backward import refusal
 from lightning_mp.master.lean import optimizers
@@ -38,15 +40,15 @@ def register(in_backward: Any, device: torch.device, group: Optional[Any] = None
     """Agree ``in_backward``'s skips over ``group`` (called from the FSDP2 side's connect, before any step).
 
     Raises:
-        ValueError: an optimizer outside the table of :mod:`lightning_mp.master.lean.optimizers` (the generic path
-            is not wired on shards here).
+        ValueError: an optimizer on the generic path (outside the table of :mod:`lightning_mp.master.lean.optimizers`
+            and not torchao's 8-bit Adam in one pass): its proxies of whole local shards are not wired here.
     """
-    if in_backward.update.generic is not None:
+    if isinstance(in_backward.update.generic, ShardedGenericStep):
         optimizer = in_backward.optimizer
         raise refusal(
-            f"under FSDP2 steps {optimizers.names()} only, not {type(optimizer).__module__}."
-            f"{type(optimizer).__qualname__} (other optimizers step on proxies of whole local shards, not wired "
-            "inside backward)",
+            f"under FSDP2 steps {optimizers.names()} and torchao.optim.AdamW8bit, Adam8bit (in one pass) only, not "
+            f"{type(optimizer).__module__}.{type(optimizer).__qualname__} (other optimizers step on proxies of whole "
+            "local shards, not wired inside backward)",
             "Use one of those, strategy='ddp' for this optimizer, or optimizer_in_backward=False.",
         )
     # summed over the ranks; StepInBackward makes each agreed flag 0 or 1

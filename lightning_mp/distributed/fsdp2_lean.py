@@ -17,8 +17,9 @@ Parameters of modules sharded with ``param_dtype=torch.float32`` (normalisation 
 into fp32, runs the optimizer's entry of :mod:`lightning_mp.master.lean.optimizers` on it (torch's fused kernel, or its
 foreach function) and this rank's gradient shard, and splits back: what torch's optimizer computes on fp32 shards
 holding the exact values, bitwise. A chunk never spans two shards (their bf16 halves are separate FSDP2 storages).
-Other optimizers run their own step on ``DTensor`` proxies of the whole local shards
-(:mod:`lightning_mp.distributed.fsdp2_generic`).
+torchao's ``AdamW8bit`` / ``Adam8bit`` run in one pass on the local shards, as on one device
+(:mod:`lightning_mp.distributed.fsdp2_eightbit`). Other optimizers run their own step on ``DTensor`` proxies of the
+whole local shards (:mod:`lightning_mp.distributed.fsdp2_generic`).
 
 Memory at rest per rank and local element with AdamW: 2 (bf16 shard) + 2 (remainder) + 2 (bf16 gradient shard) + 8
 (fp32 moments, sharded like the parameter) = 14 bytes. With fp32 accumulation (the default) the gradient shards
@@ -45,6 +46,7 @@ import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
+from lightning_mp.distributed.fsdp2_eightbit import ShardedAdam8bitStep
 from lightning_mp.distributed.fsdp2_generic import ShardedGenericStep
 from lightning_mp.distributed.shard import fsdp_param_groups
 from lightning_mp.kernels.bits import join_fp32, split_fp32_into
@@ -177,12 +179,13 @@ class ShardedRemainderMasters(RemainderMasters):
             split_fp32_into(flat[start:stop].float(), high[start:stop], low[start:stop])
 
     def attach(self, optimizers: Iterable[Optimizer]) -> None:
-        """Give the optimizers of the table (:mod:`lightning_mp.master.lean.optimizers`) fp32 sharded state now; any
-        other optimizer steps through :class:`~lightning_mp.distributed.fsdp2_generic.ShardedGenericStep`.
+        """Give the optimizers of the table (:mod:`lightning_mp.master.lean.optimizers`) fp32 sharded state now, and
+        torchao's 8-bit Adam its own (:mod:`~lightning_mp.distributed.fsdp2_eightbit`: in one pass on the local
+        shards); any other optimizer steps through :class:`~lightning_mp.distributed.fsdp2_generic.ShardedGenericStep`.
 
         Raises:
-            ValueError: SGD with dampening, a parameter that is not the model's, or (generic path) one that is not
-                sharded.
+            ValueError: SGD with dampening, a parameter that is not the model's, one that is not sharded (8-bit Adam,
+                generic path), or torchao's quantised state with whole-file checkpoints.
         """
         if self._module is None:
             raise RuntimeError("ShardedRemainderMasters.attach() needs convert(module) first.")
@@ -202,9 +205,13 @@ class ShardedRemainderMasters(RemainderMasters):
                     "dampening. Use dampening=0, or master_weights=True under FSDP2."
                 )
             check_params_belong(index, optimizer, module_params)
-            if self.updates.of(optimizer).generic is not None:  # any other optimizer: on DTensor proxies of the shards
+            step = self.updates.of(optimizer).generic
+            if step is None:  # the table's: its fp32 state made now (a distributed-checkpoint load needs it)
+                initial_state(optimizer)
+            elif isinstance(step, ShardedAdam8bitStep):  # torchao's 8-bit Adam in one pass: its state made now
+                step.initial_state()
+            else:  # any other optimizer: on DTensor proxies of the shards, its state keyed by them
                 continue
-            initial_state(optimizer)
             self._optimizer_hooks[id(optimizer)] = keep_fp32_state(optimizer)
 
     # ------------------------------------------------------------------ the layout the chunked step reads
@@ -227,8 +234,8 @@ class ShardedRemainderMasters(RemainderMasters):
 
     #: the generic path's step: on DTensor proxies of the local shards
     generic_step = ShardedGenericStep
-    #: torchao's 8-bit Adam takes the generic path on the shards too (its one-pass step is the unsharded store's)
-    eight_bit_step = None
+    #: torchao's 8-bit Adam: in one pass on the local shards (:mod:`~lightning_mp.distributed.fsdp2_eightbit`)
+    eight_bit_step = ShardedAdam8bitStep
 
     @staticmethod
     def _widen_grad(grad: Tensor) -> None:

@@ -3,7 +3,7 @@
     python tests/distributed/fsdp2_in_backward_checks.py OUT
 
 Lean masters under ModelParallelStrategy + fully_shard (the norm on its own in fp32), the updates in backward
-(``ours``) and the normal lean FSDP2 step (``reference``), AdamW and SGD, 4 steps; AdamW with a NaN loss on rank 1
+(``ours``) and the normal lean FSDP2 step (``reference``), AdamW, SGD and torchao's AdamW8bit (in one pass), 4 steps; AdamW with a NaN loss on rank 1
 only at step ``BAD_AT``, both ways; AdamW with an inf written into rank 0's reduced gradient shard of ``net.0.weight``
 at step ``BAD_AT`` (a hook that runs before the plugin's). Each rank saves, per run, the fp32 weights (full tensors),
 its local shards of the optimizer state, the gradients left after each step, whether each step's backward changed
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import lightning as L
 import torch
@@ -34,12 +34,14 @@ class Net(L.LightningModule):
 
     def __init__(self, optimizer: str, bad: str = "") -> None:
         super().__init__()
-        self.net = nn.Sequential(nn.Linear(16, 32), nn.LayerNorm(32), nn.GELU(), nn.Linear(32, 1))
+        width = 512 if optimizer == "adamw8bit" else 32  # AdamW8bit: net.0.weight's local shards take 8-bit moments
+        self.net = nn.Sequential(nn.Linear(16, width), nn.LayerNorm(width), nn.GELU(), nn.Linear(width, 1))
         self.optimizer_name, self.bad = optimizer, bad
         self.grads_after_step: list[list[bool]] = []
         self.changed_in_backward: list[bool] = []
         self.skipped_names: list[list[str]] = []
         self.losses: list[float] = []
+        self.step_kind: Optional[str] = None  # the lean store's step of the optimizer, if not the table's
 
     def configure_model(self) -> None:
         from torch.distributed.fsdp import fully_shard
@@ -76,6 +78,8 @@ class Net(L.LightningModule):
         self.grads_after_step.append([p.grad is None for p in self.parameters()])
         in_backward = self.trainer.precision_plugin.steps.in_backward
         self.skipped_names.append(list(in_backward.skipped_params) if in_backward is not None else [])
+        update = self.trainer.precision_plugin.masters.updates.get(self.trainer.optimizers[0])
+        self.step_kind = type(update.generic).__name__ if update is not None and update.generic is not None else None
 
     def train_dataloader(self) -> DataLoader:
         return sum_loader(self.trainer.world_size, self.global_rank)
@@ -85,6 +89,10 @@ class Net(L.LightningModule):
             return torch.optim.AdamW(self.parameters(), lr=1e-2, weight_decay=0.1)
         if self.optimizer_name == "rmsprop":  # the generic path: refused under FSDP2 inside backward
             return torch.optim.RMSprop(self.parameters(), lr=1e-3)
+        if self.optimizer_name == "adamw8bit":  # torchao's: in one pass on the local shards (fsdp2_eightbit.py)
+            from torchao.optim import AdamW8bit
+
+            return AdamW8bit(self.parameters(), lr=1e-2, weight_decay=0.1)
         return torch.optim.SGD(self.parameters(), lr=1e-2, momentum=0.9, nesterov=True, weight_decay=0.01)
 
 
@@ -107,8 +115,8 @@ def run(in_backward: bool, optimizer: str, bad: str = "") -> dict[str, Any]:
     trainer.fit(model)
     weights = {name: _full(value).cpu() for name, value in model.state_dict().items()}  # a collective per DTensor
     optimizer_ = trainer.optimizers[0]
-    state = {
-        name: {key: local_of(value).clone() for key, value in optimizer_.state[param].items()}
+    state = {  # (a tensor subclass, torchao's 8-bit state: as it is, the run is over)
+        name: {key: _copy(local_of(value)) for key, value in optimizer_.state[param].items()}
         for name, param in model.named_parameters()
     }
     return {
@@ -120,13 +128,18 @@ def run(in_backward: bool, optimizer: str, bad: str = "") -> dict[str, Any]:
         "skipped_names": model.skipped_names,
         "losses": model.losses,
         "skipped_steps": plugin.scaler.skipped_steps,
+        "step_kind": model.step_kind,
     }
+
+
+def _copy(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.clone() if type(tensor) is torch.Tensor else tensor
 
 
 def main() -> None:
     out = Path(sys.argv[1])
     results = {}
-    for optimizer in ("adamw", "sgd"):
+    for optimizer in ("adamw", "sgd", "adamw8bit"):
         results[f"ours_{optimizer}"] = run(True, optimizer)
         results[f"reference_{optimizer}"] = run(False, optimizer)
     results["ours_nan_loss"] = run(True, "adamw", "nan_loss")

@@ -7,8 +7,8 @@ uninterrupted run (inf in rank 0's shard at step INJECT_AT, norm clipping, a dis
 the run resumed from it, the same from a full single-file checkpoint, gradient accumulation (fp32 sums, then bf16),
 a casting-policy fp32 head, the norm left in the bf16 group, fp32 masters (``True``) for comparison, AdamW, SGD and
 NAdam runs whose steps are replayed on fp32 shards with torch's fused (NAdam: foreach) optimizers, the live tensors at
-rest, and the same
-for optimizers on the generic path (torchao AdamW8bit, RMSprop: ``generic_runs``). Each rank
+rest, and the same for torchao's 8-bit Adam (in one pass on the local shards) and an optimizer on the generic path
+(RMSprop): ``generic_runs``. Each rank
 saves what it saw to OUT/rank<r>.pt.
 """
 
@@ -19,6 +19,8 @@ import getpass
 import os
 import sys
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -173,6 +175,13 @@ class Wide8bit(WideNet):
         return AdamW8bit(self.parameters(), lr=1e-2, weight_decay=0.1)
 
 
+class WideAdam8bit(WideNet):
+    def configure_optimizers(self) -> Any:
+        from torchao.optim import Adam8bit
+
+        return Adam8bit(self.parameters(), lr=1e-2, weight_decay=0.1)
+
+
 class WideRMSprop(WideNet):
     def configure_optimizers(self) -> Any:
         return torch.optim.RMSprop(self.parameters(), lr=1e-3, momentum=0.5, foreach=False)
@@ -216,13 +225,41 @@ class GenericAtRest(L.Callback):
                 flat = obj.detach().reshape(-1)
                 copies += sum(flat.numel() == e.numel() > 0 and torch.equal(flat, e) for e in exact)
         states = [(k, v) for state in optimizer.state.values() for k, v in state.items() if k != "step"]
+        params = {id(p) for p in module.parameters()}
         module.record["rest"] = {
+            "keyed_by_params": all(id(p) in params for p in optimizer.state),
             "state_kinds": {(type(v).__name__, type(local_of(v)).__name__) for _, v in states},
             "proxy_bytes": sum(local_of(p).untyped_storage().nbytes() for p in optimizer.state),
             "fp32_copies_of_shards": copies,
             "state_bytes": sum(t.untyped_storage().nbytes() for _, v in states for t in _inner(local_of(v))),
             "local_numel": sum(local_of(p).numel() for p in module.parameters()),
         }
+
+
+class StepKind(L.Callback):
+    """Which step the lean store runs the optimizer with: ``ShardedAdam8bitStep`` (torchao's 8-bit Adam in one pass
+    on the local shards), ``ShardedGenericStep`` (the generic path on proxies), ``None`` (the table's)."""
+
+    def on_before_optimizer_step(self, trainer: L.Trainer, module: L.LightningModule, optimizer: Any) -> None:
+        update = trainer.precision_plugin.masters.updates.get(optimizer)
+        step = update.generic if update is not None else None
+        module.record["step_kind"] = type(step).__name__ if step is not None else None
+
+
+@contextmanager
+def no_kernels(off: bool = True) -> Iterator[None]:
+    """``LIGHTNING_MP_NATIVE=0`` inside (with ``off``): torchao's 8-bit Adam takes the generic path, as where no C
+    compiler is found."""
+    before = os.environ.get("LIGHTNING_MP_NATIVE")
+    if off:
+        os.environ["LIGHTNING_MP_NATIVE"] = "0"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("LIGHTNING_MP_NATIVE", None)
+        else:
+            os.environ["LIGHTNING_MP_NATIVE"] = before
 
 
 def _inner(tensor: torch.Tensor) -> list[torch.Tensor]:
@@ -233,39 +270,74 @@ def _inner(tensor: torch.Tensor) -> list[torch.Tensor]:
 
 
 def generic_runs(out: Path) -> dict[str, Any]:
-    """Optimizers on the generic path (torchao AdamW8bit, torch's for-loop RMSprop): a run with an inf in rank 0's
-    shard at INJECT_AT, clipping and a distributed checkpoint after epoch 0, and the run resumed from it."""
+    """torchao's AdamW8bit (in one pass on the local shards) and torch's for-loop RMSprop (the generic path): a run
+    with an inf in rank 0's shard at INJECT_AT, clipping and a distributed checkpoint after epoch 0, the run resumed
+    from it, whole-file checkpoints, and a replay; Adam8bit's replay; AdamW8bit's replay and whole-file refusal on the
+    generic path (no kernels, as without a compiler); a per-parameter state that is not sharded (refused)."""
     results: dict[str, Any] = {}
     for name, model_class in (("8bit", Wide8bit), ("rmsprop", WideRMSprop)):
         ckpt = out / f"ckpt-{name}"
         common: dict[str, Any] = dict(shard=shard_net, model_class=model_class)
         results[name] = fit(
-            "bf16-mixed", "remainder", strategy(), checkpoint_dir=ckpt, extra_callbacks=[GenericAtRest()], **common
-        )
-        resume = ckpt / "epoch=0.ckpt"
-        results[f"{name}_resumed"] = fit("bf16-mixed", "remainder", strategy(), resume_from=resume, **common)
-        whole = strategy(save_distributed_checkpoint=False)
-        try:
-            fit("bf16-mixed", "remainder", whole, checkpoint_dir=out / f"file-{name}", **common)
-        except ValueError as error:  # torchao's quantised state: refused for whole-file checkpoints
-            results[f"{name}_from_file"] = {"error": str(error)}
-        else:
-            resume = out / f"file-{name}" / "epoch=0.ckpt"
-            results[f"{name}_from_file"] = fit("bf16-mixed", "remainder", strategy(), resume_from=resume, **common)
-        replay = type(f"Replay{name}", (Unclipped, model_class), {})
-        results[f"{name}_replay"] = fit(
             "bf16-mixed",
             "remainder",
             strategy(),
-            inject=False,
-            extra_callbacks=[Replay()],
-            **{**common, "model_class": replay},
+            checkpoint_dir=ckpt,
+            extra_callbacks=[GenericAtRest(), StepKind()],
+            **common,
+        )
+        resume = ckpt / "epoch=0.ckpt"
+        results[f"{name}_resumed"] = fit(
+            "bf16-mixed", "remainder", strategy(), resume_from=resume, extra_callbacks=[StepKind()], **common
+        )
+        results[f"{name}_from_file"] = _from_file(out / f"file-{name}", common)
+    for name, model_class, kernels in (
+        ("8bit", Wide8bit, True),
+        ("adam8bit", WideAdam8bit, True),
+        ("8bit_generic", Wide8bit, False),
+        ("rmsprop", WideRMSprop, True),
+    ):
+        replay = type(f"Replay{name}", (Unclipped, model_class), {})
+        with no_kernels(not kernels):
+            results[f"{name}_replay"] = fit(
+                "bf16-mixed", "remainder", strategy(), inject=False, extra_callbacks=[Replay(), StepKind()],
+                shard=shard_net, model_class=replay,
+            )  # fmt: skip
+    with no_kernels():
+        results["8bit_generic_from_file"] = _from_file(
+            out / "file-8bit-generic", dict(shard=shard_net, model_class=Wide8bit)
         )
     try:
         fit("bf16-mixed", "remainder", strategy(), shard=shard_net, model_class=WideLocalState)
     except ValueError as error:
         results["local_state"] = {"error": str(error)}
     return results
+
+
+def _from_file(directory: Path, common: dict[str, Any]) -> dict[str, Any]:
+    """A run with whole-file checkpoints (``save_distributed_checkpoint=False``) and the run resumed from its file;
+    ``{"error": ..., "steps": ...}`` where it is refused (torchao's quantised state), with the steps it had taken."""
+    steps = StepCount()
+    whole = strategy(save_distributed_checkpoint=False)
+    extra = list(common.pop("extra_callbacks", []))
+    try:
+        fit("bf16-mixed", "remainder", whole, checkpoint_dir=directory, extra_callbacks=[*extra, steps], **common)
+    except ValueError as error:
+        return {"error": str(error), "steps": steps.count}
+    resume = directory / "epoch=0.ckpt"
+    return fit(
+        "bf16-mixed", "remainder", strategy(), resume_from=resume, extra_callbacks=[*extra, StepKind()], **common
+    )
+
+
+class StepCount(L.Callback):
+    """How many optimizer steps were taken (read after a refusal, which loses the run's record)."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def on_before_optimizer_step(self, trainer: L.Trainer, module: L.LightningModule, optimizer: Any) -> None:
+        self.count += 1
 
 
 class Validated(Net):

@@ -26,7 +26,8 @@ What a group's call reads is laid out once (:class:`_GroupLayout`: the addresses
 scales, maps and step counts, and the tensors behind them, held) and replayed while the optimizer's generation
 (:func:`lightning_mp.master.following.seen`) and the store's blocks are the ones it was laid out at; a step passes only
 the gradients' addresses, the group's options, the clipping and the flag. The step inside backward lays out one
-parameter at a time (:meth:`Adam8bitStep.run_params`).
+parameter at a time (:meth:`Adam8bitStep.run_params`). Under FSDP2 the same step runs on each rank's local shards
+(:mod:`lightning_mp.distributed.fsdp2_eightbit`: ``sharded``, the state made on a ``DTensor`` stand-in).
 
 ``amsgrad`` is refused before any update: torchao 0.18 cannot run it on an 8-bit state either.
 """
@@ -35,7 +36,7 @@ from __future__ import annotations
 
 import ctypes
 from operator import attrgetter
-from typing import Any, Optional
+from typing import Any, Optional, cast
 
 import torch
 from torch import Tensor
@@ -115,10 +116,7 @@ def _state_of(optimizer: Optimizer, param: Tensor, group: dict[str, Any]) -> dic
     masters' precision), and checked: the keys torchao's step reads."""
     state = optimizer.state[param]
     if not state:
-        # torchao reads the parameter's shape, size, device (and, for a DTensor, its placement) and dtype only:
-        # an fp32 stand-in of the same shape that holds no memory
-        # (not a DTensor: the path is not taken under FSDP2, whose store keeps the generic path)
-        like = torch.zeros((), dtype=_FP32, device=param.device).expand(param.shape)
+        like = _fp32_stand_in(param)
         state["step"] = torch.tensor(0.0)
         state["exp_avg"] = optimizer._new_buffer(like, True)  # type: ignore[attr-defined]
         state["exp_avg_sq"] = optimizer._new_buffer(like, False)  # type: ignore[attr-defined]
@@ -130,6 +128,24 @@ def _state_of(optimizer: Optimizer, param: Tensor, group: dict[str, Any]) -> dic
                 "Clear the whole state (optimizer.state[param].clear()) or give it every key."
             )
     return state
+
+
+def _fp32_stand_in(param: Tensor) -> Tensor:
+    """What torchao's ``_new_buffer`` reads of ``param`` (shape, size, device, dtype; for a ``DTensor``, its local
+    shard, mesh and placements) in fp32, the masters' precision, holding no memory. Under FSDP2 a ``DTensor`` like
+    ``param`` around a stand-in of its local shard: torchao then quantises the local shard (from 4096 values, in
+    blocks from the shard's start, as the kernel reads them) and wraps the state in a ``DTensor``, as it does for
+    FSDP2's own fp32 shards."""
+    local = local_of(param)
+    like = torch.zeros((), dtype=_FP32, device=local.device).expand(local.shape)
+    if local is param:
+        return like
+    from torch.distributed.tensor import DTensor
+
+    sharded = cast(DTensor, param)
+    return DTensor.from_local(
+        like, sharded.device_mesh, sharded.placements, run_check=False, shape=param.shape, stride=param.stride()
+    )
 
 
 class _GroupLayout:
@@ -196,6 +212,8 @@ class Adam8bitStep:
     whole_param_state = True
     #: inside backward, each parameter's gradient check is part of its step (``run_params(..., check=True)``)
     checks_gradients = True
+    #: the parameters and gradients are ``DTensor`` s whose local shards the step reads (FSDP2's subclass)
+    sharded = False
 
     def __init__(self, optimizer: Optimizer, store: LeanStore, chunk_size: int = 0) -> None:
         self.optimizer = optimizer
@@ -209,6 +227,15 @@ class Adam8bitStep:
         self._pending: list[tuple[Tensor, list[Tensor]]] = []
 
     # ------------------------------------------------------------------ the generic path's interface
+    def initial_state(self) -> None:
+        """Make the state of every trainable parameter that has none, as torchao's first step would (FSDP2: a
+        distributed-checkpoint load must find the optimizer initialised, as
+        :func:`~lightning_mp.master.lean.optimizers.initial_state` does for the table's optimizers)."""
+        for group in self.optimizer.param_groups:
+            for param in group["params"]:
+                if param.requires_grad and not self.optimizer.state.get(param):
+                    _state_of(self.optimizer, param, group)
+
     def follow_groups(self) -> None:
         """The groups changed: every layout is made again."""
         self.layouts.clear()
@@ -317,6 +344,8 @@ class Adam8bitStep:
         grads = list(map(_GRAD, layout.stepped))
         if None in grads:
             raise _Stale
+        if self.sharded:  # FSDP2: this rank's gradient shards (a DTensor op would be a collective)
+            grads = list(map(local_of, grads))
         if layout.launch is not None:
             self._cuda_step(group, layout, grads, found, grad_ops, check, inside)
             return
