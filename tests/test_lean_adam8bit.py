@@ -535,8 +535,18 @@ def _search(qmap: torch.Tensor, x: torch.Tensor) -> tuple[torch.Tensor, torch.Te
     fast, reference = torch.empty_like(x, dtype=torch.uint8), torch.empty_like(x, dtype=torch.uint8)
     x, qmap = x.contiguous(), qmap.contiguous()
     used = _quantize_check()(x.data_ptr(), x.numel(), qmap.data_ptr(), fast.data_ptr(), reference.data_ptr())
-    assert used in (0, 1), "the search of either moment of two and of one moment disagree"
-    return fast, reference, bool(used)
+    assert used in (0, 1, 2), "the searches (bins, table for either moment of two, table for one) disagree"
+    return fast, reference, used
+
+
+def _has_vbmi() -> bool:
+    """Whether this CPU has AVX-512 VBMI (the kernel is built for the CPU it runs on: the bins search then)."""
+    try:
+        with open("/proc/cpuinfo") as info:
+            flags = [line.split(":", 1)[1].split() for line in info if line.startswith("flags")]
+    except OSError:
+        return False
+    return bool(flags) and "avx512vbmi" in flags[0] and "avx512bw" in flags[0]
 
 
 @pytest.mark.parametrize("signed", [True, False], ids=["signed", "unsigned"])
@@ -551,15 +561,16 @@ def test_table_search_equals_reference_search(signed):
     x = _search_inputs(qmap, torch.Generator().manual_seed(20 + signed))
     assert x.numel() > 8_000_000
     fast, reference, used = _search(qmap, x)
-    assert used  # the table, not the fallback
+    assert used == (2 if _has_vbmi() else 1)  # the bins (or the table), not the fallback
     assert int((fast != reference).sum()) == 0
     torchao_codes = quantize_8bit_with_qmap(x, qmap)
     assert int((reference != torchao_codes).sum()) == 0
 
 
 def test_table_search_other_maps():
-    """Maps the table is not built for (unsorted; an infinity; a NaN) take the reference search; a sorted map with
-    repeated values, and one with many steps inside a bucket (those buckets are searched as the reference), keep the
+    """Maps the table is not built for (unsorted; an infinity; a NaN) take the reference search; a sorted map with a
+    value twice keeps the bins (on a CPU with AVX-512 VBMI: two thresholds at one key), one with a value ten times
+    (ten thresholds at one key) or with many steps inside a bucket (those buckets are searched as the reference) the
     table: every code equal to torchao's either way."""
     from torchao.optim.subclass_8bit import get_qmap_signed
 
@@ -568,6 +579,8 @@ def test_table_search_other_maps():
     repeated = signed.clone()
     repeated[100:110] = signed[100]
     repeated[200:202] = signed[201]
+    paired = signed.clone()
+    paired[200] = signed[201]  # one value twice: two thresholds at one key
     crowded = signed.clone()
     crowded[140:180] = _ulps(torch.full((1,), 0.3), 1)[0] + torch.arange(40) * 2.0**-25  # 40 values 1 ulp apart
     crowded, _ = crowded.sort()
@@ -576,11 +589,12 @@ def test_table_search_other_maps():
     swapped[[50, 51]] = swapped[[51, 50]]
     with_inf, with_nan = signed.clone(), signed.clone()
     with_inf[255], with_nan[3] = math.inf, math.nan
+    bins = 2 if _has_vbmi() else 1
     for name, qmap, table in [
-        ("repeated", repeated, True), ("crowded", crowded, True), ("unsorted", unsorted, False),
-        ("swapped", swapped, False), ("inf", with_inf, False), ("nan", with_nan, False),
+        ("paired", paired, bins), ("repeated", repeated, 1), ("crowded", crowded, 1), ("unsorted", unsorted, 0),
+        ("swapped", swapped, 0), ("inf", with_inf, 0), ("nan", with_nan, 0),
     ]:  # fmt: skip
-        x = _search_inputs(qmap, generator, sample=16) if name in ("repeated", "crowded") else torch.cat(
+        x = _search_inputs(qmap, generator, sample=16) if name in ("paired", "repeated", "crowded") else torch.cat(
             [torch.randint(-(2**31), 2**31, (1 << 20,), generator=generator).to(torch.int32).view(torch.float32),
              torch.rand(1 << 18, generator=generator) * 2 - 1, qmap, _ulps(qmap, 1), _ulps(qmap, -1)]
         )  # fmt: skip

@@ -212,7 +212,7 @@ def test_sdist_carries_the_package_and_none_of_the_tests(tmp_path):
         names = {name.split("/", 1)[1] for name in sdist.getnames() if "/" in name}
         info = sdist.extractfile(next(m for m in sdist.getmembers() if m.name.endswith("/PKG-INFO"))).read().decode()
     assert not {name for name in names if name.startswith("tests/")}
-    sources = {str(p.relative_to(ROOT)) for p in PACKAGE.rglob("*") if p.suffix in (".py", ".c")}
+    sources = {str(p.relative_to(ROOT)) for p in PACKAGE.rglob("*") if p.suffix in (".py", ".c", ".h")}
     assert sources <= names, sources - names
     assert {"LICENSE", "README.md", "pyproject.toml"} <= names
     assert "License-Expression: Apache-2.0" in info and "License-File: LICENSE" in info

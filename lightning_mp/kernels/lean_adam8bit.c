@@ -27,26 +27,17 @@
  * fp32 value of torchao's lr tensor. A parameter whose torchao state is plain fp32 (fewer than 4096 elements, or a
  * size that is not a multiple of the block) is updated the same way with its moments stored unquantized.
  *
- * The code search, exact by construction: for a map of finite values sorted non-decreasing, torchao's code f(x) is a
- * non-decreasing function of x over the non-NaN values (the binary search gives the last c with map[c] <= x, or 0;
- * inside [map[c], map[c + 1]) the rounded residual x - map[c] grows with x, so the round-up to c + 1 switches on at
- * most once, and from map[c + 1] on the code is at least c + 1); a NaN gives 0. Ordering the fp32 values by a key
- * (their bits, the negatives' flipped: key_of), each bucket of 65536 consecutive keys (key >> 16) of a non-NaN range
- * whose first and last codes (from the reference search) differ by at most one holds the codes first + (the key's
- * low 16 bits >= t): its table entry keeps first and t (found by bisection with the reference search). So a value's
- * code is one table read, a compare and an add, vectorised; buckets with more than one step, or with an infinity and
- * NaNs, are marked and their values take the reference search; a map that is not sorted and finite has no table (all
- * values take the reference search). Tables are built before the threads start and cached by the map's contents
- * (compared on every call, never by address: a map edited in place gets its own table), a few at a time.
+ * The codes: lean_code_search.h (put in place of the LEAN_CODE_SEARCH line below), the same codes as torchao's
+ * search by a table of 65536-key buckets, or, where the CPU has AVX-512 VBMI, by byte permutes of bins held in
+ * registers.
  *
  * Speed: the update is one loop per combination of the loop-invariant choices (weights lean or fp32, gradient bf16 or
  * fp32, AdamW or Adam, writing or not, bc1 == 1 or not), with no branch inside, vectorised by the compiler; on AMD's
  * AVX-512 CPUs (Zen 4) 512 bits wide (step_range's target attribute): half the instructions of the build's 256 for the
  * same work on double-pumped units, the loop being bound by instruction throughput rather than by the divider (whose
  * throughput per fp32 value is the same at either width). 16.8M elements on one Zen 4 thread: the update ~13.4 -> ~10.8
- * ms, the whole step ~33 -> ~32 ms (2-8% over runs: the requantization after it does not gain, and loses part of that).
- * quantize_pair stays 256 bits wide: its table reads are gcc's emulated gathers (lane extracts and scalar loads),
- * slower at 512 (and at 128) bits, and slower still as hardware gathers or as a scalar pass. The divisions stay IEEE
+ * ms, the whole step ~33 -> ~32 ms (2-8% over runs). The table search stays 256 bits wide (its emulated gathers are
+ * slower at 512 and at 128 bits, slower still as hardware gathers or as a scalar pass). The divisions stay IEEE
  * divisions in torchao's order: replacing the four by constants (m / bc1, sqrt(v) / sqrt(bc2), the two by a block's
  * scales) with a division-free correctly rounded quotient (RN(1/b) and two fmas, Markstein) was measured slower here,
  * in both loops, checks left out: the divider (a unit of its own: ~0.1 ns per fp32 division at full throughput here)
@@ -123,193 +114,7 @@ static void consts_of(const a8_piece *p, const a8_options *o, a8_consts *k) {
     k->bound = o->clamp >= 0 ? (float)o->clamp : INFINITY;
 }
 
-/* ---------------------------------------------------------------------- the code search */
-/* torchao's quantize_8bit_with_qmap of one value already divided by its block's scale, comparison for comparison:
- * the reference search (any map), and the definition the tables below are built from. */
-static inline uint8_t quantize(float x, const float *q) {
-    int c = x >= q[128] ? 128 : 0;
-    c += x >= q[c + 64] ? 64 : 0;
-    c += x >= q[c + 32] ? 32 : 0;
-    c += x >= q[c + 16] ? 16 : 0;
-    c += x >= q[c + 8] ? 8 : 0;
-    c += x >= q[c + 4] ? 4 : 0;
-    c += x >= q[c + 2] ? 2 : 0;
-    c += x >= q[c + 1] ? 1 : 0;
-    int up = c + 1 < 255 ? c + 1 : 255;
-    float down = q[c], residual = x - down;
-    return (uint8_t)(residual >= (q[up] - down) * 0.5f ? up : c);
-}
-
-/* An fp32 value's key: its bits made unsigned in the order of the values (-0 just below +0, NaNs at the ends). */
-static inline uint32_t key_of(float x) {
-    uint32_t u;
-    memcpy(&u, &x, 4);
-    return u ^ ((uint32_t)((int32_t)u >> 31) | 0x80000000u);
-}
-
-static inline float value_of(uint32_t key) {
-    uint32_t u = key & 0x80000000u ? key ^ 0x80000000u : ~key;
-    float x;
-    memcpy(&x, &u, 4);
-    return x;
-}
-
-#define BUCKETS 65536 /* key >> 16 */
-#define REFERENCE 0x80000000u /* a table entry's flag: this bucket's values take the reference search */
-
-/* The table of a sorted map of finite values, one entry per bucket of 65536 keys (key >> 16): the code of the
- * bucket's lowest key in the low 8 bits and, above them, the low 16 bits of the first key whose code is one more
- * (65536: none); or REFERENCE, where a bucket's codes differ by more than one or it holds an infinity and NaNs.
- * Returns 0 for a map that is not sorted or not finite (its values take the reference search). */
-static int build_table(const float *q, uint32_t *table) {
-    for (int i = 0; i < 256; i++)
-        if (!(q[i] - q[i] == 0.0f) || (i < 255 && !(q[i] <= q[i + 1]))) return 0; /* inf - inf and NaNs are NaN */
-    for (uint32_t b = 0; b < BUCKETS; b++) {
-        uint32_t base = b << 16, low = 0, high = 0xFFFFu, step = 65536;
-        if (b < 0x007Fu || b > 0xFF80u) { /* NaNs only: code 0 */
-            table[b] = step << 8;
-            continue;
-        }
-        int first = quantize(value_of(base), q), last = quantize(value_of(base | high), q);
-        if (b == 0x007Fu || b == 0xFF80u || last < first || last > first + 1) {
-            table[b] = REFERENCE | step << 8;
-            continue;
-        }
-        if (last != first) {
-            while (high - low > 1) { /* quantize(low) == first, quantize(high) == last */
-                uint32_t mid = (low + high) / 2;
-                if (quantize(value_of(base | mid), q) == first) low = mid;
-                else high = mid;
-            }
-            step = high;
-        }
-        table[b] = (uint32_t)first | step << 8;
-    }
-    return 1;
-}
-
-/* The tables of the maps last seen, by contents (a map's address is never trusted: its values are compared on every
- * call). A slot in use by a call (users > 0) is never rebuilt; with every slot in use, a map gets no table. */
-#define MAPS 8
-typedef struct {
-    float qmap[256];
-    uint8_t planes[4][256]; /* byte k of every value in planes[k] (dequantize) */
-    uint32_t *table;        /* BUCKETS entries */
-    int valid, users;
-    uint64_t used;
-} a8_map;
-static a8_map map_slots[MAPS];
-static uint64_t map_clock;
-static pthread_mutex_t map_lock = PTHREAD_MUTEX_INITIALIZER;
-
-/* The slot holding q's table (users incremented: release it), or NULL (no table: the reference search). */
-static a8_map *acquire_map(const float *q) {
-    a8_map *slot = 0;
-    pthread_mutex_lock(&map_lock);
-    for (int i = 0; i < MAPS && !slot; i++)
-        if (map_slots[i].table && memcmp(map_slots[i].qmap, q, sizeof map_slots[i].qmap) == 0) slot = &map_slots[i];
-    if (!slot) { /* an empty slot, else the least recently used free one */
-        for (int i = 0; i < MAPS; i++) {
-            a8_map *s = &map_slots[i];
-            if (s->users == 0 && (!slot || !s->table || (slot->table && s->used < slot->used))) slot = s;
-            if (slot && !slot->table) break;
-        }
-        if (slot && !slot->table) slot->table = (uint32_t *)malloc(BUCKETS * sizeof(uint32_t));
-        if (slot && slot->table) {
-            memcpy(slot->qmap, q, sizeof slot->qmap);
-            slot->valid = build_table(slot->qmap, slot->table);
-            for (int c = 0; c < 256; c++) {
-                uint32_t bits;
-                memcpy(&bits, &slot->qmap[c], 4);
-                for (int k = 0; k < 4; k++) slot->planes[k][c] = (uint8_t)(bits >> 8 * k);
-            }
-        } else {
-            slot = 0;
-        }
-    }
-    if (slot) {
-        slot->users++;
-        slot->used = ++map_clock;
-    }
-    pthread_mutex_unlock(&map_lock);
-    return slot;
-}
-
-static void release_map(a8_map *slot) {
-    if (!slot) return;
-    pthread_mutex_lock(&map_lock);
-    slot->users--;
-    pthread_mutex_unlock(&map_lock);
-}
-
-/* codes[i] = quantize(x[i] / scale): one table entry per value, (key & 0xFFFF) >= the entry's step adding one;
- * values whose entry says REFERENCE take the reference search afterwards. */
-static void quantize_range(const float *restrict x, int64_t n, float scale, uint8_t *restrict codes,
-                           const uint32_t *restrict table, const float *q) {
-    if (!table) {
-        for (int64_t i = 0; i < n; i++) codes[i] = quantize(x[i] / scale, q);
-        return;
-    }
-    uint32_t flags = 0;
-    for (int64_t i = 0; i < n; i++) {
-        uint32_t key = key_of(x[i] / scale), entry = table[key >> 16];
-        codes[i] = (uint8_t)((entry & 255u) + ((key & 0xFFFFu) >= (entry >> 8)));
-        flags |= entry;
-    }
-    if (!(flags & REFERENCE)) return;
-    for (int64_t i = 0; i < n; i++) {
-        float value = x[i] / scale;
-        if (table[key_of(value) >> 16] & REFERENCE) codes[i] = quantize(value, q);
-    }
-}
-
-/* quantize_range of both moments: one loop where both maps have tables (their reads interleave). */
-static void quantize_pair(const float *restrict x1, const float *restrict x2, int64_t n, float scale1, float scale2,
-                          uint8_t *restrict codes1, uint8_t *restrict codes2, const uint32_t *restrict table1,
-                          const uint32_t *restrict table2, const float *q1, const float *q2) {
-    if (!table1 || !table2) {
-        quantize_range(x1, n, scale1, codes1, table1, q1);
-        quantize_range(x2, n, scale2, codes2, table2, q2);
-        return;
-    }
-    uint32_t flags = 0;
-    for (int64_t i = 0; i < n; i++) {
-        uint32_t key1 = key_of(x1[i] / scale1), entry1 = table1[key1 >> 16];
-        uint32_t key2 = key_of(x2[i] / scale2), entry2 = table2[key2 >> 16];
-        codes1[i] = (uint8_t)((entry1 & 255u) + ((key1 & 0xFFFFu) >= (entry1 >> 8)));
-        codes2[i] = (uint8_t)((entry2 & 255u) + ((key2 & 0xFFFFu) >= (entry2 >> 8)));
-        flags |= entry1 | entry2;
-    }
-    if (!(flags & REFERENCE)) return;
-    for (int64_t i = 0; i < n; i++) {
-        float value1 = x1[i] / scale1, value2 = x2[i] / scale2;
-        if (table1[key_of(value1) >> 16] & REFERENCE) codes1[i] = quantize(value1, q1);
-        if (table2[key_of(value2) >> 16] & REFERENCE) codes2[i] = quantize(value2, q2);
-    }
-}
-
-/* For tests: the codes of x[0..n) by the table search (the map's cached table, else the reference), in fast (as
- * quantize_pair does it for either moment, and quantize_range, where all three agree), and by the reference search.
- * Returns 1 where the table was used, 0 where not, -1 where the three disagree (or memory ran out). */
-int lean_adam8bit_quantize_check(const float *x, int64_t n, const float *qmap, uint8_t *fast, uint8_t *reference) {
-    float *zeros = (float *)calloc((size_t)n, sizeof(float));
-    uint8_t *other = (uint8_t *)malloc((size_t)n);
-    a8_map *slot = acquire_map(qmap);
-    const uint32_t *table = slot && slot->valid ? slot->table : 0;
-    int same = zeros && other;
-    if (same) {
-        quantize_pair(x, zeros, n, 1.0f, 1.0f, fast, other, table, table, qmap, qmap);
-        quantize_pair(zeros, x, n, 1.0f, 1.0f, other, reference, table, table, qmap, qmap);
-        same = memcmp(fast, reference, (size_t)n) == 0;
-        quantize_range(x, n, 1.0f, reference, table, qmap);
-        same = same && memcmp(fast, reference, (size_t)n) == 0;
-    }
-    release_map(slot);
-    free(zeros);
-    free(other);
-    for (int64_t i = 0; i < n; i++) reference[i] = quantize(x[i], qmap);
-    return same ? table != 0 : -1;
-}
+LEAN_CODE_SEARCH
 
 /* ---------------------------------------------------------------------- the update */
 /* torchao's scale of a block from the largest |x| (as bits: the order of non-negative floats) of its moments: the
@@ -438,8 +243,6 @@ static void dequantize(const uint8_t *restrict codes, int64_t n, const float *re
  * new moments' scales first (no write), then the same arithmetic again (the same largest values), the weights written
  * and the moments quantized with those scales. */
 static void run_block(const a8_piece *p, const a8_consts *k, a8_map *const *maps, int64_t at, int64_t b) {
-    const uint32_t *table1 = maps[0] && maps[0]->valid ? maps[0]->table : 0;
-    const uint32_t *table2 = maps[1] && maps[1]->valid ? maps[1]->table : 0;
     float m[CHUNK], v[CHUNK];
     const int64_t blk = at / b;
     const float s1 = p->scale1[blk], s2 = p->scale2[blk];
@@ -451,8 +254,8 @@ static void run_block(const a8_piece *p, const a8_consts *k, a8_map *const *maps
             dequantize(p->codes2 + part, n, p->qmap2, maps[1], s2, v);
             step_range(p, k, part, n, m, v, amax, pass);
             if (pass == 0) continue;
-            quantize_pair(m, v, n, scale_of(amax[0]), scale_of(amax[1]), p->codes1 + part, p->codes2 + part, table1,
-                          table2, p->qmap1, p->qmap2);
+            quantize_pair(m, v, n, scale_of(amax[0]), scale_of(amax[1]), p->codes1 + part, p->codes2 + part, maps[0],
+                          maps[1], p->qmap1, p->qmap2);
         }
     }
     p->scale1[blk] = scale_of(amax[0]);

@@ -42,6 +42,8 @@ from lightning_mp.kernels.options import ADAM, ADAMW, OPTION_FIELDS, SGD, c_decl
 SOURCE = Path(__file__).with_name("lean_update.c")
 #: The exact join and split, put into every kernel's source (:func:`compose`).
 BITS = Path(__file__).with_name("lean_bits.h")
+#: The 8-bit kernel's code search, put into ``lean_adam8bit.c`` (:func:`compose`).
+CODE_SEARCH = Path(__file__).with_name("lean_code_search.h")
 #: Flags: vectorised loops for this CPU, and no fused multiply-add but the ones the source asks for (exactness).
 CFLAGS = [
     "-O3",
@@ -90,11 +92,13 @@ class Options(ctypes.Structure):
 def compose(text: str) -> str:
     """A kernel's C source as compiled: the line ``LEAN_DECLARATIONS`` replaced by
     :func:`~lightning_mp.kernels.options.c_declarations`, the line ``LEAN_BITS`` by ``lean_bits.h`` (the exact join
-    and split, one definition for every kernel), where the source has them."""
+    and split, one definition for every kernel), the line ``LEAN_CODE_SEARCH`` by ``lean_code_search.h`` (the 8-bit
+    kernel's code search), where the source has them."""
     if "\nLEAN_DECLARATIONS\n" in text:
         text = text.replace("\nLEAN_DECLARATIONS\n", "\n" + c_declarations() + "\n", 1)
-    if "\nLEAN_BITS\n" in text:
-        text = text.replace("\nLEAN_BITS\n", "\n" + BITS.read_text() + "\n", 1)
+    for line, path in (("LEAN_BITS", BITS), ("LEAN_CODE_SEARCH", CODE_SEARCH)):
+        if f"\n{line}\n" in text:
+            text = text.replace(f"\n{line}\n", "\n" + path.read_text() + "\n", 1)
     return text
 
 
