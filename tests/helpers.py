@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 from collections.abc import Iterator, Sequence
 from typing import Any, Optional
 
@@ -226,3 +227,19 @@ def generic_adamw8bit(params: Any, **kwargs: Any) -> torch.optim.Optimizer:
 
         _GENERIC_8BIT["class"] = type("SubclassedAdamW8bit", (AdamW8bit,), {"__module__": __name__})
     return _GENERIC_8BIT["class"](params, **kwargs)
+
+
+def live_cpu_bytes() -> int:
+    """Bytes of every plain CPU tensor storage the garbage collector reaches, each storage once, after a collection
+    (tensor subclasses such as torchao's 8-bit states are skipped: their inner codes and scales are plain tensors,
+    counted themselves)."""
+    gc.collect()
+    seen, total = set(), 0
+    for obj in gc.get_objects():
+        if type(obj) not in (torch.Tensor, nn.Parameter):
+            continue
+        storage = obj.untyped_storage()
+        if storage.device.type == "cpu" and storage.data_ptr() not in seen:
+            seen.add(storage.data_ptr())
+            total += storage.nbytes()
+    return total

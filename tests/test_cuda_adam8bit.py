@@ -147,8 +147,8 @@ def test_the_lean_step_on_the_cuda_route_equals_the_cpu_route(interpreted, monke
     """The plugin's 8-bit step (``Adam8bitStep``) taking the CUDA route (the kernel interpreted, on CPU tensors)
     against the same step on the CPU route: three steps (clipped by norm, then by value, then both; bf16 and fp32
     gradients), a step skipped by a found flag (nothing moves, step counts included), and a step inside backward
-    whose gradient check finds a NaN in one parameter (its flag set, it and its count stay; the other parameter steps):
-    the same weights, states and counts throughout."""
+    whose gradient check finds a NaN in one parameter (its flag set, it and its count stay; the other parameter steps;
+    ``state_dict()`` read before the step already shows the counts): the same weights, states and counts throughout."""
     options = dict(lr=1e-2, weight_decay=0.1, betas=(0.9, 0.99))
     runs = {}
     for route in ("cpu", "cuda"):
@@ -181,6 +181,8 @@ def test_the_lean_step_on_the_cuda_route_equals_the_cpu_route(interpreted, monke
         step.begin_params()
         for param, slot in zip((weight, bias), slots):
             step.run_params([param], slot, [], check=True)
+        saved = optimizer.state_dict()["state"]  # read between backward and the step: the counts already settled
+        assert [float(saved[k]["step"]) for k in (0, 1)] == [4.0, 5.0]
         step.end_params()
         assert [slot.item() for slot in slots] == [1.0, 0.0]
         after = _exact(store, model)

@@ -22,7 +22,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_mp import MixedPrecisionPlugin
 from lightning_mp.master.lean.generic import leaves_of
-from tests.helpers import generic_adamw8bit, make_trainer, seeded
+from tests.helpers import generic_adamw8bit, live_cpu_bytes, make_trainer, seeded
 
 
 class Lion(torch.optim.Optimizer):
@@ -277,20 +277,6 @@ def _values_and_momenta(store: Any, model: nn.Module, optimizer: Any) -> tuple[l
     return [store.fp32_value(p).clone() for p in model.parameters()], momenta
 
 
-def _live_cpu_bytes() -> int:
-    """Bytes of every plain CPU tensor storage the garbage collector reaches, each once (torchao's 8-bit states are
-    subclasses: their inner codes and scales are plain tensors, counted here)."""
-    gc.collect()
-    seen, total = set(), 0
-    for obj in gc.get_objects():
-        if type(obj) in (torch.Tensor, nn.Parameter) and obj.device.type == "cpu":
-            storage = obj.untyped_storage()
-            if storage.data_ptr() not in seen:
-                seen.add(storage.data_ptr())
-                total += storage.nbytes()
-    return total
-
-
 def _at_rest(in_backward: bool) -> tuple[float, float, bool]:
     """(bytes/param of live tensors after the second step, the same without the store's fp32 staging buffers, whether
     a gradient is held), four 256x256 layers under AdamW8bit, steps in Lightning's order (gradients set to None
@@ -309,7 +295,7 @@ def _counted_at_rest(in_backward: bool) -> tuple[float, float, bool]:
     from lightning_mp.master import RemainderMasters
     from lightning_mp.master.in_backward import StepInBackward
 
-    base = _live_cpu_bytes()
+    base = live_cpu_bytes()
     with seeded():
         model = nn.Sequential(*[nn.Linear(256, 256) for _ in range(4)])
     store = RemainderMasters(chunk_size=32768)
@@ -331,7 +317,7 @@ def _counted_at_rest(in_backward: bool) -> tuple[float, float, bool]:
         del x, loss
     params = sum(p.numel() for p in model.parameters())
     staging = sum(t.untyped_storage().nbytes() for pair in store.updates.staging._buffers.values() for t in pair)
-    live = _live_cpu_bytes() - base
+    live = live_cpu_bytes() - base
     probe = min(model.parameters(), key=torch.Tensor.numel)  # its gradient kept: the probe of zero_grad
     held = any(p.grad is not None for p in model.parameters() if p is not probe)
     return live / params, (live - staging) / params, held

@@ -19,7 +19,7 @@ import lightning_mp.master.lean.blocks as blocks
 import lightning_mp.master.lean.store as remainder
 from lightning_mp.master import RemainderMasters
 from lightning_mp.master.lean.blocks import BLOCK_CHUNKS
-from tests.helpers import seeded
+from tests.helpers import live_cpu_bytes, seeded
 
 CHUNK = 32768
 BLOCK = BLOCK_CHUNKS * CHUNK
@@ -43,19 +43,6 @@ def _this_tests_objects_only():
     gc.unfreeze()
 
 
-def _live_cpu_bytes() -> int:
-    gc.collect()
-    seen, total = set(), 0
-    for obj in gc.get_objects():
-        if type(obj) not in (torch.Tensor, nn.Parameter):
-            continue
-        storage = obj.untyped_storage()
-        if storage.device.type == "cpu" and storage.data_ptr() not in seen:
-            seen.add(storage.data_ptr())
-            total += storage.nbytes()
-    return total
-
-
 def _fp32_bytes(model) -> int:
     return sum(p.numel() * 4 for p in model.parameters())
 
@@ -66,12 +53,12 @@ def test_convert_splits_one_block_at_a_time_and_restore_gives_fp32_back_block_by
     reference = copy.deepcopy(model)
     fp32_model = _fp32_bytes(model)
     largest_block = 4 * max(BLOCK, max(p.numel() for p in model.parameters()))
-    others = _live_cpu_bytes() - fp32_model  # the reference model and whatever else this process holds
+    others = live_cpu_bytes() - fp32_model  # the reference model and whatever else this process holds
     seen = []
     split = blocks.split_by_chunks
 
     def measured_split(*args, **kwargs):
-        seen.append(_live_cpu_bytes() - others)
+        seen.append(live_cpu_bytes() - others)
         return split(*args, **kwargs)
 
     monkeypatch.setattr(blocks, "split_by_chunks", measured_split)
@@ -86,16 +73,16 @@ def test_convert_splits_one_block_at_a_time_and_restore_gives_fp32_back_block_by
         assert torch.equal(exact, ref)
     del exact
     # bf16 + int16 per element (LayerNorm fp32): the fp32 model's size (1 KiB for stray scalars)
-    assert _live_cpu_bytes() - others <= fp32_model + 1024
+    assert live_cpu_bytes() - others <= fp32_model + 1024
 
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     store.attach([optimizer])
-    at_rest = _live_cpu_bytes() - others
+    at_rest = live_cpu_bytes() - others
     released = []
     release = blocks.Blocks.release
 
     def measured_release(self, index):
-        released.append(_live_cpu_bytes() - others)
+        released.append(live_cpu_bytes() - others)
         return release(self, index)
 
     monkeypatch.setattr(blocks.Blocks, "release", measured_release)
@@ -103,7 +90,7 @@ def test_convert_splits_one_block_at_a_time_and_restore_gives_fp32_back_block_by
     assert len(released) >= 3 and max(released) <= at_rest + largest_block
     for param, ref in zip(model.parameters(), reference.parameters()):
         assert param.dtype == torch.float32 and torch.equal(param, ref)
-    assert _live_cpu_bytes() - others <= at_rest + 1024  # the blocks are gone, the fp32 values took their place
+    assert live_cpu_bytes() - others <= at_rest + 1024  # the blocks are gone, the fp32 values took their place
 
 
 def test_loading_a_state_dict_splits_the_values_without_copying_the_model(monkeypatch):
@@ -114,12 +101,12 @@ def test_loading_a_state_dict_splits_the_values_without_copying_the_model(monkey
     store.convert(model)
     store.attach([torch.optim.AdamW(model.parameters(), lr=1e-2)])
     state = source.state_dict()
-    before = _live_cpu_bytes()  # the converted model + the state dict to load
+    before = live_cpu_bytes()  # the converted model + the state dict to load
     seen = []
     split = blocks.split_by_chunks
 
     def measured_split(*args, **kwargs):
-        seen.append(_live_cpu_bytes() - before)
+        seen.append(live_cpu_bytes() - before)
         return split(*args, **kwargs)
 
     monkeypatch.setattr(remainder, "split_by_chunks", measured_split)

@@ -225,6 +225,8 @@ class Adam8bitStep:
         self._compiled: Any = None
         #: inside backward on CUDA: (a launch's device skip flag, its parameters' step counts), advanced at end_params
         self._pending: list[tuple[Tensor, list[Tensor]]] = []
+        #: a state_dict read between backward and the step sees the counts of that backward's updates
+        self._settle = optimizer.register_state_dict_pre_hook(lambda _: self.end_params())
 
     # ------------------------------------------------------------------ the generic path's interface
     def initial_state(self) -> None:
@@ -242,7 +244,9 @@ class Adam8bitStep:
         self._group_of.clear()
 
     def restore(self) -> None:
-        """At teardown: nothing to move, the state is already keyed by the parameters."""
+        """At teardown: nothing to move, the state is already keyed by the parameters (the counts settled)."""
+        self.end_params()
+        self._settle.remove()
         self.layouts.clear()
 
     def begin_params(self) -> None:
