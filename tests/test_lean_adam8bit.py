@@ -634,14 +634,18 @@ def _step_both(masters, optimizer, ours, generator):
         assert _differences(piece.exp_avg_sq, state["exp_avg_sq"]) == {"codes": 0, "scales": 0}
 
 
-def test_late_steps_bitwise_torchao():
-    """From step 300 on, where 1 - beta1 ** step is 1 in fp32 (the kernel leaves out the division by it): torchao's
-    bits."""
+@pytest.mark.parametrize("steps_before", [300.0, 20000.0])
+def test_late_steps_bitwise_torchao(steps_before):
+    """From step 300 on, where 1 - beta1 ** step is 1 in fp32 (the kernel leaves out the division by it), and from
+    step 20000 on, where sqrt(1 - beta2 ** step) is 1 too (both divisions left out): torchao's bits."""
     generator = torch.Generator().manual_seed(35)
-    masters, optimizer, ours = _torchao_and_ours(8192, generator, count=2, steps_before=300.0)
+    masters, optimizer, ours = _torchao_and_ours(8192, generator, count=2, steps_before=steps_before)
     for _ in range(3):
         _step_both(masters, optimizer, ours, generator)
-    assert _f32(1 - _powf(_f32(0.9), 301.0)) == 1.0  # fp32's bc1 at the first of these steps
+    first = steps_before + 1
+    assert _f32(1 - _powf(_f32(0.9), first)) == 1.0  # fp32's bc1 at the first of these steps
+    bc2_sqrt = _f32(math.sqrt(_f32(1 - _powf(_f32(0.999), first))))
+    assert (bc2_sqrt == 1.0) == (steps_before == 20000.0)
 
 
 def test_qmap_edited_in_place():

@@ -32,7 +32,7 @@
  * registers.
  *
  * Speed: the update is one loop per combination of the loop-invariant choices (weights lean or fp32, gradient bf16 or
- * fp32, AdamW or Adam, writing or not, bc1 == 1 or not), with no branch inside, vectorised by the compiler; on AMD's
+ * fp32, AdamW or Adam, writing or not, bc1 and sqrt(bc2) 1 or not), with no branch inside, vectorised by the compiler; on AMD's
  * AVX-512 CPUs (Zen 4) 512 bits wide (step_range's target attribute): half the instructions of the build's 256 for the
  * same work on double-pumped units, the loop being bound by instruction throughput rather than by the divider (whose
  * throughput per fp32 value is the same at either width). 16.8M elements on one Zen 4 thread: the update ~13.4 -> ~10.8
@@ -131,9 +131,10 @@ static inline float scale_of(uint32_t amax_bits) {
  * there is none) read; m and v hold the old moments and receive the new ones (unquantized: torchao's step uses these,
  * its state keeps their quantization) and amax[0], amax[1] their largest |m|, |v| (as bits, see scale_of); with
  * `write`, the new weights are written (split). lean, grad32, adamw, write and unit are constants where this is
- * inlined (one loop each, no branch inside); lerp's form is a select. unit: bc1 is 1 (from step ~165 on with the
- * default beta1), where m / bc1 is m itself, bit for bit (a NaN's payload too: x86 returns the dividend's), and the
- * division is left out. */
+ * inlined (one loop each, no branch inside); lerp's form is a select. unit & 1: bc1 is 1 (from step ~165 on with the
+ * default beta1), unit & 2: sqrt(bc2) is 1 (from step ~17,300 on with the default beta2: most steps of a long run),
+ * where m / bc1 is m and sqrt(v) / sqrt(bc2) is sqrt(v), bit for bit (a NaN's payload too: x86 returns the
+ * dividend's), and the division is left out. */
 static inline __attribute__((always_inline)) void step_n(const a8_piece *p, const a8_consts *k, int64_t at, int64_t n,
                                                         float *restrict m, float *restrict v, uint32_t *amax,
                                                         const int lean, const int grad32, const int adamw,
@@ -171,7 +172,7 @@ static inline __attribute__((always_inline)) void step_n(const a8_piece *p, cons
         amax1 = (bits1 & 0x7FFFFFFFu) > amax1 ? bits1 & 0x7FFFFFFFu : amax1;
         amax2 = (bits2 & 0x7FFFFFFFu) > amax2 ? bits2 & 0x7FFFFFFFu : amax2;
         if (!write) continue;
-        wi = wi - (lr * (unit ? mi : mi / bc1)) / (sqrtf(vi) / bc2_sqrt + eps);
+        wi = wi - (lr * (unit & 1 ? mi : mi / bc1)) / ((unit & 2 ? sqrtf(vi) : sqrtf(vi) / bc2_sqrt) + eps);
         if (lean) split(wi, &high[i], &low[i]);
         else w32[i] = wi;
     }
@@ -187,14 +188,16 @@ __attribute__((target("prefer-vector-width=512")))
 #endif
 static void step_range(const a8_piece *p, const a8_consts *k, int64_t at, int64_t n, float *m, float *v,
                        uint32_t *amax, int write) {
-    int choice = (k->bc1 == 1.0f) << 4 | (p->low != 0) << 3 | (p->grad_fp32 != 0) << 2 | (k->adamw != 0) << 1;
+    int unit = write ? (k->bc1 == 1.0f) | (k->bc2_sqrt == 1.0f) << 1 : 0; /* no divisions without the write */
+    int choice = unit << 4 | (p->low != 0) << 3 | (p->grad_fp32 != 0) << 2 | (k->adamw != 0) << 1;
     switch (choice | (write != 0)) {
 #define STEP(c) \
     case c: step_n(p, k, at, n, m, v, amax, c >> 3 & 1, c >> 2 & 1, c >> 1 & 1, c & 1, c >> 4); break;
-        STEP(0) STEP(1) STEP(2) STEP(3) STEP(4) STEP(5) STEP(6) STEP(7)
-        STEP(8) STEP(9) STEP(10) STEP(11) STEP(12) STEP(13) STEP(14) STEP(15)
-        STEP(16) STEP(17) STEP(18) STEP(19) STEP(20) STEP(21) STEP(22) STEP(23)
-        STEP(24) STEP(25) STEP(26) STEP(27) STEP(28) STEP(29) STEP(30) STEP(31)
+        STEP(0) STEP(2) STEP(4) STEP(6) STEP(8) STEP(10) STEP(12) STEP(14) /* without the write */
+        STEP(1) STEP(3) STEP(5) STEP(7) STEP(9) STEP(11) STEP(13) STEP(15)
+        STEP(17) STEP(19) STEP(21) STEP(23) STEP(25) STEP(27) STEP(29) STEP(31)
+        STEP(33) STEP(35) STEP(37) STEP(39) STEP(41) STEP(43) STEP(45) STEP(47)
+        STEP(49) STEP(51) STEP(53) STEP(55) STEP(57) STEP(59) STEP(61) STEP(63)
 #undef STEP
     }
 }
