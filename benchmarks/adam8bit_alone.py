@@ -1,7 +1,7 @@
 """The optimizer update alone, 8-bit Adam on lean masters against the others: wall time per update.
 
     python benchmarks/adam8bit_alone.py [--tensors 32] [--numel 524288] [--steps 10] [--rounds 5] [--threads 2]
-        [--device cpu|cuda] [--modes MODE ...]
+        [--device cpu|cuda] [--modes MODE ...] [--start-step 20000]
 
 On CUDA (``--device cuda``) every update is timed up to a ``torch.cuda.synchronize()`` and ``lean AdamW8bit`` is the
 Triton kernel's step (``kernels/cuda_adam8bit.py``); the ``kernel alone`` mode is the C kernel's and is left out.
@@ -69,21 +69,25 @@ def _grads(params: nn.ParameterList, dtype: torch.dtype) -> None:
 
 
 def make_modes(
-    tensors: int, numel: int, device: str = "cpu", names: Sequence[str] = MODES
+    tensors: int, numel: int, device: str = "cpu", names: Sequence[str] = MODES, start_step: int = 0
 ) -> dict[str, Callable[[], None]]:
-    """Each mode of ``names`` with its update set up on ``device`` (state made by a first step)."""
+    """Each mode of ``names`` with its update set up on ``device`` (state made by a first step; with ``start_step``,
+    every state's step count then set to it: the update as it runs that far into training)."""
     from torchao.optim import AdamW8bit
 
     modes: dict[str, Callable[[], None]] = {}
+    optimizers: list[torch.optim.Optimizer] = []
     for name, dtype in (("torch AdamW(fused), fp32", torch.float32), ("torch AdamW(fused), bf16", torch.bfloat16)):
         if name in names:
             params = _weights(tensors, numel, dtype, device)
             _grads(params, dtype)
-            modes[name] = torch.optim.AdamW(params, fused=True, **OPTIONS).step
+            optimizers.append(torch.optim.AdamW(params, fused=True, **OPTIONS))
+            modes[name] = optimizers[-1].step
     if "torchao AdamW8bit, fp32" in names:
         params = _weights(tensors, numel, torch.float32, device)
         _grads(params, torch.float32)
-        modes["torchao AdamW8bit, fp32"] = AdamW8bit(params, **OPTIONS).step
+        optimizers.append(AdamW8bit(params, **OPTIONS))
+        modes["torchao AdamW8bit, fp32"] = optimizers[-1].step
 
     class SubclassedAdamW8bit(AdamW8bit):  # the generic path (the one-pass 8-bit step takes the exact class)
         pass
@@ -96,15 +100,17 @@ def make_modes(
         store = RemainderMasters()
         store.convert(module)
         optimizer = make(module.parameters(), **OPTIONS)
+        optimizers.append(optimizer)
         store.attach([optimizer])
         _grads(module, torch.bfloat16)
         modes[name] = lambda store=store, optimizer=optimizer: store.fused_step(optimizer, None)
     # the one-pass 8-bit kernel on lean weights and torchao's state (made by one torchao step on fp32 copies)
     if "lean AdamW8bit, kernel alone" not in names or device != "cpu":
-        return _made(modes)
+        return _made(modes, optimizers, start_step)
     fp32 = _weights(tensors, numel, torch.float32)
     _grads(fp32, torch.float32)
     reference = AdamW8bit(fp32, **OPTIONS)
+    optimizers.append(reference)  # its state's step counts are the pieces' own
     reference.step()
     pieces = []
     for param in fp32:
@@ -116,12 +122,19 @@ def make_modes(
     modes["lean AdamW8bit, kernel alone"] = lambda: adam8bit.adam8bit_step_pieces(
         pieces, lr=lr, weight_decay=OPTIONS["weight_decay"]
     )
-    return _made(modes)
+    return _made(modes, optimizers, start_step)
 
 
-def _made(modes: dict[str, Callable[[], None]]) -> dict[str, Callable[[], None]]:
+def _made(
+    modes: dict[str, Callable[[], None]], optimizers: list[torch.optim.Optimizer], start_step: int
+) -> dict[str, Callable[[], None]]:
     for update in modes.values():  # the state made, kernels built and compiled
         update()
+    if start_step:
+        for optimizer in optimizers:
+            for state in optimizer.state.values():
+                if isinstance(state.get("step"), torch.Tensor):
+                    state["step"].fill_(start_step)
     return modes
 
 
@@ -153,15 +166,25 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
+    parser.add_argument(
+        "--start-step",
+        type=int,
+        default=0,
+        help="every optimizer's step count set to this after the first update: the update that far into training "
+        "(from about 17,300 on with beta2 0.999, sqrt(1 - beta2**step) is 1 in fp32)",
+    )
     args = parser.parse_args()
+    if args.start_step < 0:
+        parser.error(f"--start-step must be 0 or more, not {args.start_step}")
     if "torch AdamW(fused), fp32" not in args.modes:
         parser.error("--modes must include 'torch AdamW(fused), fp32' (the table's reference)")
     torch.set_num_threads(args.threads)
-    modes = make_modes(args.tensors, args.numel, args.device, args.modes)
+    modes = make_modes(args.tensors, args.numel, args.device, args.modes, args.start_step)
     result = measure(modes, args.steps, args.rounds, args.device)
     fused = result["torch AdamW(fused), fp32"]
     where = f"{args.threads} threads" if args.device == "cpu" else torch.cuda.get_device_name()
-    print(f"{args.tensors} x {args.numel} = {args.tensors * args.numel / 1e6:.1f}M parameters, {where}")
+    start = f", from step {args.start_step}" if args.start_step else ""
+    print(f"{args.tensors} x {args.numel} = {args.tensors * args.numel / 1e6:.1f}M parameters, {where}{start}")
     print("| mode | update (ms) | vs torch AdamW(fused), fp32 |")
     print("|---|---:|---:|")
     for name in MODES:

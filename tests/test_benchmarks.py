@@ -322,7 +322,7 @@ def test_decoder_benchmark_times_the_modes_in_turns_in_one_process():
 
 def test_adam8bit_alone_times_the_chosen_modes_against_torchs_fused_update():
     """``adam8bit_alone.py``: the update alone, the modes asked for (the compiled torchao ones left out here: their
-    compile is slow), a row each, the fused fp32 update the reference."""
+    compile is slow), a row each, the fused fp32 update the reference; ``--start-step`` runs them from a late step."""
     names = ["torch AdamW(fused), fp32", "lean AdamW", "lean AdamW8bit", "lean AdamW8bit, kernel alone"]
     command = [sys.executable, str(ROOT / "benchmarks" / "adam8bit_alone.py"), "--tensors", "2", "--numel", "8192"]
     done = subprocess.run(
@@ -334,3 +334,10 @@ def test_adam8bit_alone_times_the_chosen_modes_against_torchs_fused_update():
     ]
     assert rows == names
     assert "| torch AdamW(fused), fp32 |" in done.stdout and " | 1.00x |" in done.stdout
+    late = subprocess.run(
+        [*command, "--steps", "1", "--rounds", "1", "--start-step", "20000", "--modes", *names[:3]],
+        capture_output=True,
+        text=True,
+    )
+    assert late.returncode == 0, late.stderr[-3000:]
+    assert "from step 20000" in late.stdout and "| lean AdamW8bit |" in late.stdout
