@@ -30,7 +30,7 @@ from typing import Any, Optional
 
 import torch
 
-from lightning_mp.distributed.fsdp2_generic import ShardedGenericStep
+from lightning_mp.distributed.fsdp2_eightbit import ShardedAdam8bitStep
 from lightning_mp.distributed.sync import agree_found_inf
 from lightning_mp.master.in_backward import refusal
 from lightning_mp.master.lean import optimizers
@@ -43,7 +43,8 @@ def register(in_backward: Any, device: torch.device, group: Optional[Any] = None
         ValueError: an optimizer on the generic path (outside the table of :mod:`lightning_mp.master.lean.optimizers`
             and not torchao's 8-bit Adam in one pass): its proxies of whole local shards are not wired here.
     """
-    if isinstance(in_backward.update.generic, ShardedGenericStep):
+    generic = in_backward.update.generic
+    if generic is not None and not isinstance(generic, ShardedAdam8bitStep):  # the generic path's proxies
         optimizer = in_backward.optimizer
         raise refusal(
             f"under FSDP2 steps {optimizers.names()} and torchao.optim.AdamW8bit, Adam8bit (in one pass) only, not "
