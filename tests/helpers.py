@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import gc
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Optional
 
 import lightning as L
@@ -243,3 +244,24 @@ def live_cpu_bytes() -> int:
             seen.add(storage.data_ptr())
             total += storage.nbytes()
     return total
+
+
+#: how many of a module's subprocesses run at once: the suite's machine has 2 cores, and such a process spends most of
+#: its seconds importing torch and Lightning on one core, so two overlap without slowing each other much
+SUBPROCESSES_AT_ONCE = 2
+
+
+@contextlib.contextmanager
+def started_together(jobs: dict[str, Callable[[], Any]]) -> Iterator[dict[str, Future]]:
+    """Each job (a function that runs a subprocess and returns what it did) started in a thread,
+    ``SUBPROCESSES_AT_ONCE`` at a time in the given order; yields their futures by name, for a module fixture: each
+    test waits for its own job only, and ``.result()`` raises that job's error in that test alone. Waits for every job
+    on the way out. A job reads ``os.environ`` and the working folder when it starts: pass its ``env`` and ``cwd``."""
+    with ThreadPoolExecutor(max_workers=SUBPROCESSES_AT_ONCE) as pool:
+        yield {name: pool.submit(job) for name, job in jobs.items()}
+
+
+def chosen_tests(request: Any) -> list[Any]:
+    """The tests of the module of ``request`` (a module fixture's) that this session runs: all of them, or those a
+    node id or ``-k`` picked, so that a fixture starts the subprocesses of those alone."""
+    return [item for item in request.session.items if item.module is request.module]

@@ -11,6 +11,25 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def _run_at_once(*commands: list[str], timeout: float = 300) -> list[subprocess.CompletedProcess]:
+    """The commands run at the same time (the checks of a script's output, not of its figures: each process spends
+    most of its seconds importing on one core, so two overlap), each one's ``CompletedProcess`` in order."""
+    processes = [
+        subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for command in commands
+    ]
+    done = []
+    try:
+        for command, process in zip(commands, processes):
+            out, err = process.communicate(timeout=timeout)
+            done.append(subprocess.CompletedProcess(command, process.returncode, out, err))
+    finally:
+        for process in processes:
+            if process.poll() is None:  # a timeout: none left behind
+                process.kill()
+                process.wait()
+    return done
+
+
 def test_memory_benchmark_runs_and_reports_every_mode(tmp_path):
     out = tmp_path / "rows.json"
     command = [
@@ -194,6 +213,7 @@ def test_framework_overhead_benchmark_runs_every_mode():
 def test_convergence_benchmark_trains_each_mode_in_both_regimes_and_writes_table_and_curves(tmp_path):
     command = [sys.executable, str(ROOT / "benchmarks" / "convergence.py"), "--quick", "--out", str(tmp_path)]
     command += ["--modes", "fp32", "bf16-true", "ours+remainder", "--sources", "rotten_tomatoes", "rotten_tomatoes"]
+    command += ["--jobs", "3"]  # the three modes' processes at once (no step time is checked here)
     done = subprocess.run(command, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads((tmp_path / "results.json").read_text())
@@ -272,13 +292,16 @@ def test_kernel_contract_benchmark_measures_both_kernels_against_float64_on_ever
     assert all(r["C kernel"] == r["torch"] for r in saved)  # bitwise, so the same distance
 
 
-def test_step_trace_names_the_files_and_functions_one_lean_step_executes():
-    done = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "step_trace.py"), "--json"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+@pytest.fixture(scope="module")
+def step_traces() -> dict[str, subprocess.CompletedProcess]:
+    """``step_trace.py --json`` (the step after backward) and ``--json --whole`` (the whole batch), each in a fresh
+    process as a user runs it, the two at the same time (counts, not timings)."""
+    command = [sys.executable, str(ROOT / "benchmarks" / "step_trace.py"), "--json"]
+    return dict(zip(("step", "whole"), _run_at_once(command, [*command, "--whole"])))
+
+
+def test_step_trace_names_the_files_and_functions_one_lean_step_executes(step_traces):
+    done = step_traces["step"]
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout)
     by_file = result["by_file"]
@@ -292,15 +315,10 @@ def test_step_trace_names_the_files_and_functions_one_lean_step_executes():
     assert result["files"] <= 12 and result["functions"] <= 50, (result["files"], result["functions"])
 
 
-def test_the_whole_lean_step_asks_the_following_module_three_times():
+def test_the_whole_lean_step_asks_the_following_module_three_times(step_traces):
     """``step_trace.py --whole`` (forward, backward and the step): what the user changed is asked of
     ``following.seen`` before backward, at the unscale and at the update, and of nothing else."""
-    done = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "step_trace.py"), "--json", "--whole"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    done = step_traces["whole"]
     assert done.returncode == 0, done.stderr[-3000:]
     by_file = json.loads(done.stdout)["by_file"]
     assert by_file["lightning_mp/master/following.py"] == {"seen": 3}
@@ -325,8 +343,9 @@ def test_adam8bit_alone_times_the_chosen_modes_against_torchs_fused_update():
     compile is slow), a row each, the fused fp32 update the reference; ``--start-step`` runs them from a late step."""
     names = ["torch AdamW(fused), fp32", "lean AdamW", "lean AdamW8bit", "lean AdamW8bit, kernel alone"]
     command = [sys.executable, str(ROOT / "benchmarks" / "adam8bit_alone.py"), "--tensors", "2", "--numel", "8192"]
-    done = subprocess.run(
-        [*command, "--steps", "2", "--rounds", "1", "--modes", *names], capture_output=True, text=True
+    done, late = _run_at_once(  # the two runs at once: their rows are checked, not their times
+        [*command, "--steps", "2", "--rounds", "1", "--modes", *names],
+        [*command, "--steps", "1", "--rounds", "1", "--start-step", "20000", "--modes", *names[:3]],
     )
     assert done.returncode == 0, done.stderr[-3000:]
     rows = [
@@ -334,10 +353,5 @@ def test_adam8bit_alone_times_the_chosen_modes_against_torchs_fused_update():
     ]
     assert rows == names
     assert "| torch AdamW(fused), fp32 |" in done.stdout and " | 1.00x |" in done.stdout
-    late = subprocess.run(
-        [*command, "--steps", "1", "--rounds", "1", "--start-step", "20000", "--modes", *names[:3]],
-        capture_output=True,
-        text=True,
-    )
     assert late.returncode == 0, late.stderr[-3000:]
     assert "from step 20000" in late.stdout and "| lean AdamW8bit |" in late.stdout

@@ -2,7 +2,8 @@
 package said alone before any other line, and no empty run folder behind a run that stopped before writing anything.
 
 The name and the missing package are read from real subprocesses (`python -m lightning_mp`, and the same with the
-extras' packages made absent by tests/without_extras.py); the rest runs in-process through the `main` they call.
+extras' packages made absent by tests/without_extras.py), the two started together by a module fixture; the rest runs
+in-process through the `main` they call.
 """
 
 from __future__ import annotations
@@ -21,11 +22,22 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_mp.cli import main
 from lightning_mp.cli.app import SUBCOMMANDS
 from lightning_mp.samples.resources import SourceUnavailableError
-from tests.helpers import DigitsMLP
+from tests.helpers import DigitsMLP, chosen_tests, started_together
 
 ROOT = Path(__file__).resolve().parent.parent
 DIGITS = str(ROOT / "configs" / "digits.yaml")
 ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+
+
+#: the tests that read a real process: its command line (after ``python``), run in a fresh folder
+PROCESSES = {
+    "test_help_introduces_the_cli_as_python_dash_m_and_lists_every_subcommand_the_docs_use": [
+        "-m", "lightning_mp", "--help",
+    ],
+    "test_a_missing_extra_is_the_only_line_and_leaves_no_run_folder": [
+        str(ROOT / "tests" / "without_extras.py"), "-m", "lightning_mp", "fit", "--config", DIGITS,
+    ],
+}  # fmt: skip
 
 
 def _run(*command: str, cwd: Path) -> subprocess.CompletedProcess:
@@ -34,8 +46,25 @@ def _run(*command: str, cwd: Path) -> subprocess.CompletedProcess:
     )
 
 
-def test_help_introduces_the_cli_as_python_dash_m_and_lists_every_subcommand_the_docs_use(tmp_path):
-    done = _run("-m", "lightning_mp", "--help", cwd=tmp_path)
+@pytest.fixture(scope="module")
+def processes(request, tmp_path_factory):
+    """The chosen tests' processes started together (each spends its seconds importing on one core), each in a folder
+    of its own: ``{test: (its future, its folder)}``."""
+    chosen = [item.originalname for item in chosen_tests(request) if item.originalname in PROCESSES]
+    folders = {name: tmp_path_factory.mktemp("cwd") for name in chosen}
+    with started_together(
+        {name: lambda name=name: _run(*PROCESSES[name], cwd=folders[name]) for name in chosen}
+    ) as done:
+        yield {name: (done[name], folders[name]) for name in chosen}
+
+
+def _finished(processes, request) -> tuple[subprocess.CompletedProcess, Path]:
+    future, folder = processes[request.node.originalname]
+    return future.result(), folder
+
+
+def test_help_introduces_the_cli_as_python_dash_m_and_lists_every_subcommand_the_docs_use(processes, request):
+    done, _ = _finished(processes, request)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.startswith("usage: python -m lightning_mp ") and "__main__" not in done.stdout
     listed = done.stdout.split("Available subcommands:", 1)[1]
@@ -67,18 +96,16 @@ def test_started_as_the_installed_script_the_usage_says_lightning_mp(monkeypatch
         assert capsys.readouterr().out.startswith(f"usage: lightning-mp {command[0] if len(command) > 1 else ''}")
 
 
-def test_a_missing_extra_is_the_only_line_and_leaves_no_run_folder(tmp_path):
+def test_a_missing_extra_is_the_only_line_and_leaves_no_run_folder(processes, request):
     """digits.yaml without scikit-learn (of the samples extra): its one line, before anything else is printed."""
-    done = _run(
-        str(ROOT / "tests" / "without_extras.py"), "-m", "lightning_mp", "fit", "--config", DIGITS, cwd=tmp_path
-    )
+    done, folder = _finished(processes, request)
     assert done.returncode == 2, done.stderr[-3000:]
     assert done.stdout == ""
     assert done.stderr.splitlines() == [
         "lightning_mp: error: source='digits' (scikit-learn's 8x8 digits) needs scikit-learn, which is not "
         'installed: pip install "lightning_mp[samples]" (or pip install scikit-learn).'
     ]
-    assert not list(tmp_path.iterdir())  # the config's default_root_dir runs/digits was never made
+    assert not list(folder.iterdir())  # the config's default_root_dir runs/digits was never made
 
 
 class MissingFilesData(L.LightningDataModule):

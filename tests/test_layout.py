@@ -228,18 +228,32 @@ def test_no_module_reaches_into_the_scaler_or_the_monitor():
     assert not found, found
 
 
-def _modules_after(statement: str) -> set[str]:
-    code = f"import json, sys; {statement}; print(json.dumps(sorted(sys.modules)))"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
-    return set(json.loads(out.stdout))
+def _modules_after(*statements: str) -> list[set[str]]:
+    """For each statement, the modules ``sys.modules`` holds after it runs in a fresh interpreter (the interpreters
+    run at the same time: each spends its seconds importing on one core)."""
+    processes = [
+        subprocess.Popen(
+            [sys.executable, "-c", f"import json, sys; {statement}; print(json.dumps(sorted(sys.modules)))"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            cwd=ROOT,
+        )
+        for statement in statements
+    ]
+    found = []
+    for statement, process in zip(statements, processes):
+        out, err = process.communicate(timeout=300)
+        assert process.returncode == 0, (statement, err[-3000:])
+        found.append(set(json.loads(out)))
+    return found
 
 
 def test_import_lightning_mp_loads_neither_cli_nor_samples_nor_their_dependencies():
-    loaded = _modules_after("import lightning_mp")
-    assert not {m for m in loaded if m.startswith(APPLICATIONS)}
     # torchmetrics (a core dependency, imported by lightning) itself imports transformers when it is installed:
-    # what counts is that lightning_mp adds no sample-only dependency beyond what lightning already loads
-    baseline = _modules_after("import lightning.pytorch, torchmetrics")
+    # what counts is that lightning_mp adds no sample-only dependency beyond what lightning already loads (baseline)
+    loaded, baseline = _modules_after("import lightning_mp", "import lightning.pytorch, torchmetrics")
+    assert not {m for m in loaded if m.startswith(APPLICATIONS)}
     added = loaded - baseline
     assert not {m for m in added if m.split(".")[0] in ("transformers", "sklearn", "matplotlib", "torchao")}, added
     # the standalone Lightning packages only through lightning_mp.pytorch_lightning / lightning_mp.lightning_fabric

