@@ -211,15 +211,11 @@ static void dequantize(const uint8_t *restrict codes, int64_t n, const float *re
 #if defined(__AVX512VBMI__) && defined(__AVX512BW__)
     /* 64 at a time: each byte of the values by a byte permute of 128 entries (two, the code's top bit choosing), the
      * four interleaved back into values within 128-bit lanes (the codes reordered first: values come out in order) */
-    static const uint8_t order[64] = { /* position 16 L + 4 j + t takes code 16 j + 4 L + t */
-        0, 1, 2, 3, 16, 17, 18, 19, 32, 33, 34, 35, 48, 49, 50, 51, 4, 5, 6, 7, 20, 21,
-        22, 23, 36, 37, 38, 39, 52, 53, 54, 55, 8, 9, 10, 11, 24, 25, 26, 27, 40, 41, 42, 43,
-        56, 57, 58, 59, 12, 13, 14, 15, 28, 29, 30, 31, 44, 45, 46, 47, 60, 61, 62, 63};
     if (map && n >= 64) {
         __m512i plane[4][4], b[4];
         for (int k = 0; k < 4; k++)
             for (int j = 0; j < 4; j++) plane[k][j] = _mm512_loadu_si512(map->planes[k] + 64 * j);
-        const __m512i reorder = _mm512_loadu_si512(order);
+        const __m512i reorder = _mm512_loadu_si512(unpack_order); /* lean_code_search.h */
         const __m512 s = _mm512_set1_ps(scale);
         for (; i + 64 <= n; i += 64) {
             __m512i c = _mm512_permutexvar_epi8(reorder, _mm512_loadu_si512(codes + i));
