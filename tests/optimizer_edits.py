@@ -13,7 +13,7 @@ and state were left as they were when the step began.
 
 from __future__ import annotations
 
-import copy
+import io
 import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -26,8 +26,12 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_mp import MixedPrecisionPlugin
+from lightning_mp.master.lean.generic import leaves_of
 
 STEPS = 4
+#: the model's width per optimizer: 64 for torchao's AdamW8bit, whose moments are 8-bit for tensors of 4096 elements
+#: and more (the 64x64 weights; the rest fp32)
+WIDTH = {"adamw": 16, "sgd": 16, "adamw8bit": 64}
 #: the global step of most edits (earlier steps made the state and the plans)
 AT = 2
 
@@ -41,10 +45,11 @@ class EditNet(L.LightningModule):
 
     def __init__(self, optimizer: str, edit: Optional[Edit] = None, rebuild: bool = False) -> None:
         super().__init__()
-        self.net = nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16), nn.Tanh(), nn.Linear(16, 16))
-        self.extra = nn.Linear(16, 16)
+        width = WIDTH[optimizer]
+        self.net = nn.Sequential(nn.Linear(8, width), nn.LayerNorm(width), nn.Tanh(), nn.Linear(width, width))
+        self.extra = nn.Linear(width, width)
         self.extra.requires_grad_(False)
-        self.head = nn.Linear(16, 1)
+        self.head = nn.Linear(width, 1)
         self.optimizer_name, self.edit, self.rebuild = optimizer, edit, rebuild
         self.memo: dict[str, Any] = {}  # what an edit keeps between its steps (a deepcopy taken earlier)
         self.before: Optional[dict[str, Any]] = None  # weights and state at the start of the edited step
@@ -62,6 +67,11 @@ class EditNet(L.LightningModule):
         if self.optimizer_name == "adamw":
             groups[1].update(lr=3e-2, weight_decay=0.01)
             return torch.optim.AdamW(groups, lr=1e-2, weight_decay=0.1, fused=True)
+        if self.optimizer_name == "adamw8bit":  # torchao's: 8-bit moments of the 64x64 weights, fp32 of the rest
+            from torchao.optim import AdamW8bit
+
+            groups[1].update(lr=3e-2, weight_decay=0.01)
+            return AdamW8bit(groups, lr=1e-2, weight_decay=0.1)
         groups[1].update(lr=3e-2, weight_decay=1e-3)
         # not fused: torch's fused SGD cannot step a group where some momentum buffers exist and others not (a
         # parameter added or reset), its for-loop SGD can (the lean step, which is bitwise the fused kernel, can too)
@@ -75,7 +85,11 @@ class EditNet(L.LightningModule):
 
     def on_before_backward(self, loss: Tensor) -> None:
         if self.rebuild:  # the reference: every step plan made again from what the optimizer holds now
-            self.trainer.precision_plugin.masters.step_plans.clear()
+            masters = self.trainer.precision_plugin.masters
+            masters.step_plans.clear()
+            step = masters.updates.of(self.trainer.optimizers[0]).generic
+            if step is not None:  # torchao's 8-bit step in one pass: its layouts made again too
+                step.follow_groups()
 
 
 def loader() -> DataLoader:
@@ -98,8 +112,25 @@ def _each_state(optimizer: torch.optim.Optimizer, group: Optional[int] = None) -
         yield optimizer.state[param]
 
 
+def _quantized(tensor: Any) -> bool:
+    """torchao's 8-bit state (a wrapper subclass without ``clone``, ``zeros_like``, ``mul`` or ``zero_``: the edits
+    below make it with ``copy_``, which quantizes, as a user must)."""
+    return isinstance(tensor, Tensor) and type(tensor) is not Tensor and hasattr(tensor, "dequantize")
+
+
+def _filled(like: Tensor, values: Tensor) -> Tensor:
+    """A new 8-bit state of ``like``'s layout holding ``values`` quantized."""
+    new = saved_copy(like)
+    new.copy_(values)
+    return new
+
+
+def _zeros_like(tensor: Tensor) -> Tensor:
+    return _filled(tensor, torch.zeros(tensor.shape)) if _quantized(tensor) else torch.zeros_like(tensor)
+
+
 def _moment(optimizer: torch.optim.Optimizer) -> str:
-    return "exp_avg" if isinstance(optimizer, torch.optim.Adam) else "momentum_buffer"
+    return "momentum_buffer" if isinstance(optimizer, torch.optim.SGD) else "exp_avg"
 
 
 def _unfrozen_extra(model: EditNet) -> list[Tensor]:
@@ -117,9 +148,13 @@ class Edit:
     name: str
     steps: dict[int, Callable[[torch.optim.Optimizer, EditNet], None]]
     follows: bool = True
-    optimizers: tuple[str, ...] = ("adamw", "sgd")
+    optimizers: tuple[str, ...] = ("adamw", "sgd", "adamw8bit")
     modes: Optional[tuple[str, ...]] = None  # None: every mode
     notes: str = field(default="")
+
+
+#: the edits of Adam's state and options: torch's AdamW and torchao's AdamW8bit
+ADAM = ("adamw", "adamw8bit")
 
 
 def _at(change: Callable[[torch.optim.Optimizer, EditNet], None], step: int = AT) -> dict[int, Any]:
@@ -165,7 +200,7 @@ def _reset(how: str, group: Optional[int] = None, only_first: bool = False) -> C
 
 def _update_state(optimizer: torch.optim.Optimizer, model: EditNet) -> None:
     for state in _each_state(optimizer):
-        state.update({key: value * 0.5 for key, value in state.items() if key != "step" and value is not None})
+        state.update({key: _scaled(0.5)(value) for key, value in state.items() if key != "step" and value is not None})
 
 
 def _pop(key: str, group: int) -> Callable[..., None]:
@@ -184,16 +219,25 @@ def _in_place(how: str) -> Callable[..., None]:
         for state in _each_state(optimizer):
             tensor = state[_moment(optimizer)]
             if how == "zero_":
-                tensor.zero_()
+                tensor.copy_(torch.zeros(tensor.shape)) if _quantized(tensor) else tensor.zero_()
             else:
-                tensor.copy_(torch.full_like(tensor, 0.125))
+                tensor.copy_(torch.full(tuple(tensor.shape), 0.125))
 
     return change
 
 
+def saved_copy(value: Any) -> Any:
+    """A deep copy through a checkpoint's round trip (``torch.save`` and ``torch.load``): what ``deepcopy`` gives for
+    plain tensors, and a copy of torchao's 8-bit state too (which has no ``clone``, so no ``deepcopy``)."""
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=False)
+
+
 def _keep_copy(optimizer: torch.optim.Optimizer, model: EditNet) -> None:
-    model.memo["state"] = {id(p): copy.deepcopy(optimizer.state[p]) for p in _params(optimizer)}
-    model.memo["state_dict"] = copy.deepcopy(optimizer.state_dict())
+    model.memo["state"] = {id(p): saved_copy(optimizer.state[p]) for p in _params(optimizer)}
+    model.memo["state_dict"] = saved_copy(optimizer.state_dict())
 
 
 def _restore_copy(optimizer: torch.optim.Optimizer, model: EditNet) -> None:
@@ -253,23 +297,27 @@ def _groups(how: str) -> Callable[..., None]:
 def _options(**values: Any) -> Callable[..., None]:
     def change(optimizer: torch.optim.Optimizer, model: EditNet) -> None:
         for group in optimizer.param_groups:
-            group.update(values)
+            for key, value in values.items():
+                if isinstance(group.get(key), Tensor):  # torchao's lr: changed in place, as LR schedulers do
+                    group[key].fill_(value)
+                else:
+                    group[key] = value
 
     return change
 
 
 def _scaled(factor: float) -> Callable[[Tensor], Tensor]:
-    return lambda t: t * factor
+    return lambda t: _filled(t, t.dequantize() * factor) if _quantized(t) else t * factor
 
 
 EDITS = [
     # state tensors assigned
-    Edit("state[p][moment] = zeros", _at(_assign("moment", torch.zeros_like))),
+    Edit("state[p][moment] = zeros", _at(_assign("moment", _zeros_like))),
     Edit("state[p][moment] = moment * 0.5", _at(_assign("moment", _scaled(0.5)))),
-    Edit("state[p][exp_avg_sq] = exp_avg_sq * 4", _at(_assign("exp_avg_sq", _scaled(4.0))), optimizers=("adamw",)),
-    Edit('state[p]["step"] = tensor(1.0)', _at(_assign("step", lambda t: torch.tensor(1.0))), optimizers=("adamw",)),
+    Edit("state[p][exp_avg_sq] = exp_avg_sq * 4", _at(_assign("exp_avg_sq", _scaled(4.0))), optimizers=ADAM),
+    Edit('state[p]["step"] = tensor(1.0)', _at(_assign("step", lambda t: torch.tensor(1.0))), optimizers=ADAM),
     Edit("state[p][moment] = None", _at(_assign("moment", lambda t: None)), optimizers=("sgd",)),
-    Edit("one layer's state[p][moment] = zeros", _at(_assign("moment", torch.zeros_like, group=1))),
+    Edit("one layer's state[p][moment] = zeros", _at(_assign("moment", _zeros_like, group=1))),
     # a parameter's state reset, by every route
     Edit("state[p] = {} (one parameter)", _at(_reset("new dict", only_first=True))),
     Edit("state[p] = {} (one layer)", _at(_reset("new dict", group=1))),
@@ -307,19 +355,19 @@ EDITS = [
     # options
     Edit("lr changed", _at(_options(lr=2e-3))),
     Edit("weight_decay changed", _at(_options(weight_decay=0.3))),
-    Edit("betas changed", _at(_options(betas=(0.8, 0.95))), optimizers=("adamw",)),
-    Edit("eps and maximize changed", _at(_options(eps=1e-4, maximize=True)), optimizers=("adamw",)),
-    Edit("amsgrad switched on over existing state", _at(_options(amsgrad=True)), follows=False, optimizers=("adamw",)),
+    Edit("betas changed", _at(_options(betas=(0.8, 0.95))), optimizers=ADAM),
+    Edit("eps and maximize changed", _at(_options(eps=1e-4, maximize=True)), optimizers=ADAM),
+    Edit("amsgrad switched on over existing state", _at(_options(amsgrad=True)), follows=False, optimizers=ADAM),
     Edit("momentum off, then on again", {1: _options(momentum=0.0), 3: _options(momentum=0.9)}, optimizers=("sgd",)),
     Edit("nesterov and dampening changed", _at(_options(nesterov=True, dampening=0.0)), optimizers=("sgd",)),
     # what torch's optimizer cannot step after: refused, before any update
-    Edit("state[p].pop(moment) (the last group)", _at(_pop("moment", 1)), follows=False, optimizers=("adamw",)),
-    Edit("state[p].pop(moment) (the first group)", _at(_pop("moment", 0)), follows=False, optimizers=("adamw",)),
+    Edit("state[p].pop(moment) (the last group)", _at(_pop("moment", 1)), follows=False, optimizers=ADAM),
+    Edit("state[p].pop(moment) (the first group)", _at(_pop("moment", 0)), follows=False, optimizers=ADAM),
     Edit(
         "state[p].clear(); setdefault('step', ...)",
         _at(_reset("clear, setdefault step", group=1)),
         follows=False,
-        optimizers=("adamw",),
+        optimizers=ADAM,
     ),
 ]
 BY_NAME = {edit.name: edit for edit in EDITS}
@@ -338,6 +386,23 @@ MODES: dict[str, tuple[Any, bool, Optional[str], bool]] = {
     "True": (True, False, None, False),
     "bf16-mixed": (False, False, None, False),  # the reference of True: the optimizer steps fp32 parameters
 }
+
+
+#: the reference of a mode under torchao's AdamW8bit: the one-pass step with its layouts (and plans) made again before
+#: every backward. Its chunked (generic) path keys the state by proxies of slices (master/lean/generic.py), so an edit
+#: of ``optimizer.state[param]`` finds nothing to edit there.
+REFERENCE = {"adamw8bit": "lean, plans rebuilt"}
+
+
+def eight_bit_runs() -> bool:
+    """Whether torchao is installed and the one-pass 8-bit step runs here (its C kernel built)."""
+    try:
+        import torchao.optim  # noqa: F401
+    except ImportError:
+        return False
+    from lightning_mp.kernels import adam8bit
+
+    return adam8bit.cpu_kernel() is not None
 
 
 @contextmanager
@@ -365,12 +430,16 @@ def exact_weights(plugin: Any, model: nn.Module) -> dict[str, Tensor]:
     return out
 
 
+def _copy_of(value: Tensor) -> Tensor:
+    return saved_copy(value) if _quantized(value) else value.detach().clone()
+
+
 def named_state(optimizer: torch.optim.Optimizer, names: dict[int, str]) -> dict[str, dict[str, Any]]:
     """``optimizer.state`` by parameter name (``names``: id -> name of the parameters or masters it holds)."""
     out = {}
     for param, state in optimizer.state.items():
         out[names.get(id(param), f"unknown {tuple(param.shape)}")] = {
-            key: value.detach().clone() if isinstance(value, Tensor) else value for key, value in state.items()
+            key: _copy_of(value) if isinstance(value, Tensor) else value for key, value in state.items()
         }
     return out
 
@@ -412,7 +481,7 @@ def fit(mode: str, optimizer: str, edit: Optional[Edit], steps: int = STEPS, **t
     result["weights"] = {name: p.detach().clone() for name, p in model.named_parameters()}
     result["state"] = named_state(optimizer_, {id(p): n for n, p in model.named_parameters()})
     try:
-        result["state_dict"] = copy.deepcopy(optimizer_.state_dict())
+        result["state_dict"] = saved_copy(optimizer_.state_dict())
     except KeyError as error:  # torch's own: state kept for a parameter in no group (the key is an id: not compared)
         result["state_dict"] = type(error).__name__
     result["before"] = model.before
@@ -460,7 +529,10 @@ def _state_difference(ours: dict[Any, Any], reference: dict[Any, Any]) -> Option
         for name, value in state.items():
             mine = ours[key][name]
             if isinstance(value, Tensor):
-                if not isinstance(mine, Tensor) or mine.dtype != value.dtype or not torch.equal(mine, value):
+                if not isinstance(mine, Tensor) or type(mine) is not type(value) or mine.dtype != value.dtype:
+                    return f"{key}[{name!r}] differs"
+                ours_, theirs = leaves_of(mine), leaves_of(value)  # torchao's 8-bit state: codes, scale, map
+                if len(ours_) != len(theirs) or not all(torch.equal(a, b) for a, b in zip(ours_, theirs)):
                     return f"{key}[{name!r}] differs"
             elif mine != value:
                 return f"{key}[{name!r}]: {mine!r} against {value!r}"
@@ -498,7 +570,10 @@ def _swap_storage(key: str) -> Callable[..., None]:
     def change(optimizer: torch.optim.Optimizer, model: EditNet) -> None:
         for state in _each_state(optimizer):
             tensor = state[_moment(optimizer) if key == "moment" else key]
-            tensor.data = torch.full_like(tensor, 0.25) if key != "step" else torch.tensor(float(tensor) - 1)
+            if _quantized(tensor):  # torchao's 8-bit state: its codes' storage
+                tensor.codes.data = torch.full_like(tensor.codes, 7)
+            else:
+                tensor.data = torch.full_like(tensor, 0.25) if key != "step" else torch.tensor(float(tensor) - 1)
         model.memo.setdefault("garbage", []).append([torch.randn(64) for _ in range(64)])  # reuse the freed memory
 
     return change
@@ -518,7 +593,7 @@ STORAGE_SWAPS = [
         "state[p][moment].data = t",
         {1: _swap_storage("moment"), 2: _swap_storage("moment"), 3: _swap_storage("moment")},
     ),
-    Edit('state[p]["step"].data = t', {2: _swap_storage("step"), 3: _swap_storage("step")}, optimizers=("adamw",)),
+    Edit('state[p]["step"].data = t', {2: _swap_storage("step"), 3: _swap_storage("step")}, optimizers=ADAM),
 ]
 
 
@@ -536,7 +611,9 @@ def child_main() -> None:
         if len(sys.argv) > 1 and edit.name not in sys.argv[1:]:  # some by name (the default: all)
             continue
         for optimizer in edit.optimizers:
-            reference = fit("chunked", optimizer, edit)
+            if optimizer == "adamw8bit" and not eight_bit_runs():
+                continue
+            reference = fit(REFERENCE["adamw8bit"] if optimizer == "adamw8bit" else "chunked", optimizer, edit)
             for mode in ("lean", "in backward"):
                 result = fit(mode, optimizer, edit)
                 said = f" [{type(result['error']).__name__}: {result['error']}]" if "error" in result else ""

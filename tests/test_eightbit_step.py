@@ -10,6 +10,7 @@ is torchao's: keyed by the model's parameters, 8-bit for tensors of 4096+ elemen
 from __future__ import annotations
 
 import io
+import re
 
 import pytest
 import torch
@@ -333,5 +334,43 @@ def test_inside_backward_amsgrad_in_a_later_group_is_refused_before_any_paramete
             stepper.begin(loss)
             loss.backward()
         assert all(torch.equal(a, b) for a, b in zip(_fp32(store, model), before))
+    finally:
+        stepper.remove()
+
+
+@KERNEL
+@pytest.mark.parametrize(
+    ("edit", "error"),
+    [
+        (lambda state: state.pop("exp_avg"), r"KeyError.*holds \['exp_avg_sq', 'step'\] but not 'exp_avg'"),
+        (lambda state: state.__setitem__("exp_avg", torch.zeros(3)), r"ValueError.*cannot be read as torchao's"),
+    ],
+    ids=["a moment popped", "a moment of the wrong size"],
+)
+def test_inside_backward_a_state_edited_in_the_group_updated_last_is_refused_before_any_parameter_is_updated(
+    edit, error
+):
+    """Inside backward the last layer's parameters are updated first. A state torchao's step cannot read, edited
+    between two backwards in the first layer (updated last), is refused when that backward begins (every state is
+    checked where the state changed since the last layout), before any parameter moved: the weights and every state
+    are as they were. (Before the check, the layer's hook raised after the later layers had been updated.)"""
+    from lightning_mp.master.in_backward import StepInBackward
+
+    store, model, optimizer = _lean(torchao_optim.AdamW8bit, lr=1e-2)
+    stepper = StepInBackward(store, optimizer)
+    try:
+        for _ in range(2):  # the state made and laid out
+            stepper.begin(loss := model(torch.randn(4, 64).to(torch.bfloat16)).float().pow(2).mean())
+            loss.backward()
+            stepper.finish()
+        edit(optimizer.state[model[0].weight])
+        before, states = _fp32(store, model), _copy([optimizer.state[p] for p in model.parameters()])
+        loss = model(torch.randn(4, 64).to(torch.bfloat16)).float().pow(2).mean()
+        with pytest.raises((KeyError, ValueError)) as raised:
+            stepper.begin(loss)
+            loss.backward()
+        assert re.search(error, f"{raised.type.__name__}: {raised.value}"), raised.value
+        assert all(torch.equal(_bits(a), _bits(b)) for a, b in zip(_fp32(store, model), before))
+        _same_state([optimizer.state[p] for p in model.parameters()], states)
     finally:
         stepper.remove()

@@ -120,6 +120,11 @@ def _state_of(optimizer: Optimizer, param: Tensor, group: dict[str, Any]) -> dic
         state["step"] = torch.tensor(0.0)
         state["exp_avg"] = optimizer._new_buffer(like, True)  # type: ignore[attr-defined]
         state["exp_avg_sq"] = optimizer._new_buffer(like, False)  # type: ignore[attr-defined]
+    _check_keys(optimizer, param, state)
+    return state
+
+
+def _check_keys(optimizer: Optimizer, param: Tensor, state: dict[str, Any]) -> None:
     for key in ("step", "exp_avg", "exp_avg_sq"):
         if key not in state:
             raise KeyError(
@@ -127,7 +132,35 @@ def _state_of(optimizer: Optimizer, param: Tensor, group: dict[str, Any]) -> dic
                 "state only where it is empty, so a partly cleared state stops its step too. Nothing was updated. "
                 "Clear the whole state (optimizer.state[param].clear()) or give it every key."
             )
-    return state
+
+
+def _piece_of(
+    optimizer: Optimizer, param: Tensor, state: dict[str, Any], store: LeanStore
+) -> Optional[tuple[list[int], list[Any]]]:
+    """``param``'s row of the kernel's pieces (the gradient's fields left to each step) and the tensors behind its
+    addresses (to hold), its state checked; ``None``: an fp32 parameter the kernel cannot update in place."""
+    local = local_of(param)
+    offset = store.offset_of(param)
+    if offset is None:
+        if local.dtype != _FP32 or not local.is_contiguous():
+            return None
+        high, low = local, None
+        held: list[Any] = [local.untyped_storage()]
+    else:
+        high, low = store.flat_slices(local.device, offset, offset + local.numel())
+        held = [high, low]
+    piece = adam8bit.Adam8bitPiece(
+        high, low, torch.empty(0, dtype=_FP32), local_of(state["exp_avg"]), local_of(state["exp_avg_sq"]), state["step"]
+    )
+    try:
+        row = adam8bit.piece_row(piece, local.device.type)
+    except (TypeError, ValueError) as error:
+        raise ValueError(
+            f"master_weights='remainder': {_describe(optimizer, param)} cannot be read as torchao's "
+            f"{type(optimizer).__name__} state of an fp32 parameter ({error}). Nothing was updated. Clear it "
+            "(optimizer.state[param].clear()) to start it again, or load torchao's own state."
+        ) from None
+    return row, held + adam8bit.tensors_of(piece)
 
 
 def _fp32_stand_in(param: Tensor) -> Tensor:
@@ -168,29 +201,11 @@ class _GroupLayout:
             return  # torchao's step
         rows: list[int] = []
         for param, state in zip(self.stepped, self.states):
-            local = local_of(param)
-            offset = store.offset_of(param)
-            if offset is None:
-                if local.dtype != _FP32 or not local.is_contiguous():
-                    return  # an fp32 parameter the kernel cannot update in place: torchao's step takes the group
-                high, low = local, None
-                self.held.append(local.untyped_storage())
-            else:
-                high, low = store.flat_slices(local.device, offset, offset + local.numel())
-                self.held += [high, low]
-            piece = adam8bit.Adam8bitPiece(
-                high, low, torch.empty(0, dtype=_FP32), local_of(state["exp_avg"]), local_of(state["exp_avg_sq"]),
-                state["step"],
-            )  # fmt: skip
-            try:
-                rows += adam8bit.piece_row(piece, local.device.type)
-            except (TypeError, ValueError) as error:
-                raise ValueError(
-                    f"master_weights='remainder': {_describe(optimizer, param)} cannot be read as torchao's "
-                    f"{type(optimizer).__name__} state of an fp32 parameter ({error}). Nothing was updated. Clear it "
-                    "(optimizer.state[param].clear()) to start it again, or load torchao's own state."
-                ) from None
-            self.held += adam8bit.tensors_of(piece)
+            piece = _piece_of(optimizer, param, state, store)
+            if piece is None:
+                return  # an fp32 parameter the kernel cannot update in place: torchao's step takes the group
+            rows += piece[0]
+            self.held += piece[1]
         if kernel == "cuda":
             self.launch = cuda_adam8bit.Adam8bitLaunch(rows, self.steps, local_of(self.stepped[0]).device)
             return
@@ -257,6 +272,8 @@ class Adam8bitStep:
         for index, group in enumerate(self.optimizer.param_groups):
             _check_group(self.optimizer, index, group)
         self._follow()
+        if not self.layouts:  # the first backward, or the state or groups changed since the last layout
+            self._check_states()
         if not self._group_of:
             for index, group in enumerate(self.optimizer.param_groups):
                 for param in group["params"]:
@@ -327,6 +344,20 @@ class Adam8bitStep:
             torch._foreach_add_(list(ran.values()), 1.0)
 
     # ------------------------------------------------------------------ the step of one layout
+    def _check_states(self) -> None:
+        """Inside backward, where the layouts were dropped (the state or the groups changed, or the first backward):
+        every state the hooks will read is checked before any parameter is updated (its keys, and what the kernel
+        reads of it), as the normal step lays out every group before its first update. A parameter with no state
+        yet is left alone (torchao makes its state at its first step, if it has a gradient)."""
+        optimizer = self.optimizer
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                state = optimizer.state.get(param)
+                if state:
+                    _check_keys(optimizer, param, state)
+                    if kernel_for([param]) is not None:
+                        _piece_of(optimizer, param, state, self.store)
+
     def _follow(self) -> None:
         now = (seen(self.optimizer, state=True).state, self.store.layout_version)
         if now != self.laid_out_at:
