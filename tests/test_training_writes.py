@@ -184,10 +184,10 @@ class Writes(L.LightningModule):
     """An MLP trained with an algorithm that writes its weights, written for an fp32 model; ``exact`` wraps each write
     in :func:`exact_weights` (which changes nothing without master weights)."""
 
-    def __init__(self, algorithm: str, exact: bool) -> None:
+    def __init__(self, algorithm: str, exact: bool, optimizer: str = "adamw") -> None:
         super().__init__()
         self.net = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
-        self.algorithm, self.exact = algorithm, exact
+        self.algorithm, self.exact, self.optimizer_name = algorithm, exact, optimizer
         self.automatic_optimization = algorithm != "sam"
 
     def weights(self) -> contextlib.AbstractContextManager[nn.Module]:
@@ -228,12 +228,16 @@ class Writes(L.LightningModule):
                     layer.weight.renorm_(2, 0, 0.5)
 
     def configure_optimizers(self) -> Any:
+        if self.optimizer_name == "adamw8bit":  # torchao's (fp32 moments at this size), in one pass with "remainder"
+            from torchao.optim import AdamW8bit
+
+            return AdamW8bit(self.parameters(), lr=1e-2)
         return torch.optim.AdamW(self.parameters(), lr=1e-2)
 
 
-def _train(algorithm: str, exact: bool, mode: Any) -> tuple[Tensor, list[str]]:
+def _train(algorithm: str, exact: bool, mode: Any, optimizer: str = "adamw") -> tuple[Tensor, list[str]]:
     torch.manual_seed(0)
-    module = Writes(algorithm, exact)
+    module = Writes(algorithm, exact, optimizer)
     plugin = MixedPrecisionPlugin("bf16-mixed", master_weights=mode) if mode is not None else None
     trainer = make_trainer(plugin, max_steps=STEPS, max_epochs=None, **({} if plugin else {"precision": "bf16-mixed"}))
     with warnings.catch_warnings(record=True) as record:
@@ -260,4 +264,23 @@ def test_algorithms_that_write_the_weights_equal_the_builtin_inside_exact_weight
     if algorithm == "sam":  # the perturbation is made: SAM is not plain AdamW
         plain, _ = _train("none", exact=False, mode=None)
         assert (builtin - plain).abs().max().item() > 1e-3
+    assert (silent - builtin).abs().max().item() > (exact - builtin).abs().max().item()
+
+
+@pytest.mark.parametrize("algorithm", ["clip", "max_norm", "sam"])
+def test_the_8bit_one_pass_step_reads_the_weights_written_inside_exact_weights(algorithm):
+    """torchao's AdamW8bit on lean masters (its one-pass step, laid out once and replayed) after weights written
+    inside exact_weights: as close to the built-in (torchao's own step on fp32 parameters under bf16-mixed) as the lean
+    AdamW step is to its built-in, and closer than the same writes made outside exact_weights (warned)."""
+    pytest.importorskip("torchao.optim")
+    from lightning_mp.kernels import adam8bit
+
+    if adam8bit.cpu_kernel() is None:
+        pytest.skip("the 8-bit one-pass kernel is not built here (no C compiler)")
+    builtin, _ = _train(algorithm, exact=False, mode=None, optimizer="adamw8bit")
+    exact, said_exact = _train(algorithm, exact=True, mode="remainder", optimizer="adamw8bit")
+    assert said_exact == []
+    assert (exact - builtin).abs().max().item() <= EXACT_TOLERANCE["remainder"]
+    silent, said = _train(algorithm, exact=False, mode="remainder", optimizer="adamw8bit")
+    assert len(said) == 1 and "wrote into" in said[0]
     assert (silent - builtin).abs().max().item() > (exact - builtin).abs().max().item()
