@@ -18,6 +18,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_mp import MixedPrecisionPlugin
 from lightning_mp.master import RemainderMasters
 from tests.helpers import make_trainer, seeded
+from tests.optimizer_edits import eight_bit_runs
 
 
 class Net(L.LightningModule):
@@ -25,7 +26,8 @@ class Net(L.LightningModule):
 
     def __init__(self, optimizer: str = "adamw", inject_inf_at: tuple[int, ...] = (), scheduler: bool = False) -> None:
         super().__init__()
-        self.net = nn.Sequential(nn.Linear(16, 32), nn.LayerNorm(32), nn.GELU(), nn.Linear(32, 1))
+        width = 256 if optimizer == "adamw8bit" else 32  # torchao's 8-bit moments from 4096 elements: 16 x 256
+        self.net = nn.Sequential(nn.Linear(16, width), nn.LayerNorm(width), nn.GELU(), nn.Linear(width, 1))
         self.optimizer_name, self.inject_inf_at, self.scheduler = optimizer, set(inject_inf_at), scheduler
         self.seen: list[list[torch.Tensor]] = []
         self.lrs: list[float] = []
@@ -47,12 +49,19 @@ class Net(L.LightningModule):
     def configure_optimizers(self) -> Any:
         if self.optimizer_name == "adamw":
             optimizer = torch.optim.AdamW(self.parameters(), lr=1e-2, weight_decay=0.1)
+        elif self.optimizer_name == "adamw8bit":  # torchao's, in one pass on lean masters
+            from torchao.optim import AdamW8bit
+
+            optimizer = AdamW8bit(self.parameters(), lr=1e-2, weight_decay=0.1)
         else:
             optimizer = torch.optim.SGD(self.parameters(), lr=1e-2, momentum=0.9, nesterov=True)
         if not self.scheduler:
             return optimizer
         scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+EIGHT_BIT = pytest.mark.skipif(not eight_bit_runs(), reason="torchao is not installed or the 8-bit kernel is not built")
 
 
 def _loader(n: int = 64) -> DataLoader:
@@ -65,6 +74,10 @@ def _replay(initial: list[torch.Tensor], seen: list[list[torch.Tensor]], optimiz
     params = [nn.Parameter(p.clone()) for p in initial]
     if optimizer == "adamw":
         opt = torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1, fused=True)
+    elif optimizer == "adamw8bit":  # torchao's own (compiled) step on fp32 parameters
+        from torchao.optim import AdamW8bit
+
+        opt = AdamW8bit(params, lr=1e-2, weight_decay=0.1)
     else:
         opt = torch.optim.SGD(params, lr=1e-2, momentum=0.9, nesterov=True, fused=True)
     for grads in seen:
@@ -90,10 +103,16 @@ def _replay(initial: list[torch.Tensor], seen: list[list[torch.Tensor]], optimiz
         ("adamw", 1, ("value", 0.05), ()),
         ("sgd", 2, ("norm", 0.01), ()),
         ("adamw", 1, ("norm", 0.5), (2, 3)),
+        pytest.param("adamw8bit", 1, None, (), marks=EIGHT_BIT),
+        pytest.param("adamw8bit", 2, ("norm", 0.5), (), marks=EIGHT_BIT),
+        pytest.param("adamw8bit", 1, ("value", 0.05), (), marks=EIGHT_BIT),
+        pytest.param("adamw8bit", 2, ("norm", 0.5), (2, 3), marks=EIGHT_BIT),
     ],
 )
 def test_trainer_run_equals_its_gradients_replayed_on_fp32_bitwise(optimizer, accumulate, clip, inject):
-    """With ``inject``, those steps' gradients hold an inf: skipped, and their clipping must not leak into the next."""
+    """With ``inject``, those steps' gradients hold an inf: skipped, and their clipping must not leak into the next.
+    ``adamw8bit``: torchao's AdamW8bit in one pass (8-bit moments for the 16 x 256 weight), replayed with torchao's own
+    optimizer."""
     with seeded():
         model = Net(optimizer, inject_inf_at=inject)
     initial = [p.detach().clone() for p in model.parameters()]
@@ -106,6 +125,40 @@ def test_trainer_run_equals_its_gradients_replayed_on_fp32_bitwise(optimizer, ac
     expected = torch.float32 if accumulate > 1 else torch.bfloat16
     assert model.seen[0][0].dtype == expected and model.seen[0][2].dtype == torch.float32  # LayerNorm: fp32
     for final, replayed in zip(model.parameters(), _replay(initial, model.seen, optimizer, clip)):
+        assert final.dtype == torch.float32 and torch.equal(final, replayed)
+
+
+class ManualNet(Net):
+    """:class:`Net` under manual optimization: a step every second batch, the gradients clipped by norm first."""
+
+    def __init__(self, optimizer: str) -> None:
+        super().__init__(optimizer)
+        self.automatic_optimization = False
+
+    def training_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        self.manual_backward(nn.functional.mse_loss(self.net(x).float(), y))
+        if batch_idx % 2 == 1:
+            optimizer = self.optimizers()
+            self.seen.append([p.grad.detach().clone() for p in self.parameters()])
+            self.clip_gradients(optimizer, gradient_clip_val=0.5, gradient_clip_algorithm="norm")
+            optimizer.step()
+            optimizer.zero_grad()
+
+    def on_before_optimizer_step(self, optimizer: Any) -> None:
+        pass  # the gradients are recorded before clip_gradients (above)
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", pytest.param("adamw8bit", marks=EIGHT_BIT)])
+def test_manual_optimization_with_accumulation_and_clipping_equals_its_gradients_replayed_bitwise(optimizer):
+    """Manual optimization (``manual_backward`` twice, ``clip_gradients`` by norm, ``optimizer.step()``), torch's AdamW
+    and torchao's AdamW8bit in one pass: the same bits as the gradients replayed on fp32 parameters."""
+    with seeded():
+        model = ManualNet(optimizer)
+    initial = [p.detach().clone() for p in model.parameters()]
+    make_trainer(MixedPrecisionPlugin("bf16-mixed", master_weights="remainder")).fit(model, _loader())
+    assert len(model.seen) == 4 and model.seen[0][0].dtype == torch.float32  # accumulated: exact fp32 sums
+    for final, replayed in zip(model.parameters(), _replay(initial, model.seen, optimizer, ("norm", 0.5))):
         assert final.dtype == torch.float32 and torch.equal(final, replayed)
 
 
