@@ -373,3 +373,32 @@ def test_the_plugin_names_lean_masters_as_remainder_not_true():
     assert "master_weights='remainder'," in repr(MixedPrecisionPlugin("bf16-mixed", master_weights="remainder"))
     assert "master_weights=True," in repr(MixedPrecisionPlugin("bf16-mixed", master_weights=True))
     assert "master_weights=False," in repr(MixedPrecisionPlugin("bf16-mixed"))
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "adamw8bit"])
+def test_following_the_same_optimizers_again_registers_their_load_hooks_once(optimizer):
+    """``attach`` again, or ``follow_optimizers`` with the optimizers already attached (the Trainer's list set again
+    mid-fit): the hooks that keep a loaded state fp32 stay one pair per optimizer (FSDP2's store: its 2-rank replay,
+    tests/test_lean_masters_fsdp2.py)."""
+    if optimizer == "adamw8bit":
+        torchao_optim = pytest.importorskip("torchao.optim")
+        from tests.optimizer_edits import eight_bit_runs
+
+        if not eight_bit_runs():  # the generic path keys its state by proxies: no such hooks
+            pytest.skip("the 8-bit one-pass kernel is not built here (no C compiler)")
+    with seeded():
+        model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 8))
+    store = RemainderMasters()
+    store.convert(model)
+    made = torchao_optim.AdamW8bit if optimizer == "adamw8bit" else torch.optim.AdamW
+    opt = made(model.parameters(), lr=1e-3)
+    store.attach([opt])
+
+    def hooks():
+        return len(opt._optimizer_load_state_dict_pre_hooks), len(opt._optimizer_load_state_dict_post_hooks)
+
+    once = hooks()
+    assert once[0] >= 1 and once[1] >= 1
+    store.attach([opt])
+    store.follow_optimizers([opt])
+    assert hooks() == once

@@ -122,9 +122,13 @@ def test_validate_after_fit_splits_again_and_leaves_the_exact_weights(ranks):
 @pytest.mark.parametrize("optimizer", ["adamw", "sgd", "nadam"])
 def test_each_ranks_steps_equal_torchs_fused_optimizer_on_fp32_shards_bitwise(ranks, optimizer):
     """The gradients each rank's step saw (bf16 shards; fp32 for the norm, kept fp32 without remainder), replayed on
-    fp32 copies of the exact initial shards with torch's fused optimizer, give the exact final shards bit for bit."""
+    fp32 copies of the exact initial shards with torch's fused optimizer, give the exact final shards bit for bit.
+    At the second step the store followed the same optimizers again (``follow_optimizers``): the steps are unchanged
+    and the optimizer's load hooks are registered once (a kept optimizer is not attached twice)."""
     for rank in ranks[0]:
         record = rank[f"replay_{optimizer}"]
+        before, after = record["load_hooks"]
+        assert before == after and before[0] >= 1, record["load_hooks"]
         assert len(record["seen"]) == 8
         dtypes = [g.dtype for g in record["seen"][0]]
         assert dtypes == [torch.bfloat16, torch.bfloat16, torch.float32, torch.float32, torch.bfloat16, torch.bfloat16]

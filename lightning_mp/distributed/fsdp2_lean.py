@@ -212,7 +212,8 @@ class ShardedRemainderMasters(RemainderMasters):
                 step.initial_state()
             else:  # any other optimizer: on DTensor proxies of the shards, its state keyed by them
                 continue
-            self._optimizer_hooks[id(optimizer)] = keep_fp32_state(optimizer)
+            if id(optimizer) not in self._optimizer_hooks:  # attach() again (optimizers followed): registered once
+                self._optimizer_hooks[id(optimizer)] = keep_fp32_state(optimizer)
 
     # ------------------------------------------------------------------ the layout the chunked step reads
     def flat_slices(self, device: torch.device, start: int, end: int) -> tuple[Tensor, Tensor]:

@@ -106,6 +106,26 @@ class Replay(L.Callback):
         module.record["final"] = [local_of(masters.fp32_value(p)).clone() for p in module.parameters()]
 
 
+class Refollow(L.Callback):
+    """At the second step: the store follows the same optimizers again (what it does when the Trainer's list of
+    optimizers is set again mid-fit); the optimizer's load hooks before and after, counted."""
+
+    def on_train_batch_start(self, trainer: L.Trainer, module: L.LightningModule, batch: Any, index: int) -> None:
+        if trainer.global_step != 1:
+            return
+        optimizer = trainer.optimizers[0]
+
+        def hooks() -> tuple[int, int]:
+            return (
+                len(optimizer._optimizer_load_state_dict_pre_hooks),
+                len(optimizer._optimizer_load_state_dict_post_hooks),
+            )
+
+        before = hooks()
+        trainer.precision_plugin.masters.follow_optimizers(trainer.optimizers)
+        module.record["load_hooks"] = (before, hooks())
+
+
 class AtRest(L.Callback):
     """At the second step, before the optimizer: every live tensor storage of this rank, by what it holds."""
 
@@ -437,7 +457,7 @@ def main() -> None:
             strategy=strategy(),
             inject=False,
             model_class=model_class,
-            extra_callbacks=[Replay()],
+            extra_callbacks=[Replay(), Refollow()],
             shard=shard_net,
         )
     results["rest"] = fit(
