@@ -2,6 +2,7 @@
 
     python benchmarks/adam8bit_alone.py [--tensors 32] [--numel 524288] [--steps 10] [--rounds 5] [--threads 2]
         [--device cpu|cuda] [--modes MODE ...] [--start-step 20000]
+    python benchmarks/adam8bit_alone.py --device cuda --tune [--best FILE]
 
 On CUDA (``--device cuda``) every update is timed up to a ``torch.cuda.synchronize()`` and ``lean AdamW8bit`` is the
 Triton kernel's step (``kernels/cuda_adam8bit.py``); the ``kernel alone`` mode is the C kernel's and is left out.
@@ -23,15 +24,22 @@ each round's median update (wall time: the kernels run on ``--threads`` threads)
   the bf16 weights, int16 remainders and torchao's 8-bit state: the same bits as torchao's step
   (``tests/test_lean_adam8bit.py``).
 
+``--tune`` (CUDA): the Triton kernel's update under each launch shape (``LIGHTNING_MP_TRITON_8BIT_CONFIG=TILE,WARPS``,
+:data:`TILES` x :data:`WARPS`), the shapes and torch's fused fp32 AdamW taking turns, and ``--best FILE`` gets the
+fastest shape (``export LIGHTNING_MP_TRITON_8BIT_CONFIG=$(cat FILE)``). Every shape gives the same bits
+(``tests/test_cuda_adam8bit.py``).
+
 Time nothing beside another job: on 2 cores a second OpenMP job makes every figure many times worse.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -50,6 +58,9 @@ MODES = (
     "lean AdamW8bit, kernel alone",
 )
 OPTIONS = dict(lr=1e-3, weight_decay=0.01)
+#: the launch shapes ``--tune`` times: elements per program, warps per program
+TILES = (512, 1024, 2048, 4096, 8192)
+WARPS = (1, 2, 4, 8)
 
 
 def _weights(tensors: int, numel: int, dtype: torch.dtype, device: str = "cpu") -> nn.ParameterList:
@@ -157,6 +168,26 @@ def measure(modes: dict[str, Callable[[], None]], steps: int, rounds: int, devic
     return {name: statistics.median(values) for name, values in medians.items()}
 
 
+def tune(tensors: int, numel: int, steps: int, rounds: int) -> dict[str, float]:
+    """On CUDA: the lean AdamW8bit update (the Triton kernel) under each launch shape ``TILE,WARPS``, and torch's fused
+    fp32 AdamW; ms per update by :func:`measure`, keyed by the shape (and the mode's name for the fused one)."""
+    from lightning_mp.kernels import cuda_adam8bit
+
+    modes = make_modes(tensors, numel, "cuda", ["torch AdamW(fused), fp32"])
+    previous = os.environ.get(cuda_adam8bit.CONFIG_VARIABLE)
+    try:
+        for tile in TILES:
+            for warps in WARPS:
+                os.environ[cuda_adam8bit.CONFIG_VARIABLE] = f"{tile},{warps}"  # read when the layout is made
+                modes[f"{tile},{warps}"] = make_modes(tensors, numel, "cuda", ["lean AdamW8bit"])["lean AdamW8bit"]
+    finally:
+        if previous is None:
+            os.environ.pop(cuda_adam8bit.CONFIG_VARIABLE, None)
+        else:
+            os.environ[cuda_adam8bit.CONFIG_VARIABLE] = previous
+    return measure(modes, steps, rounds, "cuda")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tensors", type=int, default=32)
@@ -173,7 +204,27 @@ def main() -> None:
         help="every optimizer's step count set to this after the first update: the update that far into training "
         "(from about 17,300 on with beta2 0.999, sqrt(1 - beta2**step) is 1 in fp32)",
     )
+    parser.add_argument("--tune", action="store_true", help="CUDA: time the Triton kernel's launch shapes")
+    parser.add_argument("--best", help="with --tune: write the fastest shape (TILE,WARPS) to this file")
     args = parser.parse_args()
+    if args.tune and args.device != "cuda":
+        parser.error("--tune times the Triton kernel's launch shapes: it needs --device cuda")
+    if args.best and not args.tune:
+        parser.error("--best is written by --tune")
+    if args.tune:
+        torch.set_num_threads(args.threads)
+        result = tune(args.tensors, args.numel, args.steps, args.rounds)
+        fused = result.pop("torch AdamW(fused), fp32")
+        best = min(result, key=result.__getitem__)
+        print(f"{args.tensors} x {args.numel} = {args.tensors * args.numel / 1e6:.1f}M parameters, "
+              f"{torch.cuda.get_device_name()}; torch AdamW(fused), fp32: {fused:.3f} ms")  # fmt: skip
+        print("| TILE,WARPS | lean AdamW8bit update (ms) | vs torch AdamW(fused), fp32 |")
+        print("|---|---:|---:|")
+        for shape, ms in result.items():
+            print(f"| {shape}{' (fastest)' if shape == best else ''} | {ms:.3f} | {ms / fused:.2f}x |")
+        if args.best:
+            Path(args.best).write_text(best + "\n")
+        return
     if args.start_step < 0:
         parser.error(f"--start-step must be 0 or more, not {args.start_step}")
     if "torch AdamW(fused), fp32" not in args.modes:

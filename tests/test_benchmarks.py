@@ -355,3 +355,46 @@ def test_adam8bit_alone_times_the_chosen_modes_against_torchs_fused_update():
     assert "| torch AdamW(fused), fp32 |" in done.stdout and " | 1.00x |" in done.stdout
     assert late.returncode == 0, late.stderr[-3000:]
     assert "from step 20000" in late.stdout and "| lean AdamW8bit |" in late.stdout
+
+
+def test_adam8bit_alone_tunes_the_triton_launch_shape_on_cuda_only():
+    """``--tune`` times the Triton kernel's launch shapes (a GPU run: ``benchmarks/run_gpu.sh``'s eightbit stage);
+    on the CPU it is refused, naming what it needs, before any work."""
+    command = [sys.executable, str(ROOT / "benchmarks" / "adam8bit_alone.py")]
+    refused = subprocess.run([*command, "--tune"], capture_output=True, text=True)
+    assert refused.returncode == 2 and "--tune times the Triton kernel's launch shapes: it needs --device cuda" in (
+        refused.stderr
+    )
+    best_alone = subprocess.run([*command, "--best", "shape.txt"], capture_output=True, text=True)
+    assert best_alone.returncode == 2 and "--best is written by --tune" in best_alone.stderr
+
+
+def test_run_gpu_eightbit_stage_runs_the_8bit_checks_with_the_tuned_shape(tmp_path):
+    """What a CPU can check of the GPU script's eightbit stage (shown with PYTHON=echo): its commands in order, the
+    tuned shape's file written by --tune and read by the runs after it, and the modes it names known to the scripts."""
+    env = {"PATH": "/usr/bin:/bin", "PYTHON": "echo", "STAGES": "eightbit"}
+    script = ROOT / "benchmarks" / "run_gpu.sh"
+    done = subprocess.run(["bash", str(script), str(tmp_path)], env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    lines = [line for line in done.stdout.splitlines() if line.startswith(("-m pytest", "benchmarks/"))]
+    assert [line.split()[0] for line in lines] == [
+        "-m", "benchmarks/adam8bit_alone.py", "benchmarks/adam8bit_alone.py", "benchmarks/decoder.py"
+    ]  # fmt: skip
+    assert lines[0].endswith("tests/test_cuda_adam8bit.py") and "-m gpu" in lines[0]
+    assert f"--tune --rounds 3 --steps 20 --best {tmp_path}/best_8bit.txt" in lines[1]
+    assert done.stdout.count("best_8bit.txt: No such file") == 2  # read by the two runs after --tune (echo wrote none)
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import adam8bit_alone
+        import decoder
+    finally:
+        while str(ROOT / "benchmarks") in sys.path:
+            sys.path.remove(str(ROOT / "benchmarks"))
+    named = lines[2].split("--modes ", 1)[1]
+    assert [m for m in adam8bit_alone.MODES if m in named] == [
+        "torch AdamW(fused), fp32", "torch AdamW(fused), bf16", "torchao AdamW8bit, fp32", "lean AdamW",
+        "lean AdamW8bit",
+    ]  # fmt: skip
+    modes = lines[3].split("--modes ", 1)[1].split()
+    assert modes == ["builtin-bf16-true", "builtin-bf16-fused", "ours+remainder+8bit", "ours+remainder+8bit+inbackward"]
+    assert set(modes) <= set(decoder.MODES)

@@ -82,6 +82,31 @@ def test_the_kernel_equals_the_cpu_kernel_bit_for_bit(interpreted, case):
     """Two steps (the second from the quantized state the first wrote) of the Triton kernel and of the C kernel
     from the same torchao state, the same gradients (bf16 and fp32 mixed): weights (and remainders), codes, scales,
     fp32 moments and step counts all equal."""
+    _against_the_cpu_kernel(interpreted, case)
+
+
+@KERNEL
+@pytest.mark.parametrize("config", ["256,1", "8192,8"])
+@pytest.mark.parametrize("case", ["adamw", "adam, fp32 weights, large t (lerp's other form), wide blocks"])
+def test_every_launch_shape_gives_the_cpu_kernels_bits(interpreted, monkeypatch, config, case):
+    """The launch shape (``LIGHTNING_MP_TRITON_8BIT_CONFIG``: one block per program of one warp, or 32 blocks of 256
+    per program of 8 warps; blocks of 1024 wider than a tile of 256) changes which program updates which blocks, never
+    a bit."""
+    monkeypatch.setenv(interpreted.CONFIG_VARIABLE, config)
+    assert interpreted.launch_shape() == tuple(int(part) for part in config.split(","))
+    _against_the_cpu_kernel(interpreted, case)
+
+
+@pytest.mark.parametrize("value", ["3,4", "4096", "4096,4,1", "many,4", "131072,4", "4096,64", "128,4"])
+def test_a_launch_shape_that_is_not_one_is_refused_naming_the_value(monkeypatch, value):
+    from lightning_mp.kernels import cuda_adam8bit
+
+    monkeypatch.setenv(cuda_adam8bit.CONFIG_VARIABLE, value)
+    with pytest.raises(ValueError, match=rf"LIGHTNING_MP_TRITON_8BIT_CONFIG='{value}': expected TILE,WARPS"):
+        cuda_adam8bit.launch_shape()
+
+
+def _against_the_cpu_kernel(interpreted, case):
     spec = CASES[case]
     make = getattr(torchao_optim, spec["name"])
     options = dict(lr=1e-2, weight_decay=0.1, betas=spec["betas"])

@@ -7,6 +7,8 @@ dequantizes the blocks' moments (``qmap[code] * scale``), applies torchao's step
 takes each block's new scale (its largest ``|m|``, at least 1e-12) and requantizes with torchao's branchless binary
 search of the map and its round-up: every byte read and written once. A parameter whose torchao state is plain fp32
 (under 4096 elements, or not whole blocks) is updated in tiles of ``COLS`` elements with its moments stored unquantized.
+The tile (``ROWS x COLS``, 2048 elements) and the warps per program (4) are set by :func:`launch_shape`
+(``LIGHTNING_MP_TRITON_8BIT_CONFIG``; ``benchmarks/adam8bit_alone.py --device cuda --tune`` times each shape).
 
 Every fp32 operation is one IEEE operation in the C kernel's order (``div_rn``, ``sqrt_rn``, and launched with
 ``enable_fp_fusion=False``: no multiply-add is contracted), so where the inputs are the same the bits are the C
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import ctypes
 import math
+import os
 import struct
 from typing import Any, Optional
 
@@ -38,6 +41,31 @@ _kernels: dict[str, Any] = {}
 #: elements a program updates at most (``ROWS`` blocks of ``COLS``), and the fewest columns of a tile
 TILE = 2048
 MIN_COLS = 256
+#: warps per program (Triton's default)
+WARPS = 4
+#: the setting of the launch shape, ``TILE,WARPS`` (not tuned on a GPU yet: ``benchmarks/adam8bit_alone.py --tune``)
+CONFIG_VARIABLE = "LIGHTNING_MP_TRITON_8BIT_CONFIG"
+
+
+def launch_shape() -> tuple[int, int]:
+    """``(tile, warps)``: :data:`TILE` and :data:`WARPS`, or ``LIGHTNING_MP_TRITON_8BIT_CONFIG=TILE,WARPS`` where set
+    (powers of two, ``TILE`` from 256 to 65536 elements, ``WARPS`` from 1 to 32), read when a layout is made. The
+    shape changes which program updates which blocks, never a value: every element's arithmetic is the same."""
+    text = os.environ.get(CONFIG_VARIABLE)
+    if not text:
+        return TILE, WARPS
+    try:
+        tile, warps = (int(part) for part in text.split(","))
+    except ValueError:
+        tile = warps = 0
+    if not (MIN_COLS <= tile <= 65536 and 1 <= warps <= 32) or tile & (tile - 1) or warps & (warps - 1):
+        raise ValueError(
+            f"{CONFIG_VARIABLE}={text!r}: expected TILE,WARPS, powers of two with TILE from 256 to 65536 elements "
+            "and WARPS from 1 to 32, for example 4096,8"
+        )
+    return tile, warps
+
+
 #: where the kernel reads each field of a piece's row (:data:`~lightning_mp.kernels.adam8bit.PIECE_FIELDS`: the
 #: gradient's and the step count's are not read from the row), as the kernel's constants
 _AT = {
@@ -221,8 +249,9 @@ class Adam8bitLaunch:
         at = adam8bit.PIECE_FIELDS.index
         blocks = [rows[k * fields + at("block")] for k in range(count) if rows[k * fields + at("codes1")]]
         widest = max(blocks, default=1)
+        tile, self.warps = launch_shape()
         self.cols = max(MIN_COLS, 1 << (widest - 1).bit_length())
-        self.rows = max(1, TILE // self.cols)
+        self.rows = max(1, tile // self.cols)
         pieces, starts = [], []
         for k in range(count):
             row = rows[k * fields : (k + 1) * fields]
@@ -289,8 +318,8 @@ class Adam8bitLaunch:
             _fp32(clamp) if clamp is not None else 0.0,
             ADAMW=adamw, BIG1=big1, BIG2=big2, HAS_MUL=grad_mul is not None, CLAMPED=clamp is not None,
             HAS_FOUND=found is not None, ROWS=self.rows, COLS=self.cols, FIELDS=len(adam8bit.PIECE_FIELDS),
-            **_AT, enable_fp_fusion=False,
+            **_AT, enable_fp_fusion=False, num_warps=self.warps,
         )  # fmt: skip
 
 
-__all__ = ["Adam8bitLaunch"]
+__all__ = ["Adam8bitLaunch", "launch_shape"]
