@@ -357,16 +357,26 @@ def test_adam8bit_alone_times_the_chosen_modes_against_torchs_fused_update():
     assert "from step 20000" in late.stdout and "| lean AdamW8bit |" in late.stdout
 
 
-def test_adam8bit_alone_tunes_the_triton_launch_shape_on_cuda_only():
+@pytest.mark.parametrize(
+    ("argv", "said"),
+    [
+        (["--tune"], "--tune times the Triton kernel's launch shapes: it needs --device cuda"),
+        (["--best", "shape.txt"], "--best is written by --tune"),
+    ],
+)
+def test_adam8bit_alone_tunes_the_triton_launch_shape_on_cuda_only(monkeypatch, capsys, argv, said):
     """``--tune`` times the Triton kernel's launch shapes (a GPU run: ``benchmarks/run_gpu.sh``'s eightbit stage);
-    on the CPU it is refused, naming what it needs, before any work."""
-    command = [sys.executable, str(ROOT / "benchmarks" / "adam8bit_alone.py")]
-    refused = subprocess.run([*command, "--tune"], capture_output=True, text=True)
-    assert refused.returncode == 2 and "--tune times the Triton kernel's launch shapes: it needs --device cuda" in (
-        refused.stderr
-    )
-    best_alone = subprocess.run([*command, "--best", "shape.txt"], capture_output=True, text=True)
-    assert best_alone.returncode == 2 and "--best is written by --tune" in best_alone.stderr
+    on the CPU it is refused, naming what it needs, before any work (its ``main``, in this process)."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import adam8bit_alone
+    finally:
+        while str(ROOT / "benchmarks") in sys.path:
+            sys.path.remove(str(ROOT / "benchmarks"))
+    monkeypatch.setattr(sys, "argv", ["adam8bit_alone.py", *argv])
+    with pytest.raises(SystemExit) as stopped:
+        adam8bit_alone.main()
+    assert stopped.value.code == 2 and said in capsys.readouterr().err
 
 
 def test_run_gpu_eightbit_stage_runs_the_8bit_checks_with_the_tuned_shape(tmp_path):
