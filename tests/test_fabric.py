@@ -25,9 +25,13 @@ pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 STEPS_DATA = 64  # 8 batches of 8
 
 
-def build() -> nn.Module:
+def build(width: int = 32) -> nn.Module:
     with seeded():
-        return nn.Sequential(nn.Linear(16, 32), nn.LayerNorm(32), nn.GELU(), nn.Linear(32, 1))
+        return nn.Sequential(nn.Linear(16, width), nn.LayerNorm(width), nn.GELU(), nn.Linear(width, 1))
+
+
+#: torchao's AdamW8bit: 8-bit moments for the 16 x 256 weight (4096 elements), fp32 ones for the rest
+WIDTH = {"adamw8bit": 256}
 
 
 def batches(inject: tuple[int, ...] = ()) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -47,13 +51,17 @@ def batches(inject: tuple[int, ...] = ()) -> list[tuple[torch.Tensor, torch.Tens
 def make_optimizer(params: Any, name: str) -> torch.optim.Optimizer:
     if name == "adamw":
         return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
+    if name == "adamw8bit":  # torchao's, in one pass with master_weights="remainder"
+        from torchao.optim import AdamW8bit
+
+        return AdamW8bit(params, lr=1e-2, weight_decay=0.1)
     return torch.optim.SGD(params, lr=1e-2, momentum=0.9, nesterov=True)
 
 
 class TrainerNet(L.LightningModule):
     def __init__(self, optimizer: str) -> None:
         super().__init__()
-        self.net = build()
+        self.net = build(WIDTH.get(optimizer, 32))
         self.optimizer_name = optimizer
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
@@ -100,7 +108,7 @@ def fabric_loop(
 def fabric_run(
     plugin: MixedPrecisionPlugin, optimizer: str, accumulate: int, clip: Any, inject: tuple
 ) -> list[torch.Tensor]:
-    model = build()
+    model = build(WIDTH.get(optimizer, 32))
     opt = make_optimizer(model.parameters(), optimizer)  # built before fabric.setup, on the fp32 parameters
     fabric = L.Fabric(accelerator="cpu", devices=1, plugins=[plugin])
     model, opt = fabric.setup(model, opt)
@@ -125,6 +133,8 @@ CASES = [
     ("16-mixed", True, "adamw", 1, ("norm", 0.5), (2, 3)),
     ("16-mixed", False, "sgd", 2, None, (4,)),
     ("bf16-mixed", "remainder", "adamw", 1, ("norm", 0.5), ("fp8", 2)),
+    ("bf16-mixed", "remainder", "adamw8bit", 2, ("norm", 0.5), (3,)),
+    ("bf16-mixed", "remainder", "adamw8bit", 1, ("value", 0.05), ()),
 ]
 
 
@@ -134,6 +144,8 @@ def test_fabric_loop_ends_bitwise_where_the_trainer_ends(precision, masters, opt
     with skips (an inf in a batch), fp32 accumulation under ``no_backward_sync``, both clipping forms and fp8
     (torchao's emulated float8 on CPU; ``inject`` then starts with ``"fp8"``)."""
     fp8 = None
+    if optimizer == "adamw8bit":
+        pytest.importorskip("torchao.optim")
     if inject and inject[0] == "fp8":
         pytest.importorskip("torchao")
         fp8, inject = "tensorwise", inject[1:]
