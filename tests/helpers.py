@@ -159,8 +159,8 @@ def make_trainer(plugins: Any = None, accelerator: str = "cpu", **kwargs: Any) -
         deterministic=True,
     )
     defaults.update(kwargs)
-    if plugins is not None:
-        defaults["plugins"] = [plugins]
+    if plugins is not None:  # one plugin, or a list of them
+        defaults["plugins"] = plugins if isinstance(plugins, list) else [plugins]
     return L.Trainer(**defaults)
 
 

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_mp import DynamicLossScaler, MixedPrecisionPlugin
+from lightning_mp import DynamicLossScaler, MixedPrecisionPlugin, TensorSubclassCheckpointIO
 from tests.helpers import make_trainer, seeded
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
@@ -230,15 +230,18 @@ def test_setup_module_then_setup_optimizers_with_two_optimizers_equals_one_setup
     assert all(torch.equal(a, b) for a, b in zip(*results))
 
 
-def _resume_run(tmp_path: Any, masters: Any, precision: str, interrupt: Optional[int], plugin_in_state: bool) -> Any:
+def _resume_run(
+    tmp_path: Any, masters: Any, precision: str, interrupt: Optional[int], plugin_in_state: bool, optimizer: str
+) -> Any:
     """8 steps; with ``interrupt``, stop after that many, save, build everything anew, load, and finish."""
     data = batches(inject=(2,))
 
     def fresh() -> tuple[L.Fabric, Any, Any, MixedPrecisionPlugin]:
-        model = build()
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+        model = build(WIDTH.get(optimizer, 32))
+        opt = make_optimizer(model.parameters(), optimizer)
         plugin = MixedPrecisionPlugin(precision, master_weights=masters)
-        fabric = L.Fabric(accelerator="cpu", devices=1, plugins=[plugin])
+        io = [TensorSubclassCheckpointIO()] if optimizer == "adamw8bit" else []  # torchao's state: tensor subclasses
+        fabric = L.Fabric(accelerator="cpu", devices=1, plugins=[plugin, *io])
         model, opt = fabric.setup(model, opt)
         return fabric, model, opt, plugin
 
@@ -262,23 +265,44 @@ def _resume_run(tmp_path: Any, masters: Any, precision: str, interrupt: Optional
 
 
 @pytest.mark.parametrize(
-    ("precision", "masters", "plugin_in_state"),
+    ("precision", "masters", "plugin_in_state", "optimizer"),
     [
-        ("bf16-mixed", True, False),
-        ("bf16-mixed", "remainder", False),
-        ("bf16-mixed", "remainder", True),
-        ("16-mixed", True, False),
+        ("bf16-mixed", True, False, "adamw"),
+        ("bf16-mixed", "remainder", False, "adamw"),
+        ("bf16-mixed", "remainder", True, "adamw"),
+        ("16-mixed", True, False, "adamw"),
+        ("bf16-mixed", "remainder", False, "adamw8bit"),
     ],
 )
-def test_load_after_an_interrupted_run_resumes_bit_exactly(tmp_path, precision, masters, plugin_in_state):
+def test_load_after_an_interrupted_run_resumes_bit_exactly(tmp_path, precision, masters, plugin_in_state, optimizer):
     """``fabric.save`` / ``fabric.load`` with ``state`` holding only the model and the optimizer (the plugin's
-    scaler state travels by itself under ``"MixedPrecisionPlugin"``) or the plugin as well."""
+    scaler state travels by itself under ``"MixedPrecisionPlugin"``) or the plugin as well; torchao's AdamW8bit in one
+    pass too (its 8-bit state saved and loaded)."""
+    if optimizer == "adamw8bit":
+        pytest.importorskip("torchao.optim")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        whole, whole_scaler = _resume_run(tmp_path, masters, precision, None, plugin_in_state)
-        resumed, resumed_scaler = _resume_run(tmp_path, masters, precision, 5, plugin_in_state)
+        whole, whole_scaler = _resume_run(tmp_path, masters, precision, None, plugin_in_state, optimizer)
+        resumed, resumed_scaler = _resume_run(tmp_path, masters, precision, 5, plugin_in_state, optimizer)
     assert all(torch.equal(a, b) for a, b in zip(whole, resumed))
     assert resumed_scaler == whole_scaler
+
+
+def test_loading_torchaos_8bit_state_without_the_subclass_checkpoint_io_says_what_to_pass(tmp_path):
+    """Lightning's own checkpoint IO cannot load torchao's 8-bit state (torch refuses its callable map_location for
+    tensor subclasses, with or without the plugin): ``fabric.load`` says so and names the class that loads it."""
+    pytest.importorskip("torchao.optim")
+    model = build(WIDTH["adamw8bit"])
+    fabric = L.Fabric(
+        accelerator="cpu", devices=1, plugins=[MixedPrecisionPlugin("bf16-mixed", master_weights="remainder")]
+    )
+    model, opt = fabric.setup(model, make_optimizer(model.parameters(), "adamw8bit"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        fabric_loop(fabric, model, opt, batches()[:2])
+    fabric.save(tmp_path / "ckpt.pt", {"model": model, "optimizer": opt})
+    with pytest.raises(RuntimeError, match=r"Pass lightning_mp.TensorSubclassCheckpointIO\(\) in Fabric\(plugins="):
+        fabric.load(tmp_path / "ckpt.pt", {"model": model, "optimizer": opt})
 
 
 @pytest.mark.parametrize("masters", [True, "remainder"])

@@ -16,11 +16,10 @@ from typing import Any, Callable, Optional
 import lightning as L
 import pytest
 import torch
-from lightning.fabric.plugins.io import TorchCheckpointIO
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_mp import MixedPrecisionPlugin
+from lightning_mp import MixedPrecisionPlugin, TensorSubclassCheckpointIO
 from lightning_mp.master.lean.generic import leaves_of
 from tests.helpers import generic_adamw8bit, live_cpu_bytes, make_trainer, seeded
 
@@ -126,14 +125,6 @@ def _eager_torchao(monkeypatch, request):
         monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: fn)
 
 
-class PlainLoad(TorchCheckpointIO):
-    """Lightning loads with a callable ``map_location``, which torch refuses for tensor subclasses (torchao's 8-bit
-    state: "Callable map_location not supported with _rebuild_wrapper_subclass"); a CPU run needs none."""
-
-    def load_checkpoint(self, path: Any, map_location: Any = None, weights_only: Optional[bool] = None) -> Any:
-        return torch.load(path, weights_only=False)
-
-
 def _fit(in_backward: bool, tmp_path: Path, name: str, case: str, resume: Optional[Path] = None, **kw: Any) -> Any:
     """Fit a fresh seeded :class:`Net`; (the model, the checkpoint written at the end)."""
     model_kw = {k: kw.pop(k) for k in ("bad_loss_at", "bad_grad_at") if k in kw}
@@ -143,8 +134,9 @@ def _fit(in_backward: bool, tmp_path: Path, name: str, case: str, resume: Option
     plugin = MixedPrecisionPlugin(
         "bf16-mixed", master_weights="remainder", optimizer_in_backward=in_backward, zero_grad_after_step=False
     )
-    trainer = make_trainer(plugin, **kw)
-    trainer.strategy.checkpoint_io = PlainLoad()
+    # torchao's 8-bit state holds tensor subclasses: Lightning's own checkpoint IO cannot load them (its callable
+    # map_location), lightning_mp.TensorSubclassCheckpointIO can
+    trainer = make_trainer([plugin, TensorSubclassCheckpointIO()], **kw)
     trainer.fit(model, _loader(), ckpt_path=resume)
     trainer.save_checkpoint(tmp_path / f"{name}.ckpt")
     return model, torch.load(tmp_path / f"{name}.ckpt", weights_only=False)  # torchao's state: tensor subclasses

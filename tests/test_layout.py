@@ -24,6 +24,7 @@ PUBLIC_NAMES = [
     "MasterWeights",
     "MixedPrecisionPlugin",
     "PrecisionMonitor",
+    "TensorSubclassCheckpointIO",
     "audit",
 ]
 APPLICATIONS = ("lightning_mp.cli", "lightning_mp.samples")

@@ -9,6 +9,7 @@ from torch import Tensor
 from torch.nn import Module
 from torch.optim import Optimizer
 
+from lightning_mp.checkpoints.io import REFUSAL
 from lightning_mp.schedulers import guard_scheduler
 
 if TYPE_CHECKING:
@@ -168,7 +169,17 @@ class FabricDriver:
         return self._originals["save_checkpoint"](path, state, *args, **kwargs)
 
     def load_checkpoint(self, path: Any, state: Any = None, *args: Any, **kwargs: Any) -> Any:
-        remainder = self._originals["load_checkpoint"](path, state, *args, **kwargs)
+        try:
+            remainder = self._originals["load_checkpoint"](path, state, *args, **kwargs)
+        except RuntimeError as error:
+            if REFUSAL not in str(error):
+                raise
+            raise RuntimeError(
+                f"fabric.load({str(path)!r}): the checkpoint holds tensor subclasses (torchao's 8-bit optimizer "
+                "state), which torch cannot load with the callable map_location of Lightning's TorchCheckpointIO. "
+                "Nothing was loaded. Pass lightning_mp.TensorSubclassCheckpointIO() in Fabric(plugins=[...]) next to "
+                "the MixedPrecisionPlugin: the same load, with map_location='cpu'."
+            ) from error
         restores = isinstance(state, dict) and state and not any(v is self.plugin for v in state.values())
         if restores and isinstance(remainder, dict) and self.key in remainder:
             self.plugin.load_state_dict(remainder.pop(self.key), source=f"{path}[{self.key!r}]")

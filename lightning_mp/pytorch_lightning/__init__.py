@@ -28,11 +28,13 @@ Importing this module imports ``pytorch_lightning``; ``import lightning_mp`` nev
 from __future__ import annotations
 
 import pytorch_lightning as _pl
+from lightning_fabric.plugins import TorchCheckpointIO as _TorchCheckpointIO
 from pytorch_lightning.plugins.precision import Precision as _Precision
 
 import lightning_mp as _lightning_mp
 from lightning_mp import CastPolicy, Census, DynamicLossScaler, MasterWeights, audit
 from lightning_mp.callbacks.precision_callback import MixedPrecisionCallback as _MixedPrecisionCallback
+from lightning_mp.checkpoints.io import CPUMapLocation as _CPUMapLocation
 from lightning_mp.diagnostics import FabricPrecisionMonitor
 
 
@@ -45,6 +47,10 @@ class MixedPrecisionPlugin(_lightning_mp.MixedPrecisionPlugin, _Precision):  # t
 
 class PrecisionMonitor(_lightning_mp.PrecisionMonitor, _pl.Callback):  # type: ignore[misc]  # (as above)
     __doc__ = _lightning_mp.PrecisionMonitor.__doc__
+
+
+class TensorSubclassCheckpointIO(_CPUMapLocation, _TorchCheckpointIO):
+    """:class:`lightning_mp.TensorSubclassCheckpointIO` on the standalone package's ``TorchCheckpointIO``."""
 
 
 class MixedPrecisionCallback(_MixedPrecisionCallback, _pl.Callback):  # type: ignore[misc]  # (as above)
@@ -61,5 +67,6 @@ __all__ = [
     "MixedPrecisionCallback",
     "MixedPrecisionPlugin",
     "PrecisionMonitor",
+    "TensorSubclassCheckpointIO",
     "audit",
 ]
