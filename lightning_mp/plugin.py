@@ -25,6 +25,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_mp.averaging import adapt_averaging_callbacks, restore_averaging_callbacks
+from lightning_mp.checkpoints.io import warn_if_unloadable
 from lightning_mp.diagnostics.half_failure import ExplainingAutocast
 from lightning_mp.diagnostics.skipped import SkippedStep
 from lightning_mp.distributed import GradientSync, mixed_precision_policy, sync_for
@@ -264,6 +265,9 @@ class MixedPrecisionPlugin(FabricHooks, Precision):  # FabricHooks: the hooks as
         self.start_following_writes(model)  # setup is over: every later write into the model reaches the masters
         self._averaging = adapt_averaging_callbacks(inner, self.steps.weights)  # SWA, EMA over the exact weights
         warn_at_connect(self._effective_policy, inner, self._device_type, self.dtype)  # rules matching nothing, fp16
+        trainer = getattr(inner, "_trainer", None)  # torchao's state: checkpoints Lightning's own IO cannot load
+        driven = self._fabric.strategy if self._fabric is not None else None
+        warn_if_unloadable(trainer.strategy if trainer is not None else driven, optimizers)
         guard_step_schedulers(lr_schedulers)  # they do not advance on a skipped step
         return model, optimizers, lr_schedulers
 

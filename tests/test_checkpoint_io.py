@@ -52,3 +52,47 @@ def test_the_standalone_packages_class_is_their_checkpoint_io_with_the_same_load
     assert isinstance(Standalone(), StandaloneIO)
     loaded = Standalone().load_checkpoint(saved[0])
     assert torch.equal(loaded["exp_avg"].codes, saved[1].codes)
+
+
+@pytest.mark.parametrize(
+    ("optimizer", "io", "warned"), [("AdamW8bit", None, True), ("AdamW8bit", "subclass", False), ("AdamW", None, False)]
+)
+def test_a_run_whose_checkpoints_would_not_load_back_is_warned_at_connect(optimizer, io, warned):
+    """Before the first checkpoint is written: torchao's optimizer under Lightning's own checkpoint IO warns, naming
+    the class to pass; with it, or with torch's AdamW, nothing is said."""
+    import warnings
+
+    import lightning as L
+    from torch import nn
+
+    from lightning_mp import MixedPrecisionPlugin
+
+    class Net(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = nn.Linear(8, 1)
+
+        def training_step(self, batch, batch_idx):
+            return self.net(batch[0]).float().pow(2).mean()
+
+        def configure_optimizers(self):
+            if optimizer == "AdamW":
+                return torch.optim.AdamW(self.parameters())
+            return pytest.importorskip("torchao.optim").AdamW8bit(self.parameters())
+
+    plugins = [MixedPrecisionPlugin("bf16-mixed", master_weights="remainder")]
+    plugins += [TensorSubclassCheckpointIO()] if io else []
+    trainer = L.Trainer(
+        accelerator="cpu", devices=1, max_steps=1, plugins=plugins, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(4, 8)), batch_size=4)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(Net(), loader)
+    said = [str(w.message) for w in caught if "TensorSubclassCheckpointIO" in str(w.message)]
+    assert len(said) == (1 if warned else 0), said
+    if warned:
+        assert (
+            said[0].startswith("AdamW8bit keeps its state in tensor subclasses") and "Trainer(plugins=[...])" in said[0]
+        )

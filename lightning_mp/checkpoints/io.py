@@ -16,9 +16,11 @@ torch loads the subclasses. A ``map_location`` a caller passes is kept. Pass it 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, Optional
 
 from lightning.fabric.plugins import TorchCheckpointIO
+from lightning.fabric.utilities.rank_zero import rank_zero_warn
 
 #: what torch says where a callable ``map_location`` meets a tensor subclass (the Fabric driver names the fix)
 REFUSAL = "Callable map_location not supported with _rebuild_wrapper_subclass"
@@ -40,4 +42,27 @@ class TensorSubclassCheckpointIO(CPUMapLocation, TorchCheckpointIO):
     """Lightning's ``TorchCheckpointIO``, loading tensor subclasses (module doc)."""
 
 
-__all__ = ["REFUSAL", "TensorSubclassCheckpointIO"]
+def warn_if_unloadable(strategy: Any, optimizers: Sequence[Any]) -> None:
+    """At connect: where an optimizer is one of torchao's (its state holds tensor subclasses: 8-bit, 4-bit, fp8) and
+    the strategy's checkpoints go through Lightning's own ``TorchCheckpointIO``, a warning that they will not load
+    back and what to pass, before the first checkpoint is written (a resume finds out only when it loads). Strategies
+    that save distributed checkpoints do not load through it and are left alone."""
+    if strategy is None or getattr(strategy, "_save_distributed_checkpoint", False):
+        return
+    try:
+        io = getattr(strategy, "checkpoint_io", None)
+    except NotImplementedError:  # Fabric's FSDP and ModelParallel strategies: no CheckpointIO interface at all
+        return
+    if type(io).__name__ != "TorchCheckpointIO":  # a subclass (this module's among them) or another IO: the user's
+        return
+    torchao = sorted({type(o).__name__ for o in optimizers if type(o).__module__.startswith("torchao.optim")})
+    if torchao:
+        rank_zero_warn(
+            f"{', '.join(torchao)} keeps its state in tensor subclasses, which Lightning's own TorchCheckpointIO "
+            "cannot load back (torch refuses its callable map_location for them): a resume from this run's "
+            "checkpoints would fail. Pass lightning_mp.TensorSubclassCheckpointIO() next to the plugin "
+            "(Trainer(plugins=[...]) or Fabric(plugins=[...])): the same checkpoints, loadable."
+        )
+
+
+__all__ = ["REFUSAL", "TensorSubclassCheckpointIO", "warn_if_unloadable"]
