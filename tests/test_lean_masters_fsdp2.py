@@ -278,6 +278,24 @@ def test_state_a_checkpoint_would_save_wrongly_is_refused_8bit_at_setup(ranks):
             assert "Keep save_distributed_checkpoint=True" in error
 
 
+@pytest.mark.parametrize("how", ["reset", "load", "lr"])
+def test_8bit_edits_between_steps_are_followed_bitwise_on_the_local_shards(ranks, how):
+    """torchao's AdamW8bit in one pass under FSDP2, its state edited between steps (a layer's state emptied, an
+    earlier ``state_dict`` loaded back, the lr tensors filled): each rank ends bitwise where the same run ends with
+    the step's layouts made again before every backward, and the ranks agree; each edit changed the run."""
+    for rank in (rank["generic"] for rank in ranks[0]):
+        edited, rebuilt = rank[f"8bit_edit_{how}"], rank[f"8bit_edit_{how}_rebuilt"]
+        for name, value in rebuilt["weights"].items():
+            assert torch.equal(edited["weights"][name].view(torch.int32), value.view(torch.int32)), name
+        others = [rank[f"8bit_edit_{other}"] for other in ("reset", "load", "lr") if other != how]
+        assert all(
+            any(not torch.equal(edited["weights"][n], other["weights"][n]) for n in edited["weights"])
+            for other in others
+        )
+    first, second = (rank["generic"][f"8bit_edit_{how}"]["weights"] for rank in ranks[0])
+    assert all(torch.equal(first[name], second[name]) for name in first)  # whole weights: the same on both ranks
+
+
 @pytest.mark.parametrize("name", ["8bit", "adam8bit", "8bit_generic", "rmsprop"])
 def test_8bit_and_generic_path_steps_equal_the_optimizer_on_fp32_shards_bitwise(ranks, name):
     """Each rank's gradients (bf16 shards; fp32 for the norm), replayed with the same optimizer on plain fp32 copies

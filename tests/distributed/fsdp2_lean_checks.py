@@ -32,6 +32,7 @@ from lightning_mp import MixedPrecisionPlugin
 from lightning_mp.master.lean.chunked import local_of
 from tests.distributed.common import GLOBAL_BATCH, Net, _full, finish, fit, loader, save, shard_net
 from tests.distributed.fsdp2_checks import POLICY, shard_net_whole, shard_with_fp32_head
+from tests.optimizer_edits import saved_copy
 
 
 def strategy(**kwargs: Any) -> ModelParallelStrategy:
@@ -289,11 +290,40 @@ def _inner(tensor: torch.Tensor) -> list[torch.Tensor]:
     return [t for name in flatten()[0] for t in _inner(getattr(tensor, name))]
 
 
+class Edit8bit(L.Callback):
+    """An edit of torchao's AdamW8bit between steps, as in tests/optimizer_edits.py (under FSDP2 its state is
+    ``DTensor`` s of the local shards): ``reset``, the first layer's state emptied at step 2; ``load``, the
+    optimizer's ``state_dict`` of step 1 loaded back at step 3; ``lr``, every group's lr tensor filled at step 2. With
+    ``rebuild``, the one-pass step's layouts are made again before every backward (the reference)."""
+
+    def __init__(self, how: str, rebuild: bool) -> None:
+        self.how, self.rebuild = how, rebuild
+        self.saved: Any = None
+
+    def on_train_batch_start(self, trainer: L.Trainer, module: L.LightningModule, batch: Any, index: int) -> None:
+        optimizer, step = trainer.optimizers[0], trainer.global_step
+        if self.how == "reset" and step == 2:
+            for param in module.net[0].parameters():
+                optimizer.state[param] = {}
+        elif self.how == "load" and step == 1:
+            self.saved = saved_copy(optimizer.state_dict())
+        elif self.how == "load" and step == 3:
+            optimizer.load_state_dict(self.saved)
+        elif self.how == "lr" and step == 2:
+            for group in optimizer.param_groups:
+                group["lr"].fill_(3e-3)
+
+    def on_before_backward(self, trainer: L.Trainer, module: L.LightningModule, loss: torch.Tensor) -> None:
+        if self.rebuild:
+            trainer.precision_plugin.masters.updates.of(trainer.optimizers[0]).generic.follow_groups()
+
+
 def generic_runs(out: Path) -> dict[str, Any]:
     """torchao's AdamW8bit (in one pass on the local shards) and torch's for-loop RMSprop (the generic path): a run
     with an inf in rank 0's shard at INJECT_AT, clipping and a distributed checkpoint after epoch 0, the run resumed
     from it, whole-file checkpoints, and a replay; Adam8bit's replay; AdamW8bit's replay and whole-file refusal on the
-    generic path (no kernels, as without a compiler); a per-parameter state that is not sharded (refused)."""
+    generic path (no kernels, as without a compiler); a per-parameter state that is not sharded (refused); edits of
+    AdamW8bit's state and options between steps, each with its reference (:class:`Edit8bit`)."""
     results: dict[str, Any] = {}
     for name, model_class in (("8bit", Wide8bit), ("rmsprop", WideRMSprop)):
         ckpt = out / f"ckpt-{name}"
@@ -322,6 +352,12 @@ def generic_runs(out: Path) -> dict[str, Any]:
             results[f"{name}_replay"] = fit(
                 "bf16-mixed", "remainder", strategy(), inject=False, extra_callbacks=[Replay(), StepKind()],
                 shard=shard_net, model_class=replay,
+            )  # fmt: skip
+    for how in ("reset", "load", "lr"):
+        for rebuild in (False, True):
+            results[f"8bit_edit_{how}{'_rebuilt' if rebuild else ''}"] = fit(
+                "bf16-mixed", "remainder", strategy(), inject=False, shard=shard_net, model_class=Wide8bit,
+                extra_callbacks=[Edit8bit(how, rebuild)],
             )  # fmt: skip
     with no_kernels():
         results["8bit_generic_from_file"] = _from_file(
