@@ -11,13 +11,13 @@ import pytest
 import torch
 
 from lightning_mp.cli import cpu_has_native_bf16, main
+from tests.helpers import chosen_tests, started_together
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
-@pytest.mark.parametrize("precision", ["16-mixed", "bf16-mixed"])
-def test_cli_trains_digits_on_two_ddp_cpu_processes_with_master_weights(tmp_path, precision):
-    command = [
+def _digits_command(root: Path, precision: str) -> list[str]:
+    return [
         sys.executable,
         "-m",
         "lightning_mp",
@@ -34,15 +34,53 @@ def test_cli_trains_digits_on_two_ddp_cpu_processes_with_master_weights(tmp_path
         precision,
         "--mixed_precision.master_weights",
         "true",
-        f"--trainer.default_root_dir={tmp_path}",
+        f"--trainer.default_root_dir={root}",
         "--trainer.max_steps=3",
         "--trainer.limit_val_batches=1",
         "--trainer.limit_test_batches=1",
         "--trainer.num_sanity_val_steps=0",
         "--trainer.enable_progress_bar=false",
     ]
+
+
+def _example_command(strategy: str) -> list[str]:
+    return [sys.executable, str(ROOT / "examples" / "ddp.py"), "--strategy", strategy, "--max-epochs", "1"]
+
+
+def _run(command: list[str], cwd: Path) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
+    return subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=240)
+
+
+@pytest.fixture(scope="module")
+def two_process_runs(request, tmp_path_factory):
+    """The chosen tests' 2-process runs (the CLI on digits, examples/ddp.py), started two at a time (each process
+    spends most of its time importing on one core): ``{test id: (its future, its folder)}``."""
+    runs = {
+        "digits-16-mixed": lambda root: _digits_command(root, "16-mixed"),
+        "digits-bf16-mixed": lambda root: _digits_command(root, "bf16-mixed"),
+        "example-ddp": lambda root: _example_command("ddp"),
+        "example-fsdp2": lambda root: _example_command("fsdp2"),
+    }
+    of_test = {
+        "test_cli_trains_digits_on_two_ddp_cpu_processes_with_master_weights": ("digits", "precision"),
+        "test_ddp_example_runs_on_two_cpu_processes_as_written": ("example", "strategy"),
+    }
+    chosen = [
+        f"{of_test[item.originalname][0]}-{item.callspec.params[of_test[item.originalname][1]]}"
+        for item in chosen_tests(request)
+        if item.originalname in of_test
+    ]
+    roots = {name: tmp_path_factory.mktemp(name) for name in chosen}
+    jobs = {name: lambda name=name: _run(runs[name](roots[name]), roots[name]) for name in chosen}
+    with started_together(jobs) as futures:
+        yield {name: (futures[name], roots[name]) for name in chosen}
+
+
+@pytest.mark.parametrize("precision", ["16-mixed", "bf16-mixed"])
+def test_cli_trains_digits_on_two_ddp_cpu_processes_with_master_weights(two_process_runs, precision):
+    future, tmp_path = two_process_runs[f"digits-{precision}"]
+    done = future.result()
     output = done.stdout + done.stderr
     assert done.returncode == 0, output[-4000:]
     assert "GLOBAL_RANK: 1, MEMBER: 2/2" in output  # Lightning started the second process
@@ -92,10 +130,8 @@ def test_cli_refuses_fsdp1_and_deepspeed_with_what_to_use_instead(tmp_path, caps
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
-def test_ddp_example_runs_on_two_cpu_processes_as_written(tmp_path, strategy):
-    command = [sys.executable, str(ROOT / "examples" / "ddp.py"), "--strategy", strategy, "--max-epochs", "1"]
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
+def test_ddp_example_runs_on_two_cpu_processes_as_written(two_process_runs, strategy):
+    done = two_process_runs[f"example-{strategy}"][0].result()
     assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
     assert f"{strategy} on 2 processes" in done.stdout and "master_weights=True" in done.stdout
     assert "held-out accuracy:" in done.stdout and "after 16 optimizer steps, 0 skipped" in done.stdout
