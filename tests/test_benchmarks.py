@@ -4,9 +4,12 @@ import json
 import math
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+
+from tests.helpers import chosen_tests, started_together
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -30,31 +33,64 @@ def _run_at_once(*commands: list[str], timeout: float = 300) -> list[subprocess.
     return done
 
 
-def test_memory_benchmark_runs_and_reports_every_mode(tmp_path):
-    out = tmp_path / "rows.json"
-    command = [
-        sys.executable,
-        str(ROOT / "benchmarks" / "memory.py"),
-        "--device",
-        "cpu",
-        "--size",
-        "tiny",
-        "--steps",
-        "1",
-        "--batch",
-        "2",
-        "--seq",
-        "16",
-        "--modes",
-        "fp32",
-        "ours+masters",
-        "ours+remainder",
-        "--json",
-        str(out),
-    ]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+#: test -> its benchmark's command (``folder``: a fresh folder for what it writes), for :func:`started`
+COMMANDS: dict[str, Callable[[Path], list[str]]] = {
+    "test_memory_benchmark_runs_and_reports_every_mode": lambda folder: [
+        sys.executable, str(ROOT / "benchmarks" / "memory.py"), "--device", "cpu", "--size", "tiny", "--steps", "1",
+        "--batch", "2", "--seq", "16", "--modes", "fp32", "ours+masters", "ours+remainder",
+        "--json", str(folder / "rows.json"),
+    ],
+    "test_policy_overhead_benchmark_runs": lambda folder: [
+        sys.executable, str(ROOT / "benchmarks" / "policy_overhead.py"), "--steps", "1", "--batch", "2", "--seq", "8",
+    ],
+    "test_compare_interleaves_the_modes_step_by_step_and_writes_json_markdown_and_chart": lambda folder: [
+        sys.executable, str(ROOT / "benchmarks" / "compare.py"), "--device", "cpu", "--preset", "tiny",
+        "--out", str(folder), "--workloads", "mlp", "minilm", "--modes", "fp32", "ours+masters", "--steps", "3",
+    ],
+    "test_reference_experiment_runs_the_cli_once_per_precision": lambda folder: [
+        sys.executable, str(ROOT / "benchmarks" / "reference.py"), "--tiny", "--precisions", "32-true", "bf16-mixed",
+        "--out", str(folder),
+    ],
+    "test_lean_generic_skip_benchmark_times_host_and_device_skips": lambda folder: [
+        sys.executable, str(ROOT / "benchmarks" / "lean_generic_skip.py"), "--params", "0.05", "--rounds", "1",
+        "--warmup", "0",
+    ],
+    "test_framework_overhead_benchmark_runs_every_mode": lambda folder: [
+        sys.executable, str(ROOT / "benchmarks" / "framework_overhead.py"), "--steps", "3", "--rounds", "2",
+    ],
+    "test_step_alone_benchmark_times_every_mode_and_names_the_path": lambda folder: [
+        sys.executable, str(ROOT / "benchmarks" / "step_alone.py"), "--tensors", "2", "--numel", "65536",
+        "--steps", "4", "--rounds", "1", "--warmup", "1",
+    ],
+    "test_grad_check_benchmark_times_both_checks_on_every_layout": lambda folder: [
+        sys.executable, str(ROOT / "benchmarks" / "grad_check.py"), "--rounds", "1", "--shrink", "512",
+    ],
+}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def started(request, tmp_path_factory):
+    """The chosen tests' benchmark runs (:data:`COMMANDS`), each in a fresh process as a user runs it, two at a time
+    (their output's shape is checked, not their figures): ``{test: (its future, its folder)}``."""
+    chosen = [item.originalname for item in chosen_tests(request) if item.originalname in COMMANDS]
+    folders = {name: tmp_path_factory.mktemp("benchmark") for name in chosen}
+
+    def job(name: str) -> subprocess.CompletedProcess:
+        return subprocess.run(COMMANDS[name](folders[name]), capture_output=True, text=True, timeout=600)
+
+    with started_together({name: lambda name=name: job(name) for name in chosen}) as futures:
+        yield {name: (futures[name], folders[name]) for name in chosen}
+
+
+def _done(started, request) -> tuple[subprocess.CompletedProcess, Path]:
+    future, folder = started[request.node.originalname]
+    return future.result(), folder
+
+
+def test_memory_benchmark_runs_and_reports_every_mode(started, request):
+    done, tmp_path = _done(started, request)
     assert done.returncode == 0, done.stderr[-3000:]
-    rows = json.loads(out.read_text())
+    rows = json.loads((tmp_path / "rows.json").read_text())
     assert [r["mode"] for r in rows] == ["fp32", "ours+masters", "ours+remainder"]
     fp32, masters, lean = rows
     # the tiny encoder's norm parameters stay fp32 (16 bytes each), every other one costs 18 with masters
@@ -66,18 +102,8 @@ def test_memory_benchmark_runs_and_reports_every_mode(tmp_path):
     assert "| ours+masters | bf16-mixed |" in done.stdout
 
 
-def test_policy_overhead_benchmark_runs():
-    command = [
-        sys.executable,
-        str(ROOT / "benchmarks" / "policy_overhead.py"),
-        "--steps",
-        "1",
-        "--batch",
-        "2",
-        "--seq",
-        "8",
-    ]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+def test_policy_overhead_benchmark_runs(started, request):
+    done, _ = _done(started, request)
     assert done.returncode == 0, done.stderr[-3000:]
     for policy in ("autocast", "passthrough", "conservative"):
         assert f"| {policy} |" in done.stdout
@@ -98,8 +124,8 @@ def _compare(tmp_path, *extra):
     return subprocess.run(command, capture_output=True, text=True, timeout=600)
 
 
-def test_compare_interleaves_the_modes_step_by_step_and_writes_json_markdown_and_chart(tmp_path):
-    done = _compare(tmp_path, "--workloads", "mlp", "minilm", "--modes", "fp32", "ours+masters", "--steps", "3")
+def test_compare_interleaves_the_modes_step_by_step_and_writes_json_markdown_and_chart(started, request):
+    done, tmp_path = _done(started, request)
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads((tmp_path / "results.json").read_text())
     assert result["reference"] == "builtin-bf16" and set(result["ceilings_flops"]) == {"float32", "bfloat16"}
@@ -175,35 +201,23 @@ def test_compare_names_the_mode_that_failed_with_its_traceback_instead_of_hangin
         run_workload("mlp", ["fp32", "ours"], args)
 
 
-def test_reference_experiment_runs_the_cli_once_per_precision(tmp_path):
-    command = [
-        sys.executable,
-        str(ROOT / "benchmarks" / "reference.py"),
-        "--tiny",
-        "--precisions",
-        "32-true",
-        "bf16-mixed",
-        "--out",
-        str(tmp_path),
-    ]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=600)
+def test_reference_experiment_runs_the_cli_once_per_precision(started, request):
+    done, tmp_path = _done(started, request)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "| 32-true |" in done.stdout and "| bf16-mixed |" in done.stdout
     for precision in ("32-true", "bf16-mixed"):
         assert list((tmp_path / precision).glob("lightning_logs/version_*/metrics.csv"))
 
 
-def test_lean_generic_skip_benchmark_times_host_and_device_skips():
-    command = [sys.executable, str(ROOT / "benchmarks" / "lean_generic_skip.py"), "--params", "0.05"]
-    done = subprocess.run(command + ["--rounds", "1", "--warmup", "0"], capture_output=True, text=True, timeout=300)
+def test_lean_generic_skip_benchmark_times_host_and_device_skips(started, request):
+    done, _ = _done(started, request)
     assert done.returncode == 0, done.stderr[-3000:]
     for option in ("| host |", "| device |", "| device, skip |"):
         assert option in done.stdout
 
 
-def test_framework_overhead_benchmark_runs_every_mode():
-    command = [sys.executable, str(ROOT / "benchmarks" / "framework_overhead.py"), "--steps", "3", "--rounds", "2"]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+def test_framework_overhead_benchmark_runs_every_mode(started, request):
+    done, _ = _done(started, request)
     assert done.returncode == 0, done.stderr[-3000:]
     rows = [line for line in done.stdout.splitlines() if line.startswith("| builtin") or line.startswith("| ours")]
     assert [row.split(" | ")[0] for row in rows] == ["| builtin-bf16", "| ours-bf16", "| ours-bf16 without check"]
@@ -243,11 +257,8 @@ def test_convergence_benchmark_trains_each_mode_in_both_regimes_and_writes_table
     assert again.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and '| ours `"remainder"` |' in done.stdout
 
 
-def test_step_alone_benchmark_times_every_mode_and_names_the_path():
-    command = [sys.executable, str(ROOT / "benchmarks" / "step_alone.py"), "--tensors", "2", "--numel", "65536"]
-    done = subprocess.run(
-        command + ["--steps", "4", "--rounds", "1", "--warmup", "1"], capture_output=True, text=True, timeout=300
-    )
+def test_step_alone_benchmark_times_every_mode_and_names_the_path(started, request):
+    done, _ = _done(started, request)
     assert done.returncode == 0, done.stderr[-3000:]
     starts = ("| builtin", "| bf16-true", "| remainder")
     rows = [line.split(" | ")[0] for line in done.stdout.splitlines() if line.startswith(starts)]
@@ -260,11 +271,10 @@ def test_step_alone_benchmark_times_every_mode_and_names_the_path():
     assert "first step of the first fit" in done.stdout
 
 
-def test_grad_check_benchmark_times_both_checks_on_every_layout():
+def test_grad_check_benchmark_times_both_checks_on_every_layout(started, request):
     from lightning_mp.kernels import native
 
-    command = [sys.executable, str(ROOT / "benchmarks" / "grad_check.py"), "--rounds", "1", "--shrink", "512"]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    done, _ = _done(started, request)
     if native.cpu_kernel() is None:  # no C compiler: the script says so instead of timing torch's kernel alone
         assert done.returncode != 0 and "not built here" in done.stderr
         return
