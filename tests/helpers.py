@@ -6,6 +6,7 @@ import contextlib
 import gc
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
 from typing import Any, Optional
 
 import lightning as L
@@ -265,3 +266,22 @@ def chosen_tests(request: Any) -> list[Any]:
     """The tests of the module of ``request`` (a module fixture's) that this session runs: all of them, or those a
     node id or ``-k`` picked, so that a fixture starts the subprocesses of those alone."""
     return [item for item in request.session.items if item.module is request.module]
+
+
+@contextlib.contextmanager
+def started_per_test(
+    request: Any, tmp_path_factory: Any, jobs: dict[str, Callable[[Path], Any]]
+) -> Iterator[dict[str, tuple[Future, Path]]]:
+    """For a module fixture: the job of each test of the module this session runs (``jobs``: test name -> a function
+    of a fresh folder that runs its subprocess there), started together (:func:`started_together`); yields
+    ``{test: (its future, its folder)}`` (read with :func:`finished`)."""
+    chosen = [item.originalname for item in chosen_tests(request) if item.originalname in jobs]
+    folders = {name: tmp_path_factory.mktemp("job") for name in chosen}
+    with started_together({name: lambda name=name: jobs[name](folders[name]) for name in chosen}) as futures:
+        yield {name: (futures[name], folders[name]) for name in chosen}
+
+
+def finished(started: dict[str, tuple[Future, Path]], request: Any) -> tuple[Any, Path]:
+    """The calling test's job's result (its error raised here) and its folder."""
+    future, folder = started[request.node.originalname]
+    return future.result(), folder

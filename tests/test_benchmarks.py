@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import chosen_tests, started_together
+from tests.helpers import finished, started_per_test
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -72,23 +72,16 @@ COMMANDS: dict[str, Callable[[Path], list[str]]] = {
 def started(request, tmp_path_factory):
     """The chosen tests' benchmark runs (:data:`COMMANDS`), each in a fresh process as a user runs it, two at a time
     (their output's shape is checked, not their figures): ``{test: (its future, its folder)}``."""
-    chosen = [item.originalname for item in chosen_tests(request) if item.originalname in COMMANDS]
-    folders = {name: tmp_path_factory.mktemp("benchmark") for name in chosen}
 
-    def job(name: str) -> subprocess.CompletedProcess:
-        return subprocess.run(COMMANDS[name](folders[name]), capture_output=True, text=True, timeout=600)
+    def job(name: str) -> Callable[[Path], subprocess.CompletedProcess]:
+        return lambda folder: subprocess.run(COMMANDS[name](folder), capture_output=True, text=True, timeout=600)
 
-    with started_together({name: lambda name=name: job(name) for name in chosen}) as futures:
-        yield {name: (futures[name], folders[name]) for name in chosen}
-
-
-def _done(started, request) -> tuple[subprocess.CompletedProcess, Path]:
-    future, folder = started[request.node.originalname]
-    return future.result(), folder
+    with started_per_test(request, tmp_path_factory, {name: job(name) for name in COMMANDS}) as runs:
+        yield runs
 
 
 def test_memory_benchmark_runs_and_reports_every_mode(started, request):
-    done, tmp_path = _done(started, request)
+    done, tmp_path = finished(started, request)
     assert done.returncode == 0, done.stderr[-3000:]
     rows = json.loads((tmp_path / "rows.json").read_text())
     assert [r["mode"] for r in rows] == ["fp32", "ours+masters", "ours+remainder"]
@@ -103,7 +96,7 @@ def test_memory_benchmark_runs_and_reports_every_mode(started, request):
 
 
 def test_policy_overhead_benchmark_runs(started, request):
-    done, _ = _done(started, request)
+    done, _ = finished(started, request)
     assert done.returncode == 0, done.stderr[-3000:]
     for policy in ("autocast", "passthrough", "conservative"):
         assert f"| {policy} |" in done.stdout
@@ -125,7 +118,7 @@ def _compare(tmp_path, *extra):
 
 
 def test_compare_interleaves_the_modes_step_by_step_and_writes_json_markdown_and_chart(started, request):
-    done, tmp_path = _done(started, request)
+    done, tmp_path = finished(started, request)
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads((tmp_path / "results.json").read_text())
     assert result["reference"] == "builtin-bf16" and set(result["ceilings_flops"]) == {"float32", "bfloat16"}
@@ -202,7 +195,7 @@ def test_compare_names_the_mode_that_failed_with_its_traceback_instead_of_hangin
 
 
 def test_reference_experiment_runs_the_cli_once_per_precision(started, request):
-    done, tmp_path = _done(started, request)
+    done, tmp_path = finished(started, request)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "| 32-true |" in done.stdout and "| bf16-mixed |" in done.stdout
     for precision in ("32-true", "bf16-mixed"):
@@ -210,14 +203,14 @@ def test_reference_experiment_runs_the_cli_once_per_precision(started, request):
 
 
 def test_lean_generic_skip_benchmark_times_host_and_device_skips(started, request):
-    done, _ = _done(started, request)
+    done, _ = finished(started, request)
     assert done.returncode == 0, done.stderr[-3000:]
     for option in ("| host |", "| device |", "| device, skip |"):
         assert option in done.stdout
 
 
 def test_framework_overhead_benchmark_runs_every_mode(started, request):
-    done, _ = _done(started, request)
+    done, _ = finished(started, request)
     assert done.returncode == 0, done.stderr[-3000:]
     rows = [line for line in done.stdout.splitlines() if line.startswith("| builtin") or line.startswith("| ours")]
     assert [row.split(" | ")[0] for row in rows] == ["| builtin-bf16", "| ours-bf16", "| ours-bf16 without check"]
@@ -258,7 +251,7 @@ def test_convergence_benchmark_trains_each_mode_in_both_regimes_and_writes_table
 
 
 def test_step_alone_benchmark_times_every_mode_and_names_the_path(started, request):
-    done, _ = _done(started, request)
+    done, _ = finished(started, request)
     assert done.returncode == 0, done.stderr[-3000:]
     starts = ("| builtin", "| bf16-true", "| remainder")
     rows = [line.split(" | ")[0] for line in done.stdout.splitlines() if line.startswith(starts)]
@@ -274,7 +267,7 @@ def test_step_alone_benchmark_times_every_mode_and_names_the_path(started, reque
 def test_grad_check_benchmark_times_both_checks_on_every_layout(started, request):
     from lightning_mp.kernels import native
 
-    done, _ = _done(started, request)
+    done, _ = finished(started, request)
     if native.cpu_kernel() is None:  # no C compiler: the script says so instead of timing torch's kernel alone
         assert done.returncode != 0 and "not built here" in done.stderr
         return

@@ -22,7 +22,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_mp.cli import main
 from lightning_mp.cli.app import SUBCOMMANDS
 from lightning_mp.samples.resources import SourceUnavailableError
-from tests.helpers import DigitsMLP, chosen_tests, started_together
+from tests.helpers import DigitsMLP, finished, started_per_test
 
 ROOT = Path(__file__).resolve().parent.parent
 DIGITS = str(ROOT / "configs" / "digits.yaml")
@@ -50,21 +50,13 @@ def _run(*command: str, cwd: Path) -> subprocess.CompletedProcess:
 def processes(request, tmp_path_factory):
     """The chosen tests' processes started together (each spends its seconds importing on one core), each in a folder
     of its own: ``{test: (its future, its folder)}``."""
-    chosen = [item.originalname for item in chosen_tests(request) if item.originalname in PROCESSES]
-    folders = {name: tmp_path_factory.mktemp("cwd") for name in chosen}
-    with started_together(
-        {name: lambda name=name: _run(*PROCESSES[name], cwd=folders[name]) for name in chosen}
-    ) as done:
-        yield {name: (done[name], folders[name]) for name in chosen}
-
-
-def _finished(processes, request) -> tuple[subprocess.CompletedProcess, Path]:
-    future, folder = processes[request.node.originalname]
-    return future.result(), folder
+    jobs = {name: lambda folder, name=name: _run(*PROCESSES[name], cwd=folder) for name in PROCESSES}
+    with started_per_test(request, tmp_path_factory, jobs) as runs:
+        yield runs
 
 
 def test_help_introduces_the_cli_as_python_dash_m_and_lists_every_subcommand_the_docs_use(processes, request):
-    done, _ = _finished(processes, request)
+    done, _ = finished(processes, request)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.startswith("usage: python -m lightning_mp ") and "__main__" not in done.stdout
     listed = done.stdout.split("Available subcommands:", 1)[1]
@@ -98,7 +90,7 @@ def test_started_as_the_installed_script_the_usage_says_lightning_mp(monkeypatch
 
 def test_a_missing_extra_is_the_only_line_and_leaves_no_run_folder(processes, request):
     """digits.yaml without scikit-learn (of the samples extra): its one line, before anything else is printed."""
-    done, folder = _finished(processes, request)
+    done, folder = finished(processes, request)
     assert done.returncode == 2, done.stderr[-3000:]
     assert done.stdout == ""
     assert done.stderr.splitlines() == [
