@@ -268,14 +268,22 @@ def chosen_tests(request: Any) -> list[Any]:
     return [item for item in request.session.items if item.module is request.module]
 
 
+def _test_name(item: Any) -> Optional[str]:
+    return item.originalname
+
+
 @contextlib.contextmanager
 def started_per_test(
-    request: Any, tmp_path_factory: Any, jobs: dict[str, Callable[[Path], Any]]
+    request: Any,
+    tmp_path_factory: Any,
+    jobs: dict[str, Callable[[Path], Any]],
+    key: Callable[[Any], Optional[str]] = _test_name,
 ) -> Iterator[dict[str, tuple[Future, Path]]]:
-    """For a module fixture: the job of each test of the module this session runs (``jobs``: test name -> a function
-    of a fresh folder that runs its subprocess there), started together (:func:`started_together`); yields
-    ``{test: (its future, its folder)}`` (read with :func:`finished`)."""
-    chosen = [item.originalname for item in chosen_tests(request) if item.originalname in jobs]
+    """For a module fixture: the job of each test of the module this session runs (``jobs``: a name -> a function of
+    a fresh folder that runs its subprocess there; ``key``: a test item -> the name of its job, by default the test's
+    name, or ``None``), started together (:func:`started_together`); yields ``{name: (its future, its folder)}``
+    (read with :func:`finished` where the names are the tests')."""
+    chosen = list(dict.fromkeys(name for item in chosen_tests(request) if (name := key(item)) in jobs))
     folders = {name: tmp_path_factory.mktemp("job") for name in chosen}
     with started_together({name: lambda name=name: jobs[name](folders[name]) for name in chosen}) as futures:
         yield {name: (futures[name], folders[name]) for name in chosen}

@@ -6,12 +6,13 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any, Optional
 
 import pytest
 import torch
 
 from lightning_mp.cli import cpu_has_native_bf16, main
-from tests.helpers import chosen_tests, started_together
+from tests.helpers import started_per_test
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -66,15 +67,14 @@ def two_process_runs(request, tmp_path_factory):
         "test_cli_trains_digits_on_two_ddp_cpu_processes_with_master_weights": ("digits", "precision"),
         "test_ddp_example_runs_on_two_cpu_processes_as_written": ("example", "strategy"),
     }
-    chosen = [
-        f"{of_test[item.originalname][0]}-{item.callspec.params[of_test[item.originalname][1]]}"
-        for item in chosen_tests(request)
-        if item.originalname in of_test
-    ]
-    roots = {name: tmp_path_factory.mktemp(name) for name in chosen}
-    jobs = {name: lambda name=name: _run(runs[name](roots[name]), roots[name]) for name in chosen}
-    with started_together(jobs) as futures:
-        yield {name: (futures[name], roots[name]) for name in chosen}
+
+    def key(item: Any) -> Optional[str]:
+        kind, param = of_test.get(item.originalname, (None, None))
+        return f"{kind}-{item.callspec.params[param]}" if kind else None
+
+    jobs = {name: lambda folder, name=name: _run(runs[name](folder), folder) for name in runs}
+    with started_per_test(request, tmp_path_factory, jobs, key) as started:
+        yield started
 
 
 @pytest.mark.parametrize("precision", ["16-mixed", "bf16-mixed"])

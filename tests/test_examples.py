@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import chosen_tests, started_together
+from tests.helpers import finished, started_per_test
 
 ROOT = Path(__file__).resolve().parent.parent
 #: test -> the example script and its arguments (``{root}``: a fresh folder for what the example writes)
@@ -35,15 +35,13 @@ def _run(script: str, *args: str) -> subprocess.CompletedProcess:
 @pytest.fixture(scope="module")
 def examples(request, tmp_path_factory):
     """Each chosen test's example started, two at a time: ``{test: (its future, its --root folder)}``."""
-    chosen = [item.originalname for item in chosen_tests(request) if item.originalname in EXAMPLES]
-    roots = {name: tmp_path_factory.mktemp("example") for name in chosen}
-    jobs = {name: lambda name=name: _run(*(arg.format(root=roots[name]) for arg in EXAMPLES[name])) for name in chosen}
-    with started_together(jobs) as futures:
-        yield {name: (futures[name], roots[name]) for name in chosen}
+    jobs = {name: lambda root, name=name: _run(*(arg.format(root=root) for arg in EXAMPLES[name])) for name in EXAMPLES}
+    with started_per_test(request, tmp_path_factory, jobs) as started:
+        yield started
 
 
 def _output(examples, request) -> str:
-    done = examples[request.node.originalname][0].result()
+    done, _ = finished(examples, request)
     assert done.returncode == 0, done.stderr[-3000:]
     return done.stdout
 

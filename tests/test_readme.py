@@ -7,11 +7,12 @@ import shlex
 import subprocess
 import sys
 from pathlib import Path
+from typing import Optional
 
 import pytest
 import torch
 
-from tests.helpers import chosen_tests, started_together
+from tests.helpers import started_per_test
 
 ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text()
@@ -98,6 +99,7 @@ def _readme_command_lines() -> list[str]:
 
 
 #: What makes a README fit short enough for the suite: a few steps, one batch of validation and test.
+COMMANDS = _readme_command_lines()
 SHORT = ["--trainer.max_steps", "3", "--trainer.limit_val_batches", "1", "--trainer.limit_test_batches", "1"]
 
 
@@ -115,18 +117,21 @@ def _run_in_a_fresh_home(command: str, folder: Path) -> subprocess.CompletedProc
     return subprocess.run([sys.executable, *arguments], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
 
 
+def _param(item: pytest.Item, name: str) -> Optional[str]:
+    callspec = getattr(item, "callspec", None)
+    return callspec.params.get(name) if callspec is not None else None
+
+
 @pytest.fixture(scope="module")
 def readme_runs(request, tmp_path_factory):
     """The chosen tests' command lines started, two at a time (each spends much of its time importing on one core),
     each with a folder of its own: ``{command: (its future, its folder)}``."""
-    chosen = [item.callspec.params["command"] for item in chosen_tests(request) if "command" in item.fixturenames]
-    folders = {command: tmp_path_factory.mktemp("readme") for command in chosen}
-    jobs = {command: lambda command=command: _run_in_a_fresh_home(command, folders[command]) for command in chosen}
-    with started_together(jobs) as futures:
-        yield {command: (futures[command], folders[command]) for command in chosen}
+    jobs = {command: lambda folder, command=command: _run_in_a_fresh_home(command, folder) for command in COMMANDS}
+    with started_per_test(request, tmp_path_factory, jobs, key=lambda item: _param(item, "command")) as started:
+        yield started
 
 
-@pytest.mark.parametrize("command", _readme_command_lines())
+@pytest.mark.parametrize("command", COMMANDS)
 def test_each_readme_command_line_runs_as_written_in_a_fresh_home(command, readme_runs):
     """Each README command line, run as :func:`_run_in_a_fresh_home` runs it, finishes its short run (or prints the
     config it was asked for); the GPT one fetches its text into the fresh HOME's cache."""
