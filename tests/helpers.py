@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import io
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -293,3 +294,12 @@ def finished(started: dict[str, tuple[Future, Path]], request: Any) -> tuple[Any
     """The calling test's job's result (its error raised here) and its folder."""
     future, folder = started[request.node.originalname]
     return future.result(), folder
+
+
+def saved_copy(value: Any) -> Any:
+    """A deep copy through a checkpoint's round trip (``torch.save`` and ``torch.load``): what ``deepcopy`` gives for
+    plain tensors, and a copy of torchao's 8-bit state too (which has no ``clone``, so no ``deepcopy``)."""
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=False)

@@ -13,7 +13,6 @@ and state were left as they were when the step began.
 
 from __future__ import annotations
 
-import io
 import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -27,6 +26,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_mp import MixedPrecisionPlugin
 from lightning_mp.master.lean.generic import leaves_of
+from tests.helpers import saved_copy
 
 STEPS = 4
 #: the model's width per optimizer: 64 for torchao's AdamW8bit, whose moments are 8-bit for tensors of 4096 elements
@@ -224,15 +224,6 @@ def _in_place(how: str) -> Callable[..., None]:
                 tensor.copy_(torch.full(tuple(tensor.shape), 0.125))
 
     return change
-
-
-def saved_copy(value: Any) -> Any:
-    """A deep copy through a checkpoint's round trip (``torch.save`` and ``torch.load``): what ``deepcopy`` gives for
-    plain tensors, and a copy of torchao's 8-bit state too (which has no ``clone``, so no ``deepcopy``)."""
-    buffer = io.BytesIO()
-    torch.save(value, buffer)
-    buffer.seek(0)
-    return torch.load(buffer, weights_only=False)
 
 
 def _keep_copy(optimizer: torch.optim.Optimizer, model: EditNet) -> None:

@@ -9,7 +9,6 @@ is torchao's: keyed by the model's parameters, 8-bit for tensors of 4096+ elemen
 
 from __future__ import annotations
 
-import io
 import re
 
 import pytest
@@ -20,7 +19,7 @@ from lightning_mp.kernels import adam8bit
 from lightning_mp.master import RemainderMasters
 from lightning_mp.master.lean.eightbit import Adam8bitStep
 from lightning_mp.master.lean.generic import leaves_of
-from tests.helpers import seeded
+from tests.helpers import saved_copy, seeded
 
 torchao_optim = pytest.importorskip("torchao.optim")
 
@@ -104,20 +103,12 @@ def test_bitwise_torchaos_own_optimizer_on_fp32_and_its_state_both_ways(name):
     # torchao's optimizer on an fp32 copy of the lean weights, from the lean step's state_dict, and back
     theirs = [p.detach().clone().requires_grad_() for p in _fp32(store, model)]
     their_optimizer = make(theirs, **options)
-    their_optimizer.load_state_dict(_copy(optimizer.state_dict()))
+    their_optimizer.load_state_dict(saved_copy(optimizer.state_dict()))
     _step_both(store, model, optimizer, theirs, their_optimizer, generator)
     _same_state([optimizer.state[p] for p in model.parameters()], [their_optimizer.state[p] for p in theirs])
-    optimizer.load_state_dict(_copy(their_optimizer.state_dict()))  # fp32 moments stay fp32 (not bf16)
+    optimizer.load_state_dict(saved_copy(their_optimizer.state_dict()))  # fp32 moments stay fp32 (not bf16)
     assert all(optimizer.state[p]["exp_avg"].dtype == torch.float32 for p in model.parameters())
     _step_both(store, model, optimizer, theirs, their_optimizer, generator)
-
-
-def _copy(value):
-    """A copy through a checkpoint's round trip (torchao's 8-bit state has no clone, so no deepcopy)."""
-    buffer = io.BytesIO()
-    torch.save(value, buffer)
-    buffer.seek(0)
-    return torch.load(buffer, weights_only=False)
 
 
 def _swap_storage(tensor):
@@ -141,7 +132,7 @@ def test_a_found_inf_changes_nothing_and_the_next_step_is_the_same_as_without_it
     _grads(model.parameters(), generator)
     store.fused_step(optimizer, None)
     before = _fp32(store, model)
-    state = _copy([optimizer.state[p] for p in model.parameters()])
+    state = saved_copy([optimizer.state[p] for p in model.parameters()])
     _grads(model.parameters(), generator)
     store.fused_step(optimizer, torch.ones(()))
     for ours, was in zip(_fp32(store, model), before):
@@ -166,15 +157,15 @@ def test_replayed_layouts_follow_every_edit_of_the_state_and_the_groups():
         lambda: optimizer.param_groups[0]["lr"].fill_(3e-3),  # a scheduler's way
         lambda: None,
         lambda: _swap_storage(optimizer.state[params[0]]["exp_avg"].codes),  # an inner tensor's storage swapped
-        lambda: optimizer.state.__setitem__(params[1], _copy(dict(optimizer.state[params[1]]))),  # restored copy
-        lambda: optimizer.load_state_dict(_copy(optimizer.state_dict())),
+        lambda: optimizer.state.__setitem__(params[1], saved_copy(dict(optimizer.state[params[1]]))),  # restored copy
+        lambda: optimizer.load_state_dict(saved_copy(optimizer.state_dict())),
         lambda: optimizer.param_groups[0]["params"].reverse(),  # the group's parameters permuted in place
     ]
     layouts = []
     for edit in edits:
         edit()
         values = _fp32(store, model)
-        states = _copy([optimizer.state[p] for p in params])
+        states = saved_copy([optimizer.state[p] for p in params])
         grads = _grads(params, generator)
         for p, s in zip(params, states):
             if not s:
@@ -364,7 +355,7 @@ def test_inside_backward_a_state_edited_in_the_group_updated_last_is_refused_bef
             loss.backward()
             stepper.finish()
         edit(optimizer.state[model[0].weight])
-        before, states = _fp32(store, model), _copy([optimizer.state[p] for p in model.parameters()])
+        before, states = _fp32(store, model), saved_copy([optimizer.state[p] for p in model.parameters()])
         loss = model(torch.randn(4, 64).to(torch.bfloat16)).float().pow(2).mean()
         with pytest.raises((KeyError, ValueError)) as raised:
             stepper.begin(loss)

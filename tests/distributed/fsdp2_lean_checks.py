@@ -32,7 +32,7 @@ from lightning_mp import MixedPrecisionPlugin
 from lightning_mp.master.lean.chunked import local_of
 from tests.distributed.common import GLOBAL_BATCH, Net, _full, finish, fit, loader, save, shard_net
 from tests.distributed.fsdp2_checks import POLICY, shard_net_whole, shard_with_fp32_head
-from tests.optimizer_edits import saved_copy
+from tests.helpers import saved_copy
 
 
 def strategy(**kwargs: Any) -> ModelParallelStrategy:
